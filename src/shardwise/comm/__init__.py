@@ -1,0 +1,17 @@
+"""How ranks talk: the Communicator protocol and its backends. The only package that calls torch.distributed."""
+
+from .base import CommError, CommStats, Communicator, CompletedWork, OpCount, ReduceOp, Work, wire_bytes
+from .thread_backend import ThreadCommunicator, ThreadWorld
+
+__all__ = [
+    "CommError",
+    "CommStats",
+    "Communicator",
+    "CompletedWork",
+    "OpCount",
+    "ReduceOp",
+    "ThreadCommunicator",
+    "ThreadWorld",
+    "Work",
+    "wire_bytes",
+]

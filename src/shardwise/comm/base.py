@@ -1,0 +1,292 @@
+"""The Communicator protocol every backend implements, and what it shares: ReduceOp, Work, CommStats, CommError.
+
+A Communicator is one rank's handle on a group of ranks. Strategies receive it as an argument (no global process
+group anywhere in the library), so the same strategy code runs on threads in a test, on gloo processes on one
+machine, and on NCCL or MPI on a cluster.
+
+Semantics shared by every backend
+---------------------------------
+* Collectives are called by every rank of the group in the same order (as with MPI and torch.distributed).
+* `all_reduce(t)` reduces in place. `all_gather(out, inp)` writes rank r's `inp` into
+  `out[r * inp.numel():(r + 1) * inp.numel()]` (one flat output). `reduce_scatter(out, inp)` reduces the flat `inp`
+  of `size * out.numel()` elements and leaves chunk `rank` in `out`.
+* `async_op=True` returns a `Work`; the tensors must not be read or written until `Work.wait()` returns.
+  Without it the call blocks and returns None.
+* Every wait honours the communicator's timeout (seconds) and raises `CommError` naming the operation, this rank
+  and the ranks it waited for, so a dead or stuck peer is an error, never a silent hang.
+* `CommStats` counts every operation's calls and payload bytes when it is issued, and the per-rank bytes a
+  ring algorithm would put on the wire (see `wire_bytes`), so tests can assert a strategy's traffic against the
+  textbook formula.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import enum
+from collections.abc import Iterator, Sequence
+
+import torch
+
+__all__ = ["ReduceOp", "CommError", "Work", "CompletedWork", "OpCount", "CommStats", "Communicator", "wire_bytes"]
+
+
+class ReduceOp(enum.Enum):
+    """How `all_reduce` and `reduce_scatter` combine the ranks' tensors. AVG is SUM divided by the group size."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+
+
+class CommError(RuntimeError):
+    """A communication operation failed or timed out: a peer died, hangs, or called a different operation.
+
+    The message names the operation, this rank and the peer ranks involved. `op`, `rank` and `peers` carry the
+    same facts as attributes for programs that handle the error.
+    """
+
+    def __init__(self, message: str, *, op: str = "", rank: int | None = None, peers: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.op = op
+        self.rank = rank
+        self.peers = tuple(peers)
+
+
+class Work(abc.ABC):
+    """Handle of an asynchronous operation. `wait()` blocks until it finished (or raises CommError on timeout)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the operation finished; `timeout` (seconds) overrides the communicator's."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """True once the result is in place (never blocks)."""
+
+
+class CompletedWork(Work):
+    """A Work that is already done: what a group of one or a buffered send returns."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def wire_bytes(op: str, payload_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends over the wire for `op` with the ring algorithm (the textbook cost model).
+
+    * all_reduce: reduce-scatter then all-gather around the ring, 2(N-1)/N x payload.
+    * all_gather / reduce_scatter: (N-1)/N x the full (gathered / unreduced) size, which is the payload we count.
+    * broadcast: a pipelined chain forwards the payload once per rank, (N-1)/N x payload averaged over ranks.
+    * send / recv: the payload itself, counted on the sending side only (recv counts 0 to avoid double counting).
+    A group of one sends nothing.
+    """
+    n = group_size
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload_bytes // n
+    if op in ("all_gather", "reduce_scatter", "broadcast"):
+        return (n - 1) * payload_bytes // n
+    if op == "send":
+        return payload_bytes
+    return 0
+
+
+@dataclasses.dataclass
+class OpCount:
+    """Totals for one kind of operation: number of calls, payload bytes, and per-rank ring wire bytes."""
+
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: int = 0
+
+
+class CommStats:
+    """Counts calls and bytes of every operation one Communicator issued.
+
+    Payload bytes are the tensor bytes of the operation: the tensor for all_reduce and broadcast, the full gathered
+    output for all_gather, the full input for reduce_scatter, the message for send/recv. `wire_bytes` is the
+    per-rank ring cost (see `wire_bytes()`). Use `measure()` to count one training step:
+
+        with comm.stats.measure() as step:
+            loss.backward()
+        step.wire_bytes("all_reduce")
+    """
+
+    def __init__(self) -> None:
+        self.ops: dict[str, OpCount] = {}
+
+    def record(self, op: str, payload_bytes: int, group_size: int) -> None:
+        count = self.ops.setdefault(op, OpCount())
+        count.calls += 1
+        count.bytes += payload_bytes
+        count.wire_bytes += wire_bytes(op, payload_bytes, group_size)
+
+    def calls(self, op: str | None = None) -> int:
+        return sum(c.calls for name, c in self.ops.items() if op is None or name == op)
+
+    def bytes(self, op: str | None = None) -> int:
+        """Payload bytes of `op` (or of every operation when op is None)."""
+        return sum(c.bytes for name, c in self.ops.items() if op is None or name == op)
+
+    def wire_bytes(self, op: str | None = None) -> int:
+        """Per-rank ring wire bytes of `op` (or of every operation when op is None)."""
+        return sum(c.wire_bytes for name, c in self.ops.items() if op is None or name == op)
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    def snapshot(self) -> CommStats:
+        copy = CommStats()
+        copy.ops = {name: dataclasses.replace(c) for name, c in self.ops.items()}
+        return copy
+
+    def since(self, earlier: CommStats) -> CommStats:
+        """The operations counted after `earlier` (a snapshot) was taken."""
+        delta = CommStats()
+        for name, c in self.ops.items():
+            before = earlier.ops.get(name, OpCount())
+            d = OpCount(c.calls - before.calls, c.bytes - before.bytes, c.wire_bytes - before.wire_bytes)
+            if d.calls:
+                delta.ops[name] = d
+        return delta
+
+    def merge(self, other: CommStats) -> CommStats:
+        """A new CommStats holding both counts (e.g. a mesh's dp and tp traffic together)."""
+        total = self.snapshot()
+        for name, c in other.ops.items():
+            t = total.ops.setdefault(name, OpCount())
+            t.calls += c.calls
+            t.bytes += c.bytes
+            t.wire_bytes += c.wire_bytes
+        return total
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[CommStats]:
+        """Context manager yielding a CommStats that, on exit, holds only what was issued inside the block."""
+        start = self.snapshot()
+        result = CommStats()
+        try:
+            yield result
+        finally:
+            result.ops = self.since(start).ops
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {name: dataclasses.asdict(c) for name, c in sorted(self.ops.items())}
+
+    def __repr__(self) -> str:
+        return f"CommStats({self.as_dict()})"
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def check_reduce_op(name: str, op: ReduceOp, tensor: torch.Tensor) -> ReduceOp:
+    if not isinstance(op, ReduceOp):
+        raise ValueError(f"{name}: op={op!r} is not a ReduceOp; allowed {[o.name for o in ReduceOp]}")
+    if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"{name}: op=AVG needs a floating-point tensor, got {tensor.dtype}; use SUM")
+    return op
+
+
+def check_contiguous(name: str, what: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: {what} must be contiguous (it is written in place as one flat buffer)")
+
+
+def check_color(color: int | None, key: int | None) -> None:
+    if color is not None and (not isinstance(color, int) or color < 0):
+        raise ValueError(f"split: color={color!r} must be a non-negative int or None")
+    if key is not None and not isinstance(key, int):
+        raise ValueError(f"split: key={key!r} must be an int or None")
+
+
+class Communicator(abc.ABC):
+    """One rank's handle on a group of ranks. See the module docstring for the semantics every backend keeps.
+
+    Attributes: `rank` (0..size-1 within this group), `size`, `timeout` (seconds), `stats` (CommStats),
+    `backend` (a short name), `global_ranks` (this group's members as ranks of the world communicator).
+    """
+
+    rank: int
+    size: int
+    timeout: float
+    stats: CommStats
+    backend: str
+    global_ranks: tuple[int, ...]
+
+    # ---- collectives -------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work | None:
+        """Reduce `tensor` across the group in place."""
+
+    @abc.abstractmethod
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work | None:
+        """Concatenate every rank's `input` (flattened, same numel on all ranks) into the flat `output`."""
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Work | None:
+        """Reduce the flat `input` (size x output.numel() elements) across ranks; keep chunk `rank` in `output`."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
+        """Copy rank `src`'s `tensor` into every rank's `tensor` (src is a rank of this group)."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Block until every rank of the group reached the barrier."""
+
+    # ---- point to point ----------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        """Start sending `tensor` to rank `dst` of this group; do not modify it until the Work completes."""
+
+    @abc.abstractmethod
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        """Start receiving into `tensor` from rank `src` of this group (shape and dtype must match the send)."""
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.irecv(tensor, src, tag).wait()
+
+    # ---- groups ------------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        """Collective: partition the group by `color` (MPI_Comm_split semantics).
+
+        Ranks passing the same color form a new communicator, ordered by `key` (default: their rank here); a rank
+        passing None joins no group and gets None. Every rank of this group must call split, in the same order as
+        its other collectives.
+        """
+
+    def close(self) -> None:
+        """Release backend resources (a no-op for most backends)."""
+
+    # ---- shared helpers ----------------------------------------------------------------------------------------
+    def _check_peer(self, op: str, peer: int, what: str) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise ValueError(f"{op}: {what}={peer!r} is not a rank of this group; allowed 0..{self.size - 1}")
+
+    def _check_gather_shapes(self, op: str, full: torch.Tensor, chunk: torch.Tensor) -> None:
+        if full.numel() != chunk.numel() * self.size:
+            name = "output" if op == "all_gather" else "input"
+            raise ValueError(
+                f"{op}: {name} has {full.numel()} elements but must have size x chunk = "
+                f"{self.size} x {chunk.numel()} = {chunk.numel() * self.size}"
+            )
+        if full.dtype != chunk.dtype:
+            raise ValueError(f"{op}: dtypes differ ({full.dtype} vs {chunk.dtype}); they must match")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size}, backend={self.backend!r})"

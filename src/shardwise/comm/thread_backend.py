@@ -1,0 +1,387 @@
+"""N ranks as threads of one process: the backend of fast tests and of simulating large worlds.
+
+Mechanism. Every group (the world, and each group made by `split`) keeps one *slot* per collective call, indexed by
+the call's position in that group's order (each rank counts its own calls, exactly as MPI and NCCL match
+collectives by order). A rank deposits its tensors in the slot and gets a Work. The last rank to arrive computes the
+result for everybody, always combining contributions in rank order so results are deterministic whatever the
+thread timing, writes each rank's output tensor, and wakes the waiters. An asynchronous call therefore really
+overlaps: a rank may compute while its slot waits for the others. Point-to-point messages go through per
+(group, src, dst, tag) mailboxes; a send copies the tensor and returns at once (a buffered send).
+
+Failure handling. Every wait has a deadline (the communicator's timeout); on expiry it raises CommError naming the
+operation, this rank and the ranks that never arrived. Ranks that call different collectives at the same position
+(a bug that deadlocks real backends) all get a CommError naming both calls. `ThreadWorld.abort()` wakes every
+waiter with a CommError, which is how `launch` stops the other ranks when one fails.
+
+No torch.distributed here: the backend works in any PyTorch build.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .base import (
+    Communicator,
+    CommError,
+    CommStats,
+    CompletedWork,
+    ReduceOp,
+    Work,
+    check_color,
+    check_contiguous,
+    check_reduce_op,
+    tensor_bytes,
+)
+
+__all__ = ["ThreadWorld", "ThreadCommunicator"]
+
+
+class _Group:
+    """Shared state of one group of thread ranks: its members (world ranks) and its open collective slots."""
+
+    def __init__(self, world: ThreadWorld, group_id: int, members: tuple[int, ...]) -> None:
+        self.world = world
+        self.id = group_id
+        self.members = members
+        self.slots: dict[int, _Slot] = {}
+
+
+class _Slot:
+    """One collective call of one group: what each rank brought, and the outcome."""
+
+    def __init__(self, op: str, size: int) -> None:
+        self.op = op
+        self.size = size
+        self.signatures: dict[int, str] = {}
+        self.args: dict[int, Any] = {}
+        self.results: dict[int, Any] = {}
+        self.done = False
+        self.error: str | None = None
+
+
+class ThreadWorld:
+    """The shared state of `size` thread ranks. `communicators()` returns one world Communicator per rank."""
+
+    def __init__(self, size: int, timeout: float = 60.0) -> None:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"ThreadWorld: size={size!r} must be a positive int")
+        if not timeout > 0:
+            raise ValueError(f"ThreadWorld: timeout={timeout!r} must be a positive number of seconds")
+        self.size = size
+        self.timeout = float(timeout)
+        self.cond = threading.Condition()
+        self.abort_reason: str | None = None
+        self.mailboxes: dict[tuple[int, int, int, int], collections.deque[torch.Tensor]] = {}
+        self._group_ids = itertools.count()
+        self.world_group = self.new_group(tuple(range(size)))
+
+    def new_group(self, members: tuple[int, ...]) -> _Group:
+        return _Group(self, next(self._group_ids), members)
+
+    def communicators(self) -> list[ThreadCommunicator]:
+        return [ThreadCommunicator(self.world_group, r) for r in range(self.size)]
+
+    def abort(self, reason: str) -> None:
+        """Make every current and future wait of this world raise CommError carrying `reason`."""
+        with self.cond:
+            if self.abort_reason is None:
+                self.abort_reason = reason
+            self.cond.notify_all()
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float, describe: Callable[[], CommError]) -> None:
+        """Wait (holding no lock on return) until ready() is true; raise describe() on timeout or abort."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not ready():
+                if self.abort_reason is not None:
+                    err = describe()
+                    raise CommError(f"{err} (aborted: {self.abort_reason})", op=err.op, rank=err.rank, peers=err.peers)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise describe()
+                self.cond.wait(remaining)
+
+
+def _combine(tensors: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """Reduce in rank order (deterministic), in the tensors' own dtype, as a ring would."""
+    acc = tensors[0].detach().clone()
+    for t in tensors[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            acc.add_(t)
+        elif op is ReduceOp.MAX:
+            torch.maximum(acc, t, out=acc)
+        else:
+            torch.minimum(acc, t, out=acc)
+    if op is ReduceOp.AVG:
+        acc.div_(len(tensors))
+    return acc
+
+
+class _SlotWork(Work):
+    def __init__(self, comm: ThreadCommunicator, slot: _Slot, describe: str) -> None:
+        self.comm = comm
+        self.slot = slot
+        self.describe = describe
+
+    def is_completed(self) -> bool:
+        return self.slot.done or self.slot.error is not None
+
+    def wait(self, timeout: float | None = None) -> None:
+        comm, slot = self.comm, self.slot
+        limit = comm.timeout if timeout is None else timeout
+
+        def timed_out() -> CommError:
+            missing = [comm.global_ranks[r] for r in range(slot.size) if r not in slot.args]
+            if missing:
+                why = f"waiting for rank(s) {missing}, which never called it"
+            else:
+                why = "every rank arrived but the result was not completed"
+            return CommError(
+                f"{self.describe} timed out after {limit:g}s on rank {comm.global_rank}{comm._group_label()}: {why}",
+                op=slot.op,
+                rank=comm.global_rank,
+                peers=missing,
+            )
+
+        comm.world.wait_until(lambda: slot.done or slot.error is not None, limit, timed_out)
+        if slot.error is not None:
+            raise CommError(f"{slot.error} (seen on rank {comm.global_rank})", op=slot.op, rank=comm.global_rank)
+
+    def result(self) -> Any:
+        self.wait()
+        return self.slot.results.get(self.comm.rank)
+
+
+class _RecvWork(Work):
+    def __init__(self, comm: ThreadCommunicator, tensor: torch.Tensor, src: int, tag: int) -> None:
+        self.comm = comm
+        self.tensor = tensor
+        self.src = src
+        self.key = (comm.group.id, src, comm.rank, tag)
+        self.tag = tag
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.done:
+            return
+        comm = self.comm
+        limit = comm.timeout if timeout is None else timeout
+        box = comm.world.mailboxes
+
+        def timed_out() -> CommError:
+            src = comm.global_ranks[self.src]
+            return CommError(
+                f"recv(src={self.src}, tag={self.tag}) timed out after {limit:g}s on rank {comm.global_rank}"
+                f"{comm._group_label()}: rank {src} never sent a matching message",
+                op="recv",
+                rank=comm.global_rank,
+                peers=[src],
+            )
+
+        comm.world.wait_until(lambda: bool(box.get(self.key)), limit, timed_out)
+        with comm.world.cond:
+            message = box[self.key].popleft()
+        if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:
+            raise CommError(
+                f"recv(src={self.src}, tag={self.tag}) on rank {comm.global_rank}: the message is "
+                f"{tuple(message.shape)} {message.dtype} but the receive buffer is "
+                f"{tuple(self.tensor.shape)} {self.tensor.dtype}",
+                op="recv",
+                rank=comm.global_rank,
+                peers=[comm.global_ranks[self.src]],
+            )
+        with torch.no_grad():
+            self.tensor.copy_(message)
+        self.done = True
+
+
+class ThreadCommunicator(Communicator):
+    """One thread rank's Communicator over a group of a ThreadWorld (see the module docstring)."""
+
+    backend = "thread"
+
+    def __init__(self, group: _Group, rank: int) -> None:
+        self.world = group.world
+        self.group = group
+        self.rank = rank
+        self.size = len(group.members)
+        self.global_ranks = group.members
+        self.global_rank = group.members[rank]
+        self.timeout = group.world.timeout
+        self.stats = CommStats()
+        self._next_seq = 0
+
+    def _group_label(self) -> str:
+        if self.size == self.world.size:
+            return ""
+        return f" (group of world ranks {list(self.global_ranks)})"
+
+    # ---- the rendezvous ---------------------------------------------------------------------------------------
+    def _collective(
+        self, op: str, signature: str, arg: Any, finish: Callable[[dict[int, Any]], dict[int, Any] | None]
+    ) -> _SlotWork:
+        """Deposit `arg` in this call's slot; the last rank to arrive runs `finish(args_by_rank)` for everybody."""
+        seq = self._next_seq
+        self._next_seq += 1
+        group, world = self.group, self.world
+        with world.cond:
+            slot = group.slots.get(seq)
+            if slot is None:
+                slot = group.slots[seq] = _Slot(op, self.size)
+            slot.signatures[self.rank] = signature
+            slot.args[self.rank] = arg
+            first = slot.signatures[min(slot.signatures)]
+            if signature != first and slot.error is None:
+                ranks = {self.global_ranks[r]: s for r, s in sorted(slot.signatures.items())}
+                slot.error = f"mismatched collectives at call #{seq}{self._group_label()}: {ranks}"
+                world.cond.notify_all()
+            complete = len(slot.args) == self.size and slot.error is None
+            if complete:
+                del group.slots[seq]
+        if complete:
+            try:
+                results = finish(slot.args)
+            except Exception as exc:  # a bad argument seen only when combining: report it to every rank
+                with world.cond:
+                    slot.error = f"{op} failed while combining: {exc!r}"
+                    world.cond.notify_all()
+            else:
+                with world.cond:
+                    slot.results = results or {}
+                    slot.args = {}
+                    slot.done = True
+                    world.cond.notify_all()
+        return _SlotWork(self, slot, f"{op}{signature}")
+
+    @staticmethod
+    def _finish_or_wait(work: _SlotWork, async_op: bool) -> Work | None:
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # ---- collectives ------------------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work | None:
+        op = check_reduce_op("all_reduce", op, tensor)
+        self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
+        if self.size == 1:
+            return CompletedWork() if async_op else None
+
+        def finish(args: dict[int, torch.Tensor]) -> None:
+            result = _combine([args[r] for r in range(self.size)], op)
+            with torch.no_grad():
+                for t in args.values():
+                    t.copy_(result)
+
+        sig = f"(op={op.name}, numel={tensor.numel()}, dtype={tensor.dtype})"
+        return self._finish_or_wait(self._collective("all_reduce", sig, tensor, finish), async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work | None:
+        self._check_gather_shapes("all_gather", output, input)
+        check_contiguous("all_gather", "output", output)
+        self.stats.record("all_gather", tensor_bytes(output), self.size)
+        if self.size == 1:
+            with torch.no_grad():
+                output.view(-1).copy_(input.reshape(-1))
+            return CompletedWork() if async_op else None
+        k = input.numel()
+
+        def finish(args: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+            pieces = [args[r][1].reshape(-1) for r in range(self.size)]
+            with torch.no_grad():
+                for out, _ in args.values():
+                    flat = out.view(-1)
+                    for r, piece in enumerate(pieces):
+                        flat[r * k : (r + 1) * k].copy_(piece)
+
+        sig = f"(numel={k}, dtype={input.dtype})"
+        return self._finish_or_wait(self._collective("all_gather", sig, (output, input), finish), async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Work | None:
+        self._check_gather_shapes("reduce_scatter", input, output)
+        op = check_reduce_op("reduce_scatter", op, input)
+        self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
+        if self.size == 1:
+            with torch.no_grad():
+                output.view(-1).copy_(input.reshape(-1))
+            return CompletedWork() if async_op else None
+        k = output.numel()
+
+        def finish(args: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+            full = _combine([args[r][1].reshape(-1) for r in range(self.size)], op)
+            with torch.no_grad():
+                for r, (out, _) in args.items():
+                    out.view(-1).copy_(full[r * k : (r + 1) * k])
+
+        sig = f"(op={op.name}, numel={k}, dtype={input.dtype})"
+        return self._finish_or_wait(self._collective("reduce_scatter", sig, (output, input), finish), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
+        self._check_peer("broadcast", src, "src")
+        self.stats.record("broadcast", tensor_bytes(tensor), self.size)
+        if self.size == 1:
+            return CompletedWork() if async_op else None
+
+        def finish(args: dict[int, torch.Tensor]) -> None:
+            value = args[src].detach().clone()
+            with torch.no_grad():
+                for r, t in args.items():
+                    if r != src:
+                        t.copy_(value)
+
+        sig = f"(src={src}, numel={tensor.numel()}, dtype={tensor.dtype})"
+        return self._finish_or_wait(self._collective("broadcast", sig, tensor, finish), async_op)
+
+    def barrier(self) -> None:
+        self.stats.record("barrier", 0, self.size)
+        if self.size > 1:
+            self._collective("barrier", "()", None, lambda args: None).wait()
+
+    # ---- point to point ---------------------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self._check_peer("send", dst, "dst")
+        self.stats.record("send", tensor_bytes(tensor), self.size)
+        key = (self.group.id, self.rank, dst, tag)
+        with self.world.cond:
+            self.world.mailboxes.setdefault(key, collections.deque()).append(tensor.detach().clone())
+            self.world.cond.notify_all()
+        return CompletedWork()
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        self._check_peer("recv", src, "src")
+        self.stats.record("recv", tensor_bytes(tensor), self.size)
+        return _RecvWork(self, tensor, src, tag)
+
+    # ---- groups -----------------------------------------------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None) -> ThreadCommunicator | None:
+        check_color(color, key)
+        my_key = self.rank if key is None else key
+
+        def finish(args: dict[int, tuple[int | None, int]]) -> dict[int, Any]:
+            results: dict[int, Any] = {r: None for r in args}
+            colors = sorted({c for c, _ in args.values() if c is not None})
+            for c in colors:
+                ranks = sorted((r for r, (rc, _) in args.items() if rc == c), key=lambda r: (args[r][1], r))
+                group = self.world.new_group(tuple(self.global_ranks[r] for r in ranks))
+                for new_rank, r in enumerate(ranks):
+                    results[r] = ThreadCommunicator(group, new_rank)
+            return results
+
+        if self.size == 1:
+            if color is None:
+                return None
+            return ThreadCommunicator(self.world.new_group(self.global_ranks), 0)
+        work = self._collective("split", "()", (color, my_key), finish)
+        return work.result()

@@ -1,0 +1,216 @@
+"""Communicator over a torch.distributed process group: gloo on CPU, NCCL on GPU (and ucc/mpi where built in).
+
+This file and `runtime.py` are the only places that call torch.distributed. Each operation is issued with
+`async_op=True` and, for a blocking call, waited on at once: one code path, and every wait gets the same timeout
+handling, turning torch's assorted timeout and connection errors into a CommError that names the operation, this
+rank and the group's ranks.
+
+gloo has no AVG reduction: AVG is issued as SUM and divided by the group size when the Work completes.
+Sub-groups come from `split`, which gathers every rank's (color, key) and creates only this rank's group with
+`new_group(use_local_synchronization=True)`, so a sub-communicator can itself be split without the rest of the
+world taking part. Groups are cached by member list, so splitting the same way twice reuses the process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .base import (
+    Communicator,
+    CommError,
+    CommStats,
+    CompletedWork,
+    ReduceOp,
+    Work,
+    check_color,
+    check_contiguous,
+    check_reduce_op,
+    tensor_bytes,
+)
+from .thread_backend import ThreadCommunicator, ThreadWorld
+
+__all__ = ["TorchCommunicator"]
+
+# torch 2.13 renamed the flat-tensor collectives; keep working back to torch 2.4.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_NATIVE_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
+
+
+class _TorchWork(Work):
+    """Wraps a torch.distributed Work: waits with a deadline, rewraps errors, then runs a finishing step."""
+
+    def __init__(self, comm: TorchCommunicator, work: dist.Work, what: str, then: Callable[[], None] | None) -> None:
+        self.comm = comm
+        self.work = work
+        self.what = what
+        self.then = then
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or self.work.is_completed()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.done:
+            return
+        limit = self.comm.timeout if timeout is None else timeout
+        try:
+            ok = self.work.wait(datetime.timedelta(seconds=limit))
+        except Exception as exc:  # torch raises RuntimeError / DistBackendError subclasses with backend text
+            raise self.comm._error(self.what, limit, exc) from exc
+        if ok is False:
+            raise self.comm._error(self.what, limit, None)
+        if self.then is not None:
+            self.then()
+        self.done = True
+
+
+class TorchCommunicator(Communicator):
+    """A Communicator over a torch.distributed process group (`group=None` is the default world group).
+
+    Build the world one with `shardwise.init()` or `shardwise.launch(..., backend="gloo")`; sub-communicators
+    come from `split`. Ranks given to operations (src, dst) are ranks of this group, as with every Communicator.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 60.0, _cache: dict | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("TorchCommunicator needs torch.distributed initialised; use shardwise.init()")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.global_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(self.size))
+        self.global_rank = dist.get_rank()
+        self.backend = str(dist.get_backend(group))
+        self.timeout = float(timeout)
+        self.stats = CommStats()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self._cache: dict[tuple[int, ...], dist.ProcessGroup] = {} if _cache is None else _cache
+
+    # ---- plumbing ---------------------------------------------------------------------------------------------
+    def _error(self, what: str, limit: float, exc: BaseException | None) -> CommError:
+        peers = [r for r in self.global_ranks if r != self.global_rank]
+        cause = f": {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" if exc else ""
+        return CommError(
+            f"{what} failed or timed out (limit {limit:g}s) on rank {self.global_rank}, "
+            f"waiting for rank(s) {peers} of group {list(self.global_ranks)}{cause}",
+            op=what.split("(")[0],
+            rank=self.global_rank,
+            peers=peers,
+        )
+
+    def _issue(self, what: str, start: Callable[[], dist.Work], then: Callable[[], None] | None, async_op: bool):
+        try:
+            work = start()
+        except Exception as exc:
+            raise self._error(what, self.timeout, exc) from exc
+        handle = _TorchWork(self, work, what, then)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def _native(self, op: ReduceOp, tensor: torch.Tensor, name: str) -> tuple[dist.ReduceOp, Callable[[], None] | None]:
+        """The torch op to issue, and the finishing step (AVG as SUM then divide on backends without AVG)."""
+        op = check_reduce_op(name, op, tensor)
+        if op is not ReduceOp.AVG:
+            return _NATIVE_OPS[op], None
+        if self.backend == "nccl":
+            return dist.ReduceOp.AVG, None
+        n = self.size
+        return dist.ReduceOp.SUM, lambda: tensor.div_(n)
+
+    # ---- collectives ------------------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work | None:
+        native, then = self._native(op, tensor, "all_reduce")
+        self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
+        what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
+        return self._issue(what, lambda: dist.all_reduce(tensor, native, group=self.group, async_op=True), then, async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work | None:
+        self._check_gather_shapes("all_gather", output, input)
+        check_contiguous("all_gather", "output", output)
+        self.stats.record("all_gather", tensor_bytes(output), self.size)
+        flat_in = input.reshape(-1)
+        what = f"all_gather(numel={input.numel()})"
+        start = lambda: _all_gather_flat(output.view(-1), flat_in, group=self.group, async_op=True)  # noqa: E731
+        return self._issue(what, start, None, async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Work | None:
+        self._check_gather_shapes("reduce_scatter", input, output)
+        check_contiguous("reduce_scatter", "output", output)
+        native, then = self._native(op, output, "reduce_scatter")
+        self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
+        flat_in = input.reshape(-1)
+        what = f"reduce_scatter(op={op.name}, numel={output.numel()})"
+        start = lambda: _reduce_scatter_flat(output.view(-1), flat_in, native, group=self.group, async_op=True)  # noqa: E731
+        return self._issue(what, start, then, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
+        self._check_peer("broadcast", src, "src")
+        self.stats.record("broadcast", tensor_bytes(tensor), self.size)
+        root = self.global_ranks[src]
+        what = f"broadcast(src={src}, numel={tensor.numel()})"
+        return self._issue(what, lambda: dist.broadcast(tensor, root, group=self.group, async_op=True), None, async_op)
+
+    def barrier(self) -> None:
+        self.stats.record("barrier", 0, self.size)
+        # A one-element all-reduce is a true barrier on every backend (gloo's barrier is one too, but this keeps the
+        # timeout handling identical to the other collectives).
+        flag = torch.zeros(1, device=self.device)
+        self._issue("barrier()", lambda: dist.all_reduce(flag, group=self.group, async_op=True), None, False)
+
+    # ---- point to point ---------------------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self._check_peer("send", dst, "dst")
+        self.stats.record("send", tensor_bytes(tensor), self.size)
+        peer = self.global_ranks[dst]
+        return self._issue(f"send(dst={dst}, tag={tag})", lambda: dist.isend(tensor, peer, self.group, tag), None, True)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        self._check_peer("recv", src, "src")
+        self.stats.record("recv", tensor_bytes(tensor), self.size)
+        peer = self.global_ranks[src]
+        return self._issue(f"recv(src={src}, tag={tag})", lambda: dist.irecv(tensor, peer, self.group, tag), None, True)
+
+    # ---- groups -----------------------------------------------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        check_color(color, key)
+        mine = torch.tensor([-1 if color is None else color, self.rank if key is None else key], dtype=torch.int64)
+        everyone = torch.empty(2 * self.size, dtype=torch.int64)
+        if self.device.type == "cpu":
+            self.all_gather(everyone, mine)
+        else:  # NCCL gathers on the GPU
+            gathered = torch.empty(2 * self.size, dtype=torch.int64, device=self.device)
+            self.all_gather(gathered, mine.to(self.device))
+            everyone = gathered.cpu()
+        pairs = everyone.view(self.size, 2).tolist()
+        if color is None:
+            return None
+        members = sorted((r for r in range(self.size) if pairs[r][0] == color), key=lambda r: (pairs[r][1], r))
+        global_members = tuple(self.global_ranks[r] for r in members)
+        if len(global_members) == 1:
+            # A group of one needs no process group (and new_group would be wasted work on every backend).
+            single = ThreadCommunicator(ThreadWorld(1, self.timeout).new_group(global_members), 0)
+            single.global_rank = self.global_rank
+            return single
+        if global_members == self.global_ranks and self.group is not None:
+            pg = self.group
+        elif global_members == tuple(range(dist.get_world_size())):
+            pg = None
+        else:
+            pg = self._cache.get(global_members)
+            if pg is None:
+                pg = dist.new_group(
+                    list(global_members),
+                    timeout=datetime.timedelta(seconds=self.timeout),
+                    use_local_synchronization=True,
+                )
+                self._cache[global_members] = pg
+        return TorchCommunicator(pg, timeout=self.timeout, _cache=self._cache)

@@ -1,0 +1,302 @@
+"""Data parallel training: every rank holds the whole model, gradients are averaged with bucketed all-reduces
+that overlap the backward pass (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
+Training", VLDB 2020).
+
+Mechanism
+---------
+* At wrap time rank 0's parameters and buffers are broadcast, so every replica starts equal.
+* Trainable parameters are packed, in *reverse* registration order (roughly the order backward produces their
+  gradients), into flat buckets of `bucket_mb` (the first one `first_bucket_mb`, small, so communication starts as
+  early as possible). Each parameter's `.grad` becomes a view into its bucket, so no copy is needed on later steps.
+* A post-accumulate-grad hook per parameter marks it ready. When the last parameter of a bucket is ready, and all
+  earlier buckets have been launched, the bucket's all-reduce (AVG) is launched asynchronously, so it runs while
+  autograd computes the gradients of earlier layers. Buckets are always launched in index order, which keeps the
+  collective order identical on every rank even when hooks fire in a different order.
+* A callback queued on the autograd engine runs when backward ends: it launches what is left, waits for every
+  bucket, and only then does `loss.backward()` return, with every `.grad` holding the global average.
+* `no_sync()` skips communication: gradients accumulate locally and are averaged on the first backward outside it.
+* Unused parameters: by default a trainable parameter that got no gradient is an error naming it (it would leave
+  its bucket waiting forever on the other ranks). With `find_unused_parameters=True` each forward walks the autograd
+  graph to find the parameters it cannot reach and marks them ready at the start of backward (contributing zeros,
+  or what they accumulated under no_sync); a small all-reduce of a used-flag per parameter then tells which are
+  unused on every rank, and those keep `.grad` as it was (None), exactly as in single-process training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm.base import Communicator, ReduceOp, Work
+from .runtime import get_logger
+
+__all__ = ["DDP", "DDPModule"]
+
+log = get_logger("shardwise.ddp")
+MB = 1024 * 1024
+
+
+class _Bucket:
+    """A flat gradient buffer shared by a run of parameters of one dtype and device."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+        self.index = index
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.pending = len(params)
+        self.work: Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class _Reducer:
+    """Per-model DDP state: buckets, hooks, and the bookkeeping of the backward pass in flight."""
+
+    def __init__(self, module: nn.Module, comm: Communicator, bucket_mb: float, first_bucket_mb: float,
+                 find_unused_parameters: bool, broadcast_buffers: bool) -> None:
+        self.comm = comm
+        self.find_unused = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.require_sync = True
+        self.names = {p: n for n, p in module.named_parameters()}
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buffers = list(module.buffers())
+        self.buckets = self._make_buckets(bucket_mb, first_bucket_mb)
+        self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.reachable: set[nn.Parameter] = set()
+        self._reset()
+
+    # ---- layout -----------------------------------------------------------------------------------------------
+    def _make_buckets(self, bucket_mb: float, first_bucket_mb: float) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):
+            limit = (first_bucket_mb if not buckets else bucket_mb) * MB
+            if current and (size >= limit or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
+                buckets.append(_Bucket(len(buckets), current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        if current:
+            buckets.append(_Bucket(len(buckets), current))
+        return buckets
+
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.work = None
+        self.marked: set[nn.Parameter] = set()
+        self.used: set[nn.Parameter] = set()
+        self.next_bucket = 0
+        self.in_backward = False
+
+    # ---- forward side -----------------------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if self.broadcast_buffers and self.buffers and self.comm.size > 1:
+            broadcast_coalesced(self.comm, [b.data for b in self.buffers])
+
+    def after_forward(self, output: Any) -> None:
+        if self.find_unused and self.require_sync and torch.is_grad_enabled():
+            self.reachable |= _reachable_parameters(output)
+
+    # ---- backward side ----------------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.require_sync:
+            return  # no_sync(): let gradients accumulate locally
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            if self.find_unused:
+                for p in self.params:
+                    if p not in self.reachable and p is not param:
+                        self._mark_ready(p, used=p.grad is not None)
+        if param in self.marked:
+            raise RuntimeError(
+                f"DDP: parameter {self.names[param]!r} received its gradient twice in one backward pass. This "
+                f"happens with reentrant activation checkpointing or a module used in two backward passes; use "
+                f"torch.utils.checkpoint(..., use_reentrant=False)"
+            )
+        self._mark_ready(param, used=True)
+
+    def _mark_ready(self, param: nn.Parameter, *, used: bool) -> None:
+        bucket, i = self.location[param]
+        view = bucket.views[i]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+        self.marked.add(param)
+        if used:
+            self.used.add(param)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+            bucket = self.buckets[self.next_bucket]
+            bucket.work = self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
+            self.next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        try:
+            missing = [p for p in self.params if p not in self.marked]
+            if missing and not self.find_unused:
+                names = [self.names[p] for p in missing]
+                raise RuntimeError(
+                    f"DDP: {len(names)} trainable parameter(s) got no gradient in this backward pass: {names[:8]}"
+                    f"{' ...' if len(names) > 8 else ''}. Their bucket would never be reduced. Pass "
+                    f"find_unused_parameters=True to DDP, or set requires_grad=False on parameters you do not train"
+                )
+            for p in missing:
+                self._mark_ready(p, used=p.grad is not None)
+            used_flags = None
+            if self.find_unused:
+                used_flags = torch.tensor([p in self.used for p in self.params], dtype=torch.int32)
+                self.comm.all_reduce(used_flags, ReduceOp.SUM)
+            for bucket in self.buckets:
+                assert bucket.work is not None
+                bucket.work.wait()
+            if used_flags is not None:
+                for p, flag in zip(self.params, used_flags.tolist()):
+                    if flag == 0:
+                        p.grad = None  # unused on every rank: leave it as single-process training would
+                    elif p.grad is None:
+                        bucket, i = self.location[p]
+                        p.grad = bucket.views[i]
+        finally:
+            self.reachable = set()
+            self._reset()
+
+
+def _reachable_parameters(output: Any) -> set[nn.Parameter]:
+    """Leaf parameters reachable from the autograd graph of every tensor in `output` (nested lists/dicts too)."""
+    roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    seen, found = set(), set()
+    while roots:
+        fn = roots.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            found.add(variable)
+        roots.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+    return found
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def broadcast_coalesced(comm: Communicator, tensors: list[torch.Tensor], src: int = 0, chunk_mb: float = 64) -> None:
+    """Broadcast many tensors from `src` with one collective per dtype and ~chunk_mb, instead of one per tensor."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for t in group + [None]:  # type: ignore[list-item]
+            if t is None or (chunk and size + t.numel() * t.element_size() > chunk_mb * MB):
+                if chunk:
+                    flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+                    comm.broadcast(flat, src)
+                    offset = 0
+                    with torch.no_grad():
+                        for c in chunk:
+                            c.copy_(flat[offset : offset + c.numel()].view_as(c))
+                            offset += c.numel()
+                chunk, size = [], 0
+            if t is not None:
+                chunk.append(t)
+                size += t.numel() * t.element_size()
+
+
+class DDPModule(nn.Module):
+    """Mixed into a module's class by `DDP`: adds `no_sync()` and the forward-time buffer broadcast."""
+
+    _ddp: _Reducer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._ddp.before_forward()
+        output = super().forward(*args, **kwargs)
+        self._ddp.after_forward(output)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate gradients locally, with no communication."""
+        previous = self._ddp.require_sync
+        self._ddp.require_sync = False
+        try:
+            yield
+        finally:
+            self._ddp.require_sync = previous
+
+    def ddp_buckets(self) -> list[dict[str, Any]]:
+        """The bucket layout: for each bucket in launch order, its parameter names and bytes."""
+        names = self._ddp.names
+        return [{"params": [names[p] for p in b.params], "bytes": b.nbytes} for b in self._ddp.buckets]
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def DDP(
+    module: nn.Module,
+    comm: Communicator,
+    *,
+    bucket_mb: float = 25,
+    first_bucket_mb: float = 1,
+    find_unused_parameters: bool = False,
+    broadcast_buffers: bool = True,
+) -> nn.Module:
+    """Make `module` data parallel over `comm` and return it (the same object, its parameter names unchanged).
+
+    bucket_mb: size of the gradient buckets (MiB) that are all-reduced as units; bigger means fewer collectives,
+        smaller means earlier overlap. first_bucket_mb: size of the first bucket (the last layers' gradients).
+    find_unused_parameters: allow parameters that get no gradient in some iterations (see the module docstring).
+    broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward.
+    Train it with any torch.optim optimizer over `module.parameters()`; use `module.no_sync()` to accumulate.
+    """
+    if isinstance(module, DDPModule):
+        raise ValueError("DDP: the module is already wrapped by DDP")
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"DDP: module must be a torch.nn.Module, got {type(module).__name__}")
+    for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"DDP: {name}={value!r} must be a positive number of MiB")
+    if comm.size > 1:
+        broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
+    reducer = _Reducer(module, comm, bucket_mb, first_bucket_mb, find_unused_parameters, broadcast_buffers)
+    cls = type(module)
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"DDP{cls.__name__}", (DDPModule, cls), {"__module__": cls.__module__})
+    module.__class__ = _CLASS_CACHE[cls]
+    module._ddp = reducer
+    log.debug("DDP over %d ranks: %d buckets %s", comm.size, len(reducer.buckets), [b.nbytes for b in reducer.buckets])
+    return module
