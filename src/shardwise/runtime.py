@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_module
+import sys
 import threading
 import time
 import traceback
@@ -51,6 +52,18 @@ class _RankFilter(logging.Filter):
         return True
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of the record (so redirection and capture keep working)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001
+        pass
+
+
 def set_log_rank(rank: int | None, *, thread_only: bool = False) -> None:
     """Set the rank shown in log lines of this thread (thread ranks) or of the whole process."""
     global _process_rank
@@ -64,7 +77,7 @@ def get_logger(name: str = "shardwise") -> logging.Logger:
     """The library's logger; lines read `[rank 3] INFO shardwise.ddp: ...`. Level from SHARDWISE_LOG (default INFO)."""
     root = logging.getLogger("shardwise")
     if not any(isinstance(f, _RankFilter) for h in root.handlers for f in h.filters):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.addFilter(_RankFilter())
         handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(name)s: %(message)s"))
         root.addHandler(handler)

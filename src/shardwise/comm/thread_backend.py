@@ -188,9 +188,16 @@ class _RecvWork(Work):
                 peers=[src],
             )
 
-        comm.world.wait_until(lambda: bool(box.get(self.key)), limit, timed_out)
-        with comm.world.cond:
-            message = box[self.key].popleft()
+        taken: list[torch.Tensor] = []
+
+        def take() -> bool:  # runs under the world lock, so two receives never race for one message
+            queue = box.get(self.key)
+            if queue:
+                taken.append(queue.popleft())
+            return bool(taken)
+
+        comm.world.wait_until(take, limit, timed_out)
+        message = taken[0]
         if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:
             raise CommError(
                 f"recv(src={self.src}, tag={self.tag}) on rank {comm.global_rank}: the message is "
@@ -238,13 +245,13 @@ class ThreadCommunicator(Communicator):
             slot = group.slots.get(seq)
             if slot is None:
                 slot = group.slots[seq] = _Slot(op, self.size)
-            slot.signatures[self.rank] = signature
-            slot.args[self.rank] = arg
-            first = slot.signatures[min(slot.signatures)]
-            if signature != first and slot.error is None:
-                ranks = {self.global_ranks[r]: s for r, s in sorted(slot.signatures.items())}
+            call = f"{op}{signature}"
+            if slot.error is None and any(other != call for other in slot.signatures.values()):
+                ranks = {self.global_ranks[r]: c for r, c in sorted({**slot.signatures, self.rank: call}.items())}
                 slot.error = f"mismatched collectives at call #{seq}{self._group_label()}: {ranks}"
                 world.cond.notify_all()
+            slot.signatures[self.rank] = call
+            slot.args[self.rank] = arg
             complete = len(slot.args) == self.size and slot.error is None
             if complete:
                 del group.slots[seq]

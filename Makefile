@@ -1,0 +1,34 @@
+# Each target creates .venv when missing and installs what it needs: torch 2.13.0 first (a CPU build this
+# machine serves from a local file; installing it first stops any dependency from pulling a multi-GB CUDA build),
+# then shardwise itself, editable, with the extras the target uses.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.torch: $(BIN)/python
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	touch $@
+
+$(VENV)/.installed-%: $(VENV)/.torch pyproject.toml
+	$(BIN)/pip install --quiet -e '.[$*]'
+	touch $@
+
+demo: $(VENV)/.installed-bench
+	$(BIN)/shardwise demo
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-bench
+	$(BIN)/python bench/ddp.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,424 @@
+"""Benchmark: shardwise.DDP against torch.nn.parallel.DistributedDataParallel on gloo (CPU).
+
+Both run in the SAME processes (`shardwise.launch(..., backend="gloo", threads_per_rank=1)`), on copies of the same
+GPT (same seed, same per-rank batches, AdamW fp32), and ALTERNATE: after `--warmup` steps of each, `--rounds` rounds
+of `--steps` steps of each implementation (the order rotates every round), so slow phases of a noisy machine hit
+every implementation alike. A step is forward + backward + optimizer step + zero_grad; its time is measured on every
+rank and the max over ranks is taken per step; the figure is the median over all measured steps.
+
+Rows: `shardwise` (one per --bucket-mb x --first-bucket-mb combination), `torch_ddp` (torch defaults),
+`torch_ddp_view` (gradient_as_bucket_view=True; --no-view-peer drops it), and `single_process` (1 process,
+1 thread, same per-rank batch, plain PyTorch; run separately afterwards, context only; --no-baseline drops it).
+stdout carries JSON lines only (one per row, a parity line, optionally a profile line, then the ratio line);
+the human-readable summary goes to stderr.
+
+    .venv/bin/python bench/ddp.py                       # defaults: bench preset, 2 ranks, 5 rounds x 5 steps
+    .venv/bin/python bench/ddp.py --bucket-mb 25,4 --first-bucket-mb 1 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import shardwise
+from shardwise.data import ByteCorpus
+from shardwise.models.gpt import GPT, GPTConfig
+
+GOAL = 0.95  # the issue's target: shardwise step time <= 0.95 x torch DDP's
+MB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    preset: str
+    batch_size: int
+    seq_len: int | None
+    steps: int
+    rounds: int
+    warmup: int
+    nproc: int
+    variants: tuple[tuple[float, float], ...]  # shardwise (bucket_mb, first_bucket_mb)
+    torch_bucket_mb: float | None
+    view_peer: bool
+    profile: bool
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def _model_config(cfg: Config) -> GPTConfig:
+    return GPTConfig.preset(cfg.preset, **({} if cfg.seq_len is None else {"seq_len": cfg.seq_len}))
+
+
+def _corpus() -> ByteCorpus:
+    return ByteCorpus(max_bytes=2_000_000)  # the stdlib sources; 2 MB is plenty and loads fast
+
+
+class _Impl:
+    """One model under test: its wrapper, optimizer and own data position (every implementation sees batch k at
+    its k-th step, so all of them train on the same sequence)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, lr: float, **info: Any) -> None:
+        self.name = name
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.step_no = 0
+        self.info = info
+        self.times: list[list[float]] = []  # measured steps: [total, fwd, bwd, opt+zero]
+
+
+def _step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int) -> list[float]:
+    x, y = corpus.batch(impl.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
+    impl.step_no += 1
+    t0 = time.perf_counter()
+    loss = impl.model(x, y)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    impl.opt.step()
+    impl.opt.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    return [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
+
+
+def _build(comm: shardwise.Communicator, cfg: Config) -> list[_Impl]:
+    mcfg = _model_config(cfg)
+    impls = []
+    for bucket_mb, first_mb in cfg.variants:
+        model = shardwise.DDP(GPT(mcfg, seed=cfg.seed), comm, bucket_mb=bucket_mb, first_bucket_mb=first_mb)
+        name = "shardwise" if len(cfg.variants) == 1 else f"shardwise[{bucket_mb:g}/{first_mb:g}]"
+        impls.append(_Impl(name, model, cfg.lr, bucket_mb=bucket_mb, first_bucket_mb=first_mb,
+                           buckets=[b["bytes"] for b in model.ddp_buckets()]))
+    torch_kwargs = {} if cfg.torch_bucket_mb is None else {"bucket_cap_mb": cfg.torch_bucket_mb}
+    impls.append(_Impl("torch_ddp", TorchDDP(GPT(mcfg, seed=cfg.seed), **torch_kwargs), cfg.lr, **torch_kwargs))
+    if cfg.view_peer:
+        model = TorchDDP(GPT(mcfg, seed=cfg.seed), gradient_as_bucket_view=True, **torch_kwargs)
+        impls.append(_Impl("torch_ddp_view", model, cfg.lr, gradient_as_bucket_view=True, **torch_kwargs))
+    return impls
+
+
+def _params(impl: _Impl) -> list[torch.Tensor]:
+    model = impl.model.module if isinstance(impl.model, TorchDDP) else impl.model
+    return [p.detach() for p in model.parameters()]
+
+
+def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
+    rank, world = comm.rank, comm.size
+    corpus = _corpus()
+    seq_len = _model_config(cfg).seq_len
+    impls = _build(comm, cfg)
+    for impl in impls:
+        for _ in range(cfg.warmup):
+            _step(impl, corpus, cfg, seq_len, rank, world)
+    for r in range(cfg.rounds):
+        order = impls[r % len(impls):] + impls[: r % len(impls)]
+        for impl in order:
+            comm.barrier()  # every block starts with the ranks aligned
+            for _ in range(cfg.steps):
+                impl.times.append(_step(impl, corpus, cfg, seq_len, rank, world))
+    # Parity: same init, same data, same number of steps -> same parameters (every row against torch_ddp).
+    reference = _params(next(i for i in impls if i.name == "torch_ddp"))
+    parity = {}
+    for impl in impls:
+        if impl.name != "torch_ddp":
+            diffs = [(a - b).abs().max().item() for a, b in zip(_params(impl), reference)]
+            parity[impl.name] = max(diffs)
+    result = {"times": {i.name: i.times for i in impls}, "info": {i.name: i.info for i in impls},
+              "parity": parity, "trained_steps": impls[0].step_no}
+    if cfg.profile:
+        result["profile"] = _profile(comm, impls, corpus, cfg, seq_len)
+    return result
+
+# ---- profiling (--profile) ----------------------------------------------------------------------------------------
+# Run after the measured rounds (and after the parity check), so the probes never touch the headline figures.
+
+
+class _ProbeWork:
+    """Wraps the Work of one bucket: records when the reducer waited on it and for how long (incl. the AVG divide)."""
+
+    def __init__(self, inner: shardwise.Work, rec: dict) -> None:
+        self.inner, self.rec = inner, rec
+
+    def wait(self, timeout: float | None = None) -> None:
+        t = time.perf_counter()
+        self.inner.wait(timeout)
+        self.rec["wait"] = (t, time.perf_counter())
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+
+class _ProbeComm:
+    """Stands in for the reducer's Communicator: records when each bucket's all_reduce was launched and when gloo
+    completed it (a done-callback on the torch Future, which gloo runs on its own thread)."""
+
+    def __init__(self, inner: shardwise.Communicator) -> None:
+        self.inner = inner
+        self.events: list[dict] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def all_reduce(self, tensor: torch.Tensor, op: shardwise.ReduceOp = shardwise.ReduceOp.SUM, *,
+                   async_op: bool = False) -> Any:
+        rec: dict[str, Any] = {"bytes": tensor.numel() * tensor.element_size(), "launch": time.perf_counter()}
+        work = self.inner.all_reduce(tensor, op, async_op=async_op)
+        self.events.append(rec)
+        if work is None:
+            return None
+        torch_work = getattr(work, "work", None)  # the torch.distributed Work inside shardwise's handle
+        if torch_work is not None:
+            torch_work.get_future().add_done_callback(lambda _f: rec.__setitem__("done", time.perf_counter()))
+        return _ProbeWork(work, rec)
+
+
+def _instrumented_steps(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int,
+                        n: int) -> dict[str, Any]:
+    """n normal steps of a shardwise model with its reducer probed: per-bucket launch / completion times relative to
+    the start of backward, when autograd finished (the end-of-backward callback), time spent in the grad hooks."""
+    reducer = impl.model._ddp
+    probe = _ProbeComm(reducer.comm)
+    original = {"comm": reducer.comm}
+    marks: dict[str, float] = {}
+    hook_time = [0.0, 0]
+    orig_finish, orig_mark = reducer._finish_backward, reducer._mark_ready
+
+    def finish() -> None:
+        marks["compute_end"] = time.perf_counter()
+        try:
+            orig_finish()
+        finally:
+            marks["finish_end"] = time.perf_counter()
+
+    def mark(param: torch.nn.Parameter, *, used: bool) -> None:
+        t = time.perf_counter()
+        marks.setdefault("first_ready", t)
+        orig_mark(param, used=used)
+        hook_time[0] += time.perf_counter() - t
+        hook_time[1] += 1
+
+    reducer.comm, reducer._finish_backward, reducer._mark_ready = probe, finish, mark
+    per_step = []
+    try:
+        for _ in range(n):
+            x, y = corpus.batch(impl.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
+            impl.step_no += 1
+            probe.events.clear()
+            marks.clear()
+            hook_time[:] = [0.0, 0]
+            loss = impl.model(x, y)
+            b0 = time.perf_counter()
+            loss.backward()
+            b1 = time.perf_counter()
+            impl.opt.step()
+            impl.opt.zero_grad(set_to_none=True)
+            ms = lambda t: (t - b0) * 1e3  # noqa: E731
+            per_step.append({
+                "backward_ms": ms(b1), "first_grad_ready_ms": ms(marks["first_ready"]),
+                "autograd_done_ms": ms(marks["compute_end"]), "finish_callback_ms": (marks["finish_end"] -
+                                                                                     marks["compute_end"]) * 1e3,
+                "hooks_ms": hook_time[0] * 1e3, "hooks": hook_time[1],
+                "buckets": [{"bytes": e["bytes"], "launch_ms": ms(e["launch"]), "done_ms": ms(e.get("done", b1)),
+                             "comm_ms": (e.get("done", b1) - e["launch"]) * 1e3,
+                             "wait_ms": (e["wait"][1] - e["wait"][0]) * 1e3 if "wait" in e else None}
+                            for e in probe.events],
+            })
+    finally:
+        reducer.comm = original["comm"]
+        del reducer._finish_backward, reducer._mark_ready  # back to the class's methods
+    return _median_records(per_step)
+
+
+def _median_records(records: list[dict]) -> dict:
+    """Element-wise median of a list of same-shaped records (dicts / lists of numbers)."""
+    first = records[0]
+    if isinstance(first, dict):
+        return {k: _median_records([r[k] for r in records]) for k in first}
+    if isinstance(first, list):
+        if any(len(r) != len(first) for r in records):
+            return first
+        return [_median_records([r[i] for r in records]) for i in range(len(first))]
+    if first is None:
+        return None
+    return round(statistics.median(records), 2)
+
+
+def _nosync_step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int) -> list[float]:
+    """Forward + backward with no communication (no_sync), then zero_grad: the compute-only cost of a step."""
+    x, y = corpus.batch(impl.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
+    t0 = time.perf_counter()
+    with impl.model.no_sync():
+        loss = impl.model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+    t2 = time.perf_counter()
+    impl.opt.zero_grad(set_to_none=True)
+    return [t2 - t0, t1 - t0, t2 - t1]
+
+
+def _time(fn: Any, reps: int, comm: shardwise.Communicator | None = None) -> float:
+    out = []
+    for _ in range(reps):
+        if comm is not None:
+            comm.barrier()
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return round(statistics.median(out) * 1e3, 2)
+
+
+def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpus, cfg: Config,
+             seq_len: int) -> dict[str, Any]:
+    rank, world = comm.rank, comm.size
+    n = max(cfg.steps, 5)
+    out: dict[str, Any] = {"rank": rank}
+    # 1. compute only: forward + backward under no_sync, alternating like the main measurement
+    nosync: dict[str, list[list[float]]] = {i.name: [] for i in impls}
+    for _ in range(2):
+        for impl in impls:
+            comm.barrier()
+            nosync[impl.name] += [_nosync_step(impl, corpus, cfg, seq_len, rank, world) for _ in range(n)]
+    out["no_sync"] = {name: {"fwd_ms": round(statistics.median(s[1] for s in v) * 1e3, 2),
+                             "bwd_ms": round(statistics.median(s[2] for s in v) * 1e3, 2)}
+                      for name, v in nosync.items()}
+    # 2. where a shardwise backward spends its time, bucket by bucket
+    out["shardwise_backward"] = {}
+    for impl in impls:
+        if impl.name.startswith("shardwise"):
+            comm.barrier()
+            out["shardwise_backward"][impl.name] = _instrumented_steps(impl, corpus, cfg, seq_len, rank, world, n)
+    # 3. torch DDP's own runtime statistics (its C++ reducer times buckets on CPU too)
+    out["torch_ddp_logging"] = {}
+    for impl in impls:
+        if isinstance(impl.model, TorchDDP):
+            # averages over the iterations torch sampled (ns -> ms); bucket sizes in bytes, in launch order
+            data = impl.model._get_ddp_logging_data()
+            out["torch_ddp_logging"][impl.name] = {
+                **{k.replace("avg_", "") + "_ms": round(v / 1e6, 2) for k, v in data.items() if k.startswith("avg_")},
+                "bucket_sizes": data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes"),
+            }
+    # 4. the collectives alone, CPUs otherwise idle: torch's raw all_reduce vs shardwise's AVG (SUM + divide)
+    sizes = sorted({b for i in impls if "buckets" in i.info for b in i.info["buckets"]})
+    total = sum(p.numel() * p.element_size() for p in impls[0].model.parameters())
+    alone = {}
+    for nbytes in sizes + [total]:
+        t = torch.ones(nbytes // 4)
+        alone[str(nbytes)] = {
+            "torch_all_reduce_sum_ms": _time(lambda: dist.all_reduce(t), 5, comm),
+            "shardwise_all_reduce_avg_ms": _time(lambda: comm.all_reduce(t, shardwise.ReduceOp.AVG), 5, comm),
+        }
+    out["collective_alone"] = alone
+    g = torch.randn(total // 4)
+    view = torch.empty_like(g)
+    out["local_passes_over_all_grads_ms"] = {
+        "div_": _time(lambda: g.div_(world), 9),
+        "copy_": _time(lambda: view.copy_(g), 9),
+        "mul_out (copy and scale fused)": _time(lambda: torch.mul(g, 1.0 / world, out=view), 9),
+    }
+    return out
+
+
+def _baseline_main(comm: shardwise.Communicator, cfg: Config) -> list[float]:
+    corpus = _corpus()
+    seq_len = _model_config(cfg).seq_len
+    impl = _Impl("single_process", GPT(_model_config(cfg), seed=cfg.seed), cfg.lr)
+    for _ in range(cfg.warmup):
+        _step(impl, corpus, cfg, seq_len, 0, 1)
+    return [_step(impl, corpus, cfg, seq_len, 0, 1)[0] for _ in range(cfg.rounds * cfg.steps)]
+
+
+def _summary(name: str, totals: list[float], sections: list[list[float]] | None, info: dict) -> dict[str, Any]:
+    ms = sorted(t * 1e3 for t in totals)
+    deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
+    row = {"name": name, "median_ms": round(statistics.median(ms), 2), "p10_ms": round(deciles[0], 2),
+           "p90_ms": round(deciles[8], 2), "steps": len(ms)}
+    if sections is not None:
+        for i, key in enumerate(("fwd_ms", "bwd_ms", "opt_ms")):
+            row[key] = round(statistics.median(s[i] * 1e3 for s in sections), 2)
+    row.update(info)
+    return row
+
+
+def _parse_floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per implementation per round (default 5)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternation rounds (default 5)")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps of each implementation first (default 3)")
+    ap.add_argument("--preset", default="bench", help="GPT preset: tiny | small | bench (default bench)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
+    ap.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len (default 128)")
+    ap.add_argument("--nproc", type=int, default=2, help="gloo processes, 1 thread each (default 2)")
+    ap.add_argument("--bucket-mb", default="25", help="shardwise bucket_mb; a comma list adds one row each")
+    ap.add_argument("--first-bucket-mb", default="1", help="shardwise first_bucket_mb; a comma list adds rows")
+    ap.add_argument("--torch-bucket-mb", type=float, default=None, help="torch DDP bucket_cap_mb (default torch's)")
+    ap.add_argument("--no-view-peer", action="store_true", help="skip torch DDP with gradient_as_bucket_view=True")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the single-process baseline")
+    ap.add_argument("--profile", action="store_true", help="also profile where the time goes (see _profile)")
+    args = ap.parse_args(argv)
+    if args.nproc < 2:
+        ap.error("--nproc must be >= 2 (DDP of one rank has nothing to compare)")
+    if min(args.steps, args.rounds) < 1 or args.warmup < 0:
+        ap.error("--steps and --rounds must be >= 1, --warmup >= 0")
+    variants = tuple((b, f) for b in _parse_floats(args.bucket_mb) for f in _parse_floats(args.first_bucket_mb))
+    cfg = Config(args.preset, args.batch_size, args.seq_len, args.steps, args.rounds, args.warmup, args.nproc,
+                 variants, args.torch_bucket_mb, not args.no_view_peer, args.profile)
+    nparams = GPT(_model_config(cfg), seed=0).num_parameters()
+
+    t0 = time.time()
+    results = shardwise.launch(_rank_main, cfg.nproc, cfg, backend="gloo", threads_per_rank=1, timeout=300)
+    rows = []
+    for name, per_rank_0 in results[0]["times"].items():
+        per_rank = [r["times"][name] for r in results]
+        # max over ranks, per step, of every section
+        steps = [[max(r[k][j] for r in per_rank) for j in range(4)] for k in range(len(per_rank_0))]
+        rows.append(_summary(name, [s[0] for s in steps], [s[1:] for s in steps], results[0]["info"][name]))
+    if not args.no_baseline:
+        base = shardwise.launch(_baseline_main, 1, cfg, backend="gloo", threads_per_rank=1, timeout=300)[0]
+        rows.append(_summary("single_process", base, None, {"note": "separate run, 1 process, not alternated"}))
+    for row in rows:
+        row.update(preset=cfg.preset, params=nparams, nproc=cfg.nproc, batch_size=cfg.batch_size)
+        print(json.dumps(row), flush=True)
+    parity = {name: max(r["parity"][name] for r in results) for name in results[0]["parity"]}
+    print(json.dumps({"parity_max_abs_diff_vs_torch_ddp": parity, "trained_steps": results[0]["trained_steps"]}))
+    if cfg.profile:
+        print(json.dumps({"profile": [r["profile"] for r in results]}))
+
+    by_name = {r["name"]: r for r in rows}
+    torch_ms = by_name["torch_ddp"]["median_ms"]
+    sw_rows = [r for r in rows if r["name"].startswith("shardwise")]
+    ratios = {r["name"]: round(r["median_ms"] / torch_ms, 3) for r in sw_rows}
+    if "torch_ddp_view" in by_name:
+        ratios["torch_ddp_view"] = round(by_name["torch_ddp_view"]["median_ms"] / torch_ms, 3)
+    primary = sw_rows[0]
+    ratio = primary["median_ms"] / torch_ms
+    print(json.dumps({"ratio": round(ratio, 3), "shardwise": primary["name"], "shardwise_median_ms": primary["median_ms"],
+                      "torch_median_ms": torch_ms, "goal": GOAL, "meets_goal": ratio <= GOAL, "all_ratios": ratios,
+                      "wall_s": round(time.time() - t0, 1)}), flush=True)
+
+    err = sys.stderr
+    print(f"\nDDP step time, {cfg.preset} GPT ({nparams / 1e6:.2f} M params), {cfg.nproc} gloo ranks x 1 thread, "
+          f"batch {cfg.batch_size}/rank, {cfg.rounds} rounds x {cfg.steps} steps alternating (max over ranks):", file=err)
+    for r in rows:
+        extra = f"  fwd {r['fwd_ms']:.0f} / bwd {r['bwd_ms']:.0f} / opt {r['opt_ms']:.0f}" if "fwd_ms" in r else ""
+        print(f"  {r['name']:<24} median {r['median_ms']:8.1f} ms  (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f}, "
+              f"n={r['steps']}){extra}", file=err)
+    print(f"  ratio {primary['name']} / torch_ddp = {ratio:.3f}  (goal <= {GOAL}: "
+          f"{'met' if ratio <= GOAL else 'NOT met'});  parity max|diff| = {max(parity.values()):.2e}", file=err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The `shardwise` command line: `shardwise <command> [options]`.
+
+Each command is one subparser, added by its own `_add_<command>(subparsers)` function that declares the options
+and sets `handler`, a function taking the parsed namespace and returning the exit code. `main()` only parses and
+dispatches, so `bench`, `plan` and `run` join by adding their function to `_COMMANDS`. Values are validated while
+parsing (argparse `type=` and `choices=`), so a bad value is a usage error (exit 2) naming the option, its value
+and what is allowed, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+
+# ---- value checkers (argparse turns their ArgumentTypeError into "argument --x: <message>") --------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
+    return value
+
+
+def _existing_path(text: str) -> str:
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist (give a text file or a folder of them)")
+    return text
+
+
+# ---- demo -----------------------------------------------------------------------------------------------------------
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    from .demo import STRATEGIES, DemoOptions
+    from .models.gpt import PRESETS
+
+    defaults = DemoOptions()
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small GPT data-parallel on local ranks and report loss, throughput, traffic and memory",
+        description="Train the byte-level GPT on N local ranks (gloo processes on 127.0.0.1, or threads), print "
+        "a summary (loss, step time, tokens/s, all-reduce bytes against the DDP formula, memory per rank) and "
+        "write metrics.jsonl, summary.json and loss.png under OUT/<timestamp>/.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--nproc", type=_positive_int, default=defaults.nproc, help="number of ranks")
+    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy, help="parallelism strategy")
+    p.add_argument("--steps", type=_positive_int, default=defaults.steps, help="optimizer steps")
+    p.add_argument("--data", type=_existing_path, default=None,
+                   help="text file or folder to train on (default: the Python standard library's sources)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="GPT size")
+    p.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size,
+                   help="sequences per rank per step")
+    p.add_argument("--lr", type=_positive_float, default=defaults.lr, help="peak learning rate (AdamW)")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="model init and data order")
+    p.add_argument("--out", default=defaults.out, help="parent folder of the run directory")
+    p.add_argument("--backend", choices=("gloo", "thread"), default=defaults.backend,
+                   help="gloo: one process per rank; thread: ranks as threads of this process (fast, for tests)")
+    p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+    p.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoOptions, run_demo
+    from .runtime import LaunchError
+
+    options = DemoOptions(
+        nproc=args.nproc, strategy=args.strategy, steps=args.steps, data=args.data, preset=args.preset,
+        batch_size=args.batch_size, lr=args.lr, seed=args.seed, out=args.out, backend=args.backend,
+        progress=not args.no_progress,
+    )
+    try:
+        run_demo(options)
+    except LaunchError as exc:
+        print(f"shardwise demo: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- the parser -----------------------------------------------------------------------------------------------------
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `shardwise` parser with one subparser per command."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="shardwise", description="Train PyTorch models across many processes with every major parallelism "
+        "strategy, behind one small API."
+    )
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `shardwise` console script and of `python -m shardwise`; returns the exit code.
+
+    Usage errors exit through argparse (SystemExit with code 2 and a message on stderr).
+    """
+    args = build_parser().parse_args(argv)
+    return args.handler(args)

@@ -1,0 +1,52 @@
+"""Shared helpers of the parity tests: a reference single-process run and a tolerant-but-tight comparison.
+
+The reference is always computed: the same model, seed and global batch trained in one process. A data-parallel
+rank trains on its slice of the same global batch (ByteCorpus.batch gives rank r rows r*b..(r+1)*b).
+
+Optimizer choice: AdamW with lr=1e-3, eps=1e-6. Adam divides each update by sqrt(v), so a gradient that is
+mathematically zero but carries float rounding noise (the attention key bias: softmax ignores a constant added
+to every score) gets a full lr-sized step whose sign is the noise's. Splitting a batch across ranks changes the
+summation order and so the noise; eps=1e-6 bounds that amplification so the contract's fp32 tolerance
+(rtol 1e-5, atol 1e-6) is meaningful, while real gradients (>> eps) are stepped exactly as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.data import ByteCorpus
+from shardwise.models import GPT, GPTConfig
+
+CONFIG = GPTConfig.preset("tiny")
+GLOBAL_BATCH = 8
+CORPUS = ByteCorpus(max_bytes=300_000)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+
+
+def batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    return CORPUS.batch(step, GLOBAL_BATCH // world_size, CONFIG.seq_len, rank=rank, world_size=world_size)
+
+
+def reference_state(steps: int, config: GPTConfig = CONFIG, freeze: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Parameters after `steps` AdamW steps of one process on the whole global batch."""
+    model = GPT(config, seed=0)
+    for name, p in model.named_parameters():
+        if name.startswith(freeze):
+            p.requires_grad_(False)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    for step in range(steps):
+        x, y = batch(step)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
