@@ -17,17 +17,18 @@ $(VENV)/.torch: $(BIN)/python
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	touch $@
 
-$(VENV)/.installed-%: $(VENV)/.torch pyproject.toml
-	$(BIN)/pip install --quiet -e '.[$*]'
+# The tests draw plots too (the demo's loss.png), so they install the bench extra as well.
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $@
 
-demo: $(VENV)/.installed-bench
+demo: $(VENV)/.installed
 	$(BIN)/shardwise demo
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed-bench
+bench: $(VENV)/.installed
 	$(BIN)/python bench/ddp.py
 
 clean:
