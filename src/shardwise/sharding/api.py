@@ -1,0 +1,173 @@
+"""`ZeRO(module, comm, stage=...)` and `FSDP(module, comm_or_mesh, sharding=...)`: one engine, several configurations.
+
+| name                          | parameters at rest | gradients | optimizer state | collectives per step (per unit)  |
+|-------------------------------|--------------------|-----------|-----------------|----------------------------------|
+| ZeRO stage 1                  | whole              | whole     | sharded         | reduce-scatter + all-gather      |
+| ZeRO stage 2                  | whole              | sharded   | sharded         | reduce-scatter + all-gather      |
+| ZeRO stage 3 / `full_shard`   | sharded            | sharded   | sharded         | 2 all-gathers + reduce-scatter   |
+| `shard_grad_op`               | sharded (gathered from forward through backward) | sharded | sharded | all-gather + reduce-scatter |
+| `no_shard`                    | whole              | whole     | whole           | all-reduce (as DDP)              |
+| `hybrid_shard`                | sharded in a group, replicated across groups | ... | ... | full_shard in the group + all-reduce of the shard across groups |
+
+Wire bytes per rank per step (ring, Ψ parameter bytes, N ranks): DDP / no_shard / stage 1 / stage 2 / shard_grad_op
+2(N-1)/N Ψ; stage 3 / full_shard 3(N-1)/N Ψ (the 1.5x of the ZeRO paper).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from ..comm.base import Communicator
+from ..mesh import Mesh
+from .engine import ShardingConfig, ShardingEngine
+from .policy import MixedPrecision, describe_units
+
+__all__ = ["ZeRO", "FSDP", "ShardedModule", "SHARDING_STRATEGIES"]
+
+SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+
+_STAGES = {
+    1: dict(keep_full=True, reshard_after_forward=False, keep_grad_buffer=True),
+    2: dict(keep_full=True, reshard_after_forward=False, keep_grad_buffer=False),
+    3: dict(keep_full=False, reshard_after_forward=True, keep_grad_buffer=False),
+}
+_FSDP = {
+    "full_shard": _STAGES[3],
+    "hybrid_shard": _STAGES[3],
+    "shard_grad_op": dict(keep_full=False, reshard_after_forward=False, keep_grad_buffer=False),
+    "no_shard": dict(keep_full=True, reshard_after_forward=False, keep_grad_buffer=True),
+}
+
+
+class ShardedModule(nn.Module):
+    """Mixed into a module's class by ZeRO / FSDP: adds `no_sync()` and `sharding_units()`."""
+
+    _sharding: ShardingEngine
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate unsharded gradients locally; the next one outside reduces the sum."""
+        engine = self._sharding
+        previous = engine.require_sync
+        engine.require_sync = False
+        try:
+            yield
+        finally:
+            engine.require_sync = previous
+
+    def sharding_units(self) -> list[dict[str, Any]]:
+        """The units: name, number of parameters and tensors, in creation order (the root unit last)."""
+        return describe_units(self._sharding.units)  # type: ignore[arg-type]
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _check_common(module: nn.Module, mixed_precision: Any, cpu_offload: Any, group_mb: Any) -> MixedPrecision:
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, ShardedModule) or hasattr(module, "_ddp"):
+        raise ValueError("the module is already wrapped by a data-parallel strategy; wrap the plain module once")
+    if not any(True for _ in module.parameters()):
+        raise ValueError("the module has no parameters to shard")
+    if mixed_precision is None:
+        mixed_precision = MixedPrecision()
+    if not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(f"mixed_precision={mixed_precision!r} must be a shardwise.MixedPrecision or None")
+    if not isinstance(cpu_offload, bool):
+        raise ValueError(f"cpu_offload={cpu_offload!r} must be True or False")
+    if isinstance(group_mb, bool) or not isinstance(group_mb, (int, float)) or not group_mb > 0:
+        raise ValueError(f"group_mb={group_mb!r} must be a positive number of MiB")
+    return mixed_precision
+
+
+def _wrap(module: nn.Module, shard: Communicator, replicate: Communicator | None, config: ShardingConfig) -> nn.Module:
+    engine = ShardingEngine(module, shard, replicate, config)
+    cls = type(module)
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+    module.__class__ = _CLASS_CACHE[cls]
+    module._sharding = engine
+    return module
+
+
+def ZeRO(
+    module: nn.Module,
+    comm: Communicator,
+    *,
+    stage: int,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: bool = False,
+    wrap: object = "auto",
+    group_mb: float = 25.0,
+    activation_checkpointing: bool = False,
+    prefetch: bool = True,
+) -> nn.Module:
+    """ZeRO data parallelism (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+    Models", SC 2020) over `comm`; returns the same module.
+
+    stage: 1 shards optimizer state; 2 also gradients (reduce-scattered during backward); 3 also parameters
+        (all-gathered before each unit's forward and again in its backward, freed after each).
+    mixed_precision: dtypes of compute copies and reductions (fp32 master shards are kept).
+    cpu_offload: master shards, their gradients and so the optimizer state live on CPU; the optimizer steps there.
+    wrap / group_mb: how parameters are grouped into communication units (see `sharding.policy`).
+    activation_checkpointing: recompute each unit's activations in backward (torch.utils.checkpoint).
+    prefetch: issue the next unit's all-gather while the current one computes.
+    After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
+    empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
+    """
+    if stage not in _STAGES:
+        raise ValueError(f"ZeRO: stage={stage!r} is not supported; allowed 1, 2 or 3")
+    mp = _check_common(module, mixed_precision, cpu_offload, group_mb)
+    config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
+                            group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
+    return _wrap(module, comm, None, config)
+
+
+def FSDP(
+    module: nn.Module,
+    comm_or_mesh: Communicator | Mesh,
+    *,
+    sharding: str = "full_shard",
+    shard_size: int | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: bool = False,
+    wrap: object = "auto",
+    group_mb: float = 25.0,
+    activation_checkpointing: bool = False,
+    prefetch: bool = True,
+) -> nn.Module:
+    """Fully sharded data parallelism (Zhao et al., "PyTorch FSDP", VLDB 2023) with PyTorch's strategy names.
+
+    comm_or_mesh: a Communicator, or a Mesh whose dp axis is used.
+    sharding: "full_shard" (= ZeRO-3), "shard_grad_op" (parameters gathered once per step, kept from forward
+        through backward), "no_shard" (= DDP), "hybrid_shard" (full_shard inside groups of `shard_size`
+        consecutive ranks, replicated across the groups: gradients are reduce-scattered in the group, then
+        all-reduced across groups).
+    The other options are those of `ZeRO`.
+    """
+    comm = comm_or_mesh.dp if isinstance(comm_or_mesh, Mesh) else comm_or_mesh
+    if sharding not in _FSDP:
+        raise ValueError(f"FSDP: sharding={sharding!r} is not supported; allowed {SHARDING_STRATEGIES}")
+    if sharding == "hybrid_shard":
+        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 or comm.size % shard_size:
+            raise ValueError(
+                f"FSDP: hybrid_shard needs shard_size, a positive int dividing the {comm.size} data-parallel ranks; "
+                f"got shard_size={shard_size!r}"
+            )
+    elif shard_size is not None:
+        raise ValueError(f"FSDP: shard_size={shard_size!r} only applies to sharding='hybrid_shard'")
+    mp = _check_common(module, mixed_precision, cpu_offload, group_mb)
+    config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
+                            group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
+    if sharding == "no_shard":
+        return _wrap(module, comm.split(comm.rank), comm, config)
+    if sharding == "hybrid_shard":
+        shard = comm.split(comm.rank // shard_size)
+        replicate = comm.split(comm.rank % shard_size)
+        return _wrap(module, shard, replicate, config)
+    return _wrap(module, comm, None, config)

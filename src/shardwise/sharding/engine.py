@@ -1,0 +1,314 @@
+"""The sharding engine: when each unit is gathered, freed and reduced, driven by module and autograd hooks.
+
+One engine serves ZeRO stages 1/2/3 and the FSDP strategies; a `ShardingConfig` says which. Per training step:
+
+forward
+    root pre-forward: start of an iteration; the root unit (parameters no other unit claims) is gathered.
+    unit pre-forward: wait for the unit's all-gather (issued earlier as a prefetch, or now), swap the unsharded
+        parameters into the modules, and issue the NEXT unit's all-gather asynchronously (forward order is
+        recorded on the first iteration), so communication overlaps this unit's compute. Floating inputs that
+        require grad pass through an identity autograd function whose backward marks the unit's backward done.
+    unit post-forward: hooks go on the outputs (their gradient marks the unit's backward start); with
+        `reshard_after_forward` (stage 3 / full_shard / hybrid) the full buffer is freed and shards swapped back.
+backward
+    unit pre-backward (gradient of an output ready): re-gather if freed, swap unsharded parameters in (activation
+        checkpointing recomputes with them), and prefetch the previous unit's parameters.
+    per parameter (post-accumulate-grad hook): add the gradient into the unit's flat gradient buffer; when the
+        unit's last gradient is in, its reduce-scatter is launched asynchronously (in reverse forward order on every
+        rank, which keeps the collective order identical across ranks). Under `no_sync()` nothing is launched: the
+        flat buffers accumulate.
+    unit post-backward (gradient of its inputs ready): free the full buffer unless parameters are kept whole.
+    end of backward (autograd engine callback): launch what is left (units with unused parameters contribute
+        zeros), wait for every reduction, hand each shard to the shard parameters' `.grad`, free, swap shards back.
+optimizer step
+    updates the master shards in place; the next forward sees their version counters changed and re-gathers (for
+    stage 1/2 that is the all-gather of updated parameters that ZeRO does after the step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+from .policy import MixedPrecision, plan_units
+from .unit import ParamInfo, Unit
+
+__all__ = ["ShardingConfig", "ShardingEngine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """What the engine shards and when (see the strategy table in docs/sharding.md).
+
+    keep_full: the gathered parameters stay allocated between steps (ZeRO-1/2, no_shard).
+    reshard_after_forward: free the gathered parameters after each unit's forward (stage 3, full/hybrid shard).
+    keep_grad_buffer: full-size gradient buffers stay allocated (ZeRO-1, no_shard: gradients are not sharded).
+    """
+
+    name: str
+    keep_full: bool
+    reshard_after_forward: bool
+    keep_grad_buffer: bool
+    mixed_precision: MixedPrecision = MixedPrecision()
+    cpu_offload: bool = False
+    wrap: object = "auto"
+    group_mb: float = 25.0
+    prefetch: bool = True
+    activation_checkpointing: bool = False
+
+
+class _MarkBackwardDone(torch.autograd.Function):
+    """Identity on the unit's inputs; its backward runs once the gradient w.r.t. the inputs exists, i.e. after
+    every operation of the unit that needed its parameters (the approach of PyTorch FSDP2's post-backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+class ShardingEngine:
+    """Owns the units of one wrapped model and the hooks that drive them (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, shard_comm: Communicator, replicate_comm: Communicator | None,
+                 config: ShardingConfig) -> None:
+        self.model = model
+        self.shard_comm = shard_comm
+        self.replicate_comm = replicate_comm
+        self.config = config
+        mp = config.mixed_precision
+        names = {p: n for n, p in model.named_parameters()}
+        plans = plan_units(model, config.wrap, config.group_mb)
+        self.units = [
+            Unit(plan, i, names, shard_comm, replicate_comm, keep_full=config.keep_full,
+                 keep_grad_buffer=config.keep_grad_buffer, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                 offload=config.cpu_offload)
+            for i, plan in enumerate(plans)
+        ]
+        self.root = self.units[-1]
+        self.by_shard_param: dict[nn.Parameter, tuple[Unit, ParamInfo]] = {
+            info.shard_param: (u, info) for u in self.units for info in u.infos
+        }
+        self.require_sync = True
+        self.in_backward = False
+        self.forward_order: list[Unit] = []
+        self.order_recorded = False
+        self.launch_order: list[Unit] = []
+        self.next_launch = 0
+        self.gathered_peak = 0
+        self.handles: list[Any] = []
+        if mp.buffer_dtype is not None:
+            for module in model.modules():
+                for key, buf in module._buffers.items():
+                    if buf is not None and buf.is_floating_point():
+                        module._buffers[key] = buf.to(mp.buffer_dtype)
+        self._register_hooks()
+
+    # ---- wiring -----------------------------------------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        for unit in self.units:
+            if unit.is_root:
+                continue
+            for module in unit.modules:
+                self.handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self.handles.append(unit.modules[-1].register_forward_hook(self._make_post_forward(unit)))
+            if self.config.activation_checkpointing:
+                for module in unit.modules:
+                    _checkpoint_forward(module)
+        self.handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
+        self.handles.append(self.model.register_forward_hook(self._make_post_forward(self.root)))
+        for unit in self.units:
+            for info in unit.trainable:
+                hook = self._make_grad_hook(unit, info)
+                self.handles.append(info.unsharded.register_post_accumulate_grad_hook(hook))
+
+    def _make_pre_forward(self, unit: Unit) -> Any:
+        def hook(module: nn.Module, args: tuple) -> tuple:
+            return self._pre_forward(unit, args)
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            return self._post_forward(unit, output)
+
+        return hook
+
+    def _make_grad_hook(self, unit: Unit, info: ParamInfo) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(unit, info)
+
+        return hook
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.in_backward and self.forward_order:
+            self.order_recorded = True
+        dtype = self.config.mixed_precision.param_dtype
+        if dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), dtype)
+        self._gather(self.root)
+        self.root.swap_to_unsharded()
+        if self.config.prefetch and self.order_recorded and self.forward_order:
+            self._start_gather(self.forward_order[0])
+        return args, kwargs
+
+    def _pre_forward(self, unit: Unit, args: tuple) -> tuple:
+        self._gather(unit)
+        unit.swap_to_unsharded()
+        if self.in_backward:
+            return args  # recomputation (activation checkpointing) inside backward: just make parameters whole
+        if not self.order_recorded:
+            if unit not in self.forward_order:
+                self.forward_order.append(unit)
+        elif self.config.prefetch and unit in self.forward_order:
+            pos = self.forward_order.index(unit)
+            if pos + 1 < len(self.forward_order):
+                self._start_gather(self.forward_order[pos + 1])
+        if not unit.entered:
+            unit.entered = True  # the first module of the unit: its inputs are the unit's inputs
+            if torch.is_grad_enabled() and not unit.keep_full:
+                tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+                if tensors:
+                    marked = iter(_MarkBackwardDone.apply(lambda: self._post_backward(unit), *tensors))
+                    args = tuple(next(marked) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+        return args
+
+    def _post_forward(self, unit: Unit, output: Any) -> Any:
+        unit.entered = False
+        if self.in_backward:
+            return output
+        grads_follow = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output))
+        if grads_follow:
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._make_pre_backward(unit))
+        if unit.is_root and not self.order_recorded:
+            self.launch_order = list(reversed(self.forward_order)) + [self.root]
+            self.launch_order += [u for u in self.units if u not in self.launch_order]
+        if not grads_follow:
+            unit.swap_to_sharded()  # inference: nothing will need the unsharded parameters
+            if not unit.keep_full and not unit.is_root:
+                unit.free_full()
+        elif self.config.reshard_after_forward and not unit.is_root:
+            unit.free_full()
+            unit.swap_to_sharded()
+        if unit.is_root and not grads_follow:
+            for other in self.units:
+                other.swap_to_sharded()
+                if not other.keep_full:
+                    other.free_full()
+        return output
+
+    # ---- backward ---------------------------------------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        for unit in self.units:
+            unit.begin_backward()
+        if not self.launch_order:
+            self.launch_order = list(self.units)
+        self.next_launch = 0
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _make_pre_backward(self, unit: Unit) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            self._begin_backward()
+            if unit.needs_gather() or not unit.unsharded_in_modules:
+                self._gather(unit)
+                unit.swap_to_unsharded()
+            if self.config.prefetch and unit in self.forward_order:
+                pos = self.forward_order.index(unit)
+                if pos > 0:
+                    self._start_gather(self.forward_order[pos - 1])
+
+        return hook
+
+    def _on_grad(self, unit: Unit, info: ParamInfo) -> None:
+        self._begin_backward()
+        unit.accumulate_grad(info)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        if not self.require_sync:
+            return
+        while self.next_launch < len(self.launch_order) and self.launch_order[self.next_launch].grad_pending == 0:
+            self.launch_order[self.next_launch].start_reduce()
+            self.next_launch += 1
+
+    def _post_backward(self, unit: Unit) -> None:
+        if not unit.keep_full and not unit.is_root:
+            unit.free_full()
+            unit.swap_to_sharded()
+
+    def _finish_backward(self) -> None:
+        try:
+            for unit in self.launch_order:
+                unit.flush_unused()  # parameters that got no gradient this pass contribute zeros
+            if self.require_sync:
+                self._launch_ready()
+                for unit in self.launch_order:
+                    unit.finish_reduce()
+        finally:
+            for unit in self.units:
+                unit.swap_to_sharded()
+                if not unit.keep_full:
+                    unit.free_full()
+            self.in_backward = False
+
+    # ---- gathering with bookkeeping ---------------------------------------------------------------------------
+    def _start_gather(self, unit: Unit) -> None:
+        unit.start_gather()
+        live = sum(u.full_bytes for u in self.units if not u.keep_full and u.full_allocated)
+        self.gathered_peak = max(self.gathered_peak, live)
+
+    def _gather(self, unit: Unit) -> None:
+        self._start_gather(unit)
+        unit.wait_gather()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floating(v, dtype) for v in obj)
+    return obj
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Recompute `module`'s activations in backward (torch.utils.checkpoint, non-reentrant) instead of storing them."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward

@@ -1,0 +1,168 @@
+"""Policies of the sharding engine: mixed precision, and the wrap policy that groups parameters into units.
+
+A *unit* is the granularity of communication: its parameters live in one flat buffer that is all-gathered with ONE
+collective and whose gradients are reduce-scattered with ONE collective. Units are chosen by a wrap policy:
+
+* `wrap="auto"` (default): walk the module tree; every module whose subtree holds at least `group_mb` of
+  parameters becomes its own unit if it is a natural repeating block (a child of a ModuleList / Sequential);
+  runs of consecutive small siblings are merged until they reach `group_mb`. A model of 1,000 tiny layers thus
+  needs a handful of collectives per pass, not 1,000 (the grouping PyTorch FSDP's size-based policy only does for
+  whole subtrees, and DeepSpeed's bucketing does for communication only).
+* `wrap=<module class or tuple of classes>`: every instance of those classes is a unit (e.g. the GPT Block).
+* `wrap="size:<MB>"`: every module whose subtree holds >= MB of parameters not already in a unit becomes one.
+* `wrap=None`: one unit for the whole model.
+Parameters not claimed by any unit belong to the root unit. A parameter shared by modules of different units (tied
+weights) is moved to the root unit so it is gathered once and its gradient summed once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MixedPrecision", "plan_units"]
+
+MB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of the sharding engine (Micikevicius et al. 2018, "Mixed Precision Training").
+
+    param_dtype: dtype of the gathered compute copies of the parameters (None: the parameter's own dtype). The
+        master shards stay in fp32 and the optimizer updates them.
+    reduce_dtype: dtype in which gradients are reduce-scattered / all-reduced (None: param_dtype, else fp32).
+    buffer_dtype: dtype buffers (e.g. BatchNorm statistics) are cast to at wrap time (None: unchanged).
+    With param_dtype=torch.float16, use `ShardedGradScaler` to scale the loss and skip steps with inf/nan.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"MixedPrecision: {field}={value!r} must be a floating torch.dtype or None")
+
+
+@dataclasses.dataclass
+class UnitPlan:
+    """The modules whose forward brackets a unit, and its parameters as (module, attribute name) locations."""
+
+    name: str
+    modules: list[nn.Module]
+    params: list[nn.Parameter]
+    locations: dict[nn.Parameter, list[tuple[nn.Module, str]]]
+    is_root: bool = False
+
+
+def _subtree_bytes(module: nn.Module, claimed: set[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p not in claimed)
+
+
+def _choose_unit_roots(model: nn.Module, wrap: object, group_mb: float) -> list[tuple[str, list[nn.Module]]]:
+    """Groups of modules, each group one unit, in registration order (post-order: children before parents)."""
+    units: list[tuple[str, list[nn.Module]]] = []
+    claimed: set[nn.Parameter] = set()
+
+    def claim(name: str, modules: list[nn.Module]) -> None:
+        units.append((name, modules))
+        for m in modules:
+            claimed.update(m.parameters())
+
+    if wrap is None:
+        return units
+    if isinstance(wrap, type) or (isinstance(wrap, tuple) and all(isinstance(c, type) for c in wrap)):
+        for name, module in model.named_modules():
+            if module is not model and isinstance(module, wrap) and not (set(module.parameters()) <= claimed):
+                claim(name, [module])
+        return units
+    if isinstance(wrap, str) and wrap.startswith("size:"):
+        threshold = float(wrap.split(":", 1)[1]) * MB
+
+        def visit_size(prefix: str, module: nn.Module) -> None:
+            for child_name, child in module.named_children():
+                visit_size(f"{prefix}{child_name}.", child)
+            if module is not model and _subtree_bytes(module, claimed) >= threshold:
+                claim(prefix.rstrip("."), [module])
+
+        visit_size("", model)
+        return units
+    if wrap != "auto":
+        raise ValueError(f"wrap={wrap!r} is not a wrap policy; allowed 'auto', 'size:<MB>', a module class, or None")
+
+    limit = group_mb * MB
+
+    def visit_auto(prefix: str, module: nn.Module) -> None:
+        # Containers of repeated blocks: group consecutive children into runs of about `limit` bytes.
+        children = list(module.named_children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and children:
+            run: list[nn.Module] = []
+            run_names: list[str] = []
+            size = 0
+            for child_name, child in children:
+                child_size = _subtree_bytes(child, claimed)
+                if child_size >= limit:
+                    if run:
+                        claim(f"{prefix}{run_names[0]}..{run_names[-1]}", run)
+                        run, run_names, size = [], [], 0
+                    visit_auto(f"{prefix}{child_name}.", child)  # a big block may itself hold big parts
+                    if _subtree_bytes(child, claimed) > 0:
+                        claim(f"{prefix}{child_name}", [child])
+                    continue
+                if child_size == 0:
+                    continue
+                run.append(child)
+                run_names.append(child_name)
+                size += child_size
+                if size >= limit:
+                    claim(f"{prefix}{run_names[0]}..{run_names[-1]}", run)
+                    run, run_names, size = [], [], 0
+            if run:
+                claim(f"{prefix}{run_names[0]}..{run_names[-1]}", run)
+            return
+        for child_name, child in children:
+            visit_auto(f"{prefix}{child_name}.", child)
+
+    visit_auto("", model)
+    return units
+
+
+def plan_units(model: nn.Module, wrap: object = "auto", group_mb: float = 25.0) -> list[UnitPlan]:
+    """Group `model`'s parameters into units (see the module docstring); the root unit, always present, comes last."""
+    if not group_mb > 0:
+        raise ValueError(f"group_mb={group_mb!r} must be a positive number of MiB")
+    roots = _choose_unit_roots(model, wrap, group_mb)
+    owner: dict[nn.Parameter, int] = {}
+    locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    module_unit: dict[nn.Module, int] = {}
+    for index, (_, modules) in enumerate(roots):
+        for top in modules:
+            for sub in top.modules():
+                module_unit.setdefault(sub, index)
+    root_index = len(roots)
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            locations.setdefault(p, []).append((module, name))
+            unit = module_unit.get(module, root_index)
+            if p in owner and owner[p] != unit:
+                owner[p] = root_index  # tied across units: gathered once, by the root
+            else:
+                owner.setdefault(p, unit)
+    plans = [UnitPlan(name, modules, [], {}) for name, modules in roots]
+    plans.append(UnitPlan("<root>", [model], [], {}, is_root=True))
+    for p, index in owner.items():  # dict order = first registration order
+        plans[index].params.append(p)
+        plans[index].locations[p] = locations[p]
+    return [u for u in plans if u.params or u.is_root]
+
+
+def describe_units(units: Sequence[UnitPlan]) -> list[dict[str, object]]:
+    return [
+        {"unit": u.name, "params": sum(p.numel() for p in u.params), "tensors": len(u.params)} for u in units
+    ]

@@ -1,0 +1,268 @@
+"""One sharding unit: its parameters as one flat, padded buffer split evenly across the shard group.
+
+Layout. The unit's parameters are concatenated (flattened) in registration order into `numel` elements, padded to
+`padded = ceil(numel / N) * N`, and rank r owns elements [r*s, (r+1)*s) with s = padded / N (ZeRO, Rajbhandari et
+al. 2020). Every rank's shard has the same size, so one all-gather and one reduce-scatter move the whole unit.
+
+Three kinds of tensors per unit:
+* the **master shard** (fp32, s elements; on CPU with offload): what the optimizer updates. Each original
+  parameter is represented by a `shard parameter`: an nn.Parameter viewing the slice of the master shard that
+  intersects it (1-D, possibly empty). These are what `model.named_parameters()` yields between steps.
+* the **full buffer** (param_dtype, `padded` elements): the gathered compute copy. `unsharded parameters` are
+  nn.Parameters viewing it with the original shapes; they are swapped into the modules for forward and backward.
+  To free it (stage 3 after forward, and after backward) its *storage* is resized to zero while the tensors that
+  view it survive; gathering again refills the same storage, so tensors saved by autograd in forward are valid
+  again when backward needs them (the technique of PyTorch FSDP). Writes go through `.data`, whose version counter
+  is separate, so refilling does not trip autograd's in-place check.
+  In fp32 stage 1/2 (parameters kept whole) the master shard is a view of the full buffer: no copy at all.
+* the **gradient buffer** (reduce_dtype, `padded` elements): unsharded gradients are added into it as they are
+  produced; one reduce-scatter (AVG) leaves this rank's averaged shard, then an all-reduce over the replicate group
+  for hybrid sharding, and the result becomes the shard parameters' `.grad`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator, ReduceOp, Work
+from .policy import UnitPlan
+
+__all__ = ["Unit", "ParamInfo"]
+
+
+@dataclasses.dataclass
+class ParamInfo:
+    """Where one original parameter lives in its unit's flat layout, and this rank's piece of it."""
+
+    name: str
+    shape: torch.Size
+    numel: int
+    offset: int  # in the flat (unpadded) layout
+    requires_grad: bool
+    locations: list[tuple[nn.Module, str]]
+    shard_lo: int  # this rank's piece: flat elements [shard_lo, shard_hi) of the parameter's own flattening
+    shard_hi: int
+    shard_param: nn.Parameter
+    unsharded: nn.Parameter
+
+
+class Unit:
+    """See the module docstring. `keep_full`: the full buffer is never freed (ZeRO-1/2, no_shard)."""
+
+    def __init__(
+        self,
+        plan: UnitPlan,
+        index: int,
+        names: dict[nn.Parameter, str],
+        shard_comm: Communicator,
+        replicate_comm: Communicator | None,
+        *,
+        keep_full: bool,
+        keep_grad_buffer: bool,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        offload: bool,
+    ) -> None:
+        self.name = plan.name
+        self.index = index
+        self.modules = plan.modules
+        self.is_root = plan.is_root
+        self.shard_comm = shard_comm
+        self.replicate_comm = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 else None
+        self.keep_full = keep_full
+        self.keep_grad_buffer = keep_grad_buffer
+        first = plan.params[0]
+        self.device = first.device
+        self.master_dtype = first.dtype
+        self.param_dtype = param_dtype or first.dtype
+        self.reduce_dtype = reduce_dtype or (torch.float32 if param_dtype is not None else self.param_dtype)
+        self.master_device = torch.device("cpu") if offload else self.device
+        if any(p.dtype != self.master_dtype for p in plan.params):
+            raise ValueError(f"unit {self.name!r} mixes parameter dtypes {sorted({str(p.dtype) for p in plan.params})}")
+
+        n = shard_comm.size
+        self.numel = sum(p.numel() for p in plan.params)
+        self.padded = math.ceil(self.numel / n) * n
+        self.shard_size = self.padded // n
+        start = shard_comm.rank * self.shard_size
+        self.shard_range = (start, start + self.shard_size)
+
+        # The full buffer starts filled with the original values, so the model is usable straight away.
+        self.full = torch.zeros(self.padded, dtype=self.param_dtype, device=self.device)
+        offset = 0
+        with torch.no_grad():
+            for p in plan.params:
+                self.full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                offset += p.numel()
+        self.master_is_view = keep_full and self.param_dtype == self.master_dtype and not offload
+        if self.master_is_view:
+            self.master = self.full.data[start : start + self.shard_size]
+        else:
+            self.master = self.full[start : start + self.shard_size].to(self.master_device, self.master_dtype).clone()
+
+        self.infos: list[ParamInfo] = []
+        offset = 0
+        for p in plan.params:
+            lo = max(start, offset) - offset
+            hi = min(start + self.shard_size, offset + p.numel()) - offset
+            lo, hi = (lo, hi) if hi > lo else (0, 0)
+            piece = self.master[offset + lo - start : offset + hi - start] if hi > lo else self.master[:0]
+            shard_param = nn.Parameter(piece, requires_grad=p.requires_grad)
+            unsharded = nn.Parameter(self.full[offset : offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+            self.infos.append(
+                ParamInfo(names[p], p.shape, p.numel(), offset, p.requires_grad, plan.locations[p], lo, hi,
+                          shard_param, unsharded)
+            )
+            offset += p.numel()
+        self.trainable = [i for i in self.infos if i.requires_grad]
+
+        self.gathered_version: int | None = self._master_version()  # the full buffer matches the master now
+        self.pending_gather: Work | None = None
+        self.grad_buffer: torch.Tensor | None = None
+        self.grad_pending = 0
+        self.grads_seen: set[str] = set()
+        self.reduce_work: Work | None = None
+        self.reduced_shard: torch.Tensor | None = None
+        self.replicated = False
+        self.entered = False  # inside the unit's forward (between its first pre-hook and its post-hook)
+        self._install("shard_param")
+        self.unsharded_in_modules = False
+        if not keep_full:
+            self.free_full()
+
+    # ---- parameters: gather, free, swap -----------------------------------------------------------------------
+    def _master_version(self) -> int:
+        # In-place optimizer updates bump the shard parameters' version counters: a cheap staleness test.
+        return sum(i.shard_param._version for i in self.infos) + self.master._version
+
+    @property
+    def full_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+    def needs_gather(self) -> bool:
+        return not self.full_allocated or self.gathered_version != self._master_version()
+
+    def start_gather(self) -> None:
+        """Issue the all-gather of the master shards into the full buffer (asynchronously) if it is stale."""
+        if self.pending_gather is not None or not self.needs_gather():
+            return
+        if not self.full_allocated:
+            self.full.untyped_storage().resize_(self.full_bytes)
+        source = self.master.detach().to(self.device, self.param_dtype)
+        if source.data_ptr() == self.master.data_ptr():
+            source = source.clone()  # never gather from a slice of the very buffer being written
+        self.gathered_version = self._master_version()
+        self.pending_gather = self.shard_comm.all_gather(self.full.data, source, async_op=True)
+
+    def wait_gather(self) -> None:
+        self.start_gather()
+        if self.pending_gather is not None:
+            self.pending_gather.wait()
+            self.pending_gather = None
+
+    def free_full(self) -> None:
+        if self.pending_gather is not None:
+            self.pending_gather.wait()
+            self.pending_gather = None
+        if not self.keep_full and self.full_allocated:
+            self.full.untyped_storage().resize_(0)
+
+    def _install(self, which: str) -> None:
+        for info in self.infos:
+            tensor = getattr(info, which)
+            for module, attr in info.locations:
+                module._parameters[attr] = tensor  # bypasses __setattr__: no re-registration, same key order
+
+    def swap_to_unsharded(self) -> None:
+        if not self.unsharded_in_modules:
+            self._install("unsharded")
+            self.unsharded_in_modules = True
+
+    def swap_to_sharded(self) -> None:
+        if self.unsharded_in_modules:
+            self._install("shard_param")
+            self.unsharded_in_modules = False
+
+    # ---- gradients --------------------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self.grad_pending = len(self.trainable)
+        self.grads_seen: set[str] = set()
+
+    def accumulate_grad(self, info: ParamInfo) -> None:
+        """Add an unsharded gradient into the flat gradient buffer (allocated, zeroed, on first use)."""
+        grad = info.unsharded.grad
+        if grad is not None:
+            if self.grad_buffer is None:
+                self.grad_buffer = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+            self.grad_buffer[info.offset : info.offset + info.numel].add_(grad.reshape(-1))
+            info.unsharded.grad = None  # the flat buffer holds it now; free the unsharded gradient
+        if info.name not in self.grads_seen:
+            self.grads_seen.add(info.name)
+            self.grad_pending -= 1
+
+    def flush_unused(self) -> None:
+        """End of backward: parameters whose hook never fired contribute zeros (or a gradient left on them)."""
+        for info in self.trainable:
+            if info.name not in self.grads_seen:
+                self.accumulate_grad(info)
+
+    def start_reduce(self) -> None:
+        """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously."""
+        if not self.trainable:
+            return  # a frozen unit has nothing to reduce
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        self.reduced_shard = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+        if self.shard_comm.size == 1 and self.replicate_comm is not None:
+            # No sharding (DDP-like): skip the trivial reduce-scatter, all-reduce over the replicas right away.
+            self.reduced_shard.copy_(self.grad_buffer)
+            self.reduce_work = self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG, async_op=True)
+            self.replicated = True
+            return
+        self.replicated = False
+        self.reduce_work = self.shard_comm.reduce_scatter(self.reduced_shard, self.grad_buffer, ReduceOp.AVG,
+                                                          async_op=True)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter, average over replicas, and hand the shard to the shard parameters' .grad."""
+        if not self.trainable:
+            return
+        assert self.reduce_work is not None and self.reduced_shard is not None
+        self.reduce_work.wait()
+        self.reduce_work = None
+        if self.replicate_comm is not None and not self.replicated:
+            self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG)
+        shard = self.reduced_shard.to(self.master_device, self.master_dtype)
+        start = self.shard_range[0]
+        for info in self.trainable:
+            piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
+            if info.shard_param.grad is None:
+                info.shard_param.grad = piece if info.shard_hi > info.shard_lo else shard[:0]
+            else:
+                info.shard_param.grad.add_(piece)
+        self.reduced_shard = None
+        if self.keep_grad_buffer:
+            self.grad_buffer.zero_()
+        else:
+            self.grad_buffer = None
+
+    # ---- state --------------------------------------------------------------------------------------------------
+    def full_tensor(self, info: ParamInfo) -> torch.Tensor:
+        """This parameter, whole, in the master dtype (collective: every rank of the shard group must call it)."""
+        gathered = torch.empty(self.padded, dtype=self.master_dtype, device=self.master_device)
+        self.shard_comm.all_gather(gathered, self.master.detach())
+        return gathered[info.offset : info.offset + info.numel].view(info.shape).clone()
+
+    def load_full_tensor(self, info: ParamInfo, value: torch.Tensor) -> None:
+        """Copy this rank's piece of a whole parameter `value` into the master shard (no communication)."""
+        flat = value.detach().reshape(-1).to(self.master_device, self.master_dtype)
+        with torch.no_grad():
+            info.shard_param.copy_(flat[info.shard_lo : info.shard_hi])
