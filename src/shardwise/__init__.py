@@ -11,9 +11,13 @@ See README.md and docs/ for the user guide.
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .ddp import DDP, DDPModule
 from .environment import LaunchEnvironment, detect_environment
+from .estimate import MemoryEstimate, estimate_memory
 from .memory import MemoryStats, memory_stats
 from .mesh import Coordinates, Mesh
 from .runtime import LaunchError, get_logger, init, launch
+from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
+from .sharding.grad_scaler import ShardedGradScaler
+from .sharding.state import clip_grad_norm_, full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
 
@@ -24,15 +28,25 @@ __all__ = [
     "Coordinates",
     "DDP",
     "DDPModule",
+    "FSDP",
     "LaunchEnvironment",
     "LaunchError",
+    "MemoryEstimate",
     "MemoryStats",
+    "MixedPrecision",
     "Mesh",
     "ReduceOp",
+    "ShardedGradScaler",
+    "ShardedModule",
     "Work",
+    "ZeRO",
+    "clip_grad_norm_",
     "detect_environment",
+    "estimate_memory",
+    "full_state_dict",
     "get_logger",
     "init",
     "launch",
+    "load_full_state_dict",
     "memory_stats",
 ]

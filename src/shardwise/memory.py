@@ -47,7 +47,8 @@ def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        if storage.nbytes():  # freed (resized-to-zero) buffers hold nothing
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(seen.values())
 
 
@@ -60,11 +61,17 @@ def peak_rss_bytes() -> int:
 def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
     """Bytes of parameters, gradients and optimizer state this rank holds for `model` (see MemoryStats)."""
     params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    gathered_peak = 0
     reducer = getattr(model, "_ddp", None)
+    engine = getattr(model, "_sharding", None)
     if reducer is not None:
-        grads = [b.buffer for b in reducer.buckets] + [p.grad for p in params if p.grad is not None]
-    else:
-        grads = [p.grad for p in params if p.grad is not None]
+        grads += [b.buffer for b in reducer.buckets]
+    if engine is not None:
+        # Shard parameters view the master shards; kept (stage 1/2) full buffers hold whole parameters.
+        params = [u.master for u in engine.units] + [u.full for u in engine.units if u.keep_full]
+        grads += [u.grad_buffer for u in engine.units if u.grad_buffer is not None]
+        gathered_peak = engine.gathered_peak
     state: list[torch.Tensor] = []
     if optimizer is not None:
         for per_param in optimizer.state.values():
@@ -73,6 +80,6 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         params=_unique_bytes(params),
         grads=_unique_bytes(grads),
         optimizer=_unique_bytes(state),
-        gathered_peak=0,
+        gathered_peak=gathered_peak,
         peak_rss=peak_rss_bytes(),
     )

@@ -38,6 +38,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     # Gather every unit once, in unit order (the same collective order on every rank).
     full: dict[int, torch.Tensor] = {}
     for unit in engine.units:
+        if unit.numel == 0:
+            continue
         gathered = torch.empty(unit.padded, dtype=unit.master_dtype, device=unit.master_device)
         unit.shard_comm.all_gather(gathered, unit.master.detach())
         for info in unit.infos:

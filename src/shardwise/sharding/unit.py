@@ -75,7 +75,8 @@ class Unit:
         self.replicate_comm = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 else None
         self.keep_full = keep_full
         self.keep_grad_buffer = keep_grad_buffer
-        first = plan.params[0]
+        # A root unit may own nothing (every parameter is in some unit): it then only carries the root hooks.
+        first = plan.params[0] if plan.params else torch.empty(0)
         self.device = first.device
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or first.dtype
@@ -123,6 +124,7 @@ class Unit:
         self.gathered_version: int | None = self._master_version()  # the full buffer matches the master now
         self.pending_gather: Work | None = None
         self.grad_buffer: torch.Tensor | None = None
+        self.grad_buffer_dirty = False  # holds last step's averaged shard, viewed by .grad: zero before reuse
         self.grad_pending = 0
         self.grads_seen: set[str] = set()
         self.reduce_work: Work | None = None
@@ -148,6 +150,8 @@ class Unit:
         return self.padded * self.full.element_size()
 
     def needs_gather(self) -> bool:
+        if self.numel == 0:
+            return False
         return not self.full_allocated or self.gathered_version != self._master_version()
 
     def start_gather(self) -> None:
@@ -200,8 +204,7 @@ class Unit:
         """Add an unsharded gradient into the flat gradient buffer (allocated, zeroed, on first use)."""
         grad = info.unsharded.grad
         if grad is not None:
-            if self.grad_buffer is None:
-                self.grad_buffer = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+            self._ready_grad_buffer()
             self.grad_buffer[info.offset : info.offset + info.numel].add_(grad.reshape(-1))
             info.unsharded.grad = None  # the flat buffer holds it now; free the unsharded gradient
         if info.name not in self.grads_seen:
@@ -218,8 +221,7 @@ class Unit:
         """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously."""
         if not self.trainable:
             return  # a frozen unit has nothing to reduce
-        if self.grad_buffer is None:
-            self.grad_buffer = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+        self._ready_grad_buffer()
         self.reduced_shard = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
         if self.shard_comm.size == 1 and self.replicate_comm is not None:
             # No sharding (DDP-like): skip the trivial reduce-scatter, all-reduce over the replicas right away.
@@ -240,8 +242,16 @@ class Unit:
         self.reduce_work = None
         if self.replicate_comm is not None and not self.replicated:
             self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG)
-        shard = self.reduced_shard.to(self.master_device, self.master_dtype)
         start = self.shard_range[0]
+        reduced = self.reduced_shard
+        if self.keep_grad_buffer and self.grad_buffer is not None:
+            # Gradients are not sharded (stage 1, no_shard): the averaged shard lives in the buffer's own slice and
+            # the shard parameters' .grad view it, so gradients cost exactly the one full buffer.
+            own = self.grad_buffer[start : start + self.shard_size]
+            own.copy_(reduced)
+            reduced = own
+            self.grad_buffer_dirty = True
+        shard = reduced.to(self.master_device, self.master_dtype)
         for info in self.trainable:
             piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
             if info.shard_param.grad is None:
@@ -249,10 +259,22 @@ class Unit:
             else:
                 info.shard_param.grad.add_(piece)
         self.reduced_shard = None
-        if self.keep_grad_buffer:
-            self.grad_buffer.zero_()
-        else:
+        if not self.keep_grad_buffer:
             self.grad_buffer = None
+
+    def _ready_grad_buffer(self) -> None:
+        """Allocate the flat gradient buffer, or zero a kept one at the start of a new accumulation cycle."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+            self.grad_buffer_dirty = False
+        elif self.grad_buffer_dirty:
+            storage = self.grad_buffer.untyped_storage().data_ptr()
+            for info in self.trainable:  # gradients the user kept (no zero_grad) must survive the zeroing
+                g = info.shard_param.grad
+                if g is not None and g.untyped_storage().data_ptr() == storage:
+                    info.shard_param.grad = g.clone()
+            self.grad_buffer.zero_()
+            self.grad_buffer_dirty = False
 
     # ---- state --------------------------------------------------------------------------------------------------
     def full_tensor(self, info: ParamInfo) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Dynamic loss scaling for fp16 training of sharded models (Micikevicius et al. 2018, "Mixed Precision Training").
+
+fp16 gradients underflow unless the loss is multiplied by a large scale S before backward; the optimizer then needs
+the gradients divided by S. An overflow (inf or nan) anywhere means the step must be skipped and S halved. With
+sharded gradients an overflow may show up in one rank's shard only, so the "found inf" flag is all-reduced (MAX)
+across the whole communicator: every rank skips the same steps and keeps the same scale. After `growth_interval`
+clean steps in a row the scale doubles again.
+
+    scaler = ShardedGradScaler(comm)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)              # optional, e.g. before clip_grad_norm_
+    scaler.step(opt)                  # skipped on every rank when any rank found inf/nan
+    scaler.update()
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm.base import Communicator, ReduceOp
+
+__all__ = ["ShardedGradScaler"]
+
+
+class ShardedGradScaler:
+    """See the module docstring. `comm` must span every rank that holds a piece of the gradients."""
+
+    def __init__(self, comm: Communicator, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+        if not init_scale > 0:
+            raise ValueError(f"ShardedGradScaler: init_scale={init_scale!r} must be positive")
+        if not growth_factor > 1:
+            raise ValueError(f"ShardedGradScaler: growth_factor={growth_factor!r} must be > 1")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"ShardedGradScaler: backoff_factor={backoff_factor!r} must be in (0, 1)")
+        if not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"ShardedGradScaler: growth_interval={growth_interval!r} must be a positive int")
+        self.comm = comm
+        self.scale_value = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+        self.found_inf: bool | None = None  # per step: None until unscale_ ran
+        self.skipped_steps = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_value
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide this rank's gradients by the scale and agree with every rank whether any of them overflowed."""
+        if self.found_inf is not None:
+            return
+        local_inf = False
+        inverse = 1.0 / self.scale_value
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.grad.numel() == 0:
+                    continue
+                p.grad.mul_(inverse)
+                if not local_inf and not torch.isfinite(p.grad).all():
+                    local_inf = True
+        flag = torch.tensor([1.0 if local_inf else 0.0])
+        self.comm.all_reduce(flag, ReduceOp.MAX)
+        self.found_inf = bool(flag.item())
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale (if not done) and step unless any rank found inf/nan. Returns whether the step was taken."""
+        self.unscale_(optimizer)
+        if self.found_inf:
+            self.skipped_steps += 1
+            return False
+        optimizer.step()
+        return True
+
+    def update(self) -> None:
+        """Back off after an overflow, grow after `growth_interval` clean steps; ready for the next step."""
+        if self.found_inf is None:
+            raise RuntimeError("ShardedGradScaler.update() called before step() or unscale_()")
+        if self.found_inf:
+            self.scale_value *= self.backoff_factor
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self.clean_steps = 0
+        self.found_inf = None
+
+    def get_scale(self) -> float:
+        return self.scale_value

@@ -1,0 +1,83 @@
+"""Shared rank bodies for the sharding tests: train the tiny GPT under a named configuration, return full state.
+
+Configurations are named by strings so that the same bodies run on threads and in spawned gloo processes:
+"zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard" (shard groups of 2).
+"""
+
+from __future__ import annotations
+
+import torch
+from parity import CONFIG, batch, make_optimizer
+
+import shardwise as sw
+from shardwise.models import GPT
+from shardwise.models.gpt import Block
+
+CONFIGS = ("zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+
+
+def wrap(model, comm, name: str, **options):
+    options.setdefault("wrap", Block)
+    if name.startswith("zero"):
+        return sw.ZeRO(model, comm, stage=int(name[-1]), **options)
+    if name == "hybrid_shard":
+        return sw.FSDP(model, comm, sharding=name, shard_size=2, **options)
+    return sw.FSDP(model, comm, sharding=name, **options)
+
+
+def train_sharded(comm, name, steps=5, accumulate=1, clip=None, freeze=(), param_groups=False, **options):
+    """Train under `name`; return (full state dict, per-step CommStats dicts, clip norms)."""
+    model = GPT(CONFIG, seed=0)
+    for pname, p in model.named_parameters():
+        if pname.startswith(freeze):
+            p.requires_grad_(False)
+    model = wrap(model, comm, name, **options)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if param_groups:
+        decay = [p for n, p in trainable if n.endswith("weight") and ".ln" not in n and not n.startswith("ln")]
+        no_decay = [p for n, p in trainable if not (n.endswith("weight") and ".ln" not in n and not n.startswith("ln"))]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-3, eps=1e-6)
+    else:
+        opt = make_optimizer([p for _, p in trainable])
+    per_step, norms = [], []
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.size)
+        with comm.stats.measure() as measured:
+            for micro, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+                if micro < accumulate - 1:
+                    with model.no_sync():
+                        (model(xm, ym) / accumulate).backward()
+                else:
+                    (model(xm, ym) / accumulate).backward()
+        if clip is not None:
+            norms.append(float(sw.clip_grad_norm_(model, clip)))
+        opt.step()
+        opt.zero_grad()
+        per_step.append(measured.as_dict())
+    return sw.full_state_dict(model), per_step, norms
+
+
+def reference(steps=5, clip=None, freeze=(), param_groups=False):
+    """The same training in one process, plain PyTorch."""
+    model = GPT(CONFIG, seed=0)
+    for pname, p in model.named_parameters():
+        if pname.startswith(freeze):
+            p.requires_grad_(False)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if param_groups:
+        decay = [p for n, p in trainable if n.endswith("weight") and ".ln" not in n and not n.startswith("ln")]
+        no_decay = [p for n, p in trainable if not (n.endswith("weight") and ".ln" not in n and not n.startswith("ln"))]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-3, eps=1e-6)
+    else:
+        opt = make_optimizer([p for _, p in trainable])
+    norms = []
+    for step in range(steps):
+        x, y = batch(step)
+        model(x, y).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms

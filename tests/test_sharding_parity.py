@@ -1,0 +1,157 @@
+"""Every sharding configuration trains to the parameters of one process (thread ranks; gloo in test_sharding_gloo)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from parity import assert_state_close
+from sharding_cases import CONFIGS, reference, train_sharded
+from torch import nn
+
+import shardwise as sw
+
+
+@pytest.fixture(scope="module")
+def plain_reference():
+    return reference()[0]
+
+
+# hybrid_shard uses shard groups of 2, so it needs 4 ranks to also replicate.
+@pytest.mark.parametrize("name, world", [(n, w) for n in CONFIGS for w in (2, 4) if (n, w) != ("hybrid_shard", 2)])
+def test_parity(name, world, plain_reference):
+    for state, _, _ in sw.launch(train_sharded, world, name):
+        assert_state_close(state, plain_reference)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "shard_grad_op"])
+def test_gradient_accumulation(name, plain_reference):
+    state, per_step, _ = sw.launch(train_sharded, 2, name, 5, 2)[0]
+    assert_state_close(state, plain_reference)
+    assert all(step["reduce_scatter"]["calls"] == per_step[0]["reduce_scatter"]["calls"] for step in per_step)
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_clipping_matches_single_process_norm(name):
+    want_state, want_norms = reference(clip=0.05)
+    state, _, norms = sw.launch(train_sharded, 4, name, 5, 1, 0.05)[0]
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+    assert want_norms[0] > 0.05  # clipping really happened
+    assert_state_close(state, want_state)
+
+
+@pytest.mark.parametrize("freeze", [("blocks.0.",), ("blocks.1.attn.", "pos_emb")])
+def test_frozen_parameters(freeze):
+    want, _ = reference(freeze=freeze)
+    state, _, _ = sw.launch(train_sharded, 2, "zero3", 5, 1, None, freeze)[0]
+    assert_state_close(state, want)
+
+
+def test_param_groups_by_name():
+    want, _ = reference(param_groups=True)
+    state, _, _ = sw.launch(train_sharded, 2, "zero3", 5, 1, None, (), True)[0]
+    assert_state_close(state, want)
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_activation_checkpointing(name, plain_reference):
+    state, per_step, _ = sw.launch(partial(train_sharded, activation_checkpointing=True), 2, name)[0]
+    assert_state_close(state, plain_reference)
+
+
+@pytest.mark.parametrize("wrap_policy", ["auto", "size:0.01", None])
+def test_wrap_policies_train_the_same(wrap_policy, plain_reference):
+    state, _, _ = sw.launch(partial(train_sharded, wrap=wrap_policy, group_mb=0.05), 2, "zero3")[0]
+    assert_state_close(state, plain_reference)
+
+
+def test_cpu_offload(plain_reference):
+    state, _, _ = sw.launch(partial(train_sharded, cpu_offload=True), 2, "zero3")[0]
+    assert_state_close(state, plain_reference)
+
+
+def test_without_prefetch(plain_reference):
+    state, _, _ = sw.launch(partial(train_sharded, prefetch=False), 2, "zero3")[0]
+    assert_state_close(state, plain_reference)
+
+
+class _Odd(nn.Module):
+    """58 parameters: not divisible by 3 or 4, so shards are padded."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(7, 5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).square().mean()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameter_count_not_divisible_by_world(world, stage):
+    x = torch.randn(12, 7, generator=torch.Generator().manual_seed(3))
+    init = _Odd().state_dict()
+
+    def body(comm):
+        model = _Odd()
+        model.load_state_dict(init)
+        model = sw.ZeRO(model, comm, stage=stage, wrap=nn.Linear)
+        shards = {n: p.numel() for n, p in model.named_parameters()}
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            b = 12 // comm.size
+            model(x[comm.rank * b : (comm.rank + 1) * b]).backward()
+            opt.step()
+            opt.zero_grad()
+        return sw.full_state_dict(model), shards
+
+    ref = _Odd()
+    ref.load_state_dict(init)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    results = sw.launch(body, world)
+    for state, _ in results:
+        assert_state_close(state, ref.state_dict())
+    # Every element is owned by exactly one rank.
+    for name, p in ref.named_parameters():
+        assert sum(shards[name] for _, shards in results) == p.numel()
+
+
+def test_named_parameters_are_shards_with_original_names():
+    def body(comm):
+        from sharding_cases import wrap
+        from shardwise.models import GPT
+        from parity import CONFIG
+
+        plain = GPT(CONFIG, seed=0)
+        names = [n for n, _ in plain.named_parameters()]
+        model = wrap(plain, comm, "zero3")
+        return names, {n: (p.dim(), p.numel(), isinstance(p, nn.Parameter)) for n, p in model.named_parameters()}
+
+    results = sw.launch(body, 4)
+    names = results[0][0]
+    for _, shards in results:
+        assert list(shards) == names
+        assert all(dim == 1 and is_param for dim, _, is_param in shards.values())
+    total = sum(sum(n for _, n, _ in shards.values()) for _, shards in results)
+    plain_total = sum(p.numel() for p in __import__("shardwise.models", fromlist=["GPT"]).GPT(
+        __import__("parity").CONFIG, seed=0).parameters())
+    assert total == plain_total
+
+
+def test_tied_weights_stay_tied():
+    def body(comm):
+        from sharding_cases import wrap
+        from shardwise.models import GPT
+        from parity import CONFIG
+
+        model = wrap(GPT(CONFIG, seed=0), comm, "zero3")
+        return model.tok_emb.weight is model.head.weight
+
+    assert all(sw.launch(body, 2))
