@@ -20,8 +20,9 @@ def wrap(model, comm, name: str, **options):
     options.setdefault("wrap", Block)
     if name.startswith("zero"):
         return sw.ZeRO(model, comm, stage=int(name[-1]), **options)
-    if name == "hybrid_shard":
-        return sw.FSDP(model, comm, sharding=name, shard_size=2, **options)
+    if name.startswith("hybrid_shard"):  # "hybrid_shard" groups of 2; "hybrid_shard1": groups of 1 (all replicas)
+        size = int(name[len("hybrid_shard"):] or 2)
+        return sw.FSDP(model, comm, sharding="hybrid_shard", shard_size=size, **options)
     return sw.FSDP(model, comm, sharding=name, **options)
 
 

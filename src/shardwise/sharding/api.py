@@ -24,7 +24,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..mesh import Mesh
 from .engine import ShardingConfig, ShardingEngine
-from .policy import MixedPrecision, describe_units
+from .policy import MixedPrecision
 
 __all__ = ["ZeRO", "FSDP", "ShardedModule", "SHARDING_STRATEGIES"]
 
@@ -60,8 +60,11 @@ class ShardedModule(nn.Module):
             engine.require_sync = previous
 
     def sharding_units(self) -> list[dict[str, Any]]:
-        """The units: name, number of parameters and tensors, in creation order (the root unit last)."""
-        return describe_units(self._sharding.units)  # type: ignore[arg-type]
+        """The units in creation order (the root unit last): name, parameters, tensors, padded size, shard size."""
+        return [
+            {"unit": u.name, "params": u.numel, "tensors": len(u.infos), "padded": u.padded, "shard": u.shard_size}
+            for u in self._sharding.units
+        ]
 
 
 _CLASS_CACHE: dict[type, type] = {}

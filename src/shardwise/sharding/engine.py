@@ -35,7 +35,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 from .policy import MixedPrecision, plan_units
-from .unit import ParamInfo, Unit
+from .unit import GatheredMemory, ParamInfo, Unit
 
 __all__ = ["ShardingConfig", "ShardingEngine"]
 
@@ -88,10 +88,11 @@ class ShardingEngine:
         mp = config.mixed_precision
         names = {p: n for n, p in model.named_parameters()}
         plans = plan_units(model, config.wrap, config.group_mb)
+        self.memory = GatheredMemory()
         self.units = [
             Unit(plan, i, names, shard_comm, replicate_comm, keep_full=config.keep_full,
                  keep_grad_buffer=config.keep_grad_buffer, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                 offload=config.cpu_offload)
+                 offload=config.cpu_offload, memory=self.memory)
             for i, plan in enumerate(plans)
         ]
         self.root = self.units[-1]
@@ -101,10 +102,10 @@ class ShardingEngine:
         self.require_sync = True
         self.in_backward = False
         self.forward_order: list[Unit] = []
+        self.forward_pos: dict[Unit, int] = {}
         self.order_recorded = False
         self.launch_order: list[Unit] = []
         self.next_launch = 0
-        self.gathered_peak = 0
         self.handles: list[Any] = []
         if mp.buffer_dtype is not None:
             for module in model.modules():
@@ -168,10 +169,11 @@ class ShardingEngine:
         if self.in_backward:
             return args  # recomputation (activation checkpointing) inside backward: just make parameters whole
         if not self.order_recorded:
-            if unit not in self.forward_order:
+            if unit not in self.forward_pos:
+                self.forward_pos[unit] = len(self.forward_order)
                 self.forward_order.append(unit)
-        elif self.config.prefetch and unit in self.forward_order:
-            pos = self.forward_order.index(unit)
+        elif self.config.prefetch and unit in self.forward_pos:
+            pos = self.forward_pos[unit]
             if pos + 1 < len(self.forward_order):
                 self._start_gather(self.forward_order[pos + 1])
         if not unit.entered:
@@ -227,8 +229,8 @@ class ShardingEngine:
             if unit.needs_gather() or not unit.unsharded_in_modules:
                 self._gather(unit)
                 unit.swap_to_unsharded()
-            if self.config.prefetch and unit in self.forward_order:
-                pos = self.forward_order.index(unit)
+            if self.config.prefetch and unit in self.forward_pos:
+                pos = self.forward_pos[unit]
                 if pos > 0:
                     self._start_gather(self.forward_order[pos - 1])
 
@@ -266,15 +268,16 @@ class ShardingEngine:
                     unit.free_full()
             self.in_backward = False
 
-    # ---- gathering with bookkeeping ---------------------------------------------------------------------------
+    # ---- gathering --------------------------------------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
         unit.start_gather()
-        live = sum(u.full_bytes for u in self.units if not u.keep_full and u.full_allocated)
-        self.gathered_peak = max(self.gathered_peak, live)
 
     def _gather(self, unit: Unit) -> None:
-        self._start_gather(unit)
         unit.wait_gather()
+
+    @property
+    def gathered_peak(self) -> int:
+        return self.memory.peak
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

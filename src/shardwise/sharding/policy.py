@@ -161,8 +161,3 @@ def plan_units(model: nn.Module, wrap: object = "auto", group_mb: float = 25.0) 
         plans[index].locations[p] = locations[p]
     return [u for u in plans if u.params or u.is_root]
 
-
-def describe_units(units: Sequence[UnitPlan]) -> list[dict[str, object]]:
-    return [
-        {"unit": u.name, "params": sum(p.numel() for p in u.params), "tensors": len(u.params)} for u in units
-    ]

@@ -31,7 +31,22 @@ from torch import nn
 from ..comm.base import Communicator, ReduceOp, Work
 from .policy import UnitPlan
 
-__all__ = ["Unit", "ParamInfo"]
+__all__ = ["Unit", "ParamInfo", "GatheredMemory"]
+
+
+class GatheredMemory:
+    """Bytes of temporarily gathered (freeable) full buffers alive now, and the peak: memory_stats' gathered_peak."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def allocated(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def freed(self, nbytes: int) -> None:
+        self.live -= nbytes
 
 
 @dataclasses.dataclass
@@ -66,8 +81,10 @@ class Unit:
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         offload: bool,
+        memory: GatheredMemory,
     ) -> None:
         self.name = plan.name
+        self.memory = memory
         self.index = index
         self.modules = plan.modules
         self.is_root = plan.is_root
@@ -134,6 +151,7 @@ class Unit:
         self._install("shard_param")
         self.unsharded_in_modules = False
         if not keep_full:
+            memory.allocated(self.full_bytes)  # so that freeing balances
             self.free_full()
 
     # ---- parameters: gather, free, swap -----------------------------------------------------------------------
@@ -160,6 +178,7 @@ class Unit:
             return
         if not self.full_allocated:
             self.full.untyped_storage().resize_(self.full_bytes)
+            self.memory.allocated(self.full_bytes)
         source = self.master.detach().to(self.device, self.param_dtype)
         if source.data_ptr() == self.master.data_ptr():
             source = source.clone()  # never gather from a slice of the very buffer being written
@@ -178,6 +197,7 @@ class Unit:
             self.pending_gather = None
         if not self.keep_full and self.full_allocated:
             self.full.untyped_storage().resize_(0)
+            self.memory.freed(self.full_bytes)
 
     def _install(self, which: str) -> None:
         for info in self.infos:
