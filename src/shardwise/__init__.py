@@ -8,6 +8,7 @@
 See README.md and docs/ for the user guide.
 """
 
+from .checkpoint import CheckpointError, export_full, import_full, load_checkpoint, save_checkpoint
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .ddp import DDP, DDPModule
 from .environment import LaunchEnvironment, detect_environment
@@ -22,6 +23,7 @@ from .sharding.state import clip_grad_norm_, full_state_dict, load_full_state_di
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CommError",
     "CommStats",
     "Communicator",
@@ -43,10 +45,14 @@ __all__ = [
     "clip_grad_norm_",
     "detect_environment",
     "estimate_memory",
+    "export_full",
     "full_state_dict",
     "get_logger",
+    "import_full",
     "init",
     "launch",
+    "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
+    "save_checkpoint",
 ]

@@ -88,8 +88,10 @@ def _check_common(module: nn.Module, mixed_precision: Any, cpu_offload: Any, gro
     return mixed_precision
 
 
-def _wrap(module: nn.Module, shard: Communicator, replicate: Communicator | None, config: ShardingConfig) -> nn.Module:
+def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate: Communicator | None,
+          config: ShardingConfig) -> nn.Module:
     engine = ShardingEngine(module, shard, replicate, config)
+    engine.comm = comm  # every data-parallel rank (checkpoints need them all)
     cls = type(module)
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
@@ -128,7 +130,7 @@ def ZeRO(
     mp = _check_common(module, mixed_precision, cpu_offload, group_mb)
     config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
                             group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
-    return _wrap(module, comm, None, config)
+    return _wrap(module, comm, comm, None, config)
 
 
 def FSDP(
@@ -168,9 +170,9 @@ def FSDP(
     config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
                             group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
     if sharding == "no_shard":
-        return _wrap(module, comm.split(comm.rank), comm, config)
+        return _wrap(module, comm, comm.split(comm.rank), comm, config)
     if sharding == "hybrid_shard":
         shard = comm.split(comm.rank // shard_size)
         replicate = comm.split(comm.rank % shard_size)
-        return _wrap(module, shard, replicate, config)
-    return _wrap(module, comm, None, config)
+        return _wrap(module, comm, shard, replicate, config)
+    return _wrap(module, comm, comm, None, config)

@@ -1,0 +1,289 @@
+"""`save_checkpoint`: every rank writes only what it holds; one metadata file describes the whole; atomic.
+
+Steps (see storage.py for the layout):
+1. Rank 0 picks the step and a temporary directory name and broadcasts them (the only collectives besides step 2
+   and the final barrier).
+2. Every rank lists its pieces (pieces.py); the lists are exchanged and each distinct piece gets exactly one writer,
+   the holder with the fewest bytes assigned so far, so replicated state (DDP, hybrid replicas) is written once
+   and the writing is spread over the ranks.
+3. Each rank copies its assigned pieces to host memory, serialises them with safetensors, writes its file durably
+   and then an index file listing its pieces and the file's sha256.
+4. Rank 0 waits for every index, writes metadata.json, renames the directory into place, then moves `latest`
+   and prunes old checkpoints.
+With `async_save=True` steps 3-4 run on a background thread (training goes on: the snapshot of step 3 is taken
+before returning); they use no collectives, only the filesystem, so they never interleave with the training's.
+`handle.wait()` joins; on rank 0 it returns once the checkpoint is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save as safetensors_save
+from torch import nn
+
+from ..comm.base import Communicator
+from ..comm.objects import all_gather_json, broadcast_json
+from .pieces import local_pieces
+from .storage import (
+    METADATA,
+    CheckpointError,
+    checkpoint_dir_name,
+    fsync_dir,
+    prune,
+    shard_file_name,
+    update_latest,
+    write_bytes_durably,
+)
+
+__all__ = ["save_checkpoint", "SaveHandle", "model_comm", "strategy_name"]
+
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+
+
+def model_comm(model: nn.Module, comm: Communicator | None) -> Communicator:
+    """The communicator spanning every rank that holds a piece of `model`."""
+    if comm is not None:
+        return comm
+    engine = getattr(model, "_sharding", None)
+    if engine is not None:
+        return engine.comm
+    reducer = getattr(model, "_ddp", None)
+    if reducer is not None:
+        return reducer.comm
+    from ..comm.thread_backend import ThreadWorld
+
+    return ThreadWorld(1).communicators()[0]
+
+
+def strategy_name(model: nn.Module) -> str:
+    engine = getattr(model, "_sharding", None)
+    if engine is not None:
+        return engine.config.name
+    return "ddp" if getattr(model, "_ddp", None) is not None else "none"
+
+
+class SaveHandle:
+    """A save in flight (or done). `wait()` re-raises any error of the background writer."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def wait(self) -> Path:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"rng/torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda{i}"] = state
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    as_json = {"python": [version, list(internal), gauss],
+               "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    return tensors, as_json
+
+
+def _assign_writers(all_pieces: list[list[dict[str, Any]]]) -> dict[tuple[str, int, int], int]:
+    """One writer per distinct piece: the holder with the least bytes assigned so far (deterministic)."""
+    holders: dict[tuple[str, int, int], list[int]] = {}
+    sizes: dict[tuple[str, int, int], int] = {}
+    for rank, pieces in enumerate(all_pieces):
+        for p in pieces:
+            key = (p["name"], p["lo"], p["hi"])
+            holders.setdefault(key, []).append(rank)
+            sizes[key] = p["nbytes"]
+    load = [0] * len(all_pieces)
+    writer: dict[tuple[str, int, int], int] = {}
+    for key in sorted(holders, key=lambda k: (-sizes[k], k)):
+        chosen = min(holders[key], key=lambda r: (load[r], r))
+        writer[key] = chosen
+        load[chosen] += sizes[key]
+    return writer
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    *,
+    comm: Communicator | None = None,
+    keep_last: int | None = None,
+    async_save: bool = False,
+    timeout: float = 600.0,
+    **extra: Any,
+) -> SaveHandle:
+    """Save a sharded checkpoint of `model` (and `optimizer`) under the directory `path`; collective.
+
+    step: names the checkpoint (`step-00000100`); None takes the next number after the newest one.
+    keep_last: afterwards delete all but the newest `keep_last` checkpoints.
+    async_save: write on a background thread; call `.wait()` on the returned handle before the next save.
+    extra: JSON-serialisable values stored in the metadata and returned by `load_checkpoint` (e.g. the data
+        position: `data=sampler.state_dict()`).
+    """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"save_checkpoint: step={step!r} must be a non-negative int or None")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"save_checkpoint: keep_last={keep_last!r} must be a positive int or None")
+    try:
+        json.dumps(extra)
+    except TypeError as exc:
+        raise ValueError(f"save_checkpoint: extra values must be JSON-serialisable: {exc}") from None
+    comm = model_comm(model, comm)
+    root = Path(path)
+    plan = None
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if step is None:
+            existing = [int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()]
+            step = max(existing, default=-1) + 1
+        plan = {"step": step, "tmp": f".tmp-{checkpoint_dir_name(step)}-{uuid.uuid4().hex}"}
+    plan = broadcast_json(comm, plan)
+    step, tmp = plan["step"], root / plan["tmp"]
+    final = root / checkpoint_dir_name(step)
+    if comm.rank != 0:
+        root.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir(exist_ok=True)
+
+    pieces = local_pieces(model, optimizer)
+    writers = _assign_writers(all_gather_json(comm, [p.describe() for p in pieces]))
+    mine = [p for p in pieces if writers[(p.name, p.lo, p.hi)] == comm.rank]
+    # The snapshot: host copies, taken now, so training may change the live tensors right after we return.
+    tensors = {f"{p.name}@{p.lo}": p.tensor.detach().to("cpu", copy=True).contiguous() for p in mine}
+    rng_tensors, rng_json = _rng_state()
+    tensors.update({f"{k}@{comm.rank}": v.clone() for k, v in rng_tensors.items()})
+    file_name = shard_file_name(comm.rank, comm.size)
+    index = {
+        "rank": comm.rank,
+        "file": file_name,
+        "pieces": [dict(p.describe(), key=f"{p.name}@{p.lo}") for p in mine],
+        "rng": {"json": rng_json, "tensors": {k: f"{k}@{comm.rank}" for k in rng_tensors}},
+        "optim_scalars": _optimizer_scalars(model, optimizer),
+    }
+    header = None
+    if comm.rank == 0:
+        header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size,
+                  "strategy": strategy_name(model), "extra": extra,
+                  "param_groups": _param_groups(model, optimizer)}
+
+    handle = SaveHandle(final)
+
+    def write() -> None:
+        try:
+            data = safetensors_save(tensors)
+            write_bytes_durably(tmp / file_name, data)
+            import hashlib
+
+            index["sha256"] = hashlib.sha256(data).hexdigest()
+            index["bytes"] = len(data)
+            write_bytes_durably(tmp / f"index-{comm.rank:05d}.json", json.dumps(index).encode())
+            if comm.rank == 0:
+                _finish(root, tmp, final, header, comm.size, keep_last, timeout)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
+            handle.error = exc
+
+    if async_save:
+        handle.thread = threading.Thread(target=write, name=f"shardwise-save-rank{comm.rank}", daemon=True)
+        handle.thread.start()
+        return handle
+    write()
+    comm.barrier()  # when save_checkpoint returns on any rank, the checkpoint is complete
+    handle.wait()
+    return handle
+
+
+def _finish(root: Path, tmp: Path, final: Path, header: dict[str, Any], world: int, keep_last: int | None,
+            timeout: float) -> None:
+    """Rank 0: merge the indexes into metadata.json, rename the directory into place, move `latest`, prune."""
+    deadline = time.monotonic() + timeout
+    names = [tmp / f"index-{r:05d}.json" for r in range(world)]
+    while not all(n.is_file() for n in names):
+        if time.monotonic() > deadline:
+            missing = [n.name for n in names if not n.is_file()]
+            raise CheckpointError(f"save of {final}: ranks did not finish writing within {timeout:g}s: {missing}")
+        time.sleep(0.01)
+    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, dict[str, Any]] = {}
+    rng: dict[str, Any] = {}
+    optim_scalars: dict[str, Any] = {}
+    for name in names:
+        index = json.loads(name.read_text())
+        files[index["file"]] = {"sha256": index["sha256"], "bytes": index["bytes"]}
+        rng[str(index["rank"])] = dict(index["rng"], file=index["file"])
+        for key, values in index["optim_scalars"].items():
+            optim_scalars.setdefault(key, values)
+        for p in index["pieces"]:
+            entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"], "pieces": []})
+            entry["pieces"].append({"file": index["file"], "key": p["key"], "lo": p["lo"], "hi": p["hi"]})
+    metadata = dict(header, files=files, tensors=tensors, rng=rng, optim_scalars=optim_scalars)
+    write_bytes_durably(tmp / METADATA, json.dumps(metadata, indent=1).encode())
+    for name in names:
+        name.unlink()
+    fsync_dir(tmp)
+    if final.exists():  # re-saving a step: move the old one aside first, never leave a half state under its name
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    update_latest(root, final.name)
+    if keep_last is not None:
+        prune(root, keep_last)
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
+    if optimizer is None:
+        return []
+    names = _param_names(model)
+    groups = []
+    for group in optimizer.param_groups:
+        entry = {k: v for k, v in group.items() if k != "params" and _jsonable(v)}
+        entry["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(entry)
+    return groups
+
+
+def _optimizer_scalars(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {}
+    names = _param_names(model)
+    out = {}
+    for p, state in optimizer.state.items():
+        plain = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor) and _jsonable(v)}
+        if plain and id(p) in names:
+            out[names[id(p)]] = plain
+    return out
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
