@@ -177,6 +177,10 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, targets: dict[str, Any], m
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
     tensors = metadata["tensors"]
     scalars = metadata.get("optim_scalars", {})
+    by_param: dict[str, list[str]] = {}
+    for key in tensors:
+        if key.startswith("optim/"):
+            by_param.setdefault(key[len("optim/") : key.rindex("/")], []).append(key)
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = names.get(id(p))
@@ -184,20 +188,27 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, targets: dict[str, Any], m
                 raise ValueError("load_checkpoint: the optimizer holds a parameter that is not in the model")
             _, shape, lo, hi = targets[name]
             prefix = f"optim/{name}/"
+            existing = optimizer.state.get(p, {})
             state: dict[str, Any] = dict(scalars.get(name, {}))
-            for key, entry in tensors.items():
-                if not key.startswith(prefix):
-                    continue
+            for key in by_param.get(name, ()):
+                entry = tensors[key]
+                field = key[len(prefix):]
                 dtype = getattr(torch, entry["dtype"])
-                if list(entry["shape"]) == list(shape) and entry["shape"] != []:
-                    value = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                follows_param = list(entry["shape"]) == list(shape) and entry["shape"] != []
+                local_shape = p.shape if follows_param else torch.Size(entry["shape"])
+                device = p.device if follows_param else torch.device("cpu")
+                old = existing.get(field)
+                # Refill the optimizer's own tensor when it fits (no allocation); every element gets written.
+                if isinstance(old, torch.Tensor) and old.shape == local_shape and old.dtype == dtype:
+                    value = old
+                else:
+                    value = torch.empty(local_shape, dtype=dtype, device=device)
+                if follows_param:
                     if hi > lo:
                         reader.fill(entry, key, value.view(-1), lo, hi)
                 else:
-                    value = torch.zeros(entry["shape"], dtype=dtype)
-                    numel = value.numel()
-                    reader.fill(entry, key, value.view(-1), 0, numel)
-                state[key[len(prefix):]] = value
+                    reader.fill(entry, key, value.view(-1), 0, value.numel())
+                state[field] = value
             if state:
                 optimizer.state[p] = state
 

@@ -1,0 +1,131 @@
+"""Checkpoint save/load time and bytes: shardwise sharded checkpoints against torch.save of a gathered full state.
+
+Both sides save the same thing: the model (ZeRO-3 over N gloo processes) and its AdamW state after one step.
+* shardwise: `save_checkpoint` (each rank writes its shard; fsync; atomic rename) and `load_checkpoint`.
+* peer: gather the full model state dict and the full optimizer state to rank 0, `torch.save` it to one file
+  (fsync for a fair comparison), and `torch.load` + load on every rank (what people do without a sharded format).
+Runs alternate, median of --repeats. Prints JSON lines.
+
+    .venv/bin/python bench/checkpoint.py --nproc 2 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import shardwise as sw
+from shardwise.checkpoint import read_tensors
+from shardwise.models import GPT, GPTConfig
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _gathered_optimizer_state(model, opt, comm):
+    """Full (unsharded) optimizer state per parameter name, gathered with the model's own shards (peer path)."""
+    engine = model._sharding
+    names = {id(p): n for n, p in model.named_parameters()}
+    full = {}
+    for unit in engine.units:
+        for key in ("exp_avg", "exp_avg_sq"):
+            flat = torch.zeros(unit.shard_size)
+            for info in unit.infos:
+                state = opt.state.get(info.shard_param)
+                if state and info.shard_hi > info.shard_lo:
+                    start = info.offset + info.shard_lo - unit.shard_range[0]
+                    flat[start : start + state[key].numel()] = state[key]
+            gathered = torch.empty(unit.padded)
+            comm.all_gather(gathered, flat)
+            for info in unit.infos:
+                full[f"{names[id(info.shard_param)]}/{key}"] = gathered[info.offset : info.offset + info.numel].clone()
+    return full
+
+
+def body(comm, root: str, repeats: int, preset: str) -> dict:
+    model = sw.ZeRO(GPT(GPTConfig.preset(preset), seed=0), comm, stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 64))
+    model(x, x).backward()
+    opt.step()
+    opt.zero_grad()
+    times = {"shardwise_save": [], "shardwise_load": [], "torch_save": [], "torch_load": []}
+    sizes = {}
+    for r in range(repeats):
+        target = Path(root) / f"sw-{r}"
+        comm.barrier()
+        t0 = time.perf_counter()
+        sw.save_checkpoint(target, model, opt, step=r)
+        times["shardwise_save"].append(time.perf_counter() - t0)
+        sizes["shardwise"] = _dir_bytes(target)
+        comm.barrier()
+        t0 = time.perf_counter()
+        sw.load_checkpoint(target, model, opt)
+        comm.barrier()
+        times["shardwise_load"].append(time.perf_counter() - t0)
+
+        peer = Path(root) / f"torch-{r}.pt"
+        comm.barrier()
+        t0 = time.perf_counter()
+        state = {"model": sw.full_state_dict(model), "optim": _gathered_optimizer_state(model, opt, comm)}
+        if comm.rank == 0:
+            with open(peer, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        comm.barrier()
+        times["torch_save"].append(time.perf_counter() - t0)
+        sizes["torch"] = peer.stat().st_size
+        t0 = time.perf_counter()
+        loaded = torch.load(peer, weights_only=True)
+        sw.load_full_state_dict(model, loaded["model"])
+        comm.barrier()
+        times["torch_load"].append(time.perf_counter() - t0)
+        if comm.rank == 0:
+            shutil.rmtree(target)
+            peer.unlink()
+    # Sanity: the sharded checkpoint holds exactly the model's parameters.
+    sw.save_checkpoint(Path(root) / "check", model, opt, step=0)
+    if comm.rank == 0:
+        saved = read_tensors(Path(root) / "check")
+        same = all(torch.equal(saved[f"param/{k}"], v) for k, v in sw.full_state_dict(model).items()
+                   if f"param/{k}" in saved)
+    else:
+        sw.full_state_dict(model)
+        same = True
+    return {"times": times, "sizes": sizes, "same": same}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--preset", default="bench")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="shardwise-ckpt-bench-")
+    try:
+        result = sw.launch(body, args.nproc, root, args.repeats, args.preset, backend="gloo", timeout=300,
+                           threads_per_rank=1)[0]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    medians = {k: statistics.median(v) * 1000 for k, v in result["times"].items()}
+    for impl in ("shardwise", "torch"):
+        print(json.dumps({"impl": impl, "save_ms": round(medians[f"{impl}_save"], 1),
+                          "load_ms": round(medians[f"{impl}_load"], 1), "bytes": result["sizes"][impl],
+                          "nproc": args.nproc, "preset": args.preset, "repeats": args.repeats}))
+    print(json.dumps({"save_ratio": round(medians["shardwise_save"] / medians["torch_save"], 3),
+                      "load_ratio": round(medians["shardwise_load"] / medians["torch_load"], 3),
+                      "parameters_identical": result["same"]}))
+
+
+if __name__ == "__main__":
+    main()
