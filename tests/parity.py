@@ -31,12 +31,39 @@ def batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, 
     return CORPUS.batch(step, GLOBAL_BATCH // world_size, CONFIG.seq_len, rank=rank, world_size=world_size)
 
 
-def reference_state(steps: int, config: GPTConfig = CONFIG, freeze: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """Parameters after `steps` AdamW steps of one process on the whole global batch."""
+def frozen_model(freeze: tuple[str, ...] = (), config: GPTConfig = CONFIG) -> GPT:
+    """The seeded GPT with every parameter whose name starts with one of `freeze` set to requires_grad=False."""
     model = GPT(config, seed=0)
     for name, p in model.named_parameters():
         if name.startswith(freeze):
             p.requires_grad_(False)
+    return model
+
+
+def grouped_optimizer(named_params) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (no decay on biases and norms): parameter groups by name."""
+    def decays(name: str) -> bool:
+        return name.endswith("weight") and ".ln" not in name and not name.startswith("ln")
+
+    trainable = [(n, p) for n, p in named_params if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for n, p in trainable if decays(n)], "weight_decay": 0.1},
+                              {"params": [p for n, p in trainable if not decays(n)], "weight_decay": 0.0}],
+                             lr=1e-3, eps=1e-6)
+
+
+def accumulated_backward(model, x: torch.Tensor, y: torch.Tensor, accumulate: int) -> None:
+    """Backward over `accumulate` micro-batches of (x, y): all but the last under model.no_sync()."""
+    for micro, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+        if micro < accumulate - 1:
+            with model.no_sync():
+                (model(xm, ym) / accumulate).backward()
+        else:
+            (model(xm, ym) / accumulate).backward()
+
+
+def reference_state(steps: int, config: GPTConfig = CONFIG, freeze: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Parameters after `steps` AdamW steps of one process on the whole global batch."""
+    model = frozen_model(freeze, config)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
     for step in range(steps):
         x, y = batch(step)

@@ -7,10 +7,9 @@ Configurations are named by strings so that the same bodies run on threads and i
 from __future__ import annotations
 
 import torch
-from parity import CONFIG, batch, make_optimizer
+from parity import accumulated_backward, batch, frozen_model, grouped_optimizer, make_optimizer
 
 import shardwise as sw
-from shardwise.models import GPT
 from shardwise.models.gpt import Block
 
 CONFIGS = ("zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
@@ -26,31 +25,21 @@ def wrap(model, comm, name: str, **options):
     return sw.FSDP(model, comm, sharding=name, **options)
 
 
+def _optimizer(model, param_groups: bool) -> torch.optim.Optimizer:
+    if param_groups:
+        return grouped_optimizer(model.named_parameters())
+    return make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+
 def train_sharded(comm, name, steps=5, accumulate=1, clip=None, freeze=(), param_groups=False, **options):
     """Train under `name`; return (full state dict, per-step CommStats dicts, clip norms)."""
-    model = GPT(CONFIG, seed=0)
-    for pname, p in model.named_parameters():
-        if pname.startswith(freeze):
-            p.requires_grad_(False)
-    model = wrap(model, comm, name, **options)
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if param_groups:
-        decay = [p for n, p in trainable if n.endswith("weight") and ".ln" not in n and not n.startswith("ln")]
-        no_decay = [p for n, p in trainable if not (n.endswith("weight") and ".ln" not in n and not n.startswith("ln"))]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=1e-3, eps=1e-6)
-    else:
-        opt = make_optimizer([p for _, p in trainable])
+    model = wrap(frozen_model(freeze), comm, name, **options)
+    opt = _optimizer(model, param_groups)
     per_step, norms = [], []
     for step in range(steps):
         x, y = batch(step, comm.rank, comm.size)
         with comm.stats.measure() as measured:
-            for micro, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
-                if micro < accumulate - 1:
-                    with model.no_sync():
-                        (model(xm, ym) / accumulate).backward()
-                else:
-                    (model(xm, ym) / accumulate).backward()
+            accumulated_backward(model, x, y, accumulate)
         if clip is not None:
             norms.append(float(sw.clip_grad_norm_(model, clip)))
         opt.step()
@@ -61,18 +50,8 @@ def train_sharded(comm, name, steps=5, accumulate=1, clip=None, freeze=(), param
 
 def reference(steps=5, clip=None, freeze=(), param_groups=False):
     """The same training in one process, plain PyTorch."""
-    model = GPT(CONFIG, seed=0)
-    for pname, p in model.named_parameters():
-        if pname.startswith(freeze):
-            p.requires_grad_(False)
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if param_groups:
-        decay = [p for n, p in trainable if n.endswith("weight") and ".ln" not in n and not n.startswith("ln")]
-        no_decay = [p for n, p in trainable if not (n.endswith("weight") and ".ln" not in n and not n.startswith("ln"))]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=1e-3, eps=1e-6)
-    else:
-        opt = make_optimizer([p for _, p in trainable])
+    model = frozen_model(freeze)
+    opt = _optimizer(model, param_groups)
     norms = []
     for step in range(steps):
         x, y = batch(step)

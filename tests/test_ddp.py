@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import CONFIG, assert_state_close, batch, make_optimizer, reference_state
+from parity import CONFIG, accumulated_backward, assert_state_close, batch, frozen_model, make_optimizer, reference_state
 from torch import nn
 
 import shardwise as sw
@@ -15,22 +15,13 @@ STEPS = 5
 
 def train_ddp(comm, steps=STEPS, accumulate=1, set_to_none=True, freeze=(), bucket_mb=0.05):
     """Train the tiny GPT with DDP on this rank's slice of each global batch; return state and per-step bytes."""
-    model = GPT(CONFIG, seed=0)
-    for name, p in model.named_parameters():
-        if name.startswith(freeze):
-            p.requires_grad_(False)
-    model = sw.DDP(model, comm, bucket_mb=bucket_mb, first_bucket_mb=0.01)
+    model = sw.DDP(frozen_model(freeze), comm, bucket_mb=bucket_mb, first_bucket_mb=0.01)
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
     per_step = []
     for step in range(steps):
         x, y = batch(step, comm.rank, comm.size)
         with comm.stats.measure() as measured:
-            for micro, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
-                if micro < accumulate - 1:
-                    with model.no_sync():
-                        (model(xm, ym) / accumulate).backward()
-                else:
-                    (model(xm, ym) / accumulate).backward()
+            accumulated_backward(model, x, y, accumulate)
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
         per_step.append(measured.as_dict())

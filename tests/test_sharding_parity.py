@@ -6,11 +6,12 @@ from functools import partial
 
 import pytest
 import torch
-from parity import assert_state_close
-from sharding_cases import CONFIGS, reference, train_sharded
+from parity import CONFIG, assert_state_close
+from sharding_cases import CONFIGS, reference, train_sharded, wrap
 from torch import nn
 
 import shardwise as sw
+from shardwise.models import GPT
 
 
 @pytest.fixture(scope="module")
@@ -123,35 +124,23 @@ def test_parameter_count_not_divisible_by_world(world, stage):
         assert sum(shards[name] for _, shards in results) == p.numel()
 
 
+def _shard_shapes(comm):
+    plain = GPT(CONFIG, seed=0)
+    names = [n for n, _ in plain.named_parameters()]
+    model = wrap(plain, comm, "zero3")
+    shards = {n: (p.dim(), p.numel(), isinstance(p, nn.Parameter)) for n, p in model.named_parameters()}
+    return names, shards, model.tok_emb.weight is model.head.weight
+
+
 def test_named_parameters_are_shards_with_original_names():
-    def body(comm):
-        from sharding_cases import wrap
-        from shardwise.models import GPT
-        from parity import CONFIG
-
-        plain = GPT(CONFIG, seed=0)
-        names = [n for n, _ in plain.named_parameters()]
-        model = wrap(plain, comm, "zero3")
-        return names, {n: (p.dim(), p.numel(), isinstance(p, nn.Parameter)) for n, p in model.named_parameters()}
-
-    results = sw.launch(body, 4)
+    results = sw.launch(_shard_shapes, 4)
     names = results[0][0]
-    for _, shards in results:
+    for _, shards, _ in results:
         assert list(shards) == names
         assert all(dim == 1 and is_param for dim, _, is_param in shards.values())
-    total = sum(sum(n for _, n, _ in shards.values()) for _, shards in results)
-    plain_total = sum(p.numel() for p in __import__("shardwise.models", fromlist=["GPT"]).GPT(
-        __import__("parity").CONFIG, seed=0).parameters())
-    assert total == plain_total
+    total = sum(numel for _, shards, _ in results for _, numel, _ in shards.values())
+    assert total == sum(p.numel() for p in GPT(CONFIG, seed=0).parameters())  # every element on exactly one rank
 
 
 def test_tied_weights_stay_tied():
-    def body(comm):
-        from sharding_cases import wrap
-        from shardwise.models import GPT
-        from parity import CONFIG
-
-        model = wrap(GPT(CONFIG, seed=0), comm, "zero3")
-        return model.tok_emb.weight is model.head.weight
-
-    assert all(sw.launch(body, 2))
+    assert all(tied for _, _, tied in sw.launch(_shard_shapes, 2))
