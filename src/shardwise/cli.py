@@ -56,21 +56,20 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         description="Train the byte-level GPT on N local ranks (gloo processes on 127.0.0.1, or threads), print "
         "a summary (loss, step time, tokens/s, all-reduce bytes against the DDP formula, memory per rank) and "
         "write metrics.jsonl, summary.json and loss.png under OUT/<timestamp>/.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--nproc", type=_positive_int, default=defaults.nproc, help="number of ranks")
-    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy, help="parallelism strategy")
-    p.add_argument("--steps", type=_positive_int, default=defaults.steps, help="optimizer steps")
+    p.add_argument("--nproc", type=_positive_int, default=defaults.nproc, help="number of ranks (default: %(default)s)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy, help="parallelism strategy (default: %(default)s)")
+    p.add_argument("--steps", type=_positive_int, default=defaults.steps, help="optimizer steps (default: %(default)s)")
     p.add_argument("--data", type=_existing_path, default=None,
                    help="text file or folder to train on (default: the Python standard library's sources)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="GPT size")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="GPT size (default: %(default)s)")
     p.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size,
-                   help="sequences per rank per step")
-    p.add_argument("--lr", type=_positive_float, default=defaults.lr, help="peak learning rate (AdamW)")
-    p.add_argument("--seed", type=int, default=defaults.seed, help="model init and data order")
-    p.add_argument("--out", default=defaults.out, help="parent folder of the run directory")
+                   help="sequences per rank per step (default: %(default)s)")
+    p.add_argument("--lr", type=_positive_float, default=defaults.lr, help="peak learning rate of AdamW (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="model init and data order (default: %(default)s)")
+    p.add_argument("--out", default=defaults.out, help="parent folder of the run directory (default: %(default)s)")
     p.add_argument("--backend", choices=("gloo", "thread"), default=defaults.backend,
-                   help="gloo: one process per rank; thread: ranks as threads of this process (fast, for tests)")
+                   help="gloo: one process per rank; thread: ranks as threads of this process (fast, for tests); default: %(default)s")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     p.set_defaults(handler=_run_demo)
 
@@ -105,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "strategy, behind one small API."
     )
     parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="command", title="commands", required=True)
     for add in _COMMANDS:
         add(subparsers)
     return parser

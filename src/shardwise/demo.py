@@ -46,6 +46,9 @@ __all__ = ["STRATEGIES", "DemoOptions", "DemoSummary", "run_demo", "train_rank",
 
 #: Strategies the demo can train with (more join as they land: zero1/2/3, fsdp, tp, pp, ...).
 STRATEGIES = ("ddp",)
+# Seconds a collective may wait. Generous because a 2-core machine shared with other jobs can stall a rank for
+# many seconds (spawn, torch import, corpus read); a rank that dies is still reported at once by launch().
+COMM_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,7 @@ class DemoOptions:
 
     nproc: int = 2
     strategy: str = "ddp"
-    steps: int = 150
+    steps: int = 200
     data: str | None = None
     preset: str = "small"
     batch_size: int = 8
@@ -92,6 +95,9 @@ class DemoOptions:
 class DemoSummary:
     """What `run_demo` measured; `as_dict()` is what summary.json holds. Losses are global (averaged over ranks).
 
+    final_loss_mean_last: the mean loss of the last `mean_last_steps` (up to 10) steps, less noisy than the last.
+    median_step_ms: median wall time of a whole iteration (batch, forward, backward, step, loss all-reduce) on
+    rank 0; tokens_per_s is tokens_per_step (batch_size x seq_len x nproc) over that median.
     wire_bytes_per_step: measured per-rank all-reduce wire bytes of each step, as the distinct values seen over
     all ranks and steps (one value when every step cost the same). formula_wire_bytes: 2(N-1)/N x grad_bytes.
     ranks: per rank, peak_rss (bytes of the whole process; on the thread backend every rank shares one process)
@@ -104,7 +110,8 @@ class DemoSummary:
     grad_bytes: int
     first_loss: float
     final_loss: float
-    final_loss_mean10: float
+    final_loss_mean_last: float
+    mean_last_steps: int
     median_step_ms: float
     tokens_per_step: int
     tokens_per_s: float
@@ -123,7 +130,7 @@ def lr_at(step: int, options: DemoOptions) -> float:
     warmup = options.warmup_steps
     if step < warmup:
         return options.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, options.steps - warmup)
+    progress = (step - warmup) / max(1, options.steps - 1 - warmup)
     return options.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -210,7 +217,7 @@ def run_demo(options: DemoOptions) -> DemoSummary:
     threads = max(1, (os.cpu_count() or 1) // options.nproc)
     started = time.perf_counter()
     results = launch(train_rank, options.nproc, options, backend=options.backend, threads_per_rank=threads,
-                     timeout=300.0)
+                     timeout=COMM_TIMEOUT_S)
     wall = time.perf_counter() - started
     summary = _summarise(options, results, num_params, tokens_per_step, wall)
     run_dir = _make_run_dir(Path(options.out))
@@ -240,7 +247,8 @@ def _summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: 
         grad_bytes=grad_bytes,
         first_loss=losses[0],
         final_loss=losses[-1],
-        final_loss_mean10=statistics.fmean(losses[-10:]),
+        final_loss_mean_last=statistics.fmean(losses[-10:]),
+        mean_last_steps=min(10, len(losses)),
         median_step_ms=step_ms,
         tokens_per_step=tokens_per_step,
         tokens_per_s=tokens_per_step / (step_ms / 1e3),
@@ -297,8 +305,8 @@ def format_summary(s: DemoSummary) -> str:
     """The summary table the demo prints."""
     measured = ", ".join(f"{w:,}" for w in s.wire_bytes_per_step)
     rows = [
-        ("loss (first -> final)", f"{s.first_loss:.3f} -> {s.final_loss:.3f}  (mean of last 10: "
-                                  f"{s.final_loss_mean10:.3f})"),
+        ("loss (first -> final)", f"{s.first_loss:.3f} -> {s.final_loss:.3f}  (mean of last "
+                                  f"{s.mean_last_steps}: {s.final_loss_mean_last:.3f})"),
         ("median step time", f"{s.median_step_ms:,.1f} ms"),
         ("throughput", f"{s.tokens_per_s:,.0f} tokens/s  ({s.tokens_per_step:,} tokens/step)"),
         ("all-reduce wire bytes/step", f"measured {measured} per rank"),
