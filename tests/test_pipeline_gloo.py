@@ -1,0 +1,55 @@
+"""Pipeline parity on gloo processes: every schedule at p = 2 (m = 4) and p = 4 (m = 8), in ONE launch of 4 processes.
+
+Process start-up (importing torch, and torch._dynamo on the first optimizer) dominates on a small machine, so the
+p = 2 pipelines run on the two halves of the same 4-process world (a split communicator each), then p = 4 on all.
+The full p x m matrix runs on thread ranks (test_pipeline_executor.py); here each schedule meets both p and both m.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import assert_state_close
+from test_pipeline_executor import CONFIG, gathered, reference, train_pipeline
+
+import shardwise as sw
+from shardwise import pipeline as pp
+from shardwise.models import GPT
+
+MICROBATCHES = {2: 4, 4: 8}  # pipeline ranks -> microbatches
+
+
+def _every_schedule(comm, model):
+    """Module level so spawned ranks can import it. Returns {(p, schedule, m): (parameters, losses)}."""
+    results = {}
+    half = comm.split(comm.rank // 2)  # ranks {0, 1} and {2, 3}: two independent 2-stage pipelines
+    for pipeline_comm in (half, comm):
+        m = MICROBATCHES[pipeline_comm.size]
+        for name in pp.SCHEDULES:
+            state, losses, _, _ = train_pipeline(pipeline_comm, name, m, model=model)
+            results[(pipeline_comm.size, name, m)] = (state, losses)
+    return results
+
+
+@pytest.fixture(scope="module")
+def want():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return reference(CONFIG)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.multiprocess
+def test_gloo_every_schedule_matches_one_process(want):
+    want_state, want_losses = want
+    results = sw.launch(_every_schedule, 4, GPT(CONFIG, seed=0), backend="gloo", timeout=120)
+    assert len(results[0]) == 2 * len(pp.SCHEDULES)
+    for key in results[0]:
+        groups = [results[:2], results[2:]] if key[0] == 2 else [results]
+        for ranks in groups:
+            per_rank = [r[key] for r in ranks]
+            assert_state_close(gathered(per_rank), want_state)
+            for _, losses in per_rank:
+                assert losses == pytest.approx(want_losses, rel=1e-5), key
