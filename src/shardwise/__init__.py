@@ -20,6 +20,8 @@ from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
 from .sharding.grad_scaler import ShardedGradScaler
 from .sharding.state import clip_grad_norm_, full_state_dict, load_full_state_dict
 
+from . import pipeline  # sw.pipeline, or `from shardwise import pipeline as pp`
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -54,5 +56,6 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
+    "pipeline",
     "save_checkpoint",
 ]
