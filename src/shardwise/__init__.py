@@ -20,7 +20,7 @@ from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
 from .sharding.grad_scaler import ShardedGradScaler
 from .sharding.state import clip_grad_norm_, full_state_dict, load_full_state_dict
 
-from . import pipeline  # sw.pipeline, or `from shardwise import pipeline as pp`
+from . import pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
 
 __version__ = "0.1.0"
 
@@ -58,4 +58,5 @@ __all__ = [
     "memory_stats",
     "pipeline",
     "save_checkpoint",
+    "tensor_parallel",
 ]

@@ -30,11 +30,15 @@ def _engine(model: nn.Module):  # noqa: ANN202
 def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The plain `state_dict()` of the unwrapped model: original names, full shapes, master dtype, on CPU.
 
+    Works for sharded (ZeRO / FSDP), DDP, tensor-parallel (gathered over each layer's group) and plain models.
     Collective for sharded models (every rank must call it). With `rank0_only=True` other ranks get {}.
     """
     engine = _engine(model)
     if engine is None:
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        # Plain, DDP or tensor-parallel: the tensor-parallel gather leaves whole parameters as they are.
+        from ..tensor_parallel import full_state_dict as tensor_parallel_full_state_dict
+
+        return {k: v.cpu() for k, v in tensor_parallel_full_state_dict(model).items()}
     # Gather every unit once, in unit order (the same collective order on every rank).
     full: dict[int, torch.Tensor] = {}
     for unit in engine.units:

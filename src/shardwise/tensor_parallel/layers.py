@@ -1,0 +1,417 @@
+"""Megatron-style tensor-parallel layers: column- and row-parallel Linear, vocabulary-parallel Embedding.
+
+Shoeybi et al. (2019), "Megatron-LM", section 3; Megatron-core ``tensor_parallel/layers.py``. For ``Y = X A^T + b``
+with ``A`` of shape (out, in):
+
+* :class:`ColumnParallelLinear` splits ``A`` by output features: rank r holds rows ``r*out/tp:(r+1)*out/tp`` and
+  the matching bias slice, reads the whole input (entered through ``f`` = copy_to_region, whose backward all-reduces
+  the input's gradient) and produces its slice of the output features. With ``gather_output=True`` the slices are
+  all-gathered along the last dim into the full output.
+* :class:`RowParallelLinear` splits ``A`` by input features: rank r holds columns ``r*in/tp:(r+1)*in/tp``, reads its
+  slice of the input's features (as produced by a column-parallel layer, ``input_is_parallel=True``) and produces a
+  partial sum of the whole output, completed by ``g`` = reduce_from_region (an all-reduce). The bias is replicated
+  and added once, after the reduction.
+* :class:`VocabParallelEmbedding` splits the table by vocabulary rows: rank r holds ids ``[r*V/tp, (r+1)*V/tp)``,
+  looks up the ids it owns, writes zeros for the others, and the all-reduce of ``g`` assembles every row.
+
+Sequence parallel (``sequence_parallel=True``, Korthikanti et al. 2022): the activations outside the layers are
+sharded along ``sequence_dim`` (default 1, batch-first ``(B, T, ...)``). A column-parallel layer then all-gathers its
+input along the sequence (``f-bar``; reduce-scatter of the gradient in backward), and a row-parallel layer or the
+embedding reduce-scatters its output (``g-bar``; all-gather in backward). A row-parallel bias is then added on the
+sequence shard, so its gradient is all-reduced over the group (see `sequence_parallel.py`). The column-parallel layer
+keeps the gathered input for its weight gradient (as PyTorch's DTensor sequence parallel does; Megatron instead keeps
+the shard and all-gathers it again in backward, trading one more all-gather per layer for that memory).
+
+Overlap. The two Linear layers run as one autograd Function each (Megatron's
+``LinearWithGradAccumulationAndAsyncCommunication``) rather than ``f`` / ``g`` around ``F.linear``: the
+column-parallel backward starts the all-reduce (or reduce-scatter) of the input gradient asynchronously and computes
+the weight gradient while it is in flight, and the row-parallel forward reduces the matmul output in place (it owns
+that buffer), saving a copy. The traffic is exactly that of ``f`` and ``g``.
+
+Fused outputs (``fused=k`` on a column-parallel layer): a layer whose output is k equal blocks laid side by side,
+such as the GPT's ``qkv`` = ``[q | k | v]``, is split block by block: rank r takes its slice of every block, so its
+local output is ``[q_r | k_r | v_r]`` and attention heads stay whole (the caller makes each slice a whole number of
+heads). The gathered output and :meth:`full_weight` undo the interleaving, returning the original layout.
+
+Every layer can be built from an existing dense layer (:meth:`from_dense`) by slicing its weights, so a
+parallelised model starts exactly equal to the original; built directly, the full weight is drawn as the dense
+layer would draw it (from a seeded generator, identical on every rank) and sliced, so the values do not depend on
+the tensor-parallel size. :meth:`full_weight` / :meth:`full_state` all-gather the original tensors (collective).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.base import Communicator, ReduceOp
+from .mappings import (
+    all_gather_along,
+    gather_from_region,
+    reduce_from_region,
+    reduce_scatter_along,
+    reduce_scatter_to_sequence_region,
+    scatter_to_region,
+)
+from .sequence_parallel import reduce_sequence_parallel_grads
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "TensorParallelLayer"]
+
+
+def _check_split(layer: str, what: str, value: int, parts: int, size: int) -> None:
+    if value % (parts * size):
+        blocks = f" in {parts} fused blocks" if parts > 1 else ""
+        raise ValueError(
+            f"{layer}: {what}={value}{blocks} cannot be split across tensor-parallel size {size}; "
+            f"{what} must be divisible by {parts * size}"
+        )
+
+
+def _generator(seed: int | None) -> torch.Generator | None:
+    return None if seed is None else torch.Generator().manual_seed(seed)
+
+
+def _dense_linear_init(out_features: int, in_features: int, bias: bool, seed: int | None):
+    """The full weight and bias nn.Linear would draw (kaiming-uniform with fan_in = in_features), on the CPU."""
+    gen = _generator(seed)
+    bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+    # nn.Linear: kaiming_uniform_(a=sqrt(5)) == U(-1/sqrt(fan_in), 1/sqrt(fan_in)); bias the same bound.
+    w = torch.empty(out_features, in_features).uniform_(-bound, bound, generator=gen)
+    b = torch.empty(out_features).uniform_(-bound, bound, generator=gen) if bias else None
+    return w, b
+
+
+class TensorParallelLayer(nn.Module):
+    """Base of the tensor-parallel layers: the group, the sequence-parallel settings, gathering full tensors."""
+
+    comm: Communicator
+    sequence_parallel: bool
+    sequence_dim: int
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter of this layer gathered to its original (dense) shape, by name. Collective."""
+        return {name: self.full_tensor(name) for name, _ in self.named_parameters(recurse=False)}
+
+    def full_tensor(self, name: str) -> torch.Tensor:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    """y = x W^T + b for a column shard W, entered through f (or f-bar under sequence parallel).
+
+    Backward starts the reduction of the input gradient (all-reduce, or reduce-scatter along the sequence) before
+    computing the weight gradient, and waits for it last, so communication overlaps the weight-gradient matmul.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, sequence_parallel, dim):  # noqa: ANN001, ANN205
+        total = all_gather_along(x, dim, comm) if sequence_parallel else x
+        ctx.save_for_backward(total, weight)
+        ctx.comm, ctx.sequence_parallel, ctx.dim, ctx.has_bias = comm, sequence_parallel, dim, bias is not None
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        total, weight = ctx.saved_tensors
+        comm, dim = ctx.comm, ctx.dim
+        grad = grad.contiguous()
+        grad_x = work = None
+        if ctx.needs_input_grad[0]:
+            grad_total = grad.matmul(weight)  # a fresh buffer: reduced in place
+            if ctx.sequence_parallel:
+                n = comm.size
+                chunked = grad_total.unflatten(dim, (n, grad_total.shape[dim] // n)).movedim(dim, 0).contiguous()
+                grad_x = torch.empty(chunked.shape[1:], dtype=grad.dtype, device=grad.device)
+                work = comm.reduce_scatter(grad_x, chunked, ReduceOp.SUM, async_op=True)
+            else:
+                grad_x = grad_total
+                work = comm.all_reduce(grad_x, ReduceOp.SUM, async_op=True)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat_grad.t().mm(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _RowParallelLinearFn(torch.autograd.Function):
+    """y = reduce(x W^T) for a row shard W: g (all-reduce), or g-bar (reduce-scatter) under sequence parallel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, comm, sequence_parallel, dim):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.sequence_parallel, ctx.dim = comm, sequence_parallel, dim
+        y = F.linear(x, weight)
+        if sequence_parallel:
+            return reduce_scatter_along(y, dim, comm)
+        comm.all_reduce(y, ReduceOp.SUM)  # y is this function's own buffer: no copy needed
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        if ctx.sequence_parallel:
+            grad = all_gather_along(grad, ctx.dim, ctx.comm)
+        grad = grad.contiguous()
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w, None, None, None
+
+
+class ColumnParallelLinear(TensorParallelLayer):
+    """Linear layer split by output features. Weight (out/tp, in); bias (out/tp,).
+
+    Args:
+        in_features, out_features: the dense layer's sizes; out_features must be divisible by ``fused * tp``.
+        comm: the tensor-parallel group.
+        bias: whether the layer has a bias (split like the output).
+        gather_output: all-gather the output features, so the caller gets the full (B, ..., out) output; otherwise
+            each rank returns its (B, ..., out/tp) slice (the input of a row-parallel layer).
+        sequence_parallel: the input is a sequence shard; all-gather it along ``sequence_dim`` first.
+        sequence_dim: the sequence dimension of the input (1 for batch-first (B, T, d)).
+        fused: number of equal blocks laid side by side in the output (3 for a fused [q | k | v]); each is split.
+        seed: seed of the generator the full dense weight is drawn from (None: torch's global RNG).
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
+                 fused: int = 1, seed: int | None = 0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if isinstance(fused, bool) or not isinstance(fused, int) or fused < 1:
+            raise ValueError(f"ColumnParallelLinear: fused={fused!r} must be a positive int")
+        _check_split("ColumnParallelLinear", "out_features", out_features, fused, comm.size)
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.gather_output, self.fused = comm, bool(gather_output), fused
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
+        local = out_features // comm.size
+        self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            w, b = _dense_linear_init(out_features, in_features, bias, seed)
+            with torch.no_grad():
+                self.weight.copy_(self.shard(w))
+                if b is not None:
+                    self.bias.copy_(self.shard(b))
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, comm: Communicator, *, gather_output: bool = False,
+                   sequence_parallel: bool = False, sequence_dim: int = 1, fused: int = 1) -> ColumnParallelLinear:
+        """This rank's slice of `linear` (same dtype and device; `linear` is left untouched)."""
+        layer = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
+                    gather_output=gather_output, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                    fused=fused, device="meta", dtype=linear.weight.dtype)
+        layer.weight = _param(layer.shard(linear.weight), linear.weight)
+        if linear.bias is not None:
+            layer.bias = _param(layer.shard(linear.bias), linear.bias)
+        return layer
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (out, ...) tensor: its slice of each of the `fused` blocks."""
+        n, r = self.comm.size, self.comm.rank
+        blocks = full.detach().reshape(self.fused, n, self.out_features // (self.fused * n), *full.shape[1:])
+        return blocks[:, r].reshape(self.out_features // n, *full.shape[1:]).clone()
+
+    def _unshard(self, gathered: torch.Tensor, dim: int) -> torch.Tensor:
+        """Undo the block interleaving of tensors gathered in rank order along `dim` (the output-feature dim)."""
+        if self.fused == 1:
+            return gathered
+        n, k = self.comm.size, self.fused
+        shape = gathered.shape
+        per = shape[dim] // (n * k)
+        x = gathered.unflatten(dim, (n, k, per)).transpose(dim, dim + 1)
+        return x.reshape(shape)
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        local = getattr(self, name).detach()
+        return self._unshard(all_gather_along(local, 0, self.comm), 0)
+
+    def full_weight(self) -> torch.Tensor:
+        """The dense (out, in) weight, gathered from every rank. Collective."""
+        return self.full_tensor("weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel,
+                                              self.sequence_dim % x.dim())
+        if self.gather_output:
+            y = self._unshard(gather_from_region(y, self.comm, -1), y.dim() - 1)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local "
+                f"{self.weight.shape[0]}), tp={self.comm.size}, bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, fused={self.fused}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(TensorParallelLayer):
+    """Linear layer split by input features. Weight (out, in/tp); bias (out,) replicated.
+
+    Args:
+        in_features, out_features: the dense layer's sizes; in_features must be divisible by tp.
+        comm: the tensor-parallel group.
+        bias: whether the layer has a bias (added once, after the reduction).
+        input_is_parallel: the input already holds this rank's in/tp features (the output of a column-parallel
+            layer); otherwise the full input is split along its last dim first.
+        sequence_parallel: reduce-scatter the output along ``sequence_dim`` instead of all-reducing it; the bias is
+            then added to a sequence shard and its gradient is all-reduced over the group.
+        sequence_dim: the sequence dimension of the output (1 for batch-first).
+        seed: seed of the generator the full dense weight is drawn from (None: torch's global RNG).
+    """
+
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
+                 seed: int | None = 0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        _check_split("RowParallelLinear", "in_features", in_features, 1, comm.size)
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.input_is_parallel = comm, bool(input_is_parallel)
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // comm.size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            w, b = _dense_linear_init(out_features, in_features, bias, seed)
+            with torch.no_grad():
+                self.weight.copy_(self.shard(w))
+                if b is not None:
+                    self.bias.copy_(b)
+            self._hook_bias()
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, comm: Communicator, *, input_is_parallel: bool = True,
+                   sequence_parallel: bool = False, sequence_dim: int = 1) -> RowParallelLinear:
+        """This rank's slice of `linear` (same dtype and device; `linear` is left untouched)."""
+        layer = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
+                    input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
+                    sequence_dim=sequence_dim, device="meta", dtype=linear.weight.dtype)
+        layer.weight = _param(layer.shard(linear.weight), linear.weight)
+        if linear.bias is not None:
+            layer.bias = _param(linear.bias.detach().clone(), linear.bias)
+        layer._hook_bias()
+        return layer
+
+    def _hook_bias(self) -> None:
+        if self.sequence_parallel and self.bias is not None:
+            reduce_sequence_parallel_grads([self.bias], self.comm)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full (out, in) weight."""
+        n, r = self.comm.size, self.comm.rank
+        chunk = self.in_features // n
+        return full.detach()[:, r * chunk:(r + 1) * chunk].clone()
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        local = getattr(self, name).detach()
+        if name == "bias":
+            return local.clone()
+        return all_gather_along(local, 1, self.comm)
+
+    def full_weight(self) -> torch.Tensor:
+        """The dense (out, in) weight, gathered from every rank. Collective."""
+        return self.full_tensor("weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.comm, -1)
+        if self.comm.size == 1:
+            y = F.linear(x, self.weight)
+        else:
+            y = _RowParallelLinearFn.apply(x, self.weight, self.comm, self.sequence_parallel,
+                                           self.sequence_dim % x.dim())
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+                f"tp={self.comm.size}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(TensorParallelLayer):
+    """Embedding table split by vocabulary rows. Weight (V/tp, dim); rank r owns ids [r*V/tp, (r+1)*V/tp).
+
+    Args:
+        num_embeddings: vocabulary size V; must be divisible by tp (pad the vocabulary otherwise, e.g. a
+            GPTConfig(vocab_size=...) rounded up to a multiple of tp, as Megatron's make-vocab-size-divisible-by).
+        embedding_dim: width of a row.
+        comm: the tensor-parallel group.
+        padding_idx: as nn.Embedding (a global id; its row gets no gradient).
+        sequence_parallel: reduce-scatter the output along ``sequence_dim`` instead of all-reducing it.
+        sequence_dim: the sequence dimension of the output (1 for ids of shape (B, T)).
+        seed: seed of the generator the full table is drawn from (N(0, 1), as nn.Embedding; None: global RNG).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Communicator, *,
+                 padding_idx: int | None = None, sequence_parallel: bool = False, sequence_dim: int = 1,
+                 seed: int | None = 0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        _check_split("VocabParallelEmbedding", "num_embeddings (vocabulary size)", num_embeddings, 1, comm.size)
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"VocabParallelEmbedding: padding_idx={padding_idx} is outside the vocabulary "
+                             f"0..{num_embeddings - 1}")
+        self.num_embeddings, self.embedding_dim, self.comm = num_embeddings, embedding_dim, comm
+        self.padding_idx = None if padding_idx is None else padding_idx % num_embeddings
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
+        per = num_embeddings // comm.size
+        self.vocab_start, self.vocab_end = comm.rank * per, (comm.rank + 1) * per
+        owned = self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end
+        self._local_padding_idx = self.padding_idx - self.vocab_start if owned else None
+        self.weight = nn.Parameter(torch.empty(per, embedding_dim, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            full = torch.empty(num_embeddings, embedding_dim).normal_(generator=_generator(seed))
+            if self.padding_idx is not None:
+                full[self.padding_idx] = 0.0
+            with torch.no_grad():
+                self.weight.copy_(self.shard(full))
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, comm: Communicator, *, sequence_parallel: bool = False,
+                   sequence_dim: int = 1) -> VocabParallelEmbedding:
+        """This rank's rows of `embedding` (same dtype and device; `embedding` is left untouched)."""
+        if embedding.max_norm is not None or embedding.sparse or embedding.scale_grad_by_freq:
+            raise ValueError("VocabParallelEmbedding.from_dense: max_norm, sparse and scale_grad_by_freq are not "
+                             "supported (they need the whole vocabulary on one rank)")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, comm, padding_idx=embedding.padding_idx,
+                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta",
+                    dtype=embedding.weight.dtype)
+        layer.weight = _param(layer.shard(embedding.weight), embedding.weight)
+        return layer
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (V, ...) tensor."""
+        return full.detach()[self.vocab_start:self.vocab_end].clone()
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        return all_gather_along(getattr(self, name).detach(), 0, self.comm)
+
+    def full_weight(self) -> torch.Tensor:
+        """The dense (V, dim) table, gathered from every rank. Collective."""
+        return self.full_tensor("weight")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            return F.embedding(ids, self.weight, self._local_padding_idx)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight, self._local_padding_idx)
+        # Rows this rank does not own contribute zeros; the reduction below fills them in from their owner.
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.comm, self.sequence_dim)
+        return reduce_from_region(out, self.comm)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.comm.size}, "
+                f"rows={self.vocab_start}..{self.vocab_end - 1}, sequence_parallel={self.sequence_parallel}")
+
+
+def _param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(data, requires_grad=like.requires_grad)

@@ -1,0 +1,189 @@
+"""``parallelize(model, comm, plan)``: apply a tensor-parallel plan in place, and gather a full state dict back.
+
+Mechanism. The plan (see `plans.py`) is resolved against ``model.named_modules()``; every module matched by
+``colwise`` / ``rowwise`` / ``vocab`` is replaced, in its parent, by the tensor-parallel layer built from it with
+``from_dense`` (this rank keeps its slice of the weights; the dense tensors are dropped), so the parallelised
+model starts equal to the original and keeps its parameter names. Then, under sequence parallel, the parameters of
+``sequence`` modules get gradient all-reduce hooks. Every rank of `comm` must call ``parallelize`` on the same
+model (same weights, same plan): nothing is communicated at wrap time, each rank just keeps its slice.
+
+Tied weights. A Parameter shared by two replaced modules (the GPT's tok_emb / head, a Llama with
+tie_word_embeddings) becomes one shared shard when both styles split it the same way (vocabulary rows = output
+rows); a tie between styles that split differently, or a tie whose other user the plan leaves dense, is a
+ValueError naming both modules (the dense user would silently train a stale copy).
+
+Plan "gpt" also installs the GPT's tensor-parallel forward (vocabulary-parallel loss, sequence-parallel position
+embeddings; see `gpt.py`). Plan "llama" divides the per-rank head counts (``num_heads``, ``num_key_value_heads``,
+``hidden_size``) of attention modules that store them (older HuggingFace versions; newer ones infer the local head
+count from the projection width), and does not support sequence parallel: HuggingFace's LlamaModel builds the
+causal mask and positions from the embedding output, which would be a sequence shard.
+
+Order with other strategies (torchtitan's): pipeline split first, then tensor parallel, then data parallel or
+sharding over the dp axis of the Mesh; build the optimizer after the last wrap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+from .gpt import install_gpt_forward
+from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding
+from .plans import Colwise, Rowwise, Sequence, Style, Vocab, builtin_plan, match_plan
+from .sequence_parallel import reduce_sequence_parallel_grads
+
+__all__ = ["parallelize", "full_state_dict", "TensorParallelState"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelState:
+    """What parallelize recorded on the model (``model._shardwise_tp``).
+
+    comm: the tensor-parallel group. sequence_parallel, sequence_dim: as passed. plan: the plan's name, or "custom".
+    styles: the resolved ``{module name: style}``.
+    """
+
+    comm: Communicator
+    sequence_parallel: bool
+    sequence_dim: int
+    plan: str
+    styles: dict[str, Style]
+
+
+def _layout(style: Style) -> tuple:
+    """How a style splits a weight's rows/columns: equal layouts may share one shard."""
+    if isinstance(style, Vocab) or (isinstance(style, Colwise) and style.fused == 1):
+        return ("rows",)
+    if isinstance(style, Colwise):
+        return ("fused rows", style.fused)
+    return ("columns",)
+
+
+def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: bool, dim: int) -> TensorParallelLayer:
+    if isinstance(style, (Colwise, Rowwise)):
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, but style {style} needs an "
+                             f"nn.Linear")
+        if isinstance(style, Colwise):
+            return ColumnParallelLinear.from_dense(module, comm, gather_output=style.gather_output,
+                                                   sequence_parallel=sp, sequence_dim=dim, fused=style.fused)
+        return RowParallelLinear.from_dense(module, comm, input_is_parallel=style.input_is_parallel,
+                                            sequence_parallel=sp, sequence_dim=dim)
+    if not isinstance(module, nn.Embedding):
+        raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, but style {style} needs an "
+                         f"nn.Embedding")
+    return VocabParallelEmbedding.from_dense(module, comm, sequence_parallel=sp, sequence_dim=dim)
+
+
+def _adjust_head_counts(model: nn.Module, tp: int) -> None:
+    for module in model.modules():
+        if isinstance(getattr(module, "q_proj", None), ColumnParallelLinear):
+            for attr in ("num_heads", "num_key_value_heads", "hidden_size"):
+                value = getattr(module, attr, None)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    setattr(module, attr, value // tp)
+
+
+def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, object] = "gpt", *,
+                sequence_parallel: bool = False, sequence_dim: int = 1) -> nn.Module:
+    """Split `model` across the tensor-parallel group `comm` in place (Megatron style) and return it.
+
+    model: the dense model, identical on every rank of `comm`.
+    comm: the tensor-parallel Communicator (e.g. ``mesh.tp``); a group of one leaves the math unchanged.
+    plan: "gpt" (the shardwise GPT), "llama" (HuggingFace Llama module names), or a dict of module-name pattern ->
+        style ("colwise", "rowwise", "vocab", "sequence" or a Colwise / Rowwise / Vocab / Sequence object).
+    sequence_parallel: run the LayerNorm / dropout / residual regions on sequence shards (Korthikanti et al.
+        2022): colwise layers all-gather their input along `sequence_dim`, rowwise and vocab layers reduce-scatter
+        their output, and "sequence" modules' parameters get their gradients all-reduced.
+    sequence_dim: the sequence dimension of the activations (1 for batch-first (B, T, d)).
+
+    Train the result with a plain loop and an optimizer built over ``model.parameters()`` afterwards; every rank
+    feeds the same batch. ``full_state_dict(model)`` gathers the original names and shapes.
+    Raises ValueError (at wrap time) for a tp size that does not divide the heads, hidden sizes or vocabulary, for a
+    plan pattern that matches nothing, a style on the wrong module type, or a model already parallelised.
+    """
+    from ..models.gpt import GPT
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, "_shardwise_tp", None) is not None:
+        raise ValueError("parallelize: the model is already tensor-parallel")
+    if not isinstance(comm, Communicator) and not all(hasattr(comm, a) for a in ("rank", "size", "all_reduce")):
+        raise ValueError(f"parallelize: comm must be a Communicator (e.g. mesh.tp), got {type(comm).__name__}")
+    if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+        raise ValueError(f"parallelize: sequence_dim={sequence_dim!r} must be an int")
+    plan_name = plan if isinstance(plan, str) else "custom"
+    if isinstance(plan, str):
+        if plan == "gpt" and not isinstance(model, GPT):
+            raise ValueError(f"parallelize: plan='gpt' needs a shardwise GPT, got {type(model).__name__}; pass a dict "
+                             f"plan for other models")
+        if plan == "llama" and sequence_parallel:
+            raise ValueError("parallelize: plan='llama' does not support sequence_parallel=True (HuggingFace's "
+                             "LlamaModel builds its causal mask from the embedding output, which would be a shard)")
+        plan = builtin_plan(plan, model, comm.size)
+    styles = match_plan(model, plan)
+    sp = bool(sequence_parallel)
+
+    originals: dict[int, tuple[nn.Parameter, str, tuple]] = {}  # id(dense weight) -> (shard, module name, layout)
+    keep_alive = []  # the dense weights, so their ids stay unique while we compare them
+    for name, style in styles.items():
+        if isinstance(style, Sequence):
+            continue
+        dense = model.get_submodule(name)
+        layer = _build(name, dense, style, comm, sp, sequence_dim)
+        source, layout = dense.weight, _layout(style)
+        if id(source) in originals:
+            shard, other, other_layout = originals[id(source)]
+            if other_layout != layout or shard.shape != layer.weight.shape:
+                raise ValueError(f"parallelize: {name}.weight is tied to {other}.weight, but the plan splits them "
+                                 f"differently ({layout[0]} vs {other_layout[0]}); give both the same split")
+            layer.weight = shard
+        else:
+            originals[id(source)] = (layer.weight, name, layout)
+            keep_alive.append(source)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+
+    for pname, p in model.named_parameters():
+        if id(p) in originals and p is not originals[id(p)][0]:
+            raise ValueError(f"parallelize: parameter {pname} is tied to {originals[id(p)][1]}.weight, which the plan "
+                             f"splits; add the module owning {pname} to the plan")
+    del keep_alive
+    if sp:
+        tp_params = {id(p) for m in model.modules() if isinstance(m, TensorParallelLayer) for p in m.parameters()}
+        for name, style in styles.items():
+            if isinstance(style, Sequence):
+                params = [p for p in model.get_submodule(name).parameters() if id(p) not in tp_params]
+                reduce_sequence_parallel_grads(params, comm)
+    if plan_name == "llama":
+        _adjust_head_counts(model, comm.size)
+    object.__setattr__(model, "_shardwise_tp", TensorParallelState(comm, sp, sequence_dim, plan_name, styles))
+    if plan_name == "gpt":
+        install_gpt_forward(model)
+    return model
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every tensor-parallel parameter gathered to its original name and shape.
+
+    Collective over each tensor-parallel layer's group: every rank calls it and every rank gets the full tensors
+    (copies). Tensors outside tensor-parallel layers (replicated) are copied as they are; a tied parameter is
+    gathered once and appears under each of its names, as in ``state_dict()``. Works on any model (a model with no
+    tensor-parallel layer just gets a detached copy of its state dict).
+    """
+    gathered: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        path, _, attr = key.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        if isinstance(owner, TensorParallelLayer) and isinstance(getattr(owner, attr, None), nn.Parameter):
+            if id(value) not in gathered:
+                gathered[id(value)] = owner.full_tensor(attr)
+            out[key] = gathered[id(value)]
+        else:
+            out[key] = value.detach().clone()
+    return out

@@ -1,0 +1,189 @@
+"""Tensor-parallel plans: data that maps module-name patterns to parallel styles (no edits of model code).
+
+A plan is a dict ``{pattern: style}``. A pattern is an ``fnmatch`` pattern (``*`` matches any characters, dots
+included) over the dotted module names of ``model.named_modules()``; it matches a module whose whole name matches,
+or whose name ends with ``"." + pattern`` (so ``"q_proj"`` matches ``"model.layers.3.self_attn.q_proj"``). A style
+is one of the strings ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"sequence"`` or a style object carrying options:
+
+=================================  =====================================================================================
+``"colwise"`` / :class:`Colwise`    nn.Linear -> ColumnParallelLinear (split by output features; ``fused=k`` splits k
+                                     side-by-side output blocks separately; ``gather_output=True`` returns full outputs)
+``"rowwise"`` / :class:`Rowwise`    nn.Linear -> RowParallelLinear (split by input features; output all-reduced, or
+                                     reduce-scattered along the sequence under sequence parallel)
+``"vocab"`` / :class:`Vocab`        nn.Embedding -> VocabParallelEmbedding (split by vocabulary rows)
+``"sequence"`` / :class:`Sequence`  a module with replicated parameters (LayerNorm, RMSNorm, a position embedding) that
+                                     runs on sequence shards under sequence parallel: its parameters' gradients are
+                                     all-reduced over the group. Without sequence parallel it is left as it is.
+=================================  =====================================================================================
+
+Built-in plans (``plan="gpt"`` / ``plan="llama"``) are computed from the model by :func:`builtin_plan`, which also
+validates the head counts: a tensor-parallel size that does not divide them is a ValueError naming both numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Union
+
+from torch import nn
+
+__all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Style", "STYLES", "as_style", "match_plan", "builtin_plan",
+           "gpt_plan", "llama_plan", "BUILTIN_PLANS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Colwise:
+    """Column-parallel Linear.
+
+    gather_output: all-gather the output features (full output on every rank), e.g. a head whose logits go to a
+        loss that needs the whole vocabulary. fused: number of equal output blocks side by side (3 for [q|k|v]).
+    """
+
+    gather_output: bool = False
+    fused: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Rowwise:
+    """Row-parallel Linear. input_is_parallel: the input holds this rank's features (a colwise layer's output)."""
+
+    input_is_parallel: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """Vocabulary-parallel Embedding (rows split across ranks)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """Replicated parameters used on sequence shards: gradients all-reduced under sequence parallel."""
+
+
+Style = Union[Colwise, Rowwise, Vocab, Sequence]
+STYLES = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": Vocab(), "sequence": Sequence()}
+
+
+def as_style(pattern: str, style: object) -> Style:
+    if isinstance(style, (Colwise, Rowwise, Vocab, Sequence)):
+        return style
+    if isinstance(style, str) and style in STYLES:
+        return STYLES[style]
+    raise ValueError(f"parallelize: plan[{pattern!r}]={style!r} is not a style; allowed {sorted(STYLES)} or a "
+                     f"Colwise / Rowwise / Vocab / Sequence object")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+def match_plan(model: nn.Module, plan: dict[str, object]) -> dict[str, Style]:
+    """Resolve a plan to ``{module name: style}`` in ``named_modules()`` order.
+
+    Raises ValueError for a pattern that matches no module (a typo would otherwise silently leave a layer dense),
+    for a module matched by two patterns with different styles, and for a style that is not a style.
+    """
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError(f"parallelize: plan must be a non-empty dict of pattern -> style or one of "
+                         f"{sorted(BUILTIN_PLANS)}, got {plan!r}")
+    styles = {pattern: as_style(pattern, style) for pattern, style in plan.items()}
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, Style] = {}
+    by: dict[str, str] = {}
+    for pattern, style in styles.items():
+        hits = [name for name in names if _matches(name, pattern)]
+        if not hits:
+            raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}; "
+                             f"module names look like {names[:6]}")
+        for name in hits:
+            if name in resolved and resolved[name] != style:
+                raise ValueError(f"parallelize: module {name!r} is matched by {by[name]!r} ({resolved[name]}) and "
+                                 f"{pattern!r} ({style}); give it one style")
+            resolved[name], by[name] = style, pattern
+    order = {name: i for i, name in enumerate(names)}
+    return dict(sorted(resolved.items(), key=lambda item: order[item[0]]))
+
+
+def _check_divides(what: str, value: int, tp: int, hint: str = "") -> None:
+    if value % tp:
+        raise ValueError(f"parallelize: tp size {tp} does not divide {what}={value}{hint}")
+
+
+def gpt_plan(model: nn.Module, tp: int) -> dict[str, Style]:
+    """The plan of the shardwise GPT (Megatron's layout), after checking that `tp` divides its sizes.
+
+    Attention heads are split across ranks (``qkv`` colwise with fused=3, so each rank keeps whole heads of q, k
+    and v; ``proj`` rowwise over the same heads), the MLP is split Megatron style (``fc`` colwise, ``proj``
+    rowwise), the tied token embedding / head are split by vocabulary rows (one shared shard, see parallelize.py),
+    and the LayerNorms and the position embedding are sequence-parallel regions.
+    """
+    config = model.config
+    _check_divides("the number of attention heads n_heads", config.n_heads, tp,
+                   " (tensor parallel splits whole heads across ranks)")
+    _check_divides("the MLP hidden size d_ff", config.ff_dim, tp)
+    _check_divides("the vocabulary size vocab_size", config.vocab_size, tp,
+                   f"; pad the vocabulary to a multiple of {tp} (e.g. GPTConfig(vocab_size="
+                   f"{-(-config.vocab_size // tp) * tp}))")
+    return {
+        "tok_emb": Vocab(),
+        "pos_emb": Sequence(),
+        "blocks.*.ln1": Sequence(),
+        "blocks.*.attn.qkv": Colwise(fused=3),
+        "blocks.*.attn.proj": Rowwise(),
+        "blocks.*.ln2": Sequence(),
+        "blocks.*.mlp.fc": Colwise(),
+        "blocks.*.mlp.proj": Rowwise(),
+        "ln_f": Sequence(),
+        "head": Colwise(),  # vocabulary-parallel logits, consumed by vocab_parallel_cross_entropy
+    }
+
+
+def _heads_of(attn: nn.Module, proj: nn.Linear, *names: str) -> int | None:
+    """Number of heads a projection holds: from the attention module's attributes or its config."""
+    head_dim = getattr(attn, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0:
+        return proj.out_features // head_dim
+    config = getattr(attn, "config", None)
+    for name in names:
+        value = getattr(attn, name, None) or getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
+    """The plan of Llama-style models with HuggingFace module names.
+
+    q/k/v_proj colwise and o_proj rowwise (heads, and key/value heads under grouped-query attention, split across
+    ranks), gate/up_proj colwise and down_proj rowwise, embed_tokens vocabulary-parallel, lm_head colwise with
+    gathered output (the model computes its own loss over full logits); a tied lm_head shares the embedding's shard.
+    Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads.
+    """
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    for name, module in model.named_modules():
+        for proj, attrs, what in (("q_proj", ("num_heads", "num_attention_heads"), "attention heads"),
+                                  ("k_proj", ("num_key_value_heads",), "key/value heads")):
+            child = getattr(module, proj, None)
+            if isinstance(child, nn.Linear):
+                heads = _heads_of(module, child, *attrs)
+                if heads is not None:
+                    _check_divides(f"the number of {what} of {name or 'the model'} ({attrs[-1]})", heads, tp)
+    plan: dict[str, Style] = {
+        "embed_tokens": Vocab(),
+        "q_proj": Colwise(), "k_proj": Colwise(), "v_proj": Colwise(), "o_proj": Rowwise(),
+        "gate_proj": Colwise(), "up_proj": Colwise(), "down_proj": Rowwise(),
+    }
+    if "lm_head" in names:
+        plan["lm_head"] = Colwise(gather_output=True)
+    return plan
+
+
+BUILTIN_PLANS = {"gpt": gpt_plan, "llama": llama_plan}
+
+
+def builtin_plan(name: str, model: nn.Module, tp: int) -> dict[str, Style]:
+    if name not in BUILTIN_PLANS:
+        raise ValueError(f"parallelize: plan={name!r} is not a built-in plan; allowed {sorted(BUILTIN_PLANS)} or a "
+                         f"dict of pattern -> style")
+    return BUILTIN_PLANS[name](model, tp)

@@ -1,0 +1,226 @@
+"""Plans: the built-in Llama plan on a small model with HuggingFace's module names, dict plans, and plan errors.
+
+The Llama here mirrors HuggingFace's LlamaForCausalLM structure and names (model.embed_tokens, model.layers.N.
+self_attn.{q,k,v,o}_proj with grouped-query attention, mlp.{gate,up,down}_proj, RMSNorms, model.norm, lm_head,
+optional tie_word_embeddings). Its attention reshapes with its num_heads / num_key_value_heads / hidden_size
+attributes, as HuggingFace did before 4.48, so the plan's adjustment of those attributes is exercised too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import ATOL, RTOL
+from torch import nn
+
+import shardwise as sw
+from shardwise import tensor_parallel as tp
+from shardwise.models import GPT, GPTConfig
+
+VOCAB, D, HEADS, KV_HEADS, FF, LAYERS, T = 64, 32, 4, 2, 48, 2, 16
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim, self.hidden_size = HEADS, KV_HEADS, D // HEADS, D
+        self.q_proj = nn.Linear(D, HEADS * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(D, KV_HEADS * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, KV_HEADS * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(HEADS * self.head_dim, D, bias=False)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, L, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        groups = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, self.hidden_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, FF, bias=False)
+        self.up_proj = nn.Linear(D, FF, bias=False)
+        self.down_proj = nn.Linear(FF, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.self_attn = RMSNorm(D), LlamaAttention()
+        self.post_attention_layernorm, self.mlp = RMSNorm(D), LlamaMLP()
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, D, padding_idx=0)
+        self.layers = nn.ModuleList(LlamaDecoderLayer() for _ in range(LAYERS))
+        self.norm = RMSNorm(D)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, tie_word_embeddings=False):
+        super().__init__()
+        self.model = LlamaModel()
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        if tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if not name.endswith("norm.weight") and not name.endswith("layernorm.weight"):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+    def forward(self, ids, labels=None):
+        logits = self.lm_head(self.model(ids))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def data(step):
+    ids = torch.randint(0, VOCAB, (4, T + 1), generator=torch.Generator().manual_seed(step))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def train(model, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5)  # eps: see test_tensor_parallel_gpt.py
+    for step in range(steps):
+        model(*data(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def train_llama_tp(comm, tie):
+    model = tp.parallelize(LlamaForCausalLM(tie), comm, "llama")
+    attn = model.model.layers[0].self_attn
+    shapes = {"num_heads": attn.num_heads, "num_key_value_heads": attn.num_key_value_heads,
+              "q_proj": tuple(attn.q_proj.weight.shape), "k_proj": tuple(attn.k_proj.weight.shape),
+              "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    train(model)
+    return tp.full_state_dict(model), shapes
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_llama_plan_trains_like_one_process(tie):
+    want = train(LlamaForCausalLM(tie)).state_dict()
+    for state, shapes in sw.launch(train_llama_tp, 2, tie):
+        assert list(state) == list(want)
+        for name in want:
+            torch.testing.assert_close(state[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        hd = D // HEADS
+        assert shapes == {"num_heads": HEADS // 2, "num_key_value_heads": KV_HEADS // 2, "q_proj": (HEADS * hd // 2, D),
+                          "k_proj": (KV_HEADS * hd // 2, D), "tied": tie}
+
+
+def test_llama_plan_errors():
+    def body(comm):
+        with pytest.raises(ValueError, match=r"tp size 4 does not divide the number of key/value heads .*=2"):
+            tp.parallelize(LlamaForCausalLM(), comm, "llama")
+        with pytest.raises(ValueError, match="plan='llama' does not support sequence_parallel=True"):
+            tp.parallelize(LlamaForCausalLM(), comm, "llama", sequence_parallel=True)
+
+    sw.launch(body, 4)
+
+
+def test_llama_plan_without_a_head_and_with_heads_from_config():
+    """A bare LlamaModel has no lm_head (the plan omits it); head counts may come from a config object."""
+
+    def body(comm):
+        model = LlamaModel()
+        for layer in model.layers:  # newer HuggingFace: the counts live in the config only
+            del layer.self_attn.head_dim, layer.self_attn.num_heads, layer.self_attn.num_key_value_heads
+            layer.self_attn.config = type("Config", (), {"num_attention_heads": 6, "num_key_value_heads": 6})()
+        with pytest.raises(ValueError, match=r"divide the number of attention heads .*num_attention_heads\)=6"):
+            tp.parallelize(model, comm, "llama")
+
+    sw.launch(body, 4)
+    model = tp.parallelize(LlamaModel(), sw.init(), "llama")
+    assert isinstance(model.embed_tokens, tp.VocabParallelEmbedding)
+
+
+# ---- dict plans ---------------------------------------------------------------------------------------------------
+CONFIG = GPTConfig.preset("tiny")
+
+
+def test_dict_plan_replaces_matched_modules_and_hooks_sequence_parameters():
+    def body(comm):
+        plan = {"blocks.*.attn.qkv": tp.Colwise(fused=3), "blocks.*.attn.proj": "rowwise", "ln1": "sequence"}
+        model = tp.parallelize(GPT(CONFIG, seed=0), comm, plan, sequence_parallel=True)
+        kinds = {name: type(m).__name__ for name, m in model.named_modules() if name.startswith("blocks.1.")}
+        hooked = {name for name, p in model.named_parameters() if tp.is_sequence_parallel_param(p)}
+        return kinds, hooked, type(model).__name__
+
+    kinds, hooked, cls = sw.launch(body, 2)[0]
+    assert kinds["blocks.1.attn.qkv"] == "ColumnParallelLinear" and kinds["blocks.1.attn.proj"] == "RowParallelLinear"
+    assert kinds["blocks.1.mlp.fc"] == "Linear"
+    assert cls == "GPT"  # only plan="gpt" installs the GPT's parallel forward
+    # LayerNorm parameters and the row-parallel biases run on sequence shards: their gradients are all-reduced
+    assert hooked == {f"blocks.{i}.{p}" for i in range(CONFIG.n_layers)
+                      for p in ("ln1.weight", "ln1.bias", "attn.proj.bias")}
+
+
+def test_without_sequence_parallel_nothing_is_hooked():
+    model = tp.parallelize(GPT(CONFIG, seed=0), sw.init(), "gpt")
+    assert not any(tp.is_sequence_parallel_param(p) for p in model.parameters())
+    # a group of one: hooks would be no-ops anyway; with 2 ranks and no SP, gradients of replicated params are
+    # complete on every rank (checked by the GPT parity tests)
+
+
+def test_plan_errors_are_value_errors_naming_the_problem():
+    def body(comm):
+        gpt = lambda: GPT(CONFIG, seed=0)  # noqa: E731
+        with pytest.raises(ValueError, match=r"plan pattern 'blocks.\*.attn.qkvv' matches no module"):
+            tp.parallelize(gpt(), comm, {"blocks.*.attn.qkvv": "colwise"})
+        with pytest.raises(ValueError, match=r"module 'blocks.0.ln1' is a LayerNorm, but style Colwise.* nn.Linear"):
+            tp.parallelize(gpt(), comm, {"blocks.0.ln1": "colwise"})
+        with pytest.raises(ValueError, match=r"'blocks.0.mlp.fc' is matched by 'fc' .* and 'blocks.0.mlp.fc'"):
+            tp.parallelize(gpt(), comm, {"fc": "colwise", "blocks.0.mlp.fc": "rowwise"})
+        with pytest.raises(ValueError, match=r"plan\['fc'\]='columnwise' is not a style; allowed"):
+            tp.parallelize(gpt(), comm, {"fc": "columnwise"})
+        with pytest.raises(ValueError, match=r"parameter head.weight is tied to tok_emb.weight, which the plan splits"):
+            tp.parallelize(gpt(), comm, {"tok_emb": "vocab"})
+        with pytest.raises(ValueError, match=r"head.weight is tied to tok_emb.weight, but the plan splits them "
+                                             r"differently \(columns vs rows\)"):
+            tp.parallelize(gpt(), comm, {"tok_emb": "vocab", "head": "rowwise"})
+        with pytest.raises(ValueError, match="plan='mixtral' is not a built-in plan; allowed \\['gpt', 'llama'\\]"):
+            tp.parallelize(gpt(), comm, "mixtral")
+
+    sw.launch(body, 2)
+
+
+def test_full_state_dict_of_a_dense_model_is_a_copy():
+    model = nn.Linear(3, 2)
+    state = tp.full_state_dict(model)
+    assert state.keys() == model.state_dict().keys()
+    assert state["weight"].data_ptr() != model.weight.data_ptr()
+    torch.testing.assert_close(state["weight"], model.weight.detach(), rtol=0, atol=0)
