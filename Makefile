@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
+MPI4PY_VERSION := 4.1.2
 PYTEST_ARGS ?=
 
 .PHONY: demo test bench clean
@@ -22,10 +23,29 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $@
 
+# The MPI backend is tested like every other one, so `make test` needs Open MPI and mpi4py. Open MPI comes from
+# apt-get (as root, or through password-less sudo) when mpirun is missing; mpi4py is pinned into the venv (it has no
+# dependencies, so torch is untouched). Two ranks then run an all-reduce: a missing or broken MPI stops here, loudly.
+$(VENV)/.mpi: $(BIN)/python
+	@if ! command -v mpirun >/dev/null 2>&1; then \
+	  echo "mpirun not found: installing Open MPI (openmpi-bin libopenmpi-dev) with apt-get"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; \
+	  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else echo "error: Open MPI is missing and installing it needs root: run 'apt-get install openmpi-bin libopenmpi-dev' as root, then make test again" >&2; exit 1; fi; \
+	  command -v apt-get >/dev/null 2>&1 || { echo "error: Open MPI is missing and there is no apt-get: install Open MPI (mpirun, libmpi) with your package manager" >&2; exit 1; }; \
+	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y openmpi-bin libopenmpi-dev \
+	    || { echo "error: apt-get could not install Open MPI (openmpi-bin libopenmpi-dev)" >&2; exit 1; }; \
+	fi
+	$(BIN)/pip install --quiet mpi4py==$(MPI4PY_VERSION)
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 2 $(BIN)/python -c \
+	  "from mpi4py import MPI; assert MPI.COMM_WORLD.allreduce(1) == 2, 'MPI all-reduce gave a wrong sum'" \
+	  || { echo "error: Open MPI + mpi4py cannot run 2 ranks here (see above)" >&2; exit 1; }
+	touch $@
+
 demo: $(VENV)/.installed
 	$(BIN)/shardwise demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.mpi
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed

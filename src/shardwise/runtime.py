@@ -2,18 +2,22 @@
 
 `init()` is what a training script calls first: it reads the launcher's environment (see `environment.py`),
 initialises torch.distributed (NCCL when CUDA is present, gloo otherwise) and returns the world Communicator; with
-no launcher it returns a world of one, so the same script runs unchanged on a laptop.
+no launcher it returns a world of one, so the same script runs unchanged on a laptop. Under mpirun / mpiexec / srun,
+`backend="mpi"` returns a Communicator over MPI itself (comm/mpi_backend.py); gloo and NCCL under mpirun rendezvous
+through MPI: rank 0 hosts the TCP store on a port the OS picks and broadcasts its address with MPI.
 
 `launch(fn, world_size, *args)` runs `fn(comm, *args)` on every rank and returns the results in rank order. With
 `backend="thread"` the ranks are threads of this process (fast; the test harness); with `backend="gloo"` they are
 spawned processes that rendezvous through a TCP store this process hosts on 127.0.0.1 (port chosen by the OS, so
-parallel launches never race for a port). If one rank raises, the others are stopped (thread ranks get a CommError
-at their next wait; processes are terminated) and LaunchError names the failing rank and carries its traceback.
+parallel launches never race for a port); with `backend="mpi"` they run under `mpirun -np N` (see _mpi_launch.py).
+If one rank raises, the others are stopped (thread ranks get a CommError at their next wait; processes are
+terminated; an MPI job is aborted) and LaunchError names the failing rank and carries its traceback.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -30,12 +34,12 @@ import torch
 
 from .comm.base import CommError, Communicator
 from .comm.thread_backend import ThreadWorld
-from .environment import detect_environment
+from .environment import LaunchEnvironment, detect_environment
 
 __all__ = ["init", "launch", "LaunchError", "get_logger", "set_log_rank"]
 
-INIT_BACKENDS = ("gloo", "nccl")
-LAUNCH_BACKENDS = ("thread", "gloo")
+INIT_BACKENDS = ("gloo", "nccl", "mpi")
+LAUNCH_BACKENDS = ("thread", "gloo", "mpi")
 
 
 # ---- logging ------------------------------------------------------------------------------------------------------
@@ -90,7 +94,10 @@ def get_logger(name: str = "shardwise") -> logging.Logger:
 def init(backend: str | None = None, timeout: float = 60.0) -> Communicator:
     """Join the job this process was launched into and return the world Communicator.
 
-    backend: "gloo", "nccl", or None (NCCL when CUDA is available, else gloo).
+    backend: "gloo", "nccl", "mpi", or None (NCCL when CUDA is available, else gloo). "mpi" needs a job started
+    by mpirun / mpiexec / srun and mpi4py; gloo and NCCL under mpirun / mpiexec rendezvous through MPI when mpi4py
+    is installed (else at MASTER_ADDR:MASTER_PORT, default 127.0.0.1:29500 on one node), and under srun at the first
+    node of the step on a port derived from the job id.
     timeout: seconds every collective, and the rendezvous itself, may wait before raising CommError.
     Without launcher variables (see `environment.py`) this returns a world of one. Calling init() again after
     torch.distributed was initialised (by shardwise or by the user) wraps the existing world group.
@@ -103,6 +110,8 @@ def init(backend: str | None = None, timeout: float = 60.0) -> Communicator:
         raise ValueError(f"init: backend={backend!r} is not supported; allowed {INIT_BACKENDS} or None")
     if not timeout > 0:
         raise ValueError(f"init: timeout={timeout!r} must be a positive number of seconds")
+    if backend == "mpi":
+        return _init_mpi(timeout)
     if dist.is_available() and dist.is_initialized():
         return TorchCommunicator(None, timeout=timeout)
     env = detect_environment()
@@ -115,8 +124,12 @@ def init(backend: str | None = None, timeout: float = 60.0) -> Communicator:
     if chosen == "nccl":
         torch.cuda.set_device(env.local_rank)
     delta = datetime.timedelta(seconds=timeout)
+    store = None
     if env.source == "torchrun":
         init_method = "env://"  # honours torchrun's agent-hosted store
+    elif env.source in ("openmpi", "pmi") and importlib.util.find_spec("mpi4py") is not None:
+        store = _mpi_rendezvous(env, timeout)
+        init_method = f"tcp://{store.host}:{store.port} (address broadcast through MPI)"
     elif env.master_addr is None:
         raise ValueError(
             f"init: the {env.source} environment does not say where rank 0 listens; set MASTER_ADDR and MASTER_PORT"
@@ -124,7 +137,11 @@ def init(backend: str | None = None, timeout: float = 60.0) -> Communicator:
     else:
         init_method = f"tcp://{env.master_addr}:{env.master_port}"
     try:
-        dist.init_process_group(chosen, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=delta)
+        if store is not None:
+            dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=delta)
+        else:
+            dist.init_process_group(chosen, init_method=init_method, rank=env.rank, world_size=env.world_size,
+                                    timeout=delta)
     except Exception as exc:
         raise CommError(
             f"init: rank {env.rank} could not join the {env.world_size}-rank {chosen} job at {init_method} "
@@ -134,6 +151,70 @@ def init(backend: str | None = None, timeout: float = 60.0) -> Communicator:
         ) from exc
     set_log_rank(env.rank)
     return TorchCommunicator(None, timeout=timeout)
+
+
+def _init_mpi(timeout: float) -> Communicator:
+    """init(backend="mpi"): the world Communicator over MPI, checked against the launcher's idea of the world."""
+    env = detect_environment()
+    if env.source == "torchrun":
+        raise ValueError(
+            "init: backend='mpi' needs a job started by mpirun, mpiexec or srun, but this process was started by "
+            "torchrun (RANK and WORLD_SIZE are set); use backend='gloo' or 'nccl', or launch with mpirun"
+        )
+    if env.world_size == 1:
+        set_log_rank(0)
+        return ThreadWorld(1, timeout).communicators()[0]
+    from .comm.mpi_backend import MPICommunicator  # initialises MPI; a clear ImportError when mpi4py is missing
+
+    comm = MPICommunicator(timeout=timeout)
+    if comm.size != env.world_size:
+        raise CommError(
+            f"init: the {env.source} launcher started {env.world_size} ranks but MPI sees a world of {comm.size} on "
+            f"rank {env.rank}: this MPI library is not wired to the launcher (under srun try `srun --mpi=pmix`, or "
+            f"start the job with the mpirun of the MPI that mpi4py loads)",
+            op="init",
+            rank=env.rank,
+        )
+    set_log_rank(comm.rank)
+    return comm
+
+
+def _mpi_rendezvous(env: LaunchEnvironment, timeout: float) -> Any:
+    """Rank 0 hosts torch's TCP store (MASTER_PORT, else a port the OS picks) and broadcasts where, through MPI."""
+    import socket
+
+    import torch.distributed as dist
+
+    from .comm.mpi_backend import bcast_json
+
+    delta = datetime.timedelta(seconds=timeout)
+    store = None
+    if env.rank == 0:
+        # env.master_addr is MASTER_ADDR, or 127.0.0.1 when every rank is on this node; else this host's name.
+        info: dict[str, Any] = {"addr": env.master_addr or socket.getfqdn(), "port": 0, "error": None}
+        try:
+            store = dist.TCPStore(info["addr"], int(os.environ.get("MASTER_PORT", 0)), is_master=True,
+                                  wait_for_workers=False, timeout=delta)
+            info["port"] = store.port
+        except Exception as exc:  # every rank must hear of it, or they would wait for the broadcast in vain
+            info["error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        info = {}
+    info = bcast_json(info, timeout=timeout)
+    if info["error"]:
+        raise CommError(f"init: rank 0 could not host the rendezvous store: {info['error']}", op="init", rank=env.rank)
+    if store is None:
+        try:
+            store = dist.TCPStore(info["addr"], info["port"], is_master=False, timeout=delta)
+        except Exception as exc:
+            raise CommError(
+                f"init: rank {env.rank} could not reach rank 0's store at {info['addr']}:{info['port']} within "
+                f"{timeout:g}s: {exc}",
+                op="init",
+                rank=env.rank,
+                peers=[0],
+            ) from exc
+    return store
 
 
 # ---- launch ---------------------------------------------------------------------------------------------------------
@@ -156,8 +237,9 @@ def launch(
 ) -> list[Any]:
     """Run `fn(comm, *args)` on `world_size` ranks and return the results in rank order.
 
-    backend: "thread" (ranks are threads of this process) or "gloo" (spawned processes on 127.0.0.1; `fn`, `args`
-    and the results must be picklable, and `fn` must be importable by module and name).
+    backend: "thread" (ranks are threads of this process), "gloo" (spawned processes on 127.0.0.1) or "mpi"
+    (processes under `mpirun -np world_size`, each with an MPI Communicator). For processes, `fn`, `args` and the
+    results must be picklable, and `fn` must be importable by module and name (or defined in the main script).
     timeout: seconds any collective may wait before raising CommError.
     threads_per_rank: torch intra-op threads of each spawned process (default: cores // world_size, at least 1).
     Raises LaunchError naming the first rank that raised, with its traceback text.
@@ -170,6 +252,10 @@ def launch(
         raise ValueError(f"launch: timeout={timeout!r} must be a positive number of seconds")
     if backend == "thread":
         return _launch_threads(fn, world_size, args, timeout)
+    if backend == "mpi":
+        from ._mpi_launch import launch_mpi
+
+        return launch_mpi(fn, world_size, args, timeout, threads_per_rank)
     return _launch_processes(fn, world_size, args, timeout, threads_per_rank)
 
 
