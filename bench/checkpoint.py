@@ -51,7 +51,7 @@ def _gathered_optimizer_state(model, opt, comm):
     return full
 
 
-def body(comm, root: str, repeats: int, preset: str) -> dict:
+def body(comm, root: str, repeats: int, preset: str, verify: bool) -> dict:
     model = sw.ZeRO(GPT(GPTConfig.preset(preset), seed=0), comm, stage=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (2, 64))
@@ -69,7 +69,7 @@ def body(comm, root: str, repeats: int, preset: str) -> dict:
         sizes["shardwise"] = _dir_bytes(target)
         comm.barrier()
         t0 = time.perf_counter()
-        sw.load_checkpoint(target, model, opt)
+        sw.load_checkpoint(target, model, opt, verify=verify)
         comm.barrier()
         times["shardwise_load"].append(time.perf_counter() - t0)
 
@@ -110,10 +110,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--preset", default="bench")
+    parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check on load (the peer has none)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="shardwise-ckpt-bench-")
     try:
-        result = sw.launch(body, args.nproc, root, args.repeats, args.preset, backend="gloo", timeout=300,
+        result = sw.launch(body, args.nproc, root, args.repeats, args.preset, not args.no_verify, backend="gloo", timeout=300,
                            threads_per_rank=1)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -121,7 +122,8 @@ def main() -> None:
     for impl in ("shardwise", "torch"):
         print(json.dumps({"impl": impl, "save_ms": round(medians[f"{impl}_save"], 1),
                           "load_ms": round(medians[f"{impl}_load"], 1), "bytes": result["sizes"][impl],
-                          "nproc": args.nproc, "preset": args.preset, "repeats": args.repeats}))
+                          "nproc": args.nproc, "preset": args.preset, "repeats": args.repeats,
+                          "verify": not args.no_verify}))
     print(json.dumps({"save_ratio": round(medians["shardwise_save"] / medians["torch_save"], 3),
                       "load_ratio": round(medians["shardwise_load"] / medians["torch_load"], 3),
                       "parameters_identical": result["same"]}))
