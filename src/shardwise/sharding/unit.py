@@ -156,8 +156,9 @@ class Unit:
 
     # ---- parameters: gather, free, swap -----------------------------------------------------------------------
     def _master_version(self) -> int:
-        # In-place optimizer updates bump the shard parameters' version counters: a cheap staleness test.
-        return sum(i.shard_param._version for i in self.infos) + self.master._version
+        # In-place optimizer updates of the shard parameters (views of the master shard) bump the master's version
+        # counter, which views share with their base: an O(1) staleness test.
+        return self.master._version
 
     @property
     def full_allocated(self) -> bool:
@@ -180,7 +181,7 @@ class Unit:
             self.full.untyped_storage().resize_(self.full_bytes)
             self.memory.allocated(self.full_bytes)
         source = self.master.detach().to(self.device, self.param_dtype)
-        if source.data_ptr() == self.master.data_ptr():
+        if self.master_is_view:
             source = source.clone()  # never gather from a slice of the very buffer being written
         self.gathered_version = self._master_version()
         self.pending_gather = self.shard_comm.all_gather(self.full.data, source, async_op=True)

@@ -1,0 +1,721 @@
+"""Benchmark: shardwise ZeRO-1/2/3 and FSDP full_shard against DeepSpeed ZeRO 1/2/3 and PyTorch FSDP2, on gloo (CPU).
+
+Every implementation trains its own copy of the same GPT (same seed, same per-rank batches, AdamW fp32, lr 1e-3) in
+the SAME processes (`shardwise.launch(..., backend="gloo", threads_per_rank=1)`), and they ALTERNATE: after
+`--warmup` steps of each, `--rounds` rounds of `--steps` steps of each implementation (the order rotates every round),
+so slow phases of a noisy machine hit every implementation alike. A step is forward + backward + optimizer step +
+zero_grad (DeepSpeed: engine(x, y), engine.backward(loss), engine.step()); its time is measured on every rank and
+the max over ranks is taken per step; the figure is the median over all measured steps.
+
+Implementations (--impls, comma list; pairs are compared shardwise / peer):
+  sw_zero1 / ds_zero1    shardwise.ZeRO(stage=1, wrap=Block)  vs  deepspeed.initialize(zero_optimization.stage=1)
+  sw_zero2 / ds_zero2    the same with stage 2
+  sw_zero3 / ds_zero3    the same with stage 3
+  sw_fsdp  / fsdp2       shardwise.FSDP(sharding="full_shard", wrap=Block)  vs  torch fully_shard per Block + root
+  local                  (not default) plain GPT, no communication: every rank trains its own replica; compute floor
+DeepSpeed runs with DS_ACCELERATOR=cpu and TORCH_EXTENSIONS_DIR (defaults set below), config as in PEERS.md with
+"torch_adam": true (so its optimizer is torch.optim.AdamW, as ours), on the already-initialised gloo group, and with
+"gradient_clipping": 0.0: DeepSpeed 0.19 clips to norm 1.0 by default, which the other rows do not (--ds-clip).
+Ratios: shardwise median / peer median, and the median over rounds of the per-round ratio of the two blocks (robust
+to slow phases). With both sw_zero3 and sw_fsdp present (the same engine configuration) their ratio is printed as a
+noise gauge: an A/A comparison that tells how far from 1.0 a ratio must be to mean anything.
+
+Memory. Implementations that share a process share one peak RSS, so after the timed run every implementation gets a
+separate short run of its own (fresh processes; `--only NAME` does just that for one): peak RSS per rank
+(getrusage ru_maxrss), the RSS before the model was built, and the difference.
+
+Parity: same init, same data, same number of steps, so the final full parameters of each shardwise row must equal
+its peer's (on 2 ranks every implementation sums the same two numbers per element; measured: bit-identical).
+--profile (after the measured rounds): a plain no-communication replica as the compute floor; every shardwise row's
+step split into hook time (by hook), time blocked waiting on all-gathers / reduce-scatters, compute outside the
+hooks, and what is still held when autograd finishes; torch.profiler totals of FSDP2's labelled regions; and the
+collectives alone at the size of one unit.
+stdout carries JSON lines only (one per row, memory rows, a parity line, optionally a profile line, then the ratio
+line); the human-readable summary goes to stderr.
+
+    .venv/bin/python bench/sharding.py                          # all 8 rows, bench preset, 10 rounds x 2 steps
+    .venv/bin/python bench/sharding.py --impls sw_zero3,ds_zero3 --profile
+    .venv/bin/python bench/sharding.py --only fsdp2             # the separate memory run of one implementation
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "shardwise-bench-torch-extensions"))
+
+import torch  # noqa: E402
+
+import shardwise  # noqa: E402
+from shardwise.data import ByteCorpus  # noqa: E402
+from shardwise.memory import peak_rss_bytes  # noqa: E402
+from shardwise.models.gpt import GPT, Block, GPTConfig  # noqa: E402
+
+MB = 1024 * 1024
+ALL = ("sw_zero1", "ds_zero1", "sw_zero2", "ds_zero2", "sw_zero3", "ds_zero3", "sw_fsdp", "fsdp2")
+KNOWN = ALL + ("local",)
+PEER = {"sw_zero1": "ds_zero1", "sw_zero2": "ds_zero2", "sw_zero3": "ds_zero3", "sw_fsdp": "fsdp2"}
+# The issue's targets: step time <= 0.8 x DeepSpeed's and <= 0.9 x FSDP2's; peak RSS <= FSDP2's.
+GOAL = {"ds_zero1": 0.8, "ds_zero2": 0.8, "ds_zero3": 0.8, "fsdp2": 0.9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    preset: str
+    batch_size: int
+    seq_len: int | None
+    steps: int
+    rounds: int
+    warmup: int
+    nproc: int
+    impls: tuple[str, ...]
+    profile: bool
+    ds_clip: float = 0.0
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def _model_config(cfg: Config) -> GPTConfig:
+    return GPTConfig.preset(cfg.preset, **({} if cfg.seq_len is None else {"seq_len": cfg.seq_len}))
+
+
+def _corpus() -> ByteCorpus:
+    return ByteCorpus(max_bytes=2_000_000)  # the stdlib sources; 2 MB is plenty and loads fast
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed calls torch's renamed collectives
+    warnings.filterwarnings("ignore", category=UserWarning)
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+class _Impl:
+    """One model under test: how it steps, its own data position (every implementation sees batch k at its k-th
+    step, so all of them train on the same sequence) and its measured step times."""
+
+    def __init__(self, name: str, model: torch.nn.Module, opt: Any, engine: Any = None, **info: Any) -> None:
+        self.name = name
+        self.model = model
+        self.opt = opt
+        self.engine = engine  # a DeepSpeed engine: it steps itself
+        self.step_no = 0
+        self.info = info
+        self.times: list[list[float]] = []  # measured steps: [total, fwd, bwd, opt+zero]
+        self.collectives: dict[str, int] | None = None  # shardwise: calls per step
+
+
+def _step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int) -> list[float]:
+    x, y = corpus.batch(impl.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
+    impl.step_no += 1
+    t0 = time.perf_counter()
+    if impl.engine is not None:
+        loss = impl.engine(x, y)
+        t1 = time.perf_counter()
+        impl.engine.backward(loss)
+        t2 = time.perf_counter()
+        impl.engine.step()  # optimizer step and zero_grad
+    else:
+        loss = impl.model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        impl.opt.step()
+        impl.opt.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    return [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
+
+
+def _build_one(name: str, comm: shardwise.Communicator, cfg: Config) -> _Impl:
+    model = GPT(_model_config(cfg), seed=cfg.seed)
+    if name.startswith("sw_zero"):
+        stage = int(name[-1])
+        model = shardwise.ZeRO(model, comm, stage=stage, wrap=Block)
+        return _Impl(name, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), stage=stage, wrap="Block",
+                     units=_units(model))
+    if name == "sw_fsdp":
+        model = shardwise.FSDP(model, comm, sharding="full_shard", wrap=Block)
+        return _Impl(name, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), sharding="full_shard",
+                     wrap="Block", units=_units(model))
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (comm.size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return _Impl(name, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), how="fully_shard per Block + root")
+    if name.startswith("ds_zero"):
+        import deepspeed
+
+        _quiet()
+        stage = int(name[-1])
+        ds_cfg = {"train_micro_batch_size_per_gpu": cfg.batch_size, "steps_per_print": 10**9,
+                  "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "torch_adam": True}},
+                  "zero_optimization": {"stage": stage},
+                  # DeepSpeed 0.19 defaults gradient_clipping to 1.0 (it was 0 = off before): its gradients would be
+                  # scaled by min(1, 1/norm) while every other row trains unclipped. 0.0 = the same maths as ours.
+                  "gradient_clipping": cfg.ds_clip}
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+        return _Impl(name, engine.module, opt, engine=engine, stage=stage, optimizer=type(opt).__name__,
+                     deepspeed=deepspeed.__version__, gradient_clipping=cfg.ds_clip)
+    if name == "local":
+        return _Impl(name, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), note="no communication")
+    raise ValueError(f"unknown implementation {name!r}; allowed {KNOWN}")
+
+
+def _units(model: torch.nn.Module) -> list[str]:
+    return [f"{u['unit']}:{u['params']}" for u in model.sharding_units()]
+
+
+def _full_params(impl: _Impl) -> dict[str, torch.Tensor]:
+    """The whole parameters under their original names (collective for the sharded rows)."""
+    if impl.name.startswith("sw_"):
+        return shardwise.full_state_dict(impl.model)
+    if impl.name == "fsdp2":
+        out = {}
+        for k, v in impl.model.state_dict().items():
+            out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        return out
+    if impl.engine is not None and impl.info.get("stage") == 3:
+        import deepspeed
+
+        params = list(impl.model.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {k: v.detach().clone() for k, v in impl.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in impl.model.state_dict().items()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    keys = sorted(set(a) & set(b))
+    absd = max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
+    scale = max(b[k].abs().max().item() for k in keys)
+    return {"max_abs": absd, "max_rel_to_max_param": absd / scale, "keys": len(keys),
+            "unmatched_keys": len(set(a) ^ set(b))}
+
+
+def _count_collectives(impl: _Impl, comm: shardwise.Communicator, corpus: ByteCorpus, cfg: Config, seq_len: int,
+                       rank: int, world: int) -> list[float]:
+    with comm.stats.measure() as counted:
+        t = _step(impl, corpus, cfg, seq_len, rank, world)
+    impl.collectives = {op: counted.calls(op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    impl.collectives["wire_MB"] = round(counted.wire_bytes() / MB, 2)
+    return t
+
+
+def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
+    _quiet()
+    rank, world = comm.rank, comm.size
+    corpus = _corpus()
+    seq_len = _model_config(cfg).seq_len
+    impls = [_build_one(name, comm, cfg) for name in cfg.impls]
+    for impl in impls:
+        for i in range(cfg.warmup):
+            if i == cfg.warmup - 1 and impl.name.startswith("sw_"):
+                _count_collectives(impl, comm, corpus, cfg, seq_len, rank, world)
+            else:
+                _step(impl, corpus, cfg, seq_len, rank, world)
+    for r in range(cfg.rounds):
+        order = impls[r % len(impls):] + impls[: r % len(impls)]
+        for impl in order:
+            comm.barrier()  # every block starts with the ranks aligned
+            for _ in range(cfg.steps):
+                impl.times.append(_step(impl, corpus, cfg, seq_len, rank, world))
+    # Parity: each shardwise row against its peer, and every row against the first peer present.
+    full = {impl.name: _full_params(impl) for impl in impls if impl.name != "local"}
+    parity: dict[str, Any] = {}
+    for name, peer in PEER.items():
+        if name in full and peer in full:
+            parity[f"{name} vs {peer}"] = _max_diff(full[name], full[peer])
+    ref = next((p for p in ("fsdp2", "ds_zero1", "ds_zero2", "ds_zero3") if p in full), None)
+    for name in full:
+        if ref is not None and name != ref and f"{name} vs {ref}" not in parity:
+            parity[f"{name} vs {ref}"] = _max_diff(full[name], full[ref])
+    result = {"times": {i.name: i.times for i in impls}, "info": {i.name: i.info for i in impls},
+              "collectives": {i.name: i.collectives for i in impls if i.collectives is not None},
+              "parity": parity, "trained_steps": impls[0].step_no, "peak_rss": peak_rss_bytes()}
+    if cfg.profile:
+        result["profile"] = _profile(comm, impls, corpus, cfg, seq_len)
+    return result
+
+
+def _memory_main(comm: shardwise.Communicator, cfg: Config, name: str, steps: int) -> dict[str, Any]:
+    """A fresh process pair running ONE implementation: its own peak RSS."""
+    _quiet()
+    rank, world = comm.rank, comm.size
+    corpus = _corpus()
+    seq_len = _model_config(cfg).seq_len
+    if name.startswith("ds_"):
+        import deepspeed  # noqa: F401  (imported before the baseline reading: its import is not the model's cost)
+    if name == "fsdp2":
+        import torch.distributed.fsdp  # noqa: F401
+    start = _rss_now()
+    peak_before = peak_rss_bytes()
+    impl = _build_one(name, comm, cfg)
+    built = _rss_now()
+    times = []
+    for _ in range(steps):
+        comm.barrier()
+        times.append(_step(impl, corpus, cfg, seq_len, rank, world)[0])
+    return {"rss_start": start, "peak_before_build": peak_before, "rss_after_build": built,
+            "rss_end": _rss_now(), "peak_rss": peak_rss_bytes(), "times": times}
+
+
+# ---- profiling (--profile) ----------------------------------------------------------------------------------------
+# Run after the measured rounds and the parity check, so the probes never touch the headline figures.
+
+
+class _ProbeWork:
+    """Wraps the Work of one collective: records how long the engine blocked in wait() (incl. the AVG divide)."""
+
+    def __init__(self, inner: shardwise.Work, rec: dict) -> None:
+        self.inner, self.rec = inner, rec
+
+    def wait(self, timeout: float | None = None) -> None:
+        t = time.perf_counter()
+        self.inner.wait(timeout)
+        self.rec["wait_s"] = self.rec.get("wait_s", 0.0) + time.perf_counter() - t
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+
+class _ProbeComm:
+    """Stands in for the units' Communicator: records launch time, completion time (a done-callback on the torch
+    Future, run by gloo's own thread) and time blocked in wait() of every all_gather / reduce_scatter."""
+
+    def __init__(self, inner: shardwise.Communicator) -> None:
+        self.inner = inner
+        self.events: list[dict] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _probe(self, op: str, nbytes: int, issue: Any, async_op: bool) -> Any:
+        rec: dict[str, Any] = {"op": op, "bytes": nbytes, "launch": time.perf_counter()}
+        self.events.append(rec)
+        if not async_op:
+            issue(False)
+            rec["done"] = time.perf_counter()
+            rec["wait_s"] = rec["done"] - rec["launch"]
+            return None
+        work = issue(True)
+        rec["issue_s"] = time.perf_counter() - rec["launch"]
+        torch_work = getattr(work, "work", None)
+        if torch_work is not None:
+            try:
+                fut = torch_work.get_future()
+            except RuntimeError:  # gloo's reduce_scatter Work has no future: completion time unknown
+                rec["no_future"] = True
+            else:
+                fut.add_done_callback(lambda _f: rec.__setitem__("done", time.perf_counter()))
+        return _ProbeWork(work, rec)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Any:
+        return self._probe("all_gather", output.numel() * output.element_size(),
+                           lambda a: self.inner.all_gather(output, input, async_op=a), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Any = shardwise.ReduceOp.SUM, *,
+                       async_op: bool = False) -> Any:
+        return self._probe("reduce_scatter", input.numel() * input.element_size(),
+                           lambda a: self.inner.reduce_scatter(output, input, op, async_op=a), async_op)
+
+
+class _HookTimer:
+    """Inclusive wall time of every engine hook, by kind (instance attributes shadow the engine's methods)."""
+
+    KINDS = ("_pre_forward", "_post_forward", "_on_grad", "_post_backward", "_finish_backward")
+
+    def __init__(self, engine: Any, model: torch.nn.Module) -> None:
+        self.engine, self.model = engine, model
+        self.acc: dict[str, list[float]] = {}
+        self.phase = "forward"
+        for kind in self.KINDS:
+            setattr(engine, kind, self._timed(kind, getattr(engine, kind)))
+        make = engine._make_pre_backward
+        engine._make_pre_backward = lambda unit: self._timed("_pre_backward", make(unit))
+        self.root_key = None
+        for key, fn in model._forward_pre_hooks.items():  # the root pre-forward is bound at registration
+            if getattr(fn, "__func__", None) is type(engine)._root_pre_forward:
+                self.root_key = key
+                model._forward_pre_hooks[key] = self._timed("_root_pre_forward", fn)
+
+    def _timed(self, kind: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec = self.acc.setdefault(kind, [0.0, 0])
+                rec[0] += time.perf_counter() - t
+                rec[1] += 1
+
+        return wrapper
+
+    def restore(self) -> None:
+        for kind in self.KINDS + ("_make_pre_backward",):
+            self.engine.__dict__.pop(kind, None)
+        if self.root_key is not None:
+            self.model._forward_pre_hooks[self.root_key] = self.engine._root_pre_forward
+
+
+def _instrumented_steps(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int,
+                        n: int) -> dict[str, Any]:
+    """n normal steps of a shardwise model with its collectives and hooks probed (see _ProbeComm, _HookTimer)."""
+    engine = impl.model._sharding
+    probe = _ProbeComm(engine.units[0].shard_comm)
+    originals = [u.shard_comm for u in engine.units]
+    for u in engine.units:
+        u.shard_comm = probe
+    timer = _HookTimer(engine, impl.model)
+    live: dict[str, float] = {}
+    timed_finish = engine._finish_backward
+
+    def finish_probe() -> None:
+        # What the engine holds when autograd is done, just before it waits for the reductions and frees.
+        live["grad_buffers_MB"] = sum(u.grad_buffer.numel() * u.grad_buffer.element_size()
+                                      for u in engine.units if u.grad_buffer is not None) / MB
+        live["full_buffers_MB"] = sum(u.full_bytes for u in engine.units if u.full_allocated) / MB
+        live["reduces_in_flight"] = sum(1 for u in engine.units if u.reduce_work is not None)
+        timed_finish()
+
+    engine._finish_backward = finish_probe
+    per_step = []
+    try:
+        for _ in range(n):
+            x, y = corpus.batch(impl.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
+            impl.step_no += 1
+            probe.events.clear()
+            timer.acc.clear()
+            t0 = time.perf_counter()
+            loss = impl.model(x, y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            impl.opt.step()
+            impl.opt.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            rec: dict[str, Any] = {"step_ms": (t3 - t0) * 1e3, "fwd_ms": (t1 - t0) * 1e3, "bwd_ms": (t2 - t1) * 1e3,
+                                   "opt_ms": (t3 - t2) * 1e3}
+            hooks_total = 0.0
+            for kind in ("_root_pre_forward",) + _HookTimer.KINDS + ("_pre_backward",):
+                s, c = timer.acc.get(kind, [0.0, 0])
+                rec[f"hook{kind}_ms"] = s * 1e3
+                rec[f"hook{kind}_calls"] = c
+                hooks_total += s
+            rec["hooks_inclusive_ms"] = hooks_total * 1e3
+            waits = 0.0
+            for op, short in (("all_gather", "ag"), ("reduce_scatter", "rs")):
+                evs = [e for e in probe.events if e["op"] == op]
+                for phase, lo, hi in (("fwd", t0, t1), ("bwd", t1, t2)):
+                    sel = [e for e in evs if lo <= e["launch"] < hi]
+                    rec[f"{short}_{phase}_calls"] = len(sel)
+                    rec[f"{short}_{phase}_wait_ms"] = sum(e.get("wait_s", 0.0) for e in sel) * 1e3
+                    timed = [e for e in sel if "done" in e]
+                    rec[f"{short}_{phase}_inflight_ms"] = (sum(e["done"] - e["launch"] for e in timed) * 1e3
+                                                           if timed or not sel else None)
+                    rec[f"{short}_{phase}_issue_ms"] = sum(e.get("issue_s", 0.0) for e in sel) * 1e3
+                waits += sum(e.get("wait_s", 0.0) for e in evs)
+            rec["comm_wait_ms"] = waits * 1e3
+            rec["hooks_exclusive_ms"] = (hooks_total - waits) * 1e3  # bookkeeping, copies, allocation, launching
+            rec["compute_ms"] = (t2 - t0 - hooks_total) * 1e3  # forward + backward outside every hook
+            rec.update({f"at_end_of_autograd_{k}": v for k, v in live.items()})
+            per_step.append(rec)
+    finally:
+        for u, c in zip(engine.units, originals):
+            u.shard_comm = c
+        timer.restore()
+    return {k: (None if per_step[0][k] is None else round(statistics.median(r[k] for r in per_step), 2))
+            for k in per_step[0]}
+
+
+def _time(fn: Any, reps: int, comm: shardwise.Communicator | None = None) -> float:
+    out = []
+    for _ in range(reps):
+        if comm is not None:
+            comm.barrier()
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return round(statistics.median(out) * 1e3, 2)
+
+
+def _ring_reduce_scatter(comm: shardwise.Communicator, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """Textbook ring reduce-scatter over isend/irecv, AVG: N-1 steps of 1/N of the buffer each, so (N-1)/N x the
+    buffer on the wire per rank. (gloo's reduce_scatter_tensor runs a whole all-reduce: 2(N-1)/N x.)"""
+    n, r = comm.size, comm.rank
+    chunks = inp.view(n, -1)
+    buf = chunks[(r - 1) % n].clone()
+    for s in range(n - 1):
+        incoming = torch.empty_like(buf)
+        sent = comm.isend(buf, (r + 1) % n)
+        received = comm.irecv(incoming, (r - 1) % n)
+        sent.wait()
+        received.wait()
+        buf = incoming.add_(chunks[(r - s - 2) % n])
+    torch.div(buf, n, out=out)
+
+
+def _torch_profile(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int,
+                   n: int) -> dict[str, Any]:
+    """torch.profiler over n steps: the labelled regions (FSDP2's own record_function ranges, gloo collectives),
+    inclusive CPU ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            _step(impl, corpus, cfg, seq_len, rank, world)
+    out = {}
+    for ev in prof.key_averages():
+        if "FSDP" in ev.key or "gloo" in ev.key or ev.key.startswith("c10d::") or ev.key.startswith("aten::_foreach"):
+            out[ev.key] = {"ms_per_step": round(ev.cpu_time_total / 1e3 / n, 2), "calls_per_step": ev.count / n}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms_per_step"])[:25])
+
+
+def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpus, cfg: Config,
+             seq_len: int) -> dict[str, Any]:
+    rank, world = comm.rank, comm.size
+    n = max(cfg.steps, 5)
+    out: dict[str, Any] = {"rank": rank}
+    # 1. compute floor: a plain replica (no hooks, no communication), both ranks busy as in the real run
+    model = GPT(_model_config(cfg), seed=cfg.seed)
+    local = _Impl("local", model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+    for _ in range(2):
+        _step(local, corpus, cfg, seq_len, rank, world)
+    comm.barrier()
+    steps = [_step(local, corpus, cfg, seq_len, rank, world) for _ in range(n)]
+    out["local_no_comm"] = {k: round(statistics.median(s[i] for s in steps) * 1e3, 2)
+                            for i, k in enumerate(("step_ms", "fwd_ms", "bwd_ms", "opt_ms"))}
+    # 2. shardwise rows, hooks and collectives probed
+    out["shardwise"] = {}
+    for impl in impls:
+        if impl.name.startswith("sw_"):
+            comm.barrier()
+            out["shardwise"][impl.name] = _instrumented_steps(impl, corpus, cfg, seq_len, rank, world, n)
+    # 3. torch.profiler view of FSDP2 and of the first shardwise row (same tool for both)
+    out["torch_profiler"] = {}
+    for impl in impls:
+        if impl.name in ("fsdp2", "sw_zero3", "sw_fsdp") and not (impl.name == "sw_fsdp" and "sw_zero3" in
+                                                                   out["torch_profiler"]):
+            comm.barrier()
+            out["torch_profiler"][impl.name] = _torch_profile(impl, corpus, cfg, seq_len, rank, world, n)
+    # 4. the collectives alone at the sizes of one Block unit, CPUs otherwise idle (on our side)
+    sw = next((i for i in impls if i.name.startswith("sw_")), None)
+    if sw is not None:
+        unit = max(sw.model._sharding.units, key=lambda u: u.padded)
+        full = torch.randn(unit.padded)
+        shard = torch.empty(unit.shard_size)
+        c = comm
+        out["collective_alone"] = {
+            "unit_MB": round(unit.padded * 4 / MB, 2),
+            "all_gather_ms": _time(lambda: c.all_gather(full, shard), 7, c),
+            "reduce_scatter_avg_ms": _time(lambda: c.reduce_scatter(shard, full, shardwise.ReduceOp.AVG), 7, c),
+            "all_reduce_sum_ms": _time(lambda: c.all_reduce(full), 7, c),
+            "ring_reduce_scatter_p2p_avg_ms": _time(lambda: _ring_reduce_scatter(c, shard, full), 7, c),
+            "all_reduce_avg_then_copy_chunk_ms": _time(lambda: (c.all_reduce(full, shardwise.ReduceOp.AVG),
+                                                                shard.copy_(full.view(c.size, -1)[c.rank])), 7, c),
+            "copy_unit_ms": _time(lambda: full.clone(), 7),
+        }
+        for what, issue in (("reduce_scatter", lambda: c.reduce_scatter(shard, full, shardwise.ReduceOp.AVG,
+                                                                        async_op=True)),
+                            ("all_reduce", lambda: c.all_reduce(full, shardwise.ReduceOp.AVG, async_op=True))):
+            spent = []  # time the CALLING thread is blocked issuing an async collective (gloo's RS clones its input)
+            for _ in range(7):
+                c.barrier()
+                t = time.perf_counter()
+                work = issue()
+                spent.append(time.perf_counter() - t)
+                work.wait()
+            out["collective_alone"][f"{what}_async_issue_ms"] = round(statistics.median(spent) * 1e3, 2)
+        expected, got = torch.empty_like(shard), torch.empty_like(shard)
+        c.reduce_scatter(expected, full, shardwise.ReduceOp.AVG)
+        _ring_reduce_scatter(c, got, full)
+        out["collective_alone"]["ring_vs_reduce_scatter_max_rel_diff"] = ((got - expected).abs().max() /
+                                                                         expected.abs().max()).item()
+    return out
+
+
+# ---- driver -------------------------------------------------------------------------------------------------------
+
+
+def _summary(name: str, totals: list[float], sections: list[list[float]] | None, info: dict) -> dict[str, Any]:
+    ms = sorted(t * 1e3 for t in totals)
+    deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
+    row = {"name": name, "median_ms": round(statistics.median(ms), 2), "p10_ms": round(deciles[0], 2),
+           "p90_ms": round(deciles[8], 2), "steps": len(ms)}
+    if sections is not None:
+        for i, key in enumerate(("fwd_ms", "bwd_ms", "opt_ms")):
+            row[key] = round(statistics.median(s[i] * 1e3 for s in sections), 2)
+    row.update(info)
+    return row
+
+
+def _source_id() -> str:
+    """A short hash of the shardwise sharding sources benchmarked (the tree changes under active development)."""
+    root = Path(shardwise.__file__).parent / "sharding"
+    h = hashlib.sha1()
+    for f in sorted(root.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def _memory_rows(cfg: Config, names: list[str], steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for name in names:
+        res = shardwise.launch(_memory_main, cfg.nproc, cfg, name, steps, backend="gloo", threads_per_rank=1,
+                               timeout=600)
+        rows.append({
+            "name": name, "kind": "memory (separate run, this implementation only)",
+            "peak_rss_MB": [round(r["peak_rss"] / MB, 1) for r in res],
+            "rss_before_build_MB": [round(r["rss_start"] / MB, 1) for r in res],
+            "peak_minus_start_MB": [round((r["peak_rss"] - r["rss_start"]) / MB, 1) for r in res],
+            "rss_after_build_MB": [round(r["rss_after_build"] / MB, 1) for r in res],
+            "rss_end_MB": [round(r["rss_end"] / MB, 1) for r in res],
+            "steps": steps, "step_ms_last": round(max(r["times"][-1] for r in res) * 1e3, 1),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--impls", default=",".join(ALL), help=f"comma list of {KNOWN} (default: all but local)")
+    ap.add_argument("--only", default=None, metavar="NAME", help="only the separate memory run of NAME")
+    ap.add_argument("--steps", type=int, default=2, help="measured steps per implementation per round (default 2)")
+    ap.add_argument("--rounds", type=int, default=10, help="alternation rounds (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps of each implementation first (default 3)")
+    ap.add_argument("--preset", default="bench", help="GPT preset: tiny | small | bench (default bench)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
+    ap.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len (default 128)")
+    ap.add_argument("--nproc", type=int, default=2, help="gloo processes, 1 thread each (default 2)")
+    ap.add_argument("--memory-steps", type=int, default=6, help="steps of each separate memory run (default 6)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the separate memory runs")
+    ap.add_argument("--profile", action="store_true", help="also profile where the time goes (see _profile)")
+    ap.add_argument("--ds-clip", type=float, default=0.0,
+                    help="DeepSpeed gradient_clipping (default 0.0 = off, as every other row; DeepSpeed's own is 1.0)")
+    args = ap.parse_args(argv)
+    impls = tuple(n.strip() for n in args.impls.split(",") if n.strip())
+    bad = [n for n in impls + ((args.only,) if args.only else ()) if n not in KNOWN]
+    if bad:
+        ap.error(f"unknown implementation(s) {bad}; allowed {KNOWN}")
+    if args.nproc < 2:
+        ap.error("--nproc must be >= 2")
+    if min(args.steps, args.rounds, args.memory_steps) < 1 or args.warmup < 1:
+        ap.error("--steps, --rounds, --memory-steps and --warmup must be >= 1")
+    cfg = Config(args.preset, args.batch_size, args.seq_len, args.steps, args.rounds, args.warmup, args.nproc,
+                 impls, args.profile, args.ds_clip)
+    nparams = GPT(_model_config(cfg), seed=0).num_parameters()
+    common = {"preset": cfg.preset, "params": nparams, "nproc": cfg.nproc, "batch_size": cfg.batch_size,
+              "source": _source_id(), "loadavg_at_start": [round(v, 1) for v in os.getloadavg()],
+              "cpus": os.cpu_count()}
+    err = sys.stderr
+    t0 = time.time()
+    if args.only:
+        rows = _memory_rows(cfg, [args.only], args.memory_steps)
+        r = rows[0]
+        print(f"{args.only}: peak RSS per rank {r['peak_rss_MB']} MB (before build {r['rss_before_build_MB']}, "
+              f"growth {r['peak_minus_start_MB']})", file=err)
+        return 0
+
+    results = shardwise.launch(_rank_main, cfg.nproc, cfg, backend="gloo", threads_per_rank=1, timeout=600)
+    rows = []
+    for name in cfg.impls:
+        per_rank = [r["times"][name] for r in results]
+        steps = [[max(r[k][j] for r in per_rank) for j in range(4)] for k in range(len(per_rank[0]))]
+        info = dict(results[0]["info"][name])
+        if name in results[0]["collectives"]:
+            info["collectives_per_step"] = results[0]["collectives"][name]
+        rows.append(_summary(name, [s[0] for s in steps], [s[1:] for s in steps], info))
+    for row in rows:
+        row.update(common)
+        print(json.dumps(row), flush=True)
+    by_name = {r["name"]: r for r in rows}
+    mem_rows = [] if args.no_memory else _memory_rows(cfg, list(cfg.impls), args.memory_steps)
+    mem = {r["name"]: r for r in mem_rows}
+    parity = results[0]["parity"]
+    print(json.dumps({"parity": parity, "trained_steps": results[0]["trained_steps"],
+                      "peak_rss_MB_all_impls_one_process_CONFOUNDED": [round(r["peak_rss"] / MB, 1)
+                                                                       for r in results]}), flush=True)
+    if cfg.profile:
+        print(json.dumps({"profile": [r["profile"] for r in results]}), flush=True)
+
+    totals = {name: [max(r["times"][name][k][0] for r in results) for k in range(len(results[0]["times"][name]))]
+              for name in cfg.impls}
+
+    def paired(a: str, b: str) -> dict[str, float]:
+        """Per round, median of a's block / median of b's block (blocks of one round run minutes apart at most):
+        more robust to slow phases than the ratio of overall medians."""
+        s = cfg.steps
+        rs = [statistics.median(totals[a][i * s:(i + 1) * s]) / statistics.median(totals[b][i * s:(i + 1) * s])
+              for i in range(cfg.rounds)]
+        return {"median": round(statistics.median(rs), 3), "min": round(min(rs), 3), "max": round(max(rs), 3)}
+
+    ratios: dict[str, Any] = {}
+    if "sw_zero3" in totals and "sw_fsdp" in totals:
+        # The same engine configuration twice (ZeRO stage 3 == FSDP full_shard): an A/A test of the noise.
+        ratios["noise_gauge_sw_fsdp/sw_zero3_identical_configs"] = {
+            "ratio": round(by_name["sw_fsdp"]["median_ms"] / by_name["sw_zero3"]["median_ms"], 3),
+            "paired_per_round": paired("sw_fsdp", "sw_zero3")}
+    for name, peer in PEER.items():
+        if name in by_name and peer in by_name:
+            ratio = by_name[name]["median_ms"] / by_name[peer]["median_ms"]
+            entry = {"ratio": round(ratio, 3), "paired_per_round": paired(name, peer), "goal": GOAL[peer],
+                     "meets_goal": ratio <= GOAL[peer]}
+            if name in mem and peer in mem:
+                sw_peak, peer_peak = max(mem[name]["peak_rss_MB"]), max(mem[peer]["peak_rss_MB"])
+                entry.update(peak_rss_MB=sw_peak, peer_peak_rss_MB=peer_peak,
+                             rss_ratio=round(sw_peak / peer_peak, 3))
+            ratios[f"{name}/{peer}"] = entry
+    if "sw_fsdp" in by_name or "sw_zero3" in by_name:
+        if "fsdp2" in mem:
+            goal_rss = max(mem["fsdp2"]["peak_rss_MB"])
+            ratios["rss_goal_vs_fsdp2"] = {n: {"peak_rss_MB": max(mem[n]["peak_rss_MB"]),
+                                               "meets_goal": max(mem[n]["peak_rss_MB"]) <= goal_rss}
+                                           for n in mem if n.startswith("sw_")}
+    print(json.dumps({"ratios": ratios, "wall_s": round(time.time() - t0, 1), **common,
+                      "loadavg_at_end": [round(v, 1) for v in os.getloadavg()]}), flush=True)
+
+    print(f"\nSharding step time, {cfg.preset} GPT ({nparams / 1e6:.2f} M params), {cfg.nproc} gloo ranks x 1 thread, "
+          f"batch {cfg.batch_size}/rank, {cfg.rounds} rounds x {cfg.steps} steps alternating (max over ranks):",
+          file=err)
+    for r in rows:
+        m = mem.get(r["name"])
+        extra = f"  peak RSS {max(m['peak_rss_MB']):.0f} MB" if m else ""
+        print(f"  {r['name']:<10} median {r['median_ms']:8.1f} ms  (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f}, "
+              f"n={r['steps']})  fwd {r['fwd_ms']:.0f} / bwd {r['bwd_ms']:.0f} / opt {r['opt_ms']:.0f}{extra}",
+              file=err)
+    for key, e in ratios.items():
+        if "goal" in e:
+            rss = f"; peak RSS {e['peak_rss_MB']:.0f} vs {e['peer_peak_rss_MB']:.0f} MB" if "rss_ratio" in e else ""
+            p = e["paired_per_round"]
+            print(f"  {key:<20} = {e['ratio']:.3f}  (per-round paired median {p['median']:.3f}, range {p['min']:.2f}-"
+                  f"{p['max']:.2f}; goal <= {e['goal']}: {'met' if e['meets_goal'] else 'NOT met'}){rss}", file=err)
+        elif key.startswith("noise_gauge"):
+            print(f"  noise gauge: sw_fsdp / sw_zero3 (identical configurations) = {e['ratio']:.3f} "
+                  f"(per-round paired median {e['paired_per_round']['median']:.3f})", file=err)
+    print(f"  load average at start {common['loadavg_at_start']} on {common['cpus']} CPUs", file=err)
+    for key, p in parity.items():
+        print(f"  parity {key:<22} max|diff| {p['max_abs']:.2e}  (rel {p['max_rel_to_max_param']:.1e})", file=err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
