@@ -1,8 +1,8 @@
-"""Pipeline parity on gloo processes: every schedule at p = 2 (m = 4) and p = 4 (m = 8), in ONE launch of 4 processes.
+"""Pipeline parity on gloo processes: every schedule at p = 2 and 4 with m = 4 and 8, in ONE launch of 4 processes.
 
 Process start-up (importing torch, and torch._dynamo on the first optimizer) dominates on a small machine, so the
 p = 2 pipelines run on the two halves of the same 4-process world (a split communicator each), then p = 4 on all.
-The full p x m matrix runs on thread ranks (test_pipeline_executor.py); here each schedule meets both p and both m.
+The same p x m matrix runs on thread ranks too (test_pipeline_executor.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shardwise as sw
 from shardwise import pipeline as pp
 from shardwise.models import GPT
 
-MICROBATCHES = {2: 4, 4: 8}  # pipeline ranks -> microbatches
+MICROBATCHES = (4, 8)
 
 
 def _every_schedule(comm, model):
@@ -24,10 +24,10 @@ def _every_schedule(comm, model):
     results = {}
     half = comm.split(comm.rank // 2)  # ranks {0, 1} and {2, 3}: two independent 2-stage pipelines
     for pipeline_comm in (half, comm):
-        m = MICROBATCHES[pipeline_comm.size]
-        for name in pp.SCHEDULES:
-            state, losses, _, _ = train_pipeline(pipeline_comm, name, m, model=model)
-            results[(pipeline_comm.size, name, m)] = (state, losses)
+        for m in MICROBATCHES:
+            for name in pp.SCHEDULES:
+                state, losses, _, _ = train_pipeline(pipeline_comm, name, m, model=model)
+                results[(pipeline_comm.size, name, m)] = (state, losses)
     return results
 
 
@@ -45,7 +45,7 @@ def want():
 def test_gloo_every_schedule_matches_one_process(want):
     want_state, want_losses = want
     results = sw.launch(_every_schedule, 4, GPT(CONFIG, seed=0), backend="gloo", timeout=120)
-    assert len(results[0]) == 2 * len(pp.SCHEDULES)
+    assert len(results[0]) == 2 * len(MICROBATCHES) * len(pp.SCHEDULES)
     for key in results[0]:
         groups = [results[:2], results[2:]] if key[0] == 2 else [results]
         for ranks in groups:
