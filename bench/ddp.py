@@ -390,7 +390,7 @@ def _print_profile(profiles: list[dict], err: Any) -> None:
         for name, rec in prof["shardwise_backward"].items():
             print(f"    {name}: first grad at {rec['first_grad_ready_ms']:.0f}, autograd done at "
                   f"{rec['autograd_done_ms']:.0f}, end-of-backward wait {rec['end_callback_ms']:.1f}, hooks "
-                  f"{rec['hooks_ms']:.1f} ({rec['hooks']} calls); buckets (MB: launch -> done):", file=err)
+                  f"{rec['hooks_ms']:.1f} ({rec['hooks']:.0f} calls); buckets (MB: launch -> done):", file=err)
             print("      " + ", ".join(f"{b['bytes'] / MB:.1f}: {b['launch_ms']:.0f}->{b['done_ms']:.0f}"
                                        for b in rec["buckets"]), file=err)
         alone = ", ".join(f"{int(k) / MB:.1f} MB {v['torch_all_reduce_sum_ms']:.1f}/"
