@@ -151,6 +151,7 @@ def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
         result["profile"] = _profile(comm, impls, corpus, cfg, seq_len)
     return result
 
+
 # ---- profiling (--profile) ----------------------------------------------------------------------------------------
 # Run after the measured rounds (and after the parity check), so the probes never touch the headline figures.
 
@@ -338,7 +339,8 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
                 **{k.replace("avg_", "") + "_ms": round(v / 1e6, 2) for k, v in data.items() if k.startswith("avg_")},
                 "bucket_sizes": data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes"),
             }
-    # 4. the collectives alone, CPUs otherwise idle: torch's raw all_reduce vs shardwise's AVG (SUM + divide)
+    # 4. the collectives alone, with no compute of ours beside them: torch's raw all_reduce (SUM) vs shardwise's AVG
+    # (SUM, then a divide on this thread), and single passes over a buffer the size of all gradients
     sizes = sorted({b for i in impls if "buckets" in i.info for b in i.info["buckets"]})
     total = sum(p.numel() * p.element_size() for p in impls[0].model.parameters())
     alone = {}
