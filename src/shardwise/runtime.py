@@ -16,12 +16,12 @@ terminated; an MPI job is aborted) and LaunchError names the failing rank and ca
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import logging
 import multiprocessing
 import os
 import pickle
+import socket
 import queue as queue_module
 import sys
 import threading
@@ -102,9 +102,7 @@ def init(backend: str | None = None, timeout: float = 60.0) -> Communicator:
     Without launcher variables (see `environment.py`) this returns a world of one. Calling init() again after
     torch.distributed was initialised (by shardwise or by the user) wraps the existing world group.
     """
-    import torch.distributed as dist
-
-    from .comm.torch_backend import TorchCommunicator
+    from .comm import rendezvous
 
     if backend is not None and backend not in INIT_BACKENDS:
         raise ValueError(f"init: backend={backend!r} is not supported; allowed {INIT_BACKENDS} or None")
@@ -112,45 +110,33 @@ def init(backend: str | None = None, timeout: float = 60.0) -> Communicator:
         raise ValueError(f"init: timeout={timeout!r} must be a positive number of seconds")
     if backend == "mpi":
         return _init_mpi(timeout)
-    if dist.is_available() and dist.is_initialized():
-        return TorchCommunicator(None, timeout=timeout)
+    if rendezvous.world_initialized():
+        return rendezvous.world_communicator(timeout)
     env = detect_environment()
     if env.world_size == 1:
         set_log_rank(0)
         return ThreadWorld(1, timeout).communicators()[0]
-    if not dist.is_available():
+    if not rendezvous.distributed_available():
         raise RuntimeError("this PyTorch build has no torch.distributed; it cannot join a multi-process job")
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if chosen == "nccl":
         torch.cuda.set_device(env.local_rank)
-    delta = datetime.timedelta(seconds=timeout)
-    store = None
+    store, init_method = None, None
     if env.source == "torchrun":
         init_method = "env://"  # honours torchrun's agent-hosted store
     elif env.source in ("openmpi", "pmi") and importlib.util.find_spec("mpi4py") is not None:
-        store = _mpi_rendezvous(env, timeout)
-        init_method = f"tcp://{store.host}:{store.port} (address broadcast through MPI)"
+        # env.master_addr is MASTER_ADDR, or 127.0.0.1 when every rank is on this node; else this host's name.
+        store = rendezvous.store_via_mpi(env.rank, env.master_addr or socket.getfqdn(),
+                                         int(os.environ.get("MASTER_PORT", 0)), timeout)
     elif env.master_addr is None:
         raise ValueError(
             f"init: the {env.source} environment does not say where rank 0 listens; set MASTER_ADDR and MASTER_PORT"
         )
     else:
         init_method = f"tcp://{env.master_addr}:{env.master_port}"
-    try:
-        if store is not None:
-            dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=delta)
-        else:
-            dist.init_process_group(chosen, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                                    timeout=delta)
-    except Exception as exc:
-        raise CommError(
-            f"init: rank {env.rank} could not join the {env.world_size}-rank {chosen} job at {init_method} "
-            f"within {timeout:g}s: {exc}",
-            op="init",
-            rank=env.rank,
-        ) from exc
+    comm = rendezvous.join_world(chosen, env.rank, env.world_size, timeout, store=store, init_method=init_method)
     set_log_rank(env.rank)
-    return TorchCommunicator(None, timeout=timeout)
+    return comm
 
 
 def _init_mpi(timeout: float) -> Communicator:
@@ -177,44 +163,6 @@ def _init_mpi(timeout: float) -> Communicator:
         )
     set_log_rank(comm.rank)
     return comm
-
-
-def _mpi_rendezvous(env: LaunchEnvironment, timeout: float) -> Any:
-    """Rank 0 hosts torch's TCP store (MASTER_PORT, else a port the OS picks) and broadcasts where, through MPI."""
-    import socket
-
-    import torch.distributed as dist
-
-    from .comm.mpi_backend import bcast_json
-
-    delta = datetime.timedelta(seconds=timeout)
-    store = None
-    if env.rank == 0:
-        # env.master_addr is MASTER_ADDR, or 127.0.0.1 when every rank is on this node; else this host's name.
-        info: dict[str, Any] = {"addr": env.master_addr or socket.getfqdn(), "port": 0, "error": None}
-        try:
-            store = dist.TCPStore(info["addr"], int(os.environ.get("MASTER_PORT", 0)), is_master=True,
-                                  wait_for_workers=False, timeout=delta)
-            info["port"] = store.port
-        except Exception as exc:  # every rank must hear of it, or they would wait for the broadcast in vain
-            info["error"] = f"{type(exc).__name__}: {exc}"
-    else:
-        info = {}
-    info = bcast_json(info, timeout=timeout)
-    if info["error"]:
-        raise CommError(f"init: rank 0 could not host the rendezvous store: {info['error']}", op="init", rank=env.rank)
-    if store is None:
-        try:
-            store = dist.TCPStore(info["addr"], info["port"], is_master=False, timeout=delta)
-        except Exception as exc:
-            raise CommError(
-                f"init: rank {env.rank} could not reach rank 0's store at {info['addr']}:{info['port']} within "
-                f"{timeout:g}s: {exc}",
-                op="init",
-                rank=env.rank,
-                peers=[0],
-            ) from exc
-    return store
 
 
 # ---- launch ---------------------------------------------------------------------------------------------------------
@@ -290,9 +238,7 @@ def _process_main(
     rank: int, n: int, port: int, timeout: float, threads: int, fn: Callable, args: tuple, out: Any
 ) -> None:
     """Body of one spawned gloo rank: join the store-hosted rendezvous, run fn, send back the pickled result."""
-    import torch.distributed as dist
-
-    from .comm.torch_backend import TorchCommunicator
+    from .comm import rendezvous
 
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
@@ -301,10 +247,8 @@ def _process_main(
     torch.set_num_threads(threads)
     set_log_rank(rank)
     try:
-        delta = datetime.timedelta(seconds=timeout)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=delta)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=delta)
-        comm = TorchCommunicator(None, timeout=timeout)
+        store = rendezvous.join_store("127.0.0.1", port, timeout, rank=rank)
+        comm = rendezvous.join_world("gloo", rank, n, timeout, store=store)
         result = fn(comm, *args)
         # Plain pickle copies tensors by value; a torch multiprocessing queue would hand over shared memory that
         # dies with this process.
@@ -313,12 +257,11 @@ def _process_main(
     except BaseException as exc:  # noqa: BLE001
         out.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        rendezvous.leave_world()
 
 
 def _launch_processes(fn: Callable[..., Any], n: int, args: tuple, timeout: float, threads: int | None) -> list[Any]:
-    import torch.distributed as dist
+    from .comm import rendezvous
 
     try:
         pickle.dumps(fn)
@@ -329,8 +272,7 @@ def _launch_processes(fn: Callable[..., Any], n: int, args: tuple, timeout: floa
         ) from None
     threads = threads or max(1, (os.cpu_count() or 1) // n)
     # The parent hosts the rendezvous store on a port the OS picks: no free-port race between parallel launches.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    store = rendezvous.host_store("127.0.0.1", 0, timeout)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [

@@ -1,9 +1,9 @@
 """Communicator over a torch.distributed process group: gloo on CPU, NCCL on GPU (and ucc/mpi where built in).
 
-This file and `runtime.py` are the only places that call torch.distributed. Each operation is issued with
-`async_op=True` and, for a blocking call, waited on at once: one code path, and every wait gets the same timeout
-handling, turning torch's assorted timeout and connection errors into a CommError that names the operation, this
-rank and the group's ranks.
+This file and `rendezvous.py` (which creates the world group) are the only places that call torch.distributed.
+Each operation is issued with `async_op=True` and, for a blocking call, waited on at once: one code path, and every
+wait gets the same timeout handling, turning torch's assorted timeout and connection errors into a CommError that
+names the operation, this rank and the group's ranks.
 
 gloo has no AVG reduction: AVG is issued as SUM and divided by the group size when the Work completes.
 Sub-groups come from `split`, which gathers every rank's (color, key) and creates only this rank's group with
