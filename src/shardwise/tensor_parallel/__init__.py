@@ -8,7 +8,8 @@
 Files: `mappings.py` (the differentiable collectives f, g, gather/scatter and the sequence-parallel pair),
 `layers.py` (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding), `cross_entropy.py`
 (vocab_parallel_cross_entropy), `sequence_parallel.py` (gradient hooks of replicated parameters, activation
-memory measurement), `plans.py` (styles, built-in plans), `parallelize.py`, `gpt.py` (the GPT's parallel forward).
+memory measurement), `plans.py` (styles, built-in plans), `parallelize.py`, `gpt.py` (the GPT's parallel forward),
+`hf_gpt2.py` (HuggingFace GPT-2: Conv1D layers, per-rank attention sizes).
 See docs/tensor_parallel.md.
 """
 

@@ -16,7 +16,9 @@ Plan "gpt" also installs the GPT's tensor-parallel forward (vocabulary-parallel 
 embeddings; see `gpt.py`). Plan "llama" divides the per-rank head counts (``num_heads``, ``num_key_value_heads``,
 ``hidden_size``) of attention modules that store them (older HuggingFace versions; newer ones infer the local head
 count from the projection width), and does not support sequence parallel: HuggingFace's LlamaModel builds the
-causal mask and positions from the embedding output, which would be a sequence shard.
+causal mask and positions from the embedding output, which would be a sequence shard. Plan "gpt2" (HuggingFace
+GPT-2) splits its ``Conv1D`` layers as the Linears they equal and divides its attention's per-rank sizes (see
+`hf_gpt2.py`); no sequence parallel either, for the same reason.
 
 Order with other strategies (torchtitan's): pipeline split first, then tensor parallel, then data parallel or
 sharding over the dp axis of the Mesh; build the optimizer after the last wrap.
@@ -31,6 +33,8 @@ from torch import nn
 
 from ..comm.base import Communicator
 from .gpt import install_gpt_forward
+from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear,
+                      is_conv1d)
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding
 from .plans import Colwise, Rowwise, Sequence, Style, Vocab, builtin_plan, match_plan
 from .sequence_parallel import reduce_sequence_parallel_grads
@@ -64,24 +68,28 @@ def _layout(style: Style) -> tuple:
 
 def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: bool, dim: int) -> TensorParallelLayer:
     if isinstance(style, (Colwise, Rowwise)):
+        column, row = ColumnParallelLinear, RowParallelLinear
+        if is_conv1d(module):  # HuggingFace GPT-2's transposed Linear: split the Linear it equals (hf_gpt2.py)
+            column, row, module = Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear(module)
         if not isinstance(module, nn.Linear):
             raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, but style {style} needs an "
-                             f"nn.Linear")
+                             f"nn.Linear (or a HuggingFace Conv1D)")
         if isinstance(style, Colwise):
-            return ColumnParallelLinear.from_dense(module, comm, gather_output=style.gather_output,
-                                                   sequence_parallel=sp, sequence_dim=dim, fused=style.fused)
-        return RowParallelLinear.from_dense(module, comm, input_is_parallel=style.input_is_parallel,
-                                            sequence_parallel=sp, sequence_dim=dim)
+            return column.from_dense(module, comm, gather_output=style.gather_output,
+                                     sequence_parallel=sp, sequence_dim=dim, fused=style.fused)
+        return row.from_dense(module, comm, input_is_parallel=style.input_is_parallel,
+                              sequence_parallel=sp, sequence_dim=dim)
     if not isinstance(module, nn.Embedding):
         raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, but style {style} needs an "
                          f"nn.Embedding")
     return VocabParallelEmbedding.from_dense(module, comm, sequence_parallel=sp, sequence_dim=dim)
 
 
-def _adjust_head_counts(model: nn.Module, tp: int) -> None:
+def _adjust_head_counts(model: nn.Module, tp: int, proj: str = "q_proj",
+                        attrs: tuple[str, ...] = ("num_heads", "num_key_value_heads", "hidden_size")) -> None:
     for module in model.modules():
-        if isinstance(getattr(module, "q_proj", None), ColumnParallelLinear):
-            for attr in ("num_heads", "num_key_value_heads", "hidden_size"):
+        if isinstance(getattr(module, proj, None), ColumnParallelLinear):
+            for attr in attrs:
                 value = getattr(module, attr, None)
                 if isinstance(value, int) and not isinstance(value, bool):
                     setattr(module, attr, value // tp)
@@ -93,8 +101,9 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
 
     model: the dense model, identical on every rank of `comm`.
     comm: the tensor-parallel Communicator (e.g. ``mesh.tp``); a group of one leaves the math unchanged.
-    plan: "gpt" (the shardwise GPT), "llama" (HuggingFace Llama module names), or a dict of module-name pattern ->
-        style ("colwise", "rowwise", "vocab", "sequence" or a Colwise / Rowwise / Vocab / Sequence object).
+    plan: "gpt" (the shardwise GPT), "llama" (HuggingFace Llama module names), "gpt2" (HuggingFace GPT-2, its
+        Conv1D layers split as Linears), or a dict of module-name pattern -> style ("colwise", "rowwise", "vocab",
+        "sequence" or a Colwise / Rowwise / Vocab / Sequence object).
     sequence_parallel: run the LayerNorm / dropout / residual regions on sequence shards (Korthikanti et al.
         2022): colwise layers all-gather their input along `sequence_dim`, rowwise and vocab layers reduce-scatter
         their output, and "sequence" modules' parameters get their gradients all-reduced.
@@ -123,6 +132,10 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         if plan == "llama" and sequence_parallel:
             raise ValueError("parallelize: plan='llama' does not support sequence_parallel=True (HuggingFace's "
                              "LlamaModel builds its causal mask from the embedding output, which would be a shard)")
+        if plan == "gpt2" and sequence_parallel:
+            raise ValueError("parallelize: plan='gpt2' does not support sequence_parallel=True (HuggingFace's "
+                             "GPT2Model adds the position embeddings of the whole sequence to the embedding output "
+                             "and builds its causal mask from it, which would be a shard)")
         plan = builtin_plan(plan, model, comm.size)
     styles = match_plan(model, plan)
     sp = bool(sequence_parallel)
@@ -160,6 +173,8 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
                 reduce_sequence_parallel_grads(params, comm)
     if plan_name == "llama":
         _adjust_head_counts(model, comm.size)
+    if plan_name == "gpt2":
+        _adjust_head_counts(model, comm.size, "c_attn", GPT2_ATTENTION_SIZES)
     object.__setattr__(model, "_shardwise_tp", TensorParallelState(comm, sp, sequence_dim, plan_name, styles))
     if plan_name == "gpt":
         install_gpt_forward(model)

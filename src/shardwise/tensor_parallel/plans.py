@@ -16,8 +16,9 @@ is one of the strings ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"sequence"`` 
                                      all-reduced over the group. Without sequence parallel it is left as it is.
 =================================  =====================================================================================
 
-Built-in plans (``plan="gpt"`` / ``plan="llama"``) are computed from the model by :func:`builtin_plan`, which also
-validates the head counts: a tensor-parallel size that does not divide them is a ValueError naming both numbers.
+Built-in plans (``plan="gpt"`` / ``plan="llama"`` / ``plan="gpt2"``) are computed from the model by
+:func:`builtin_plan`, which also validates the head counts: a tensor-parallel size that does not divide them is a
+ValueError naming both numbers.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Union
 from torch import nn
 
 __all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Style", "STYLES", "as_style", "match_plan", "builtin_plan",
-           "gpt_plan", "llama_plan", "BUILTIN_PLANS"]
+           "gpt_plan", "llama_plan", "gpt2_plan", "BUILTIN_PLANS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +180,43 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     return plan
 
 
-BUILTIN_PLANS = {"gpt": gpt_plan, "llama": llama_plan}
+def gpt2_plan(model: nn.Module, tp: int) -> dict[str, Style]:
+    """The plan of HuggingFace GPT-2 (GPT2LMHeadModel, GPT2Model, ...), whose projections are ``Conv1D`` layers.
+
+    ``attn.c_attn`` (fused [q|k|v]) colwise with fused=3 and ``attn.c_proj`` rowwise (whole heads per rank),
+    ``mlp.c_fc`` colwise and ``mlp.c_proj`` rowwise, ``wte`` vocabulary-parallel and ``lm_head`` (when present,
+    tied to ``wte``: one shared shard) colwise with gathered output, so HuggingFace's own loss sees full logits;
+    ``wpe`` and the LayerNorms stay replicated. The Conv1D conversion and the per-rank head counts are in
+    `hf_gpt2.py`. Raises ValueError for a model that is not a GPT-2, one with cross-attention, and a `tp` that does
+    not divide n_head, n_embd, the MLP width (n_inner, default 4 * n_embd) or vocab_size.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "gpt2":
+        raise ValueError(f"parallelize: plan='gpt2' needs a HuggingFace GPT-2 model (config.model_type == 'gpt2', "
+                         f"e.g. transformers.GPT2LMHeadModel), got {type(model).__name__}; pass a dict plan for "
+                         f"other models")
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError("parallelize: plan='gpt2' does not support cross-attention (config.add_cross_attention="
+                         "True); pass a dict plan")
+    n_inner = config.n_inner if config.n_inner is not None else 4 * config.n_embd
+    _check_divides("the number of attention heads n_head", config.n_head, tp,
+                   " (tensor parallel splits whole heads across ranks)")
+    _check_divides("the hidden size n_embd", config.n_embd, tp)
+    _check_divides("the MLP hidden size n_inner", n_inner, tp)
+    _check_divides("the vocabulary size vocab_size", config.vocab_size, tp,
+                   f"; pad the vocabulary to a multiple of {tp} (model.resize_token_embeddings("
+                   f"{-(-config.vocab_size // tp) * tp}))")
+    plan: dict[str, Style] = {
+        "wte": Vocab(),
+        "h.*.attn.c_attn": Colwise(fused=3), "h.*.attn.c_proj": Rowwise(),
+        "h.*.mlp.c_fc": Colwise(), "h.*.mlp.c_proj": Rowwise(),
+    }
+    if any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in model.named_modules()):
+        plan["lm_head"] = Colwise(gather_output=True)
+    return plan
+
+
+BUILTIN_PLANS = {"gpt": gpt_plan, "llama": llama_plan, "gpt2": gpt2_plan}
 
 
 def builtin_plan(name: str, model: nn.Module, tp: int) -> dict[str, Style]:
