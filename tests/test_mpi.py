@@ -24,7 +24,7 @@ from sharding_cases import train_sharded
 from test_ddp import STEPS, _grad_bytes, train_ddp
 
 import shardwise as sw
-from shardwise._mpi_launch import mpirun_command
+from shardwise.launch.mpi import mpirun_command
 from shardwise.comm import ReduceOp
 
 SETUP_HINT = "run `make test` (it installs openmpi-bin, libopenmpi-dev and mpi4py) or install them by hand"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.environment import detect_environment, first_slurm_host
+from shardwise.launch.environment import detect_environment, first_slurm_host
 
 
 def test_torchrun_environment():

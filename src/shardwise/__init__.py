@@ -11,11 +11,11 @@ See README.md and docs/ for the user guide.
 from .checkpoint import CheckpointError, export_full, import_full, load_checkpoint, save_checkpoint
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .ddp import DDP, DDPModule
-from .environment import LaunchEnvironment, detect_environment
 from .estimate import MemoryEstimate, estimate_memory
 from .memory import MemoryStats, memory_stats
+# `launch` is both a subpackage and its function: this import binds the attribute shardwise.launch to the function.
+from .launch import LaunchEnvironment, LaunchError, detect_environment, get_logger, init, launch
 from .mesh import Coordinates, Mesh
-from .runtime import LaunchError, get_logger, init, launch
 from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
 from .sharding.grad_scaler import ShardedGradScaler
 from .sharding.state import clip_grad_norm_, full_state_dict, load_full_state_dict

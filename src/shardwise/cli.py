@@ -76,7 +76,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import DemoOptions, run_demo
-    from .runtime import LaunchError
+    from .launch import LaunchError
 
     options = DemoOptions(
         nproc=args.nproc, strategy=args.strategy, steps=args.steps, data=args.data, preset=args.preset,

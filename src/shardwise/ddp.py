@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .comm.base import Communicator, ReduceOp, Work
-from .runtime import get_logger
+from .launch import get_logger
 
 __all__ = ["DDP", "DDPModule"]
 

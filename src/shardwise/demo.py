@@ -40,7 +40,7 @@ from .comm.base import Communicator, ReduceOp
 from .ddp import DDP
 from .memory import memory_stats, peak_rss_bytes
 from .models.gpt import GPT, GPTConfig
-from .runtime import launch
+from .launch import launch
 
 __all__ = ["STRATEGIES", "DemoOptions", "DemoSummary", "run_demo", "train_rank", "lr_at"]
 

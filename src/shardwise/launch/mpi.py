@@ -1,13 +1,12 @@
-"""`launch(fn, n, backend="mpi")`: run `fn(comm, *args)` on n ranks under `mpirun -np n`, and each rank's side of it.
+"""`launch(fn, n, backend="mpi")`: run `fn(comm, *args)` on n ranks under `mpirun -np n` (the parent's side).
 
 The parent writes the job (fn by reference, args, timeout, threads) to a private temporary directory and runs
 
-    mpirun -np n [--oversubscribe --bind-to none --allow-run-as-root] <python> -m shardwise._mpi_launch <dir>
+    mpirun -np n [--oversubscribe --bind-to none --allow-run-as-root] <python> -m shardwise.launch.mpi_rank <dir>
 
 with the parent's sys.path as PYTHONPATH, so fn's module (a test helper in tests/, say) imports in every rank. A
-function of the main script is found as multiprocessing's spawn finds it: the script is run again in each rank under
-the name `__mp_main__`, so its `if __name__ == "__main__":` block stays quiet. Each rank builds an MPICommunicator,
-runs fn and writes `rank<r>.pkl`: its pickled result, or its error and traceback text (the files are our own
+function of the main script is found as multiprocessing's spawn finds it (see mpi_rank.py). Each rank writes
+`rank<r>.pkl` (`report_path`): its pickled result, or its error and traceback text (the files are our own
 processes' output, read back by the process that wrote the job). A rank that fails aborts the MPI job at once so no
 peer waits for it; a rank that times out in a collective raises CommError and then aborts it too. The parent relays
 mpirun's output to its stderr, collects the files once mpirun exits and raises LaunchError naming the first rank
@@ -26,12 +25,13 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["launch_mpi", "mpirun_command"]
+from .errors import LaunchError
+
+__all__ = ["launch_mpi", "mpirun_command", "report_path"]
 
 # Once a rank reported failure (and aborted), or every rank reported success, mpirun must exit within this long.
 _EXIT_GRACE_S = 30.0
@@ -56,10 +56,14 @@ def mpirun_command(n: int) -> list[str]:
     return [path, "-n", str(n)]  # MPICH / Intel MPI (Hydra)
 
 
+def report_path(job_dir: str, rank: int) -> str:
+    """Where rank `rank` reports: a pickled tuple (status "ok" | "error", result pickle, summary, traceback text,
+    time of the report). Written by mpi_rank.py, read by `launch_mpi` once mpirun exits."""
+    return os.path.join(job_dir, f"rank{rank}.pkl")
+
+
 def launch_mpi(fn: Callable[..., Any], n: int, args: tuple, timeout: float, threads: int | None) -> list[Any]:
     """`launch(fn, n, *args, backend="mpi")` (see the module docstring): the results in rank order, or LaunchError."""
-    from .runtime import LaunchError
-
     main_path = None
     if getattr(fn, "__module__", None) == "__main__":
         main_path = getattr(sys.modules["__main__"], "__file__", None)
@@ -82,9 +86,9 @@ def launch_mpi(fn: Callable[..., Any], n: int, args: tuple, timeout: float, thre
         paths = [os.path.abspath(p or os.curdir) for p in sys.path]
         paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        command += [sys.executable, "-m", "shardwise._mpi_launch", job_dir]
+        command += [sys.executable, "-m", "shardwise.launch.mpi_rank", job_dir]
         code, tail = _run(command, env, job_dir, n)
-        return _collect(job_dir, n, code, tail, LaunchError)
+        return _collect(job_dir, n, code, tail)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
 
@@ -130,10 +134,10 @@ def _is_error(path: str) -> bool:
         return False
 
 
-def _collect(job_dir: str, n: int, code: int, tail: str, launch_error: type) -> list[Any]:
+def _collect(job_dir: str, n: int, code: int, tail: str) -> list[Any]:
     reports: dict[int, tuple] = {}
     for r in range(n):
-        path = os.path.join(job_dir, f"rank{r}.pkl")
+        path = report_path(job_dir, r)
         if os.path.exists(path):
             with open(path, "rb") as f:
                 reports[r] = pickle.load(f)
@@ -142,58 +146,12 @@ def _collect(job_dir: str, n: int, code: int, tail: str, launch_error: type) -> 
     if errors:
         _, rank = errors[0]
         _, _, summary, text, _ = reports[rank]
-        raise launch_error(rank, summary + exit_note, text)
+        raise LaunchError(rank, summary + exit_note, text)
     missing = [r for r in range(n) if r not in reports]
     if missing:
         found = re.search(r"(?:Process name: \[\[\d+,\d+\],|rank )(\d+)", tail)
         rank = int(found.group(1)) if found else missing[0]
-        raise launch_error(rank, f"no result from rank(s) {missing}{exit_note}", f"mpirun output (last lines):\n{tail}")
+        raise LaunchError(rank, f"no result from rank(s) {missing}{exit_note}", f"mpirun output (last lines):\n{tail}")
     if code != 0:
-        raise launch_error(0, f"every rank returned but{exit_note}", f"mpirun output (last lines):\n{tail}")
+        raise LaunchError(0, f"every rank returned but{exit_note}", f"mpirun output (last lines):\n{tail}")
     return [pickle.loads(reports[r][1]) for r in range(n)]
-
-
-# ---- inside each rank ---------------------------------------------------------------------------------------------------
-def _write(job_dir: str, rank: int, report: tuple) -> None:
-    path = os.path.join(job_dir, f"rank{rank}.pkl")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(report, f)
-    os.replace(path + ".tmp", path)  # the parent never reads half a file
-
-
-def _load_main(path: str) -> None:
-    """Run the parent's main script as `__mp_main__` and make it `__main__` here, so `__main__.fn` resolves."""
-    import runpy
-    import types
-
-    module = types.ModuleType("__mp_main__")
-    module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
-    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
-
-
-def _rank_main(job_dir: str) -> int:
-    import torch
-
-    from .comm.mpi_backend import MPICommunicator
-    from .runtime import set_log_rank
-
-    with open(os.path.join(job_dir, "job.pkl"), "rb") as f:
-        job = pickle.load(f)
-    comm = MPICommunicator(timeout=job["timeout"])
-    set_log_rank(comm.rank)
-    torch.set_num_threads(job["threads"])
-    try:
-        if job["main_path"]:
-            _load_main(job["main_path"])
-        fn, args = pickle.loads(job["payload"])
-        result = fn(comm, *args)
-        _write(job_dir, comm.rank, ("ok", pickle.dumps(result), "", "", time.time()))
-        return 0
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent, named by rank
-        _write(job_dir, comm.rank, ("error", "", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time()))
-        comm.abort(1)  # the peers may be blocked in a collective this rank will never join
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1]))
