@@ -25,6 +25,7 @@ Mechanism
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,11 +33,10 @@ import torch
 from torch import nn
 
 from .comm.base import Communicator, ReduceOp, Work
-from .launch import get_logger
 
 __all__ = ["DDP", "DDPModule"]
 
-log = get_logger("shardwise.ddp")
+log = logging.getLogger("shardwise.ddp")
 MB = 1024 * 1024
 
 

@@ -1,6 +1,7 @@
 """`launch(fn, n, backend="mpi")`: run `fn(comm, *args)` on n ranks under `mpirun -np n` (the parent's side).
 
-The parent writes the job (fn by reference, args, timeout, threads) to a private temporary directory and runs
+The parent writes the job (fn by reference, args, timeout, threads, whether rank logging is on) to a private
+temporary directory and runs
 
     mpirun -np n [--oversubscribe --bind-to none --allow-run-as-root] <python> -m shardwise.launch.mpi_rank <dir>
 
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import LaunchError
+from .logs import rank_logging_installed
 
 __all__ = ["launch_mpi", "mpirun_command", "report_path"]
 
@@ -81,7 +83,8 @@ def launch_mpi(fn: Callable[..., Any], n: int, args: tuple, timeout: float, thre
     job_dir = tempfile.mkdtemp(prefix="shardwise-mpi-")
     try:
         with open(os.path.join(job_dir, "job.pkl"), "wb") as f:
-            pickle.dump({"payload": payload, "main_path": main_path, "timeout": timeout, "threads": threads}, f)
+            pickle.dump({"payload": payload, "main_path": main_path, "timeout": timeout, "threads": threads,
+                         "logs": rank_logging_installed()}, f)
         env = dict(os.environ)
         paths = [os.path.abspath(p or os.curdir) for p in sys.path]
         paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from .logs import set_log_rank
+from .logs import start_rank_logging
 from .mpi import report_path
 
 __all__: list[str] = []
@@ -48,7 +48,7 @@ def _rank_main(job_dir: str) -> int:
     with open(os.path.join(job_dir, "job.pkl"), "rb") as f:
         job = pickle.load(f)
     comm = MPICommunicator(timeout=job["timeout"])
-    set_log_rank(comm.rank)
+    start_rank_logging(comm.rank, job["logs"])
     torch.set_num_threads(job["threads"])
     try:
         if job["main_path"]:

@@ -25,7 +25,7 @@ import torch
 from ..comm.base import CommError
 from ..comm.thread_backend import ThreadWorld
 from .errors import LaunchError
-from .logs import set_log_rank
+from .logs import rank_logging_installed, set_log_rank, start_rank_logging
 from .mpi import launch_mpi
 
 __all__ = ["launch"]
@@ -91,7 +91,7 @@ def _launch_threads(fn: Callable[..., Any], n: int, args: tuple, timeout: float)
 
 
 def _process_main(
-    rank: int, n: int, port: int, timeout: float, threads: int, fn: Callable, args: tuple, out: Any
+    rank: int, n: int, port: int, timeout: float, threads: int, logs: bool, fn: Callable, args: tuple, out: Any
 ) -> None:
     """Body of one spawned gloo rank: join the store-hosted rendezvous, run fn, send back the pickled result."""
     from ..comm import rendezvous
@@ -101,7 +101,7 @@ def _process_main(
          "MASTER_PORT": str(port)}
     )
     torch.set_num_threads(threads)
-    set_log_rank(rank)
+    start_rank_logging(rank, logs)
     try:
         store = rendezvous.join_store("127.0.0.1", port, timeout, rank=rank)
         comm = rendezvous.join_world("gloo", rank, n, timeout, store=store)
@@ -127,12 +127,13 @@ def _launch_processes(fn: Callable[..., Any], n: int, args: tuple, timeout: floa
             f"{fn!r} cannot be pickled: {exc}"
         ) from None
     threads = threads or max(1, (os.cpu_count() or 1) // n)
+    logs = rank_logging_installed()
     # The parent hosts the rendezvous store on a port the OS picks: no free-port race between parallel launches.
     store = rendezvous.host_store("127.0.0.1", 0, timeout)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_process_main, args=(r, n, store.port, timeout, threads, fn, args, out),
+        ctx.Process(target=_process_main, args=(r, n, store.port, timeout, threads, logs, fn, args, out),
                     name=f"shardwise-rank{r}", daemon=True)
         for r in range(n)
     ]
