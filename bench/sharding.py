@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 import shardwise  # noqa: E402
 from shardwise.data import ByteCorpus  # noqa: E402
-from shardwise.memory import peak_rss_bytes  # noqa: E402
+from shardwise.whole.memory import peak_rss_bytes  # noqa: E402
 from shardwise.models.gpt import GPT, Block, GPTConfig  # noqa: E402
 
 MB = 1024 * 1024

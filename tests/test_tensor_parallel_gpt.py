@@ -239,7 +239,7 @@ def test_sizes_tp_does_not_divide_are_value_errors_naming_the_numbers():
         with pytest.raises(ValueError, match=r"divide the vocabulary size vocab_size=250; pad .*vocab_size=252"):
             tp.parallelize(GPT(odd_vocab, seed=0), comm, "gpt")
         model = tp.parallelize(GPT(CONFIG, seed=0), comm, "gpt", sequence_parallel=True)
-        with pytest.raises(ValueError, match="already tensor-parallel"):
+        with pytest.raises(ValueError, match=r"already wrapped \(tensor_parallel\)"):
             tp.parallelize(model, comm, "gpt")
         with pytest.raises(ValueError, match=r"sequence length T=30 is not divisible by the tensor-parallel size 4"):
             model(torch.zeros(2, 30, dtype=torch.long))

@@ -12,15 +12,14 @@ from .checkpoint import CheckpointError, export_full, import_full, load_checkpoi
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .ddp import DDP, DDPModule
 from .estimate import MemoryEstimate, estimate_memory
-from .memory import MemoryStats, memory_stats
 # `launch` is both a subpackage and its function: this import binds the attribute shardwise.launch to the function.
 from .launch import LaunchEnvironment, LaunchError, detect_environment, get_logger, init, launch
 from .mesh import Coordinates, Mesh
 from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
-from .sharding.grad_scaler import ShardedGradScaler
-from .sharding.state import clip_grad_norm_, full_state_dict, load_full_state_dict
+from .whole import (MemoryStats, ShardedGradScaler, clip_grad_norm_, full_state_dict, load_full_state_dict,
+                    memory_stats)
 
-from . import pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
+from . import layout, pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
 
 __version__ = "0.1.0"
 
@@ -53,6 +52,7 @@ __all__ = [
     "import_full",
     "init",
     "launch",
+    "layout",
     "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",

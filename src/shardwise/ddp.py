@@ -25,6 +25,7 @@ Mechanism
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import layout
+from ._mixin import mix_in
 from .comm.base import Communicator, ReduceOp, Work
 
 __all__ = ["DDP", "DDPModule"]
@@ -263,9 +266,6 @@ class DDPModule(nn.Module):
         return [{"params": [names[p] for p in b.params], "bytes": b.nbytes} for b in self._ddp.buckets]
 
 
-_CLASS_CACHE: dict[type, type] = {}
-
-
 def DDP(
     module: nn.Module,
     comm: Communicator,
@@ -283,20 +283,24 @@ def DDP(
     broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward.
     Train it with any torch.optim optimizer over `module.parameters()`; use `module.no_sync()` to accumulate.
     """
-    if isinstance(module, DDPModule):
-        raise ValueError("DDP: the module is already wrapped by DDP")
     if not isinstance(module, nn.Module):
         raise ValueError(f"DDP: module must be a torch.nn.Module, got {type(module).__name__}")
+    layout.check_not_data_parallel(module, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"DDP: {name}={value!r} must be a positive number of MiB")
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
+    before = layout.placements(module)
     reducer = _Reducer(module, comm, bucket_mb, first_bucket_mb, find_unused_parameters, broadcast_buffers)
-    cls = type(module)
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"DDP{cls.__name__}", (DDPModule, cls), {"__module__": cls.__module__})
-    module.__class__ = _CLASS_CACHE[cls]
+    mix_in(module, DDPModule, "DDP")
     module._ddp = reducer
+    layout.declare(module, layout.Parallelized(
+        "ddp", (comm,),
+        {name: dataclasses.replace(pl, replicated_over=(*pl.replicated_over, comm)) for name, pl in before.items()},
+        no_sync=module.no_sync, world=comm,
+        memory=lambda: layout.MemoryView(grads=tuple(b.buffer for b in reducer.buckets)),
+        options={"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb}))
     log.debug("DDP over %d ranks: %d buckets %s", comm.size, len(reducer.buckets), [b.nbytes for b in reducer.buckets])
     return module
+

@@ -38,7 +38,7 @@ import torch
 
 from .comm.base import Communicator, ReduceOp
 from .ddp import DDP
-from .memory import memory_stats, peak_rss_bytes
+from .whole.memory import memory_stats, peak_rss_bytes
 from .models.gpt import GPT, GPTConfig
 from .launch import launch
 

@@ -13,7 +13,7 @@ from safetensors.torch import save as safetensors_save
 from torch import nn
 
 from ..comm.base import Communicator
-from ..sharding.state import full_state_dict, load_full_state_dict
+from ..whole.state_dict import full_state_dict, load_full_state_dict
 from .save import model_comm
 from .storage import CheckpointError, write_bytes_durably
 

@@ -1,12 +1,13 @@
-"""What a rank holds, described strategy-independently: named pieces of global tensors.
+"""What a rank holds, described strategy-independently: named boxes of global tensors (from shardwise.layout).
 
-A *piece* is the flat element range [lo, hi) of one global tensor (flattened row-major) and the local tensor that
-holds it. Every strategy maps onto this: DDP and plain modules hold [0, numel) of every parameter; ZeRO / FSDP hold
-the slice of each parameter that intersects their shard. Optimizer state that has the parameter's shape (Adam's
-exp_avg, exp_avg_sq) follows the parameter's piece; other state (the step count) is a whole, replicated tensor.
+A *piece* is one box ((start, size) per dim) of a global tensor and the local tensor holding it. Every strategy
+maps onto this through its placements: DDP and plain modules hold the whole box of every parameter; tensor
+parallel holds its boxes; ZeRO / FSDP hold the part of each that intersects their flat shard, which
+`layout.held_views` cuts into plain boxes. Optimizer state shaped like the parameter (Adam's exp_avg,
+exp_avg_sq) follows the parameter's pieces; other state (the step count) is a whole, replicated tensor.
 
-Names: "param/<name>", "buffer/<name>", "optim/<param name>/<state key>". Parameter names are those of
-`named_parameters()` (a tied parameter appears once, under its first name), so they match across strategies.
+Names: "param/<name>", "buffer/<name>", "optim/<param name>/<state key>", with the original model's names (the
+first name of a tied parameter), so they match across strategies and layouts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Piece", "local_pieces", "param_targets"]
+from .. import layout
+
+__all__ = ["Piece", "local_pieces", "dtype_name", "follows_param", "optimizer_names"]
 
 
 @dataclasses.dataclass
@@ -25,67 +28,61 @@ class Piece:
     name: str
     shape: list[int]  # of the global tensor
     dtype: str
-    lo: int
-    hi: int
-    tensor: torch.Tensor  # local, 1-D view of [lo, hi) (or the whole tensor for replicated state)
+    box: layout.Box
+    tensor: torch.Tensor  # local, box-shaped
+    follows_param: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@" + ",".join(f"{s}+{n}" for s, n in self.box)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": self.shape, "dtype": self.dtype, "lo": self.lo, "hi": self.hi,
-                "nbytes": (self.hi - self.lo) * self.tensor.element_size()}
+        return {"name": self.name, "shape": self.shape, "dtype": self.dtype, "box": [list(b) for b in self.box],
+                "follows_param": self.follows_param, "nbytes": layout.box_numel(self.box) * self.tensor.element_size()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def param_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, list[int], int, int]]:
-    """name -> (local parameter, global shape, lo, hi) for every parameter this rank holds a piece of."""
-    engine = getattr(model, "_sharding", None)
-    targets: dict[str, tuple[nn.Parameter, list[int], int, int]] = {}
-    if engine is not None:
-        owner = {id(info.shard_param): info for unit in engine.units for info in unit.infos}
-        for name, p in model.named_parameters():
-            info = owner[id(p)]
-            targets[name] = (p, list(info.shape), info.shard_lo, info.shard_hi)
-        return targets
-    tp_layout = getattr(model, "_tensor_parallel_layout", None)
-    if tp_layout is not None:
-        raise NotImplementedError("sharded checkpoints of tensor-parallel models need box slices; use export_full")
-    for name, p in model.named_parameters():
-        targets[name] = (p, list(p.shape), 0, p.numel())
-    return targets
+def follows_param(value: torch.Tensor, param: torch.Tensor) -> bool:
+    """Optimizer state sharded like its parameter (exp_avg), as opposed to a replicated scalar (step)."""
+    return value.dim() > 0 and value.shape == param.shape
+
+
+def optimizer_names(model: nn.Module) -> dict[int, layout.Placement]:
+    """id(trained tensor) -> its placement, to name what an optimizer holds."""
+    return {id(pl.param): pl for pl in layout.placements(model).values()}
+
+
+def _whole(name: str, value: torch.Tensor) -> Piece:
+    return Piece(name, list(value.shape), dtype_name(value.dtype), layout.full_box(value.shape), value.detach())
 
 
 def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[Piece]:
     """Every piece of parameters, persistent buffers and optimizer state this rank holds (empty ones skipped)."""
+    from ..whole.gather import read_held
+
     pieces: list[Piece] = []
-    targets = param_targets(model)
-    for name, (p, shape, lo, hi) in targets.items():
-        if hi > lo:
-            pieces.append(Piece(f"param/{name}", shape, dtype_name(p.dtype), lo, hi, p.detach().reshape(-1)))
-    for prefix, module in model.named_modules():
-        for bname, b in module._buffers.items():
-            if b is not None and bname not in module._non_persistent_buffers_set:
-                full = f"{prefix}.{bname}" if prefix else bname
-                pieces.append(Piece(f"buffer/{full}", list(b.shape), dtype_name(b.dtype), 0, b.numel(), b.reshape(-1)))
+    for pl in layout.placements(model).values():
+        for box, data in read_held(pl, pl.param):
+            pieces.append(Piece(f"param/{pl.name}", list(pl.shape), dtype_name(pl.param.dtype), box, data))
+    for name, b in layout.buffers(model).items():
+        pieces.append(_whole(f"buffer/{name}", b))
     if optimizer is not None:
-        names = {id(p): n for n, (p, _, _, _) in targets.items()}
+        owners = optimizer_names(model)
         for group in optimizer.param_groups:
             for p in group["params"]:
-                state = optimizer.state.get(p, {})
-                name = names.get(id(p))
-                if name is None:
+                pl = owners.get(id(p))
+                if pl is None:
                     raise ValueError("the optimizer holds a parameter that is not in the model; build it after wrapping")
-                _, shape, lo, hi = targets[name]
-                for key, value in state.items():
+                for key, value in optimizer.state.get(p, {}).items():
                     if not isinstance(value, torch.Tensor):
                         continue  # plain numbers are saved in the metadata (see save.py)
-                    piece_name = f"optim/{name}/{key}"
-                    if value.shape == p.shape:  # follows the parameter's sharding
-                        if hi > lo:
-                            pieces.append(Piece(piece_name, shape, dtype_name(value.dtype), lo, hi,
-                                                value.detach().reshape(-1)))
+                    name = f"optim/{pl.name}/{key}"
+                    if follows_param(value, p):
+                        pieces += [Piece(name, list(pl.shape), dtype_name(value.dtype), box, data, True)
+                                   for box, data in read_held(pl, value)]
                     else:
-                        pieces.append(Piece(piece_name, list(value.shape), dtype_name(value.dtype), 0, value.numel(),
-                                            value.detach().reshape(-1)))
+                        pieces.append(_whole(name, value))
     return pieces

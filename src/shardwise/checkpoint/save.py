@@ -32,9 +32,10 @@ import torch
 from safetensors.torch import save as safetensors_save
 from torch import nn
 
+from .. import layout
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json, broadcast_json
-from .pieces import local_pieces
+from .pieces import local_pieces, optimizer_names
 from .storage import (
     METADATA,
     CheckpointError,
@@ -49,29 +50,20 @@ from .storage import (
 __all__ = ["save_checkpoint", "SaveHandle", "model_comm", "strategy_name"]
 
 FORMAT = "shardwise-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: pieces are boxes of the global tensor (any layout); 1: flat ranges (read too, see load.py)
+READABLE_VERSIONS = (1, 2)
 
 
 def model_comm(model: nn.Module, comm: Communicator | None) -> Communicator:
-    """The communicator spanning every rank that holds a piece of `model`."""
+    """The communicator spanning every rank that holds a piece of `model` (ValueError when it cannot be known)."""
     if comm is not None:
         return comm
-    engine = getattr(model, "_sharding", None)
-    if engine is not None:
-        return engine.comm
-    reducer = getattr(model, "_ddp", None)
-    if reducer is not None:
-        return reducer.comm
-    from ..comm.thread_backend import ThreadWorld
-
-    return ThreadWorld(1).communicators()[0]
+    return layout.model_world(model, "checkpoint")
 
 
 def strategy_name(model: nn.Module) -> str:
-    engine = getattr(model, "_sharding", None)
-    if engine is not None:
-        return engine.config.name
-    return "ddp" if getattr(model, "_ddp", None) is not None else "none"
+    """The strategies applied, innermost first ("tensor_parallel + zero3"), or "none"."""
+    return " + ".join(r.name for r in layout.strategies(model)) or "none"
 
 
 class SaveHandle:
@@ -103,17 +95,21 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, as_json
 
 
-def _assign_writers(all_pieces: list[list[dict[str, Any]]]) -> dict[tuple[str, int, int], int]:
-    """One writer per distinct piece: the holder with the least bytes assigned so far (deterministic)."""
-    holders: dict[tuple[str, int, int], list[int]] = {}
-    sizes: dict[tuple[str, int, int], int] = {}
+def _piece_id(p: dict[str, Any]) -> tuple[str, str]:
+    return p["name"], json.dumps(p["box"])
+
+
+def _assign_writers(all_pieces: list[list[dict[str, Any]]]) -> dict[tuple[str, str], int]:
+    """One writer per distinct piece (replicas hold equal boxes): the holder with the least bytes assigned so far."""
+    holders: dict[tuple[str, str], list[int]] = {}
+    sizes: dict[tuple[str, str], int] = {}
     for rank, pieces in enumerate(all_pieces):
         for p in pieces:
-            key = (p["name"], p["lo"], p["hi"])
+            key = _piece_id(p)
             holders.setdefault(key, []).append(rank)
             sizes[key] = p["nbytes"]
     load = [0] * len(all_pieces)
-    writer: dict[tuple[str, int, int], int] = {}
+    writer: dict[tuple[str, str], int] = {}
     for key in sorted(holders, key=lambda k: (-sizes[k], k)):
         chosen = min(holders[key], key=lambda r: (load[r], r))
         writer[key] = chosen
@@ -167,16 +163,16 @@ def save_checkpoint(
 
     pieces = local_pieces(model, optimizer)
     writers = _assign_writers(all_gather_json(comm, [p.describe() for p in pieces]))
-    mine = [p for p in pieces if writers[(p.name, p.lo, p.hi)] == comm.rank]
+    mine = [p for p in pieces if writers[_piece_id(p.describe())] == comm.rank]
     # The snapshot: host copies, taken now, so training may change the live tensors right after we return.
-    tensors = {f"{p.name}@{p.lo}": p.tensor.detach().to("cpu", copy=True).contiguous() for p in mine}
+    tensors = {p.key: p.tensor.detach().to("cpu", copy=True).contiguous() for p in mine}
     rng_tensors, rng_json = _rng_state()
     tensors.update({f"{k}@{comm.rank}": v.clone() for k, v in rng_tensors.items()})
     file_name = shard_file_name(comm.rank, comm.size)
     index = {
         "rank": comm.rank,
         "file": file_name,
-        "pieces": [dict(p.describe(), key=f"{p.name}@{p.lo}") for p in mine],
+        "pieces": [dict(p.describe(), key=p.key) for p in mine],
         "rng": {"json": rng_json, "tensors": {k: f"{k}@{comm.rank}" for k in rng_tensors}},
         "optim_scalars": _optimizer_scalars(model, optimizer),
     }
@@ -233,8 +229,9 @@ def _finish(root: Path, tmp: Path, final: Path, header: dict[str, Any], world: i
         for key, values in index["optim_scalars"].items():
             optim_scalars.setdefault(key, values)
         for p in index["pieces"]:
-            entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"], "pieces": []})
-            entry["pieces"].append({"file": index["file"], "key": p["key"], "lo": p["lo"], "hi": p["hi"]})
+            entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"],
+                                                   "follows_param": p["follows_param"], "pieces": []})
+            entry["pieces"].append({"file": index["file"], "key": p["key"], "box": p["box"]})
     metadata = dict(header, files=files, tensors=tensors, rng=rng, optim_scalars=optim_scalars)
     write_bytes_durably(tmp / METADATA, json.dumps(metadata, indent=1).encode())
     for name in names:
@@ -254,7 +251,7 @@ def _finish(root: Path, tmp: Path, final: Path, header: dict[str, Any], world: i
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
+    return {pid: pl.name for pid, pl in optimizer_names(model).items()}
 
 
 def _param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:

@@ -21,8 +21,11 @@ from typing import Any
 
 from torch import nn
 
+from .. import layout
+from .._mixin import mix_in
 from ..comm.base import Communicator
 from ..mesh import Mesh
+from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
 from .engine import ShardingConfig, ShardingEngine
 from .policy import MixedPrecision
 
@@ -67,14 +70,10 @@ class ShardedModule(nn.Module):
         ]
 
 
-_CLASS_CACHE: dict[type, type] = {}
-
-
 def _check_common(module: nn.Module, mixed_precision: Any, cpu_offload: Any, group_mb: Any) -> MixedPrecision:
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if isinstance(module, ShardedModule) or hasattr(module, "_ddp"):
-        raise ValueError("the module is already wrapped by a data-parallel strategy; wrap the plain module once")
+    layout.check_not_data_parallel(module, "ZeRO/FSDP")
     if not any(True for _ in module.parameters()):
         raise ValueError("the module has no parameters to shard")
     if mixed_precision is None:
@@ -89,14 +88,17 @@ def _check_common(module: nn.Module, mixed_precision: Any, cpu_offload: Any, gro
 
 
 def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate: Communicator | None,
-          config: ShardingConfig) -> nn.Module:
+          config: ShardingConfig, record_name: str) -> nn.Module:
+    before = layout.placements(module)
     engine = ShardingEngine(module, shard, replicate, config)
     engine.comm = comm  # every data-parallel rank (checkpoints need them all)
-    cls = type(module)
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
-    module.__class__ = _CLASS_CACHE[cls]
+    reinstall_partial_grad_hooks(engine, before)
+    mix_in(module, ShardedModule, "Sharded")
     module._sharding = engine
+    comms = (shard,) if replicate is None else (shard, replicate)
+    layout.declare(module, layout.Parallelized(
+        record_name, comms, sharded_placements(engine, before), no_sync=module.no_sync, world=comm,
+        memory=lambda: engine_memory(engine), options={"sharding": config.name}))
     return module
 
 
@@ -130,7 +132,7 @@ def ZeRO(
     mp = _check_common(module, mixed_precision, cpu_offload, group_mb)
     config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
                             group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
-    return _wrap(module, comm, comm, None, config)
+    return _wrap(module, comm, comm, None, config, f"zero{stage}")
 
 
 def FSDP(
@@ -170,9 +172,9 @@ def FSDP(
     config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
                             group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
     if sharding == "no_shard":
-        return _wrap(module, comm, comm.split(comm.rank), comm, config)
+        return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard")
     if sharding == "hybrid_shard":
         shard = comm.split(comm.rank // shard_size)
         replicate = comm.split(comm.rank % shard_size)
-        return _wrap(module, comm, shard, replicate, config)
-    return _wrap(module, comm, comm, None, config)
+        return _wrap(module, comm, shard, replicate, config, "fsdp:hybrid_shard")
+    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}")

@@ -57,6 +57,20 @@ class _Conv1DLayout:
         full = super().full_tensor(name)
         return full.t().contiguous() if name == "weight" else full
 
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        shape = super().global_shape(name)
+        return tuple(reversed(shape)) if name == "weight" else shape
+
+    def boxes(self, name: str, rank: int):  # noqa: ANN201 - see TensorParallelLayer.boxes
+        boxes = super().boxes(name, rank)
+        if name != "weight" or boxes is None:
+            return boxes
+        return tuple(tuple(reversed(box)) for box in boxes)
+
+    def local_layout(self, name: str) -> tuple[int, tuple[int, ...] | None]:
+        # The (out, in) shard is the transpose of (in, out) boxes laid side by side along dim 1.
+        return (1, (1, 0)) if name == "weight" else (0, None)
+
     def extra_repr(self) -> str:
         return super().extra_repr() + ", from Conv1D (full weight gathered as (in, out))"
 

@@ -98,6 +98,19 @@ class TensorParallelLayer(nn.Module):
     def full_tensor(self, name: str) -> torch.Tensor:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        """The dense shape of parameter `name` (what a full state dict holds)."""
+        raise NotImplementedError  # pragma: no cover - overridden
+
+    def boxes(self, name: str, rank: int) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+        """The boxes ((start, size) per dim) of the dense tensor that rank `rank`'s `name` covers, in local
+        row-major order; None when the parameter is replicated (the layout contract, see shardwise.layout)."""
+        raise NotImplementedError  # pragma: no cover - overridden
+
+    def local_layout(self, name: str) -> tuple[int, tuple[int, ...] | None]:
+        """(dim along which this rank's boxes are concatenated, permutation its tensor is stored in); see layout.py."""
+        return 0, None
+
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """y = x W^T + b for a column shard W, entered through f (or f-bar under sequence parallel).
@@ -235,6 +248,14 @@ class ColumnParallelLinear(TensorParallelLayer):
         """The dense (out, in) weight, gathered from every rank. Collective."""
         return self.full_tensor("weight")
 
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
+
+    def boxes(self, name: str, rank: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        block, per = self.out_features // self.fused, self.out_features // (self.fused * self.comm.size)
+        rest = ((0, self.in_features),) if name == "weight" else ()
+        return tuple(((k * block + rank * per, per), *rest) for k in range(self.fused))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
             y = F.linear(x, self.weight, self.bias)
@@ -318,6 +339,15 @@ class RowParallelLinear(TensorParallelLayer):
         """The dense (out, in) weight, gathered from every rank. Collective."""
         return self.full_tensor("weight")
 
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
+
+    def boxes(self, name: str, rank: int) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+        if name == "bias":
+            return None  # replicated, added once after the reduction
+        chunk = self.in_features // self.comm.size
+        return (((0, self.out_features), (rank * chunk, chunk)),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.comm, -1)
@@ -395,6 +425,13 @@ class VocabParallelEmbedding(TensorParallelLayer):
     def full_weight(self) -> torch.Tensor:
         """The dense (V, dim) table, gathered from every rank. Collective."""
         return self.full_tensor("weight")
+
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        return (self.num_embeddings, self.embedding_dim)
+
+    def boxes(self, name: str, rank: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        per = self.num_embeddings // self.comm.size
+        return (((rank * per, per), (0, self.embedding_dim)),)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:

@@ -31,7 +31,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from .. import layout
 from ..comm.base import Communicator
+from .declare import tensor_parallel_placements
 from .gpt import install_gpt_forward
 from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear,
                       is_conv1d)
@@ -118,8 +120,10 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
 
     if not isinstance(model, nn.Module):
         raise ValueError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
-    if getattr(model, "_shardwise_tp", None) is not None:
-        raise ValueError("parallelize: the model is already tensor-parallel")
+    if layout.is_wrapped(model):
+        applied = " + ".join(r.name for r in layout.strategies(model))
+        raise ValueError(f"parallelize: the model is already wrapped ({applied}); apply tensor parallel to the plain "
+                         f"model first, then DDP / ZeRO / FSDP over the data-parallel axis (the documented order)")
     if not isinstance(comm, Communicator) and not all(hasattr(comm, a) for a in ("rank", "size", "all_reduce")):
         raise ValueError(f"parallelize: comm must be a Communicator (e.g. mesh.tp), got {type(comm).__name__}")
     if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
@@ -147,15 +151,15 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
             continue
         dense = model.get_submodule(name)
         layer = _build(name, dense, style, comm, sp, sequence_dim)
-        source, layout = dense.weight, _layout(style)
+        source, split = dense.weight, _layout(style)
         if id(source) in originals:
             shard, other, other_layout = originals[id(source)]
-            if other_layout != layout or shard.shape != layer.weight.shape:
+            if other_layout != split or shard.shape != layer.weight.shape:
                 raise ValueError(f"parallelize: {name}.weight is tied to {other}.weight, but the plan splits them "
-                                 f"differently ({layout[0]} vs {other_layout[0]}); give both the same split")
+                                 f"differently ({split[0]} vs {other_layout[0]}); give both the same split")
             layer.weight = shard
         else:
-            originals[id(source)] = (layer.weight, name, layout)
+            originals[id(source)] = (layer.weight, name, split)
             keep_alive.append(source)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
@@ -176,6 +180,9 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     if plan_name == "gpt2":
         _adjust_head_counts(model, comm.size, "c_attn", GPT2_ATTENTION_SIZES)
     object.__setattr__(model, "_shardwise_tp", TensorParallelState(comm, sp, sequence_dim, plan_name, styles))
+    layout.declare(model, layout.Parallelized(
+        "tensor_parallel", (comm,), tensor_parallel_placements(model, comm), world=comm,
+        options={"plan": plan_name, "sequence_parallel": sp, "tp": comm.size}))
     if plan_name == "gpt":
         install_gpt_forward(model)
     return model

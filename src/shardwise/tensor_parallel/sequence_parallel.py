@@ -30,7 +30,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from ..comm.base import Communicator, ReduceOp
+from ..comm.base import Communicator
+from ..layout import register_partial_grad_sum
 
 __all__ = ["reduce_sequence_parallel_grads", "is_sequence_parallel_param", "SavedActivations",
            "saved_activations"]
@@ -50,13 +51,7 @@ def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], comm: Communi
     for p in params:
         if not p.requires_grad or getattr(p, _MARK, False):
             continue
-
-        def hook(grad: torch.Tensor, comm: Communicator = comm) -> torch.Tensor:
-            out = grad.contiguous().clone()  # the incoming gradient may be held elsewhere by autograd
-            comm.all_reduce(out, ReduceOp.SUM)
-            return out
-
-        p.register_hook(hook)
+        register_partial_grad_sum(p, comm)
         setattr(p, _MARK, True)
         hooked.append(p)
     return hooked

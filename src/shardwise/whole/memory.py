@@ -15,6 +15,8 @@ import sys
 import torch
 from torch import nn
 
+from .. import layout
+
 __all__ = ["MemoryStats", "memory_stats", "peak_rss_bytes"]
 
 
@@ -59,19 +61,21 @@ def peak_rss_bytes() -> int:
 
 
 def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
-    """Bytes of parameters, gradients and optimizer state this rank holds for `model` (see MemoryStats)."""
-    params = list(model.parameters())
+    """Bytes of parameters, gradients and optimizer state this rank holds for `model` (see MemoryStats).
+
+    Strategy-blind: the parameters and gradients of the model's placements, plus what each strategy declares it
+    holds besides (DDP's gradient buckets, the sharding engine's master shards, kept full buffers and flat gradient
+    buffers, its peak of gathered buffers).
+    """
+    params: list[torch.Tensor] = [pl.param for pl in layout.placements(model).values()]
     grads = [p.grad for p in params if p.grad is not None]
     gathered_peak = 0
-    reducer = getattr(model, "_ddp", None)
-    engine = getattr(model, "_sharding", None)
-    if reducer is not None:
-        grads += [b.buffer for b in reducer.buckets]
-    if engine is not None:
-        # Shard parameters view the master shards; kept (stage 1/2) full buffers hold whole parameters.
-        params = [u.master for u in engine.units] + [u.full for u in engine.units if u.keep_full]
-        grads += [u.grad_buffer for u in engine.units if u.grad_buffer is not None]
-        gathered_peak = engine.gathered_peak
+    for record in layout.strategies(model):
+        if record.memory is not None:
+            held = record.memory()
+            params += held.params
+            grads += held.grads
+            gathered_peak = max(gathered_peak, held.gathered_peak)
     state: list[torch.Tensor] = []
     if optimizer is not None:
         for per_param in optimizer.state.values():

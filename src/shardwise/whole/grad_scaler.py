@@ -6,7 +6,7 @@ sharded gradients an overflow may show up in one rank's shard only, so the "foun
 across the whole communicator: every rank skips the same steps and keeps the same scale. After `growth_interval`
 clean steps in a row the scale doubles again.
 
-    scaler = ShardedGradScaler(comm)
+    scaler = ShardedGradScaler(model)        # or ShardedGradScaler(comm)
     scaler.scale(loss).backward()
     scaler.unscale_(opt)              # optional, e.g. before clip_grad_norm_
     scaler.step(opt)                  # skipped on every rank when any rank found inf/nan
@@ -16,16 +16,23 @@ clean steps in a row the scale doubles again.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from .. import layout
 from ..comm.base import Communicator, ReduceOp
 
 __all__ = ["ShardedGradScaler"]
 
 
 class ShardedGradScaler:
-    """See the module docstring. `comm` must span every rank that holds a piece of the gradients."""
+    """See the module docstring.
 
-    def __init__(self, comm: Communicator, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+    comm_or_model: the wrapped model (its overflow flag is then reduced over every group of its strategies: data,
+    tensor and pipeline parallel alike), or a Communicator spanning every rank that holds a piece of the gradients.
+    """
+
+    def __init__(self, comm_or_model: Communicator | nn.Module, *, init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
         if not init_scale > 0:
             raise ValueError(f"ShardedGradScaler: init_scale={init_scale!r} must be positive")
@@ -35,7 +42,11 @@ class ShardedGradScaler:
             raise ValueError(f"ShardedGradScaler: backoff_factor={backoff_factor!r} must be in (0, 1)")
         if not isinstance(growth_interval, int) or growth_interval < 1:
             raise ValueError(f"ShardedGradScaler: growth_interval={growth_interval!r} must be a positive int")
-        self.comm = comm
+        if isinstance(comm_or_model, nn.Module):
+            model = comm_or_model
+            self.groups: list[Communicator] = layout.reduction_groups(model)
+        else:
+            self.groups = [comm_or_model]
         self.scale_value = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -61,7 +72,8 @@ class ShardedGradScaler:
                 if not local_inf and not torch.isfinite(p.grad).all():
                     local_inf = True
         flag = torch.tensor([1.0 if local_inf else 0.0])
-        self.comm.all_reduce(flag, ReduceOp.MAX)
+        for group in self.groups:  # a skip on any rank skips on all
+            group.all_reduce(flag, ReduceOp.MAX)
         self.found_inf = bool(flag.item())
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:

@@ -1,0 +1,27 @@
+"""Give one module instance extra behaviour by swapping its class for a cached subclass (`Mixin` + its class).
+
+DDP, the sharding engine and the tensor-parallel GPT forward all wrap a model *in place*: the user keeps the same
+object, its parameter names and `state_dict` keys, and an `isinstance(model, GPT)` check still holds. The subclass
+is made once per (class, mixin) and cached, so wrapping many models does not create many classes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from torch import nn
+
+__all__ = ["mix_in"]
+
+_CACHE: dict[tuple[type, type], type] = {}
+_LOCK = threading.Lock()  # thread ranks wrap their models concurrently
+
+
+def mix_in(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
+    """Make `module` an instance of `type(prefix + ClassName, (mixin, type(module)))` and return it."""
+    cls = type(module)
+    with _LOCK:
+        if (cls, mixin) not in _CACHE:
+            _CACHE[(cls, mixin)] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+        module.__class__ = _CACHE[(cls, mixin)]
+    return module

@@ -1,0 +1,355 @@
+"""The layout contract: what each strategy did to a model, declared by the strategy and read by whole-model tools.
+
+Whole-model tools (full state dicts, clipping, the grad scaler, memory statistics, checkpoints, the planner) never
+probe a strategy's private attributes. Each strategy declares instead, when it wraps a model:
+
+* a :class:`Placement` per parameter: its original name(s), global shape, the tensor this rank trains, the
+  *boxes* of the global tensor this rank's tensor-parallel slice covers, the *flat range* of that slice this rank
+  keeps (ZeRO / FSDP), and the groups over which the parameter is sharded and over which it is replicated;
+* a :class:`Parallelized` record (its name, its communicators, the placements after it, `no_sync`, what it holds
+  in memory), appended to the model's list, innermost first, and reachable only through :func:`strategies`.
+
+Geometry. A *box* is ``((start, size), ...)`` per dim of the global tensor. A tensor-parallel rank's local slice is
+its boxes concatenated along `concat_dim` (one box for a plain row/column split; k boxes for a column split of k
+fused blocks such as ``[q | k | v]``), stored permuted by `stored_perm` when the layer keeps the transpose (a
+HuggingFace Conv1D held as an nn.Linear). ZeRO then keeps the flat range ``[lo, hi)`` of the stored slice's
+flattening. :func:`held_views` turns all that back into (global box, view of the local tensor) pairs: the flat
+range is cut into at most ``2 x ndim - 1`` contiguous boxes (a partial first row, whole rows, a partial last row,
+recursively), each un-permuted and split at the block boundaries. A checkpoint piece or a state-dict slice is
+therefore always a plain N-d box of the global tensor, and any layout reloads onto any other (the idea of PyTorch
+DCP's chunk metadata and Megatron's ``sharded_state_dict``, without DTensor).
+
+Counting once. A rank counts a parameter in a global reduction (the gradient norm) only if it is rank 0 of every
+group the parameter is replicated over; the partial results are then summed over every group of every strategy
+(:func:`reduction_groups`), which spans all ranks of the model.
+
+Anchors: Megatron-core's tensor-parallel parameter attributes (``tensor_model_parallel``, ``partition_dim``,
+``sequence_parallel``) and ``sharded_state_dict``; DTensor placements (Shard / Replicate / Partial) as used by FSDP2
+and torchtitan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm.base import Communicator
+
+__all__ = ["Box", "Placement", "Parallelized", "MemoryView", "strategies", "placements", "declare",
+           "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "full_box", "reduction_groups",
+           "counts_here", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers"]
+
+Box = tuple[tuple[int, int], ...]
+_ATTR = "_shardwise_layout"  # the one attribute a wrapped model carries; read only by this module
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def box_slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
+    """Index of `box` in a tensor covering `origin` (the whole global tensor when None)."""
+    if origin is None:
+        return tuple(slice(s, s + n) for s, n in box)
+    return tuple(slice(s - o, s - o + n) for (s, n), (o, _) in zip(box, origin))
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(n for _, n in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes of the same tensor, or None."""
+    out = []
+    for (sa, na), (sb, nb) in zip(a, b):
+        lo, hi = max(sa, sb), min(sa + na, sb + nb)
+        if hi <= lo:
+            return None
+        out.append((lo, hi - lo))
+    return tuple(out)
+
+
+def split_flat_range(box: Box, lo: int, hi: int) -> list[Box]:
+    """The elements [lo, hi) of `box`'s row-major flattening as boxes, in flat order (at most 2 x ndim - 1)."""
+    if hi <= lo:
+        return []
+    if not box:
+        return [()]  # a scalar: one element
+    (start, size), rest = box[0], box[1:]
+    inner = box_numel(rest)
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return [((start + first, 1), *sub) for sub in split_flat_range(rest, lo - first * inner, hi - first * inner)]
+    out: list[Box] = []
+    if lo % inner:
+        out += [((start + first, 1), *sub) for sub in split_flat_range(rest, lo % inner, inner)]
+        first += 1
+    whole_end = hi // inner
+    if whole_end > first:
+        out.append(((start + first, whole_end - first), *rest))
+    if hi % inner:
+        out += [((start + whole_end, 1), *sub) for sub in split_flat_range(rest, 0, hi % inner)]
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Placement:
+    """Where one parameter of the original model lives on this rank (see the module docstring).
+
+    names: its names in the original model (a tied parameter has several; the first is canonical).
+    shape: the global (original) shape. param: the tensor this rank trains (what the optimizer sees).
+    boxes: this rank's tensor-parallel boxes (None: the whole tensor); box_group: the group across which boxes differ,
+        boxes_by_rank: every rank of box_group's boxes, in group-rank order (to gather the whole tensor).
+    concat_dim: the dim along which the boxes are concatenated into the local slice (their other sizes agree).
+    stored_perm: the local slice is stored as ``slice.permute(stored_perm)`` (None: as it is).
+    flat: [lo, hi) of the local (boxes') flattening held in `param`, a 1-D tensor (None: all of it);
+        flat_group / flat_by_rank: the group across which flat ranges differ, and every rank's range.
+    replicated_over: groups whose ranks hold identical copies of this rank's piece.
+    partial_grad_over: a group over which the parameter's gradient is a partial sum that a hook completes
+        (sequence parallel: replicated weights applied to sequence shards).
+    """
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    param: nn.Parameter
+    boxes: tuple[Box, ...] | None = None
+    box_group: Communicator | None = None
+    boxes_by_rank: tuple[tuple[Box, ...], ...] = ()
+    concat_dim: int = 0
+    stored_perm: tuple[int, ...] | None = None
+    flat: tuple[int, int] | None = None
+    flat_group: Communicator | None = None
+    flat_by_rank: tuple[tuple[int, int], ...] = ()
+    replicated_over: tuple[Communicator, ...] = ()
+    partial_grad_over: Communicator | None = None
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def local_boxes(self) -> tuple[Box, ...]:
+        return self.boxes if self.boxes is not None else (full_box(self.shape),)
+
+    def slice_shape(self, boxes: tuple[Box, ...] | None = None) -> tuple[int, ...]:
+        """Shape of the local slice made of `boxes` (this rank's by default), before `stored_perm`."""
+        boxes = boxes if boxes is not None else self.local_boxes
+        if not self.shape:
+            return ()
+        shape = [n for _, n in boxes[0]]
+        shape[self.concat_dim] = sum(b[self.concat_dim][1] for b in boxes)
+        return tuple(shape)
+
+    def stored_shape(self, boxes: tuple[Box, ...] | None = None) -> tuple[int, ...]:
+        shape = self.slice_shape(boxes)
+        return shape if self.stored_perm is None else tuple(shape[i] for i in self.stored_perm)
+
+    @property
+    def local_numel(self) -> int:
+        """Elements of the tensor-parallel slice (before ZeRO's flat range)."""
+        return sum(box_numel(b) for b in self.local_boxes)
+
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        return self.flat if self.flat is not None else (0, self.local_numel)
+
+    @property
+    def sharded_over(self) -> tuple[Communicator, ...]:
+        return tuple(g for g in (self.box_group, self.flat_group) if g is not None and g.size > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryView:
+    """Tensors a strategy holds beyond the placements' parameters and their .grad: flat buffers, master copies."""
+
+    params: tuple[torch.Tensor, ...] = ()
+    grads: tuple[torch.Tensor, ...] = ()
+    gathered_peak: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Parallelized:
+    """One applied strategy. name: "ddp", "zero3", "fsdp:hybrid_shard", "tensor_parallel", "pipeline", ...
+
+    comms: the groups it communicates over (clipping and overflow flags reduce over these, innermost first).
+    placements: every parameter's placement after this strategy, by canonical name, in model order.
+    no_sync: a context manager factory skipping its gradient reduction (None: it has none).
+    memory: what it holds beyond the parameters (flat buffers, master shards), for memory_stats.
+    world: a communicator spanning every rank of the model when the strategy knows one (a Mesh's world).
+    partitioned_over: a group across which ranks hold *different parameters* (pipeline stages).
+    options: what the strategy was asked for, for describe() / the planner (JSON-able values).
+    """
+
+    name: str
+    comms: tuple[Communicator, ...]
+    placements: dict[str, Placement]
+    no_sync: Callable[[], Any] | None = None
+    memory: Callable[[], MemoryView] | None = None
+    world: Communicator | None = None
+    partitioned_over: Communicator | None = None
+    buffer_names: dict[str, str] | None = None  # local buffer name -> original name (pipeline stages)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def strategies(model: nn.Module) -> list[Parallelized]:
+    """The strategies applied to `model`, innermost (first applied) first; [] for a plain module."""
+    return list(model.__dict__.get(_ATTR, ()))
+
+
+def is_wrapped(model: nn.Module, *names: str) -> bool:
+    """Whether a strategy (one of `names`, or any when none are given) has been applied to `model`."""
+    return any(not names or s.name.split(":")[0] in names for s in strategies(model))
+
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+def check_not_data_parallel(model: nn.Module, who: str) -> None:
+    """Refuse to wrap a model a second time with a data-parallel strategy (DDP, ZeRO or FSDP): ValueError."""
+    if is_wrapped(model, *DATA_PARALLEL):
+        applied = " + ".join(s.name for s in strategies(model))
+        raise ValueError(f"{who}: the module is already wrapped by a data-parallel strategy ({applied}); wrap the "
+                         f"plain (or tensor-parallel) module once")
+
+
+def declare(model: nn.Module, record: Parallelized) -> None:
+    """Append `record` to `model`'s strategies (called by a strategy once it has wrapped the model)."""
+    model.__dict__[_ATTR] = (*model.__dict__.get(_ATTR, ()), record)
+
+
+def base_placements(model: nn.Module) -> dict[str, Placement]:
+    """One placement per unique parameter of a plain module: whole tensors, nothing sharded or replicated."""
+    names: dict[int, list[str]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        objects[id(p)] = p
+    return {ns[0]: Placement(tuple(ns), tuple(objects[pid].shape), objects[pid]) for pid, ns in names.items()}
+
+
+def placements(model: nn.Module) -> dict[str, Placement]:
+    """The placements of the outermost strategy (or of the plain module), by canonical name."""
+    records = strategies(model)
+    return dict(records[-1].placements) if records else base_placements(model)
+
+
+def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers by their original names (strategies that rename modules declare the mapping)."""
+    rename: dict[str, str] = {}
+    for record in strategies(model):
+        if record.buffer_names:
+            rename.update(record.buffer_names)
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                key = f"{prefix}.{name}" if prefix else name
+                out[rename.get(key, key)] = b
+    return out
+
+
+def slice_views(pl: Placement, stored: torch.Tensor, boxes: tuple[Box, ...] | None = None,
+                origin: tuple[int, ...] | None = None) -> list[tuple[Box, torch.Tensor]]:
+    """(global box, view) for each of `boxes` in a slice tensor `stored` (stored layout, shaped per `boxes`), or in
+    the sub-box of the slice starting at `origin` (slice coordinates) that `stored` covers."""
+    boxes = boxes if boxes is not None else pl.local_boxes
+    if not pl.shape:
+        return [((), stored.reshape(()))]
+    view = stored if pl.stored_perm is None else stored.permute(inverse_perm(pl.stored_perm))
+    origin = origin if origin is not None else (0,) * view.dim()
+    d, out, start = pl.concat_dim, [], 0
+    for box in boxes:
+        size = box[d][1]
+        lo, hi = max(start, origin[d]), min(start + size, origin[d] + view.shape[d])
+        if lo < hi:
+            index = [slice(None)] * view.dim()
+            index[d] = slice(lo - origin[d], hi - origin[d])
+            glob = [(s + o, n) for (s, _), o, n in zip(box, origin, view.shape)]
+            glob[d] = (box[d][0] + lo - start, hi - lo)
+            out.append((tuple(glob), view[tuple(index)]))
+        start += size
+    return out
+
+
+def inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+def held_views(pl: Placement, tensor: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+    """(global box, writable view of `tensor`) for every element this rank holds; `tensor` is shaped like pl.param
+    (the parameter itself, its gradient, or optimizer state that follows it)."""
+    lo, hi = pl.flat_range
+    if pl.flat is None or (lo, hi) == (0, pl.local_numel):
+        return slice_views(pl, tensor.view(pl.stored_shape()))
+    flat = tensor.view(-1)
+    stored = pl.stored_shape()
+    perm = pl.stored_perm or tuple(range(len(stored)))
+    out, offset = [], 0
+    for sub in split_flat_range(full_box(stored), lo, hi):
+        n = box_numel(sub)
+        piece = flat[offset : offset + n].view([m for _, m in sub])
+        origin = tuple(sub[inverse_perm(perm)[j]][0] for j in range(len(sub)))  # the sub-box's corner, slice coordinates
+        out += slice_views(pl, piece, origin=origin)
+        offset += n
+    return out
+
+
+def counts_here(placement: Placement) -> bool:
+    """Whether this rank contributes `placement` to a global sum: rank 0 of every group replicating it."""
+    return all(g.rank == 0 for g in placement.replicated_over)
+
+
+def reduction_groups(model: nn.Module) -> list[Communicator]:
+    """Every group any strategy of `model` communicates over, innermost first, each once: reducing a partial
+    result over all of them in this order reduces it over every rank of the model (the same order on all ranks)."""
+    seen: list[Communicator] = []
+    for record in strategies(model):
+        for comm in (*record.comms, record.partitioned_over):
+            if comm is not None and comm.size > 1 and all(comm is not s for s in seen):
+                seen.append(comm)
+    return seen
+
+
+def model_world(model: nn.Module, what: str) -> Communicator:
+    """The communicator spanning every rank of `model`, or a ValueError saying to pass one (`what` names the caller).
+
+    A strategy's `world` counts when its size is the number of ranks the model spans (the product of its groups'
+    sizes: the strategies form a grid): DDP over the whole world does, DDP over the dp axis of a TP model does not,
+    a Mesh's world does. A plain model is a world of one.
+    """
+    groups = reduction_groups(model)
+    ranks = math.prod(g.size for g in groups)
+    for record in reversed(strategies(model)):
+        if record.world is not None and record.world.size == ranks:
+            return record.world
+    if ranks == 1:
+        from .comm.thread_backend import ThreadWorld
+
+        return ThreadWorld(1).communicators()[0]
+    names = " + ".join(r.name for r in strategies(model))
+    raise ValueError(f"{what}: the model spans {ranks} ranks over {len(groups)} groups ({names}) and none of its "
+                     f"strategies knows the communicator of all of them; pass comm= (e.g. mesh.world)")
+
+
+def register_partial_grad_sum(param: torch.Tensor, comm: Communicator) -> None:
+    """Sum `param`'s incoming gradient over `comm` before it is accumulated (sequence-parallel weights).
+
+    A hook on the incoming gradient rather than on .grad keeps accumulation right: each backward's contribution is
+    summed once. Strategies that replace parameter objects (the sharding engine) re-register it on their own.
+    """
+    from .comm.base import ReduceOp
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        out = grad.contiguous().clone()  # autograd may hold the incoming gradient elsewhere
+        comm.all_reduce(out, ReduceOp.SUM)
+        return out
+
+    param.register_hook(hook)

@@ -1,0 +1,59 @@
+"""What the sharding engine tells the layout contract: each parameter's flat range, groups and held buffers.
+
+A unit flattens its (possibly tensor-parallel) parameters into one buffer split evenly over the shard group, so a
+parameter at offset `o` with `n` elements is held by group rank r as elements [max(r s, o), min((r+1) s, o + n))
+minus `o` of its own flattening (s = the shard size). That range refines the placement the model had before
+sharding (whole tensors, or tensor-parallel boxes); hybrid and no_shard add the replicate group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .. import layout
+from ..comm.base import Communicator
+from .engine import ShardingEngine
+from .unit import ParamInfo, Unit
+
+__all__ = ["sharded_placements", "reinstall_partial_grad_hooks", "engine_memory"]
+
+
+def _range_of(unit: Unit, info: ParamInfo, rank: int) -> tuple[int, int]:
+    s = unit.shard_size
+    lo = max(rank * s, info.offset) - info.offset
+    hi = min((rank + 1) * s, info.offset + info.numel) - info.offset
+    return (lo, hi) if hi > lo else (0, 0)
+
+
+def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placement]) -> dict[str, layout.Placement]:
+    """The placements after sharding: each shard parameter with its flat range (in `before`'s order)."""
+    replicate: Communicator | None = engine.replicate_comm
+    extra = (replicate,) if replicate is not None and replicate.size > 1 else ()
+    refined: dict[str, layout.Placement] = {}
+    for unit in engine.units:
+        group = unit.shard_comm
+        for info in unit.infos:
+            pl = before[info.name]
+            refined[info.name] = dataclasses.replace(
+                pl, param=info.shard_param, flat=(info.shard_lo, info.shard_hi), flat_group=group,
+                flat_by_rank=tuple(_range_of(unit, info, r) for r in range(group.size)),
+                replicated_over=(*pl.replicated_over, *extra))
+    return {name: refined[name] for name in before}
+
+
+def reinstall_partial_grad_hooks(engine: ShardingEngine, before: dict[str, layout.Placement]) -> None:
+    """Sequence-parallel weights sum their gradient over the tensor-parallel group in a hook on the parameter; the
+    engine computes with its own unsharded parameters, so the hook goes on those (else it would be lost)."""
+    for unit in engine.units:
+        for info in unit.infos:
+            group = before[info.name].partial_grad_over
+            if group is not None and info.requires_grad:
+                layout.register_partial_grad_sum(info.unsharded, group)
+
+
+def engine_memory(engine: ShardingEngine) -> layout.MemoryView:
+    """Master shards (views of the full buffer in fp32 stage 1/2), kept full buffers and flat gradient buffers."""
+    return layout.MemoryView(
+        params=tuple(u.master for u in engine.units) + tuple(u.full for u in engine.units if u.keep_full),
+        grads=tuple(u.grad_buffer for u in engine.units if u.grad_buffer is not None),
+        gathered_peak=engine.gathered_peak)

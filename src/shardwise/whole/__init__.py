@@ -1,0 +1,10 @@
+"""Whole-model tools written once against the layout contract (shardwise.layout): full state dicts, gradient
+clipping, the sharded grad scaler and memory statistics work for every strategy and every composition of them."""
+
+from .clip import clip_grad_norm_, global_grad_norm
+from .grad_scaler import ShardedGradScaler
+from .memory import MemoryStats, memory_stats, peak_rss_bytes
+from .state_dict import full_state_dict, load_full_state_dict
+
+__all__ = ["MemoryStats", "ShardedGradScaler", "clip_grad_norm_", "full_state_dict", "global_grad_norm",
+           "load_full_state_dict", "memory_stats", "peak_rss_bytes"]

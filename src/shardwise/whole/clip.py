@@ -1,0 +1,63 @@
+"""Global gradient-norm clipping for a model under any strategies (Pascanu et al. 2013, "On the difficulty of
+training recurrent neural networks").
+
+The norm must be the single-process model's: each gradient element counted exactly once. A rank adds the norm of
+each gradient piece it holds only when it is rank 0 of every group that piece is replicated over (DDP replicas,
+tensor-parallel LayerNorms, hybrid-shard replicas); pieces of a sharded parameter (ZeRO flat ranges, TP boxes)
+are disjoint, so their p-th powers add. The partial sums are then all-reduced over every group of the model's
+strategies (`layout.reduction_groups`), which spans all ranks: every rank gets the same norm and scales its
+gradients by the same factor, so replicas stay identical. Megatron-core's clip_grad_norm counts replicated
+parameters once the same way (its "is not a tensor-parallel duplicate" filter).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .. import layout
+from ..comm.base import ReduceOp
+
+__all__ = ["clip_grad_norm_", "global_grad_norm"]
+
+
+def global_grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """The single-process gradient norm of `model` (collective over the model's groups)."""
+    norm_type = float(norm_type)
+    pls = list(layout.placements(model).values())
+    grads = [pl.param.grad for pl in pls if pl.param.grad is not None and pl.param.grad.numel()]
+    counted = [pl.param.grad for pl in pls if pl.param.grad is not None and pl.param.grad.numel()
+               and layout.counts_here(pl)]
+    device = pls[0].param.device if pls else torch.device("cpu")
+    if math.isinf(norm_type):
+        values = [g.detach().abs().max().float() for g in grads]
+        total = (torch.stack(values).max() if values else torch.zeros((), device=device)).reshape(1)
+        op = ReduceOp.MAX
+    else:
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted]
+        total = (torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)).reshape(1)
+        op = ReduceOp.SUM
+    total = total.clone()
+    for group in layout.reduction_groups(model):
+        group.all_reduce(total, op)
+    return total[0] if math.isinf(norm_type) else total[0] ** (1.0 / norm_type)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm`; return the global norm (before clipping).
+
+    Works for plain, DDP, ZeRO / FSDP, tensor-parallel, pipeline and composed models; collective.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"clip_grad_norm_: max_norm={max_norm!r} must be a positive number")
+    if not layout.strategies(model):  # one process: exactly torch's computation
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    norm = global_grad_norm(model, norm_type)
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1:
+        for pl in layout.placements(model).values():
+            if pl.param.grad is not None:
+                pl.param.grad.detach().mul_(scale)
+    return norm

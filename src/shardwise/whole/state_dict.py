@@ -1,0 +1,88 @@
+"""Full (plain) state dicts of a model wrapped with any strategies: gathered from, and loaded into, the layout.
+
+`full_state_dict(model)` returns exactly the keys and shapes of the plain model's `state_dict()` (tied weights under
+each of their names, as PyTorch does): every placement is gathered to its dense tensor (see gather.py); a pipeline
+stage's rank then exchanges what it holds with the other stages, so every rank gets the whole model.
+`load_full_state_dict(model, sd)` copies into each parameter the boxes its placement holds: no communication. A
+state dict therefore moves freely between strategies, world sizes and layouts (DDP, ZeRO, FSDP, TP, pipeline).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import layout
+from ..comm.objects import all_gather_json
+from .gather import gather_full, write_held
+
+__all__ = ["full_state_dict", "load_full_state_dict"]
+
+
+def _exchange_partitions(model: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pipeline stages hold different parameters: broadcast each tensor from the first rank holding it."""
+    for record in layout.strategies(model):
+        group = record.partitioned_over
+        if group is None or group.size == 1:
+            continue
+        held = all_gather_json(group, {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
+                                       for k, v in local.items()})
+        merged: dict[str, torch.Tensor] = {}
+        for owner, names in enumerate(held):
+            for name, (shape, dtype) in names.items():
+                if name in merged:
+                    continue
+                tensor = local[name] if group.rank == owner else torch.empty(shape, dtype=getattr(torch, dtype))
+                group.broadcast(tensor, owner)
+                merged[name] = tensor
+        local = merged
+    return local
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The plain `state_dict()` of the unwrapped model: original names, full shapes, master dtype, on CPU.
+
+    Collective over every group of the model's strategies (every rank must call it). With `rank0_only=True`, ranks
+    other than the model's first get {}.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for pl in layout.placements(model).values():
+        full = gather_full(pl).detach().cpu()
+        for name in pl.names:
+            out[name] = full.clone()
+    for name, b in layout.buffers(model).items():
+        out[name] = b.detach().cpu().clone()
+    out = _exchange_partitions(model, out)
+    if rank0_only and any(g.rank != 0 for g in layout.reduction_groups(model)):
+        return {}
+    return out
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load a plain (full) state dict into `model` under any strategies. Shapes are checked; errors name the key.
+
+    strict: every parameter and persistent buffer the model holds must be in `state_dict`, and (unless the model is
+    a pipeline stage, which holds part of the names) nothing else may be.
+    """
+    expected: set[str] = set()
+    for pl in layout.placements(model).values():
+        expected.update(pl.names)
+        key = next((n for n in pl.names if n in state_dict), None)
+        if key is None:
+            continue
+        value = state_dict[key]
+        if tuple(value.shape) != tuple(pl.shape):
+            raise ValueError(f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict but "
+                             f"{tuple(pl.shape)} in the model")
+        write_held(pl, pl.param.detach(), value.to(pl.param.device, pl.param.dtype))
+    for name, b in layout.buffers(model).items():
+        expected.add(name)
+        if name in state_dict:
+            with torch.no_grad():
+                b.copy_(state_dict[name])
+    if strict:
+        partitioned = any(r.partitioned_over is not None for r in layout.strategies(model))
+        missing = sorted(expected - state_dict.keys())
+        unexpected = [] if partitioned else sorted(state_dict.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
