@@ -170,6 +170,7 @@ class MemoryView:
     params: tuple[torch.Tensor, ...] = ()
     grads: tuple[torch.Tensor, ...] = ()
     gathered_peak: int = 0
+    gathered_now: int = 0
 
 
 @dataclasses.dataclass(eq=False)

@@ -27,7 +27,8 @@ class MemoryStats:
     params: parameter storage. grads: gradient storage (a DDP model's buckets, else live `.grad` tensors).
     optimizer: optimizer state tensors (0 when no optimizer is given). gathered_peak: the largest buffer of
     temporarily gathered parameters (0 for strategies that keep whole parameters). peak_rss: the process's peak
-    resident set size so far (the whole process: on the thread backend it covers every rank).
+    resident set size so far (the whole process: on the thread backend it covers every rank). gathered: bytes of
+    temporarily gathered parameters alive now (0 between steps and after an inference forward under ZeRO-3).
     """
 
     params: int
@@ -35,6 +36,7 @@ class MemoryStats:
     optimizer: int
     gathered_peak: int
     peak_rss: int
+    gathered: int = 0
 
     @property
     def model_states(self) -> int:
@@ -69,13 +71,14 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """
     params: list[torch.Tensor] = [pl.param for pl in layout.placements(model).values()]
     grads = [p.grad for p in params if p.grad is not None]
-    gathered_peak = 0
+    gathered_peak = gathered = 0
     for record in layout.strategies(model):
         if record.memory is not None:
             held = record.memory()
             params += held.params
             grads += held.grads
             gathered_peak = max(gathered_peak, held.gathered_peak)
+            gathered += held.gathered_now
     state: list[torch.Tensor] = []
     if optimizer is not None:
         for per_param in optimizer.state.values():
@@ -86,4 +89,5 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         optimizer=_unique_bytes(state),
         gathered_peak=gathered_peak,
         peak_rss=peak_rss_bytes(),
+        gathered=gathered,
     )
