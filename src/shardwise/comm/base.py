@@ -212,7 +212,9 @@ class Communicator(abc.ABC):
     """One rank's handle on a group of ranks. See the module docstring for the semantics every backend keeps.
 
     Attributes: `rank` (0..size-1 within this group), `size`, `timeout` (seconds), `stats` (CommStats),
-    `backend` (a short name), `global_ranks` (this group's members as ranks of the world communicator).
+    `backend` (a short name), `global_ranks` (this group's members as ranks of the world communicator), `device`
+    (where this rank's tensors live for this backend: CPU for thread, gloo and MPI; this rank's CUDA device for
+    NCCL). Strategies allocate their buffers and small control tensors (flags, norms) on `comm.device`.
     """
 
     rank: int
@@ -221,6 +223,7 @@ class Communicator(abc.ABC):
     stats: CommStats
     backend: str
     global_ranks: tuple[int, ...]
+    device: torch.device = torch.device("cpu")
 
     # ---- collectives -------------------------------------------------------------------------------------------
     @abc.abstractmethod
