@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -80,7 +80,7 @@ def split_flat_range(box: Box, lo: int, hi: int) -> list[Box]:
         return []
     if not box:
         return [()]  # a scalar: one element
-    (start, size), rest = box[0], box[1:]
+    (start, _), rest = box[0], box[1:]
     inner = box_numel(rest)
     first, last = lo // inner, (hi - 1) // inner
     if first == last:
