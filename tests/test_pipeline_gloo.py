@@ -2,7 +2,9 @@
 
 Process start-up (importing torch, and torch._dynamo on the first optimizer) dominates on a small machine, so the
 p = 2 pipelines run on the two halves of the same 4-process world (a split communicator each), then p = 4 on all.
-The same p x m matrix runs on thread ranks too (test_pipeline_executor.py).
+The same p x m matrix runs on thread ranks too (test_pipeline_executor.py). The same launch then trains the dict-style
+decoder of test_pipeline_structured.py (bool and int64 leaves, gradient flags) interleaved over the 4 ranks, with a
+predict to every rank first.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import pytest
 import torch
 from parity import assert_state_close
 from test_pipeline_executor import CONFIG, gathered, reference, train_pipeline
+from test_pipeline_structured import _close_dict, batch, decoder, forward_all, train
+from test_pipeline_structured import reference as structured_reference
 
 import shardwise as sw
 from shardwise import pipeline as pp
@@ -19,8 +23,9 @@ from shardwise.models import GPT
 MICROBATCHES = (4, 8)
 
 
-def _every_schedule(comm, model):
-    """Module level so spawned ranks can import it. Returns {(p, schedule, m): (parameters, losses)}."""
+def _every_schedule(comm, model, layers):
+    """Module level so spawned ranks can import it. Returns {(p, schedule, m): (parameters, losses)} and what
+    `train` of test_pipeline_structured returns for the dict-style decoder (predict before the first step)."""
     results = {}
     half = comm.split(comm.rank // 2)  # ranks {0, 1} and {2, 3}: two independent 2-stage pipelines
     for pipeline_comm in (half, comm):
@@ -28,7 +33,7 @@ def _every_schedule(comm, model):
             for name in pp.SCHEDULES:
                 state, losses, _, _ = train_pipeline(pipeline_comm, name, m, model=model)
                 results[(pipeline_comm.size, name, m)] = (state, losses)
-    return results
+    return results, train(comm, layers, "dict", "interleaved_1f1b", 4, 0)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +46,16 @@ def want():
         torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def want_structured():
+    return structured_reference("dict")
+
+
 @pytest.mark.multiprocess
-def test_gloo_every_schedule_matches_one_process(want):
+def test_gloo_every_schedule_matches_one_process(want, want_structured):
     want_state, want_losses = want
-    results = sw.launch(_every_schedule, 4, GPT(CONFIG, seed=0), backend="gloo", timeout=120)
+    launched = sw.launch(_every_schedule, 4, GPT(CONFIG, seed=0), decoder("dict"), backend="gloo", timeout=120)
+    results = [r[0] for r in launched]
     assert len(results[0]) == 2 * len(MICROBATCHES) * len(pp.SCHEDULES)
     for key in results[0]:
         groups = [results[:2], results[2:]] if key[0] == 2 else [results]
@@ -53,3 +64,9 @@ def test_gloo_every_schedule_matches_one_process(want):
             assert_state_close(gathered(per_rank), want_state)
             for _, losses in per_rank:
                 assert losses == pytest.approx(want_losses, rel=1e-5), key
+    with torch.no_grad():
+        want_predicted = forward_all(decoder("dict"), batch(0, "dict")[0])
+    assert_state_close(gathered([r[1] for r in launched]), want_structured[0])
+    for _, (_, losses, predicted) in launched:
+        assert losses == pytest.approx(want_structured[1], rel=1e-5)
+        _close_dict(predicted, want_predicted)

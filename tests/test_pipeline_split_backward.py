@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardwise.models import GPT, GPTConfig
-from shardwise.pipeline.split_backward import backward_input
+from shardwise.pipeline.split_backward import backward_input, backward_inputs
 
 CONFIG = GPTConfig.preset("tiny", n_layers=2)
 
@@ -110,3 +110,37 @@ def test_saved_activations_are_freed_after_the_weight_pass():
     weight_pass.run()
     del weight_pass
     assert len(live) == 0
+
+
+class _Structured(nn.Module):
+    """A structured stage: three floating inputs (one unused) and three outputs, one of them an input passed
+    through unchanged (a leaf without grad_fn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, h, b, unused):
+        return self.lin(h) * torch.tanh(b), b * self.scale, h
+
+
+def test_several_outputs_and_inputs_split_like_a_full_backward():
+    torch.manual_seed(0)
+    full, split = _Structured(), _Structured()
+    split.load_state_dict(full.state_dict())
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(3, 8, generator=g) for _ in range(3)]
+    grads = [torch.randn(3, 8, generator=g) for _ in range(3)]
+    x_full = [x.clone().requires_grad_(True) for x in xs]
+    torch.autograd.backward(list(full(*x_full)), grads)
+
+    x_split = [x.clone().requires_grad_(True) for x in xs]
+    got, weight_pass = backward_inputs(list(split(*x_split)), grads, x_split, list(split.parameters()))
+    assert all(p.grad is None for p in split.parameters())
+    assert got[2] is None and x_full[2].grad is None  # the unused input has no gradient
+    for have, want in zip(got[:2], x_full[:2]):
+        torch.testing.assert_close(have, want.grad, rtol=0, atol=0)
+    weight_pass.run()
+    for (name, want), have in zip(full.named_parameters(), split.parameters()):
+        torch.testing.assert_close(have.grad, want.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")

@@ -22,6 +22,9 @@ implements these rules, can run it to the end.
 
 Stage placement: with ``p`` ranks and ``v`` virtual stages per rank there are ``p * v`` stages and stage ``s``
 lives on rank ``s % p`` (Megatron-LM's interleaved placement; v = 1 is the plain one-stage-per-rank pipeline).
+
+A schedule without any backward pass is a forward-only (inference) schedule (`Schedule.forward_only`): it has
+F, SEND_F and RECV_F actions only.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Op(enum.Enum):
 
 COMPUTE_OPS = frozenset({Op.FORWARD, Op.BACKWARD, Op.INPUT, Op.WEIGHT})
 COMM_OPS = frozenset({Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B})
+_BACKWARD_OPS = frozenset({Op.BACKWARD, Op.INPUT, Op.WEIGHT})
 
 # Longest alternatives first so "SEND_F" is not read as something shorter.
 _TEXT = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
@@ -109,6 +113,11 @@ class Schedule:
     def n_stages(self) -> int:
         """Total number of stages, p * v."""
         return self.n_ranks * self.virtual_stages
+
+    @property
+    def forward_only(self) -> bool:
+        """True for an inference schedule: no backward pass (B, I or W) on any rank."""
+        return not any(a.op in _BACKWARD_OPS for acts in self.actions for a in acts)
 
     def rank_of(self, stage: int) -> int:
         return stage % self.n_ranks

@@ -8,21 +8,34 @@
 Mechanism of one `step`
 -----------------------
 * The batch is cut along dim 0 into m equal microbatches (the rank of stage 0 needs `inputs`, the rank of the last
-  stage `targets`; other ranks may pass None).
+  stage `targets`; other ranks may pass None). Inputs and stage outputs may be structures (a tensor, a tuple/list
+  or a dict of str -> tensor; `structure.py`): every tensor leaf is cut, and a tuple is splatted into the next
+  stage's positional arguments, a dict into its keyword arguments, so HF-style decoder layers taking (hidden states,
+  attention mask, position ids) can be pipelined.
 * This rank's actions run in order (see `actions.py`): F runs the stage on its input and keeps the output with its
-  autograd graph; SEND_F isends the output; RECV_F posts an irecv whose buffer becomes, at the consuming F, the
-  stage's input leaf (requires_grad, so the backward yields its gradient). The last stage applies
-  `loss_fn(output, target)` and backpropagates loss / m, so the accumulated gradients are those of the mean loss
-  over the whole batch, as in one process.
-* B backpropagates the received output gradient through the stage (input and weight gradients) and frees the
-  microbatch's graph; SEND_B isends the input gradient. For zero-bubble schedules I computes only the input
-  gradient and W the weight gradients later (`split_backward.py`); W frees the graph.
-* Shapes are exchanged, not declared: before a stage's first activation of a step its rank sends a small
-  metadata message (dtype and shape; every microbatch of a step has the same), and gradient buffers take the shape
-  of the stage's own output. Messages are told apart by tag (direction, stage, microbatch).
+  autograd graph; SEND_F isends each tensor leaf of the output; RECV_F posts irecvs whose buffers become, at the
+  consuming F, the stage's input. Leaves that carry a gradient (floating and requiring grad at the sender) become
+  leaves requiring grad, so the backward yields their gradients; integer leaves (masks, position ids) are sent
+  but carry none. The last stage applies `loss_fn(output, target)` and backpropagates loss / m, so the
+  accumulated gradients are those of the mean loss over the whole batch, as in one process.
+* B backpropagates the received gradients of the output leaves that carry one (input and weight gradients) and
+  frees the microbatch's graph; SEND_B isends one gradient per input leaf that carries one. An input leaf the stage
+  did not use has no gradient: a structured input says so with per-step flags, and the sender leaves that output
+  out of its backward, so its parameters get no gradient, as in one process (a single tensor sends zeros). For
+  zero-bubble schedules I computes only the input gradients and W the weight gradients later
+  (`split_backward.py`); W frees the graph.
+* Shapes are exchanged, not declared: before a stage's first activation of a step its rank sends the output's
+  structure as integer metadata (container, keys, dtype, shape and gradient flag of each leaf: `messages.py`;
+  a single tensor costs one 10-word message, as before structures existed), and every microbatch of a step must
+  match it. Both sides derive from it which messages flow, so they always agree. Gradient buffers take the
+  shapes of the stage's own output. Messages are told apart by tag (direction, stage, microbatch, leaf).
 * Sends never block the schedule; they are waited for at the end of the step (completed ones are dropped
   earlier). Then tied parameters' gradients are summed over the ranks holding them (`tied.py`), and the mean loss
   is broadcast from the last stage's rank, so `step` returns it on every rank.
+
+`predict(inputs, to="all" | rank)` runs the forward-only schedule the same way under torch.no_grad() (F, SEND_F and
+RECV_F only; an output is dropped once sent) and returns the last stage's outputs, concatenated over
+microbatches, on every rank or on one (`predict.py`).
 
 Only this rank's stages are kept (`Pipeline` is an nn.Module whose submodules are those stages, trained in place:
 they share parameters with the model they came from); the other stages of the list are dropped. With
@@ -39,52 +52,34 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.base import Communicator, Work
+from ..comm.base import Communicator
 from .actions import Action, Op, Schedule
-from .schedules import SCHEDULES, build_schedule, check_schedule_args
+from .messages import Messenger, Spec, spec_of
+from .predict import check_destination, deliver
+from .schedules import FORWARD_SCHEDULES, SCHEDULES, build_schedule, check_schedule_args
 from .simulate import check_schedule
-from .split_backward import WeightGrad, backward_input
+from .split_backward import WeightGrad, backward_inputs
+from .structure import call, concat, flatten, split, unflatten
 from .tied import TiedParameters
 from .timeline import Event, Timeline
 
 __all__ = ["Pipeline"]
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
-_MAX_DIMS = 8
-_ACT, _GRAD, _META = 0, 1, 2
-
-
-def _encode(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
-        raise ValueError(f"Pipeline: a stage output of {t.dtype} with {t.dim()} dims cannot be sent; allowed dtypes "
-                         f"{_DTYPES}, at most {_MAX_DIMS} dims")
-    meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-    meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
-    meta[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return meta
-
-
-def _decode(meta: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    values = meta.tolist()
-    return torch.Size(values[2 : 2 + values[1]]), _DTYPES[values[0]]
-
 
 @dataclasses.dataclass
 class _StepState:
-    """What one step keeps between actions, by (stage, microbatch) or by message key (kind, stage, microbatch)."""
+    """What one run (a training step or a forward-only pass) keeps between actions, by (stage, microbatch)."""
 
-    x_mb: list[torch.Tensor] | None
-    y_mb: list[torch.Tensor] | None
-    inputs: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)  # input leaves
-    outputs: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)  # outputs / scaled losses
-    grads: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)  # input gradients to send
+    forward_only: bool
+    messenger: Messenger
+    x_mb: list[Any] | None
+    y_mb: list[Any] | None
+    inputs: dict[tuple[int, int], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # grad-carrying leaves
+    outputs: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)  # outputs / scaled losses
+    out_spec: dict[int, Spec] = dataclasses.field(default_factory=dict)  # stage -> Spec of its first output
+    grads: dict[tuple[int, int], list[torch.Tensor | None]] = dataclasses.field(default_factory=dict)  # input grads
     weight: dict[tuple[int, int], WeightGrad] = dataclasses.field(default_factory=dict)  # pending W passes
-    recvs: dict[tuple[int, int, int], tuple[torch.Tensor, Work] | None] = dataclasses.field(default_factory=dict)
-    meta_recv: dict[int, tuple[torch.Tensor, Work]] = dataclasses.field(default_factory=dict)
-    in_meta: dict[int, tuple[torch.Size, torch.dtype]] = dataclasses.field(default_factory=dict)
-    out_meta: dict[int, tuple[torch.Size, torch.dtype]] = dataclasses.field(default_factory=dict)
-    meta_sent: set[int] = dataclasses.field(default_factory=set)
-    sends: list[tuple[Work, torch.Tensor]] = dataclasses.field(default_factory=list)
+    results: dict[int, Any] = dataclasses.field(default_factory=dict)  # forward-only: last stage output by microbatch
     losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
     events: list[Event] = dataclasses.field(default_factory=list)
 
@@ -94,9 +89,11 @@ class Pipeline(nn.Module):
 
     stages: the full list from `partition` (p * v stages; stage s runs on rank s % p of `comm`).
     comm: the pipeline Communicator (e.g. `mesh.pp`); its size is the number of pipeline ranks p.
-    schedule: a name from SCHEDULES ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") or a Schedule.
+    schedule: a name from SCHEDULES ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") or a Schedule (with backward
+    passes: "forward_only" is what `predict` runs).
     n_microbatches: m, the microbatches each step's batch is cut into (default: 8, or the given Schedule's).
-    loss_fn: `loss_fn(output, target) -> scalar`, the mean loss of one microbatch (e.g. `lm_loss`).
+    loss_fn: `loss_fn(output, target) -> scalar`, the mean loss of one microbatch (e.g. `lm_loss`); output is the
+    last stage's output, whatever its structure, and target the microbatch of `targets`.
     record_timeline: record each step's compute actions with their times (`pipe.timeline`).
     Raises ValueError naming the argument for a stage count that is not a multiple of p, a schedule that does not
     fit (see `build_schedule`), or a missing loss_fn.
@@ -108,7 +105,7 @@ class Pipeline(nn.Module):
         comm: Communicator,
         schedule: str | Schedule = "1f1b",
         n_microbatches: int | None = None,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *,
         record_timeline: bool = False,
     ) -> None:
@@ -132,7 +129,13 @@ class Pipeline(nn.Module):
                     raise ValueError(f"Pipeline: schedule {schedule.name!r} was made for {have} {what}, but this "
                                      f"pipeline has {want}")
             check_schedule(schedule)
+            if schedule.forward_only:
+                raise ValueError(f"Pipeline: schedule {schedule.name!r} has no backward pass, so it cannot train; "
+                                 f"forward-only runs are pipe.predict(...)")
         elif isinstance(schedule, str):
+            if schedule in FORWARD_SCHEDULES:
+                raise ValueError(f"Pipeline: schedule={schedule!r} is not a training schedule (pipe.predict(...) runs "
+                                 f"it); allowed {list(SCHEDULES)}")
             check_schedule_args("Pipeline", schedule, p, n_microbatches, v)
             schedule = build_schedule(schedule, p, n_microbatches, v)
         else:
@@ -152,42 +155,26 @@ class Pipeline(nn.Module):
         self.stages = nn.ModuleDict({str(s): stages[s] for s in self.local_stages})
         self._stage_params = {s: [q for q in stages[s].parameters() if q.requires_grad] for s in self.local_stages}
         self._last_rank = schedule.rank_of(self.n_stages - 1)
+        self._forward_schedules: dict[int, Schedule] = {}  # predict's forward-only schedule by microbatch count
         self._st: _StepState | None = None
 
     # ---- public ----------------------------------------------------------------------------------------------------
-    def forward(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         """Same as `step`."""
         return self.step(inputs, targets)
 
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         """Run one training step's forward and backward passes; return the mean loss (a 0-dim tensor) on every rank.
 
-        Gradients are accumulated into the local stages' parameters (call `opt.step()` / `opt.zero_grad()` as
-        usual). Raises ValueError when this rank needs `inputs` (it holds stage 0) or `targets` (the last stage) and
-        did not get them, or when the batch does not split into n_microbatches equal microbatches.
+        inputs: stage 0's input, a tensor, a tuple/list or a dict of str -> tensor (tensors with the batch on dim 0;
+        other leaves go to every microbatch unchanged); targets: a tensor (or the same kinds of structure), cut the
+        same way, each microbatch given to `loss_fn` with the last stage's output. Gradients are accumulated into
+        the local stages' parameters (call `opt.step()` / `opt.zero_grad()` as usual). Raises ValueError when this
+        rank needs `inputs` (it holds stage 0) or `targets` (the last stage) and did not get them, or when the batch
+        does not split into n_microbatches equal microbatches.
         """
         m = self.n_microbatches
-        st = self._st = _StepState(self._split("inputs", inputs, 0 in self.local_stages),
-                                   self._split("targets", targets, self.n_stages - 1 in self.local_stages))
-        try:
-            for action in self.actions:
-                if action.is_compute:
-                    start, end = self._compute(action)
-                    if self.record_timeline:
-                        st.events.append(Event(self.comm.rank, str(action), start, end))
-                else:
-                    self._communicate(action)
-                if len(st.sends) > 8:
-                    st.sends = [(w, t) for w, t in st.sends if not w.is_completed()]
-            for work, _ in st.sends:
-                work.wait()
-            leftovers = [k for d in (st.inputs, st.outputs, st.grads, st.weight) for k in d]
-            if leftovers:
-                raise RuntimeError(f"Pipeline: the schedule left work for (stage, microbatch) {leftovers} undone")
-        finally:
-            self._st = None  # drops every buffer, graph and pending message of the step
-        if self.record_timeline:
-            self.timeline = Timeline(st.events, self.schedule.n_ranks)
+        st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False)
         self.tied.all_reduce_grads()
         loss = torch.zeros(1)
         if st.losses:
@@ -195,129 +182,137 @@ class Pipeline(nn.Module):
         self.comm.broadcast(loss, src=self._last_rank)
         return loss[0]
 
+    def predict(self, inputs: Any = None, *, to: str | int = "all", n_microbatches: int | None = None) -> Any:
+        """Inference: the last stage's output for the whole batch, on every rank (``to="all"``) or on rank `to` of
+        the pipeline communicator only (None elsewhere).
+
+        Runs the "forward_only" schedule (every microbatch's F on each stage, sends and receives only) under
+        ``torch.no_grad()``, so no graph is kept and no gradient is touched; concatenates the last stage's
+        per-microbatch outputs along dim 0, leaf by leaf for a tuple or dict (see `predict.py` for how they reach the
+        other ranks). `inputs` is needed on stage 0's rank (as for `step`); n_microbatches defaults to the
+        pipeline's. The module's mode is left as it is: call `pipe.eval()` first to disable dropout. Raises
+        ValueError for a `to` that is neither "all" nor a rank (naming the allowed ranks) and as `step` does.
+        """
+        dst = check_destination(to, self.comm.size)
+        m = self.n_microbatches if n_microbatches is None else n_microbatches
+        if m not in self._forward_schedules:
+            p, v = self.comm.size, self.schedule.virtual_stages
+            check_schedule_args("Pipeline.predict", FORWARD_SCHEDULES[0], p, m, v)
+            self._forward_schedules[m] = build_schedule(FORWARD_SCHEDULES[0], p, m, v)
+        schedule = self._forward_schedules[m]
+        with torch.no_grad():
+            st = self._run(schedule.actions[self.comm.rank], m, "Pipeline.predict", inputs, None, forward_only=True)
+            return deliver(self.comm, lambda: concat("the last stage", [st.results[mb] for mb in range(m)]),
+                           self._last_rank, dst, lambda kind, leaf: st.messenger.tag(kind, self.n_stages, 0, leaf))
+
     # ---- helpers ---------------------------------------------------------------------------------------------------
-    def _split(self, name: str, batch: Any, needed: bool) -> list[torch.Tensor] | None:
-        m = self.n_microbatches
+    def _run(self, actions: Sequence[Action], m: int, where: str, inputs: Any, targets: Any, *,
+             forward_only: bool) -> _StepState:
+        st = self._st = _StepState(
+            forward_only, Messenger(self.comm, self.schedule.rank_of, m),
+            self._split(where, "inputs", inputs, 0 in self.local_stages, m),
+            None if forward_only else self._split(where, "targets", targets, self.n_stages - 1 in self.local_stages, m),
+        )
+        try:
+            for action in actions:
+                if action.is_compute:
+                    start, end = self._compute(action)
+                    if self.record_timeline:
+                        st.events.append(Event(self.comm.rank, str(action), start, end))
+                else:
+                    self._communicate(action)
+            st.messenger.finish()
+            leftovers = [k for d in (st.inputs, st.outputs, st.grads, st.weight) for k in d]
+            if leftovers:
+                raise RuntimeError(f"Pipeline: the schedule left work for (stage, microbatch) {leftovers} undone")
+        finally:
+            self._st = None  # drops every buffer, graph and pending message of the run
+        if self.record_timeline:
+            self.timeline = Timeline(st.events, self.schedule.n_ranks)
+        return st
+
+    def _split(self, where: str, name: str, batch: Any, needed: bool, m: int) -> list[Any] | None:
         if batch is None:
             if needed:
                 held = "stage 0" if name == "inputs" else f"the last stage ({self.n_stages - 1})"
-                raise ValueError(f"Pipeline.step: rank {self.comm.rank} holds {held} and needs {name}, got None")
+                raise ValueError(f"{where}: rank {self.comm.rank} holds {held} and needs {name}, got None")
             return None
-        if not isinstance(batch, torch.Tensor) or batch.dim() == 0:
-            raise ValueError(f"Pipeline.step: {name} must be a tensor with a batch dimension, got {batch!r}")
-        if batch.shape[0] % m:
-            raise ValueError(
-                f"Pipeline.step: {name} has a batch of {batch.shape[0]} rows (dim 0), which does not split into "
-                f"n_microbatches={m} equal microbatches; use a batch size that is a multiple of {m}"
-            )
-        return list(batch.chunk(m)) if needed else None
-
-    def _tag(self, kind: int, stage: int, microbatch: int) -> int:
-        return (stage * (self.n_microbatches + 1) + microbatch) * 3 + kind
-
-    def _post_recv(self, key: tuple[int, int, int]) -> None:
-        """Post the receive of an activation (kind _ACT) or gradient (_GRAD) if its shape is known, else later."""
-        kind, s, mb = key
-        if kind == _ACT:
-            src = self.schedule.rank_of(s - 1)
-            if s not in self._st.in_meta and s not in self._st.meta_recv:
-                meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-                self._st.meta_recv[s] = (meta, self.comm.irecv(meta, src, self._tag(_META, s - 1, self.n_microbatches)))
-            if s not in self._st.in_meta and self._st.meta_recv[s][1].is_completed():
-                self._meta_done(s)
-            shape = self._st.in_meta.get(s)
-        else:
-            src = self.schedule.rank_of(s + 1)
-            shape = self._st.out_meta.get(s)
-        if shape is None:
-            self._st.recvs[key] = None
-            return
-        buf = torch.empty(shape[0], dtype=shape[1])
-        self._st.recvs[key] = (buf, self.comm.irecv(buf, src, self._tag(kind, s, mb)))
-
-    def _meta_done(self, s: int) -> None:
-        meta, work = self._st.meta_recv.pop(s)
-        work.wait()
-        self._st.in_meta[s] = _decode(meta)
-
-    def _take(self, key: tuple[int, int, int]) -> torch.Tensor:
-        if key not in self._st.recvs:
-            raise RuntimeError(f"Pipeline: rank {self.comm.rank} consumes message {key} that no RECV posted")
-        if self._st.recvs[key] is None:
-            if key[0] == _ACT and key[1] not in self._st.in_meta:
-                self._meta_done(key[1])
-            self._post_recv(key)
-        buf, work = self._st.recvs.pop(key)
-        work.wait()
-        return buf
+        parts = split(where, name, batch, m)  # checked on every rank, so a bad batch fails everywhere alike
+        return parts if needed else None
 
     def _communicate(self, a: Action) -> None:
-        s, mb = a.stage, a.microbatch
+        st, s, mb = self._st, a.stage, a.microbatch
         if a.op is Op.RECV_F:
-            self._post_recv((_ACT, s, mb))
+            st.messenger.post_activation(s, mb)
         elif a.op is Op.RECV_B:
-            self._post_recv((_GRAD, s, mb))
-        elif a.op is Op.SEND_F:
-            out = self._st.outputs[(s, mb)].detach().contiguous()
-            dst = self.schedule.rank_of(s + 1)
-            if s not in self._st.meta_sent:
-                self._st.meta_sent.add(s)
-                meta = _encode(out)
-                self._st.sends.append((self.comm.isend(meta, dst, self._tag(_META, s, self.n_microbatches)), meta))
-            self._st.sends.append((self.comm.isend(out, dst, self._tag(_ACT, s + 1, mb)), out))
+            st.messenger.post_gradients(s, mb, st.out_spec.get(s))
+        elif a.op is Op.SEND_F:  # forward-only: nothing needs the output once it is sent
+            st.messenger.send_activation(st.outputs.pop((s, mb)) if st.forward_only else st.outputs[(s, mb)], s, mb)
         else:  # SEND_B
-            grad = self._st.grads.pop((s, mb)).contiguous()
-            self._st.sends.append((self.comm.isend(grad, self.schedule.rank_of(s - 1), self._tag(_GRAD, s - 1, mb)), grad))
+            st.messenger.send_gradients(st.grads.pop((s, mb)), s, mb)
 
-    def _output_grad(self, s: int, mb: int) -> torch.Tensor | None:
+    def _stage_input(self, s: int, mb: int) -> Any:
+        """Stage s's input for microbatch mb; the leaves that carry a gradient become leaves requiring grad."""
+        st = self._st
+        if s == 0:
+            return st.x_mb[mb]  # the batch itself needs no gradient
+        if self.schedule.rank_of(s - 1) == self.comm.rank:  # local hand-over (p = 1)
+            key = (s - 1, mb)
+            container, keys, leaves = flatten(st.outputs.pop(key) if st.forward_only else st.outputs[key])
+            leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+            carrying = st.out_spec[s - 1].grad_indices
+        else:
+            container, keys, leaves = flatten(st.messenger.take_activation(s, mb))
+            carrying = st.messenger.in_spec[s].grad_indices
+        if carrying and not st.forward_only:
+            st.inputs[(s, mb)] = [leaves[i].requires_grad_(True) for i in carrying]
+        return unflatten(container, keys, leaves)
+
+    def _output_grads(self, s: int, mb: int) -> list[torch.Tensor | None] | None:
+        st = self._st
         if s == self.n_stages - 1:
             return None
         if self.schedule.rank_of(s + 1) == self.comm.rank:  # local hand-over (p = 1)
-            return self._st.grads.pop((s + 1, mb))
-        return self._take((_GRAD, s, mb))
+            return st.grads.pop((s + 1, mb))
+        return st.messenger.take_gradients(s, mb, st.out_spec[s])
 
     def _compute(self, a: Action) -> tuple[float, float]:
-        s, mb = a.stage, a.microbatch
+        st, s, mb = self._st, a.stage, a.microbatch
         if a.op is Op.FORWARD:
-            if s == 0:
-                x = self._st.x_mb[mb]
-            elif self.schedule.rank_of(s - 1) == self.comm.rank:
-                x = self._st.outputs[(s - 1, mb)].detach()
-            else:
-                x = self._take((_ACT, s, mb))
-            if s > 0:  # the batch itself (stage 0's input) needs no gradient
-                if not x.is_floating_point():
-                    raise ValueError(f"Pipeline: stage {s} gets a {x.dtype} input; activations passed between stages "
-                                     f"must be floating point (they carry gradients back)")
-                x.requires_grad_(True)
+            x = self._stage_input(s, mb)
             start = time.perf_counter()
-            out = self.stages[str(s)](x)
-            if not isinstance(out, torch.Tensor):
-                raise ValueError(f"Pipeline: stage {s} returned a {type(out).__name__}; stages must return one tensor")
-            if s == self.n_stages - 1:
-                loss = self.loss_fn(out, self._st.y_mb[mb])
-                self._st.losses.append(loss.detach())
-                out = loss / self.n_microbatches
-            elif s not in self._st.out_meta:
-                self._st.out_meta[s] = (out.shape, out.dtype)
-            self._st.outputs[(s, mb)] = out
-            if x.requires_grad:
-                self._st.inputs[(s, mb)] = x
+            out = call(self.stages[str(s)], x)
+            if s < self.n_stages - 1:
+                if s not in st.out_spec:
+                    st.out_spec[s] = spec_of(out)
+                st.outputs[(s, mb)] = out
+            elif st.forward_only:
+                st.results[mb] = out
+            else:
+                loss = self.loss_fn(out, st.y_mb[mb])
+                st.losses.append(loss.detach())
+                st.outputs[(s, mb)] = loss / self.n_microbatches
             return start, time.perf_counter()
         if a.op is Op.WEIGHT:
             start = time.perf_counter()
-            self._st.weight.pop((s, mb)).run()
+            st.weight.pop((s, mb)).run()
             return start, time.perf_counter()
-        grad = self._output_grad(s, mb)
+        grads = self._output_grads(s, mb)
         start = time.perf_counter()
-        out = self._st.outputs.pop((s, mb))
-        x = self._st.inputs.pop((s, mb), None)
+        out = st.outputs.pop((s, mb))
+        xs = st.inputs.pop((s, mb), [])
+        if s == self.n_stages - 1:
+            roots = [out]
+        else:  # only leaves that got a gradient take part (masks and position ids carry none; unused leaves get none)
+            leaves = flatten(out)[2]
+            pairs = [(leaves[i], g) for i, g in zip(st.out_spec[s].grad_indices, grads) if g is not None]
+            roots, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if a.op is Op.BACKWARD:
-            torch.autograd.backward(out, grad)
-            if s > 0 and x is not None:
-                self._st.grads[(s, mb)] = x.grad
+            if roots:
+                torch.autograd.backward(roots, grads)
+            input_grads = [x.grad for x in xs]
         else:  # INPUT
-            grad_input, self._st.weight[(s, mb)] = backward_input(out, grad, x, self._stage_params[s])
-            if s > 0 and grad_input is not None:
-                self._st.grads[(s, mb)] = grad_input
+            input_grads, st.weight[(s, mb)] = backward_inputs(roots, grads, xs, self._stage_params[s])
+        if s > 0:  # None for an unused input leaf (see Messenger.send_gradients)
+            st.grads[(s, mb)] = list(input_grads)
         return start, time.perf_counter()

@@ -1,9 +1,11 @@
 """Cut a model given as a sequence of layers into contiguous pipeline stages.
 
 `partition(layers, n_stages, balance=...)` accepts an nn.Sequential, an nn.ModuleList or a plain list of modules
-(e.g. `GPT.pipeline_layers()`: the embedding, each block, the final norm + head), each mapping one tensor to one
-tensor. It returns `n_stages * virtual_stages` `Stage` modules; stage s runs on pipeline rank s % n_stages, so with
-`virtual_stages=v` each rank holds v non-adjacent stages (Megatron-LM's interleaved placement).
+(e.g. `GPT.pipeline_layers()`: the embedding, each block, the final norm + head). A layer maps one tensor to one
+tensor, or takes and returns structures (a tuple is splatted into the next layer's positional arguments, a dict
+into its keyword arguments; see `structure.py`), as an HF-style decoder layer does. It returns
+`n_stages * virtual_stages` `Stage` modules; stage s runs on pipeline rank s % n_stages, so with `virtual_stages=v`
+each rank holds v non-adjacent stages (Megatron-LM's interleaved placement).
 
 Balancing picks the contiguous split that minimises the heaviest stage (the pipeline runs at the pace of its
 slowest stage), by dynamic programming over the layer weights:
@@ -22,9 +24,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+
+from .structure import call
 
 __all__ = ["Stage", "partition"]
 
@@ -40,6 +45,15 @@ class Stage(nn.Sequential):
         self.index = index
         self.start = start
         self.stop = stop
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The first layer called with the stage's arguments, each next layer with the previous one's output under
+        the calling convention of `structure.py` (a tuple splatted, a dict as keywords, anything else as is)."""
+        layers = iter(self)
+        value = next(layers)(*args, **kwargs)
+        for layer in layers:
+            value = call(layer, value)
+        return value
 
     def extra_repr(self) -> str:
         return f"index={self.index}, layers={self.start}..{self.stop - 1}"
@@ -66,14 +80,14 @@ def _params_of(layer: nn.Module) -> int:
 
 
 @torch.no_grad()
-def _forward_times(layers: list[nn.Module], sample_input: torch.Tensor, repeats: int) -> list[float]:
+def _forward_times(layers: list[nn.Module], sample_input: Any, repeats: int) -> list[float]:
     x = sample_input
     times = []
     for layer in layers:
         samples = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            y = layer(x)
+            y = call(layer, x)
             samples.append(time.perf_counter() - t0)
         times.append(statistics.median(samples))
         x = y
@@ -111,7 +125,7 @@ def partition(
     balance: str | Sequence[int] = "params",
     *,
     virtual_stages: int = 1,
-    sample_input: torch.Tensor | None = None,
+    sample_input: Any = None,
     repeats: int = 3,
 ) -> list[Stage]:
     """Split `layers` into `n_stages * virtual_stages` contiguous Stages (see the module docstring).

@@ -17,6 +17,10 @@ of one microbatch through one rank's share of the model. The bubble is the idle 
   which nothing downstream waits for). 1F1B's order of F and I is kept, and rank r postpones up to r of its W
   passes so that they fill the idle time of the drain, which cuts the bubble to about a third of 1F1B's with
   unit costs ((p-1)(F+I-W) instead of (p-1)(F+B)) while no rank has more than p microbatches in flight.
+* ``forward_only`` (inference; `Pipeline.predict` runs it): forwards only, no backward, no graph kept. Each rank
+  runs its stages' forwards in Megatron's forward order: microbatches in groups of p, each group through the
+  rank's v stages in turn (for v = 1 simply F0 .. F(m-1)). Any m and v. Bubble (p-1)/(m+p-1) for v = 1.
+  It is not in SCHEDULES (the training schedules) but `build_schedule` and the simulator accept it.
 
 `build_schedule` returns the compute order with SEND/RECV actions added by `add_communication`: a SEND right
 after the action that produced the tensor, and a RECV posted one compute action ahead of the one that consumes
@@ -29,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from .actions import Action, Op, Schedule
 
-__all__ = ["SCHEDULES", "build_schedule", "add_communication", "check_schedule_args"]
+__all__ = ["SCHEDULES", "FORWARD_SCHEDULES", "build_schedule", "add_communication", "check_schedule_args"]
 
 F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.INPUT, Op.WEIGHT
 
@@ -101,16 +105,26 @@ def _zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
     return lists
 
 
+def _forward_only(p: int, m: int, v: int) -> list[list[Action]]:
+    """Groups of p microbatches, each through the rank's stages in order: every dependency (stage s - 1 of the same
+    microbatch) comes earlier in the order (group, stage, microbatch) that every rank follows, so no deadlock."""
+    groups = [range(g, min(g + p, m)) for g in range(0, m, p)]
+    return [[Action(F, c * p + r, mb) for group in groups for c in range(v) for mb in group] for r in range(p)]
+
+
 #: name -> (builder, needs v == 1, needs v >= 2, needs m >= p, needs m % p == 0)
 _BUILDERS: dict[str, tuple[Callable[[int, int, int], list[list[Action]]], bool, bool, bool, bool]] = {
     "gpipe": (_gpipe, True, False, False, False),
     "1f1b": (_one_f_one_b, True, False, True, False),
     "interleaved_1f1b": (_interleaved, False, True, True, True),
     "zb_h1": (_zb_h1, True, False, True, False),
+    "forward_only": (_forward_only, False, False, False, False),
 }
 
-#: The schedule names accepted wherever a schedule is chosen by name.
-SCHEDULES: tuple[str, ...] = tuple(_BUILDERS)
+#: Forward-only (inference) schedules: `build_schedule` and the simulator accept them, `Pipeline.predict` runs them.
+FORWARD_SCHEDULES: tuple[str, ...] = ("forward_only",)
+#: The training schedules: the names accepted wherever a training schedule is chosen by name.
+SCHEDULES: tuple[str, ...] = tuple(name for name in _BUILDERS if name not in FORWARD_SCHEDULES)
 
 
 def _check_int(where: str, name: str, value: object) -> int:
@@ -122,7 +136,7 @@ def _check_int(where: str, name: str, value: object) -> int:
 def check_schedule_args(where: str, name: str, n_ranks: int, n_microbatches: int, virtual_stages: int) -> None:
     """Raise ValueError (naming the argument, its value and what is allowed) unless the schedule can be built."""
     if name not in _BUILDERS:
-        raise ValueError(f"{where}: schedule={name!r} is not a schedule; allowed {list(SCHEDULES)}")
+        raise ValueError(f"{where}: schedule={name!r} is not a schedule; allowed {list(_BUILDERS)}")
     p = _check_int(where, "n_stages", n_ranks)
     m = _check_int(where, "n_microbatches", n_microbatches)
     v = _check_int(where, "virtual_stages", virtual_stages)
@@ -188,7 +202,8 @@ def add_communication(compute: Sequence[Sequence[Action]], n_ranks: int, virtual
 def build_schedule(name: str, n_stages: int, n_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The named schedule for `n_stages` pipeline ranks, `n_microbatches` per step and `virtual_stages` per rank.
 
-    name: one of SCHEDULES ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"). Raises ValueError for an unknown name,
+    name: one of SCHEDULES ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") or FORWARD_SCHEDULES ("forward_only",
+    any virtual_stages and n_microbatches). Raises ValueError for an unknown name,
     virtual_stages other than 1 for a one-stage-per-rank schedule (or below 2 for interleaved), n_microbatches
     below n_stages where the schedule needs m >= p, or not a multiple of it for interleaved.
     """

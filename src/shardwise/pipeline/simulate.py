@@ -16,7 +16,9 @@ even split by default). `latency` is added to every message.
 
 Memory: a microbatch is *in flight* on a rank from its forward until its last backward piece (B, or W when the
 backward is split) for that stage; `peak_inflight` is the largest count on any rank (1F1B: p, GPipe: m). For
-v > 1 each in-flight pair holds 1/v of a rank's layers.
+v > 1 each in-flight pair holds 1/v of a rank's layers. A forward-only schedule (no backward pass anywhere) keeps
+no graph, so a microbatch is in flight only during its F (peak 1); `check_schedule` then asks for a forward of
+every (stage, microbatch) and the activation messages only.
 """
 
 from __future__ import annotations
@@ -102,6 +104,14 @@ def check_schedule(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {r}: action {a} appears twice")
             where[key] = (r, k)
 
+    forward_only = schedule.forward_only
+    if forward_only:
+        for r, acts in enumerate(schedule.actions):
+            stray = next((a for a in acts if a.op in (Op.SEND_B, Op.RECV_B)), None)
+            if stray is not None:
+                raise ScheduleError(f"rank {r} action {stray}: a forward-only schedule (no backward pass) sends no "
+                                    f"gradients")
+
     def pos(op: Op, s: int, mb: int) -> int | None:
         found = where.get((op, s, mb))
         return None if found is None else found[1]
@@ -113,21 +123,24 @@ def check_schedule(schedule: Schedule) -> None:
             label = f"stage {s} microbatch {mb} (rank {r})"
             if f is None:
                 raise ScheduleError(f"{label}: no forward {Action(F, s, mb)}")
-            if b is None and (i is None or w is None):
+            if forward_only:
+                first_back = None
+            elif b is None and (i is None or w is None):
                 raise ScheduleError(f"{label}: needs a full backward {Action(B, s, mb)} or both {Action(I, s, mb)} "
                                     f"and {Action(W, s, mb)}")
-            if b is not None and (i is not None or w is not None):
+            elif b is not None and (i is not None or w is not None):
                 raise ScheduleError(f"{label}: has both a full backward and a split one")
-            first_back = b if b is not None else i
-            if first_back < f:
-                raise ScheduleError(f"{label}: backward comes before its forward")
-            if b is None and w < i:
-                raise ScheduleError(f"{label}: {Action(W, s, mb)} comes before {Action(I, s, mb)}")
+            else:
+                first_back = b if b is not None else i
+                if first_back < f:
+                    raise ScheduleError(f"{label}: backward comes before its forward")
+                if b is None and w < i:
+                    raise ScheduleError(f"{label}: {Action(W, s, mb)} comes before {Action(I, s, mb)}")
             # Messages this (stage, microbatch) produces: the activation forward, the input gradient backward.
-            for op, send, recv, peer, producer in (
-                (F, Op.SEND_F, Op.RECV_F, s + 1, f),
-                (B if b is not None else I, Op.SEND_B, Op.RECV_B, s - 1, first_back),
-            ):
+            messages = [(F, Op.SEND_F, Op.RECV_F, s + 1, f)]
+            if not forward_only:
+                messages.append((B if b is not None else I, Op.SEND_B, Op.RECV_B, s - 1, first_back))
+            for op, send, recv, peer, producer in messages:
                 if not 0 <= peer < n_stages or schedule.rank_of(peer) == r:
                     stray = pos(send, s, mb)
                     if stray is not None:
@@ -196,6 +209,7 @@ def simulate(
     cost = {F: lambda s: t_f[s], B: lambda s: t_b[s], I: lambda s: t_b[s] * (1.0 - weight_share),
             W: lambda s: t_b[s] * weight_share}
 
+    forward_only = schedule.forward_only
     clock = [0.0] * p
     ptr = [0] * p
     sent: dict[tuple[str, int, int], float] = {}  # message -> time it is available to the receiver
@@ -247,7 +261,7 @@ def simulate(
                     if a.op is F:
                         inflight[r] += 1
                         peak[r] = max(peak[r], inflight[r])
-                    elif a.op in (B, W):
+                    if a.op in (B, W) or forward_only:  # forward-only: nothing is kept after the F
                         inflight[r] -= 1
                 ptr[r] += 1
                 progressed = True

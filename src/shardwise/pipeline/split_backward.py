@@ -23,6 +23,10 @@ A stage whose input needs no gradient (the first stage, fed token ids) has no I 
 If a group's intermediates lie on one another's input path (a weight used twice in series), starting at all of
 them would count the upstream one twice, so that microbatch falls back to a full backward at W (correct; the
 input-gradient work is then done twice).
+
+A structured stage (several outputs carrying gradients, several input leaves requiring grad: hidden states plus
+other floating tensors) is one graph with several roots and several input nodes; X is then the nodes on a path
+from any output to any input, and step 3 asks for all input gradients at once (None for an unused input).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightGrad", "backward_input"]
+__all__ = ["WeightGrad", "backward_input", "backward_inputs"]
 
 
 def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -52,10 +56,10 @@ class WeightGrad:
     def __init__(
         self,
         groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] | None,
-        full: tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None,
+        full: tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]] | None,
     ) -> None:
         self._groups = groups  # (edges to start from, their gradients, params)
-        self._full = full  # (output, grad_output, params) for a full backward at W time
+        self._full = full  # (outputs, grad_outputs, params) for a full backward at W time
 
     def run(self) -> None:
         if self._full is not None:
@@ -71,14 +75,14 @@ class WeightGrad:
             _accumulate(params, got)
 
 
-def _graph(root: Node) -> tuple[list[Node], dict[Node, list[Node]]]:
-    """Every node reachable from root in post-order (children before parents) and each node's children.
+def _graph(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Every node reachable from the roots in post-order (children before parents) and each node's children.
 
     The autograd graph is a DAG whose edges point from a node towards the inputs of its forward op.
     """
     children: dict[Node, list[Node]] = {}
     order: list[Node] = []
-    stack: list[tuple[Node, bool]] = [(root, False)]
+    stack: list[tuple[Node, bool]] = [(root, False) for root in reversed(roots)]
     while stack:
         node, expanded = stack.pop()
         if expanded:
@@ -108,22 +112,47 @@ def backward_input(
     input: torch.Tensor | None,
     params: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor | None, WeightGrad]:
-    """The I pass: return (gradient of `input`, the deferred W pass). See the module docstring.
+    """The I pass of a stage with one output and one input: `backward_inputs` for single tensors.
 
     output: the stage output (or the scaled loss on the last stage, with grad_output None). input: the stage's
     input leaf (None or not requiring grad for the first stage). params: the stage's trainable parameters.
     """
+    inputs = [] if input is None or not input.requires_grad else [input]
+    grads, weight = backward_inputs([output], None if grad_output is None else [grad_output], inputs, params)
+    return (grads[0] if grads else None), weight
+
+
+def backward_inputs(
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor] | None,
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightGrad]:
+    """The I pass: return (gradients of `inputs`, None where one is unused, and the deferred W pass).
+
+    outputs: the stage's output tensors that carry a gradient (or the scaled loss on the last stage, with
+    grad_outputs None); inputs: the stage's input leaves that require grad (none on the first stage); params: the
+    stage's trainable parameters. See the module docstring; several outputs and inputs are handled as one graph.
+    """
+    outputs, inputs = list(outputs), list(inputs)
     params = [p for p in params if p.requires_grad]
-    root = output.grad_fn
-    if input is None or not input.requires_grad or root is None:
-        return None, WeightGrad(None, (output, grad_output, params))
-    input_node = get_gradient_edge(input).node
+    if not outputs:
+        return [None] * len(inputs), WeightGrad(None, None)
+    if not inputs:
+        return [], WeightGrad(None, (outputs, grad_outputs, params))
+    # An output that is an input passed through unchanged is a leaf without grad_fn: no node of its own.
+    roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    input_nodes = {get_gradient_edge(x).node for x in inputs}
     param_nodes = {get_gradient_edge(p).node: p for p in params}
-    order, children = _graph(root)
-    on_input_path = _reaching(order, children, {input_node})
+    order, children = _graph(roots)
+    on_input_path = _reaching(order, children, input_nodes)
     to_params = _reaching(order, children, set(param_nodes))
-    if root not in on_input_path:
-        return None, WeightGrad(None, (output, grad_output, params))
+
+    def input_grads() -> list[torch.Tensor | None]:
+        return list(torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True))
+
+    if not any(root in on_input_path for root in roots):
+        return input_grads(), WeightGrad(None, (outputs, grad_outputs, params))
 
     # Intermediates and the parameters each one reaches through nodes off the input path.
     reached: dict[Node, set[Node]] = {}
@@ -170,8 +199,7 @@ def backward_input(
             for m in members:
                 above = _reaching(order, along_input, {m})  # nodes whose input path runs through m
                 if (above - {m}) & member_set:
-                    (grad_input,) = torch.autograd.grad(output, input, grad_output, retain_graph=True)
-                    return grad_input, WeightGrad(None, (output, grad_output, params))
+                    return input_grads(), WeightGrad(None, (outputs, grad_outputs, params))
 
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
     handles = []
@@ -180,13 +208,13 @@ def backward_input(
             captured[node] = grad_outputs
         handles.append(node.register_prehook(hook))
     try:
-        (grad_input,) = torch.autograd.grad(output, input, grad_output, retain_graph=True)
+        grad_inputs = input_grads()
     finally:
         for h in handles:
             h.remove()
 
     if len(captured) != len(reached):  # an intermediate did not run: do not guess, recompute at W
-        return grad_input, WeightGrad(None, (output, grad_output, params))
+        return grad_inputs, WeightGrad(None, (outputs, grad_outputs, params))
     plan = []
     for members in groups.values():
         edges, grads = [], []
@@ -199,4 +227,4 @@ def backward_input(
         group_params = [p for node, p in param_nodes.items() if node in wanted]
         if edges and group_params:
             plan.append((edges, grads, group_params))
-    return grad_input, WeightGrad(plan, None)
+    return grad_inputs, WeightGrad(plan, None)
