@@ -188,6 +188,19 @@ class _Reducer:
             self._reset()
 
 
+def _sync_now(reducer: _Reducer) -> None:
+    """All-reduce every bucket now (what backward passes under no_sync accumulated); every .grad views its bucket."""
+    for p in reducer.params:
+        reducer._mark_ready(p, used=True)  # launches each bucket as it fills, in bucket order
+    for bucket in reducer.buckets:
+        assert bucket.work is not None
+        bucket.work.wait()
+    for p in reducer.params:
+        bucket, i = reducer.location[p]
+        p.grad = bucket.views[i]
+    reducer._reset()
+
+
 def _reachable_parameters(output: Any) -> set[nn.Parameter]:
     """Leaf parameters reachable from the autograd graph of every tensor in `output` (nested lists/dicts too)."""
     roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
@@ -259,6 +272,11 @@ class DDPModule(nn.Module):
             yield
         finally:
             self._ddp.require_sync = previous
+
+    def sync_gradients(self) -> None:
+        """All-reduce, now, the gradients that backward passes under `no_sync()` accumulated (collective): a
+        pipeline calls it once per step, after its last microbatch."""
+        _sync_now(self._ddp)
 
     def ddp_buckets(self) -> list[dict[str, Any]]:
         """The bucket layout: for each bucket in launch order, its parameter names and bytes."""

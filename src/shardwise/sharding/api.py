@@ -51,6 +51,10 @@ class ShardedModule(nn.Module):
 
     _sharding: ShardingEngine
 
+    def sync_gradients(self) -> None:
+        """Reduce, now, the gradients backward passes under `no_sync()` accumulated (collective)."""
+        self._sharding.sync_gradients()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate unsharded gradients locally; the next one outside reduces the sum."""
@@ -87,10 +91,21 @@ def _check_common(module: nn.Module, mixed_precision: Any, cpu_offload: Any, gro
     return mixed_precision
 
 
+def _check_replicated(module: nn.Module, params: object) -> tuple[nn.Parameter, ...]:
+    params = tuple(params)  # type: ignore[arg-type]
+    own = {id(p) for p in module.parameters()}
+    stray = [i for i, p in enumerate(params) if not isinstance(p, nn.Parameter) or id(p) not in own]
+    if stray:
+        raise ValueError(f"replicated_params: entries {stray} are not parameters of the module being wrapped")
+    return params
+
+
 def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate: Communicator | None,
-          config: ShardingConfig, record_name: str) -> nn.Module:
-    before = layout.placements(module)
-    engine = ShardingEngine(module, shard, replicate, config)
+          config: ShardingConfig, record_name: str, replicated_params: tuple[nn.Parameter, ...]) -> nn.Module:
+    # The placements so far (plain, or tensor parallel), keyed by this module's own parameter names.
+    local = {id(p): name for name, p in module.named_parameters()}
+    before = {local[id(pl.param)]: pl for pl in layout.placements(module).values()}
+    engine = ShardingEngine(module, shard, replicate, config, replicated_params)
     engine.comm = comm  # every data-parallel rank (checkpoints need them all)
     reinstall_partial_grad_hooks(engine, before)
     mix_in(module, ShardedModule, "Sharded")
@@ -113,6 +128,7 @@ def ZeRO(
     group_mb: float = 25.0,
     activation_checkpointing: bool = False,
     prefetch: bool = True,
+    replicated_params: tuple[nn.Parameter, ...] = (),
 ) -> nn.Module:
     """ZeRO data parallelism (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
     Models", SC 2020) over `comm`; returns the same module.
@@ -124,6 +140,8 @@ def ZeRO(
     wrap / group_mb: how parameters are grouped into communication units (see `sharding.policy`).
     activation_checkpointing: recompute each unit's activations in backward (torch.utils.checkpoint).
     prefetch: issue the next unit's all-gather while the current one computes.
+    replicated_params: parameters kept whole on every rank and all-reduced (averaged) as DDP does, in no unit
+        (e.g. a weight tied across pipeline stages, whose copies are summed before the data-parallel average).
     After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
     empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
     """
@@ -132,7 +150,7 @@ def ZeRO(
     mp = _check_common(module, mixed_precision, cpu_offload, group_mb)
     config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
                             group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
-    return _wrap(module, comm, comm, None, config, f"zero{stage}")
+    return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params))
 
 
 def FSDP(
@@ -147,6 +165,7 @@ def FSDP(
     group_mb: float = 25.0,
     activation_checkpointing: bool = False,
     prefetch: bool = True,
+    replicated_params: tuple[nn.Parameter, ...] = (),
 ) -> nn.Module:
     """Fully sharded data parallelism (Zhao et al., "PyTorch FSDP", VLDB 2023) with PyTorch's strategy names.
 
@@ -169,12 +188,13 @@ def FSDP(
     elif shard_size is not None:
         raise ValueError(f"FSDP: shard_size={shard_size!r} only applies to sharding='hybrid_shard'")
     mp = _check_common(module, mixed_precision, cpu_offload, group_mb)
+    replicated_params = _check_replicated(module, replicated_params)
     config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
                             group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
     if sharding == "no_shard":
-        return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard")
+        return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard", replicated_params)
     if sharding == "hybrid_shard":
         shard = comm.split(comm.rank // shard_size)
         replicate = comm.split(comm.rank % shard_size)
-        return _wrap(module, comm, shard, replicate, config, "fsdp:hybrid_shard")
-    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}")
+        return _wrap(module, comm, shard, replicate, config, "fsdp:hybrid_shard", replicated_params)
+    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}", replicated_params)

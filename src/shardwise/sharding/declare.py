@@ -26,7 +26,8 @@ def _range_of(unit: Unit, info: ParamInfo, rank: int) -> tuple[int, int]:
 
 
 def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placement]) -> dict[str, layout.Placement]:
-    """The placements after sharding: each shard parameter with its flat range (in `before`'s order)."""
+    """The placements after sharding, by canonical name in `before`'s order: each shard parameter with its flat
+    range. `before` is keyed by the wrapped module's own parameter names (what the units record)."""
     replicate: Communicator | None = engine.replicate_comm
     extra = (replicate,) if replicate is not None and replicate.size > 1 else ()
     refined: dict[str, layout.Placement] = {}
@@ -34,11 +35,16 @@ def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placemen
         group = unit.shard_comm
         for info in unit.infos:
             pl = before[info.name]
-            refined[info.name] = dataclasses.replace(
+            refined[pl.name] = dataclasses.replace(
                 pl, param=info.shard_param, flat=(info.shard_lo, info.shard_hi), flat_group=group,
                 flat_by_rank=tuple(_range_of(unit, info, r) for r in range(group.size)),
                 replicated_over=(*pl.replicated_over, *extra))
-    return {name: refined[name] for name in before}
+    group = engine.shard_comm
+    around = tuple(g for g in (group, replicate) if g is not None and g.size > 1)
+    for pl in before.values():
+        if pl.name not in refined:  # a replicated parameter: whole on every rank of the data-parallel groups
+            refined[pl.name] = dataclasses.replace(pl, replicated_over=(*pl.replicated_over, *around))
+    return {pl.name: refined[pl.name] for pl in before.values()}
 
 
 def reinstall_partial_grad_hooks(engine: ShardingEngine, before: dict[str, layout.Placement]) -> None:

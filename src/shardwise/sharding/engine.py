@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.base import Communicator
+from ..comm.base import Communicator, ReduceOp
 from .policy import MixedPrecision, plan_units
 from .unit import GatheredMemory, ParamInfo, Unit
 
@@ -80,14 +80,17 @@ class ShardingEngine:
     """Owns the units of one wrapped model and the hooks that drive them (see the module docstring)."""
 
     def __init__(self, model: nn.Module, shard_comm: Communicator, replicate_comm: Communicator | None,
-                 config: ShardingConfig) -> None:
+                 config: ShardingConfig, replicated_params: tuple[nn.Parameter, ...] = ()) -> None:
         self.model = model
+        # Kept whole on every rank and all-reduced as DDP does (a weight tied across pipeline stages, whose two
+        # copies must be summed before the data-parallel average): in no unit.
+        self.replicated_params = [p for p in replicated_params if p.requires_grad]
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
         self.config = config
         mp = config.mixed_precision
         names = {p: n for n, p in model.named_parameters()}
-        plans = plan_units(model, config.wrap, config.group_mb)
+        plans = plan_units(model, config.wrap, config.group_mb, frozenset(replicated_params))
         self.memory = GatheredMemory()
         self.units = [
             Unit(plan, i, names, shard_comm, replicate_comm, keep_full=config.keep_full,
@@ -261,12 +264,33 @@ class ShardingEngine:
                 self._launch_ready()
                 for unit in self.launch_order:
                     unit.finish_reduce()
+                self._reduce_replicated()
         finally:
             for unit in self.units:
                 unit.swap_to_sharded()
                 if not unit.keep_full:
                     unit.free_full()
             self.in_backward = False
+
+    def sync_gradients(self) -> None:
+        """Reduce what backward passes under `no_sync()` accumulated, now: every unit's reduce-scatter (in launch
+        order, the same on every rank) and the replicated parameters' all-reduce. A pipeline calls it once per
+        step, after its last microbatch."""
+        if not self.launch_order:
+            self.launch_order = list(self.units)
+        for unit in self.launch_order:
+            unit.start_reduce()
+        for unit in self.launch_order:
+            unit.finish_reduce()
+        self._reduce_replicated()
+
+    def _reduce_replicated(self) -> None:
+        for p in self.replicated_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            for comm in (self.shard_comm, self.replicate_comm):
+                if comm is not None and comm.size > 1:
+                    comm.all_reduce(p.grad, ReduceOp.AVG)
 
     # ---- gathering --------------------------------------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:

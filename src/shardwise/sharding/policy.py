@@ -133,8 +133,10 @@ def _choose_unit_roots(model: nn.Module, wrap: object, group_mb: float) -> list[
     return units
 
 
-def plan_units(model: nn.Module, wrap: object = "auto", group_mb: float = 25.0) -> list[UnitPlan]:
-    """Group `model`'s parameters into units (see the module docstring); the root unit, always present, comes last."""
+def plan_units(model: nn.Module, wrap: object = "auto", group_mb: float = 25.0,
+               exclude: frozenset[nn.Parameter] = frozenset()) -> list[UnitPlan]:
+    """Group `model`'s parameters into units (see the module docstring); the root unit, always present, comes last.
+    Parameters in `exclude` belong to no unit (the engine keeps them whole and replicated)."""
     if not group_mb > 0:
         raise ValueError(f"group_mb={group_mb!r} must be a positive number of MiB")
     roots = _choose_unit_roots(model, wrap, group_mb)
@@ -148,6 +150,8 @@ def plan_units(model: nn.Module, wrap: object = "auto", group_mb: float = 25.0) 
     root_index = len(roots)
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
+            if p in exclude:
+                continue
             locations.setdefault(p, []).append((module, name))
             unit = module_unit.get(module, root_index)
             if p in owner and owner[p] != unit:
