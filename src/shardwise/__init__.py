@@ -14,6 +14,7 @@ from .ddp import DDP, DDPModule
 from .estimate import MemoryEstimate, estimate_memory
 # `launch` is both a subpackage and its function: this import binds the attribute shardwise.launch to the function.
 from .launch import LaunchEnvironment, LaunchError, detect_environment, get_logger, init, launch
+from .hybrid import HybridModel, parallelize
 from .mesh import Coordinates, Mesh
 from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
 from .whole import (MemoryStats, ShardedGradScaler, clip_grad_norm_, full_state_dict, load_full_state_dict,
@@ -32,6 +33,7 @@ __all__ = [
     "DDP",
     "DDPModule",
     "FSDP",
+    "HybridModel",
     "LaunchEnvironment",
     "LaunchError",
     "MemoryEstimate",
@@ -56,6 +58,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
+    "parallelize",
     "pipeline",
     "save_checkpoint",
     "tensor_parallel",

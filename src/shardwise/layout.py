@@ -312,9 +312,12 @@ def reduction_groups(model: nn.Module) -> list[Communicator]:
     """Every group any strategy of `model` communicates over, innermost first, each once: reducing a partial
     result over all of them in this order reduces it over every rank of the model (the same order on all ranks)."""
     seen: list[Communicator] = []
+    members: set[tuple[int, ...]] = set()
     for record in strategies(model):
         for comm in (*record.comms, record.partitioned_over):
-            if comm is not None and comm.size > 1 and all(comm is not s for s in seen):
+            # Equal groups made by separate splits (each pipeline stage wrapped on its own) reduce once.
+            if comm is not None and comm.size > 1 and tuple(comm.global_ranks) not in members:
+                members.add(tuple(comm.global_ranks))
                 seen.append(comm)
     return seen
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..activation_checkpointing import checkpoint_module
 from ..comm.base import Communicator, ReduceOp
 from .policy import MixedPrecision, plan_units
 from .unit import GatheredMemory, ParamInfo, Unit
@@ -127,7 +128,7 @@ class ShardingEngine:
             self.handles.append(unit.modules[-1].register_forward_hook(self._make_post_forward(unit)))
             if self.config.activation_checkpointing:
                 for module in unit.modules:
-                    _checkpoint_forward(module)
+                    checkpoint_module(module)
         self.handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self.handles.append(self.model.register_forward_hook(self._make_post_forward(self.root)))
         for unit in self.units:
@@ -322,20 +323,3 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast_floating(v, dtype) for v in obj)
     return obj
-
-
-def _checkpoint_forward(module: nn.Module) -> None:
-    """Recompute `module`'s activations in backward (torch.utils.checkpoint, non-reentrant) instead of storing them."""
-    import functools
-
-    from torch.utils.checkpoint import checkpoint
-
-    inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward

@@ -1,0 +1,267 @@
+"""`parallelize(model, mesh, ...)`: data x tensor x pipeline parallelism in one call, composed in one documented order.
+
+Order (torchtitan's, on one validated Mesh):
+1. **Tensor parallel** splits the model's layers over `mesh.tp` (in place: module swaps, so the model keeps its
+   names), with sequence parallel if asked.
+2. **Pipeline split**: the (tensor-parallel) model's `pipeline_layers()` are cut into `pp x virtual_stages` stages
+   (balanced by parameters) and `pp.Pipeline` keeps this rank's. Weights tied across stages on different ranks
+   (a GPT's embedding and head) have their gradients summed over the ranks holding them.
+   (Splitting before tensor parallel, as torchtitan words it, gives the same stages: tensor parallel replaces
+   modules inside the layers, and doing it on the whole model first lets a plan use the model's own names.)
+3. **Activation checkpointing** of every layer between the first and the last (the shared implementation).
+4. **Data parallel** over each local stage and `mesh.dp`: DDP, ZeRO-1/2/3 or FSDP hybrid_shard (dp split into
+   replicate x shard groups of `dp_shard`). The pipeline runs every microbatch under the strategy's `no_sync()`,
+   and the reduction runs once per step after the last microbatch (`sync_gradients()`): DDP's all-reduce, ZeRO's
+   reduce-scatter. ZeRO-3 re-gathers each unit as the schedule needs it, for every microbatch's forward and backward.
+   ZeRO-2/3 therefore hold the stage's full (unsharded) gradient during the step, as ZeRO-1 does: the price of one
+   reduction per step instead of one per microbatch; parameters and optimizer state stay sharded.
+   Weights tied across stages stay whole and replicated under ZeRO (`replicated_params`), so their two copies can
+   be summed before the average.
+
+Every rank of a dp group feeds its own slice of the global batch (`step(inputs, targets)` takes this rank's
+slice: dp index d gets rows [d*b, (d+1)*b) of a global batch of dp*b); tp ranks feed the same slice. The result
+trains with any torch.optim optimizer over `parameters()` (this rank's pieces), and declares its layout
+(shardwise.layout): clipping, full state dicts, checkpoints, memory statistics and the grad scaler see the whole
+model with its original names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import layout
+from . import pipeline as pp
+from . import tensor_parallel as tp
+from .activation_checkpointing import checkpoint_module
+from .ddp import DDP
+from .mesh import Mesh
+from .sharding import FSDP, ZeRO
+from .tensor_parallel.mappings import gather_from_region
+
+__all__ = ["parallelize", "HybridModel", "DP_STRATEGIES"]
+
+DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    tp_plan: Any
+    sequence_parallel: bool
+    pp_schedule: str
+    n_microbatches: int
+    virtual_stages: int
+    dp_strategy: str
+    dp_shard: int | None
+    activation_checkpointing: bool
+
+
+def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if layout.is_wrapped(model):
+        raise ValueError("parallelize: the model is already wrapped; pass the plain model (parallelize applies "
+                         "tensor, pipeline and data parallelism itself)")
+    if plan.dp_strategy not in DP_STRATEGIES:
+        raise ValueError(f"parallelize: dp_strategy={plan.dp_strategy!r} is not supported; allowed {DP_STRATEGIES}")
+    dp = mesh.sizes["dp"]
+    if plan.dp_strategy == "fsdp:hybrid_shard":
+        if isinstance(plan.dp_shard, bool) or not isinstance(plan.dp_shard, int) or plan.dp_shard < 1 \
+                or dp % plan.dp_shard:
+            raise ValueError(f"parallelize: dp_strategy='fsdp:hybrid_shard' needs dp_shard, a positive int dividing "
+                             f"dp={dp}; got dp_shard={plan.dp_shard!r}")
+    elif plan.dp_shard is not None:
+        raise ValueError(f"parallelize: dp_shard={plan.dp_shard!r} only applies to dp_strategy='fsdp:hybrid_shard'")
+    if mesh.sizes["tp"] > 1 and plan.tp_plan is None:
+        raise ValueError(f"parallelize: the mesh has tp={mesh.sizes['tp']} but tp_plan is None; pass a plan "
+                         f"(\"gpt\", \"llama\", \"gpt2\" or a dict)")
+    if plan.sequence_parallel and mesh.sizes["tp"] == 1:
+        raise ValueError("parallelize: sequence_parallel=True needs tp > 1")
+    if plan.pp_schedule == "zb_h1" and plan.dp_strategy != "ddp":
+        raise ValueError("parallelize: pp_schedule='zb_h1' splits each backward into input and weight passes over "
+                         "the stage's own parameters, which ZeRO / FSDP swap for gathered copies; use 'ddp' with "
+                         "zb_h1, or '1f1b' / 'interleaved_1f1b' with ZeRO / FSDP")
+
+
+def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[nn.Module], Callable, bool]:
+    """The model's pipeline layers, the loss over the last stage's output, and whether that output is a
+    vocabulary slice (a tensor-parallel GPT's head) that predict() must gather."""
+    from .models.gpt import lm_loss
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if hasattr(model, "pipeline_loss") and (loss_fn is None or loss_fn is lm_loss):
+        return model.pipeline_layers(), model.pipeline_loss(), True  # vocabulary-parallel loss, local logits
+    if hasattr(model, "pipeline_loss"):
+        return model.pipeline_layers(gather_logits=True), loss_fn, False
+    if hasattr(model, "pipeline_layers"):
+        return model.pipeline_layers(), loss_fn or lm_loss, False
+    builders = {"llama": "llama_pipeline_layers", "mistral": "llama_pipeline_layers",
+                "qwen2": "llama_pipeline_layers", "gpt2": "gpt2_pipeline_layers"}
+    if model_type in builders:
+        from .models import hf_stages
+
+        return getattr(hf_stages, builders[model_type])(model), loss_fn or hf_stages.causal_lm_loss, False
+    raise ValueError(f"parallelize: {type(model).__name__} has no pipeline_layers() and is not a known HuggingFace "
+                     f"decoder ({sorted(builders)}); give the model a pipeline_layers() method returning its layers")
+
+
+def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan, tied: tuple[nn.Parameter, ...]) -> nn.Module:
+    if plan.dp_strategy == "ddp":
+        return DDP(stage, mesh.dp)
+    if plan.dp_strategy.startswith("zero"):
+        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), replicated_params=tied)
+    sharding = plan.dp_strategy.split(":", 1)[1]
+    shard_size = plan.dp_shard if sharding == "hybrid_shard" else None
+    return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, replicated_params=tied)
+
+
+class HybridModel(nn.Module):
+    """What `parallelize` returns: this rank's pipeline stages, tensor- and data-parallel (see the module docstring).
+
+    `step(inputs, targets) -> loss` runs one training step (forward and backward of every microbatch, the
+    data-parallel reduction) and returns the mean loss of this dp group's batch; `parameters()` are what this rank
+    trains; `predict(inputs, to="all")` runs inference; `describe()` says which rank holds which layers and slices.
+    """
+
+    def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: _Plan, gather_vocab: bool, names: list[str]) -> None:
+        super().__init__()
+        self.pipe = pipe
+        self.mesh = mesh
+        self.plan = plan
+        self._gather_vocab = gather_vocab
+        self._stage_layers = names
+
+    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """One training step on this rank's slice of the global batch; returns the loss (every rank)."""
+        stages = list(self.pipe.stages.values())
+        with contextlib.ExitStack() as stack:
+            for stage in stages:
+                stack.enter_context(stage.no_sync())
+            loss = self.pipe.step(inputs, targets)
+        for stage in stages:  # once per step, after the last microbatch: the same order on every dp rank
+            stage.sync_gradients()
+        return loss
+
+    def forward(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """Same as `step`."""
+        return self.step(inputs, targets)
+
+    @torch.no_grad()
+    def predict(self, inputs: Any = None, *, to: str | int = "all") -> Any:
+        """The model's output (logits) for `inputs`, under no_grad with the forward-only schedule; on every rank
+        (to="all") or on pipeline rank `to` only. Call `eval()` first to disable dropout."""
+        out = self.pipe.predict(inputs, to=to)
+        if out is not None and self._gather_vocab:
+            out = gather_from_region(out, self.mesh.tp, -1)
+        return out
+
+    def describe(self) -> str:
+        """The mesh, then for each pipeline rank the layers it holds; tensor-parallel ranks hold 1/tp of each."""
+        lines = [self.mesh.describe(), f"Strategy: {self.plan.dp_strategy} over dp, tp plan {self.plan.tp_plan!r}"
+                 f"{' + sequence parallel' if self.plan.sequence_parallel else ''}, schedule {self.plan.pp_schedule} "
+                 f"with {self.plan.n_microbatches} microbatches"]
+        lines += [f"  stage {s} (pp rank {s % self.mesh.sizes['pp']}): {text}" for s, text in
+                  enumerate(self._stage_layers)]
+        return "\n".join(lines)
+
+
+def _stage_names(model: nn.Module, stages: list[nn.Module]) -> list[str]:
+    """Per stage, the original names of the modules its parameters come from (for describe())."""
+    owner = {id(p): n.rsplit(".", 1)[0] for n, p in model.named_parameters(remove_duplicate=False)}
+    out = []
+    for stage in stages:
+        names = list(dict.fromkeys(owner[id(p)].split(".")[0] if not owner[id(p)].startswith("blocks")
+                                   else ".".join(owner[id(p)].split(".")[:2]) for p in stage.parameters()))
+        out.append(", ".join(names) or "(no parameters)")
+    return out
+
+
+def _declare(hybrid: HybridModel, model: nn.Module, mesh: Mesh) -> None:
+    """The hybrid's record: the union of its stages' placements (original names), every group, the world."""
+    stages = list(hybrid.pipe.stages.values())
+    placements: dict[str, layout.Placement] = {}
+    comms: list[Any] = [mesh.tp]
+    for stage in stages:
+        placements.update(layout.placements(stage))
+        comms += [c for r in layout.strategies(stage) for c in r.comms]
+    original = {id(b): n for n, b in model.named_buffers()}
+    buffer_names = {n: original[id(b)] for n, b in hybrid.named_buffers() if id(b) in original}
+
+    def memory() -> layout.MemoryView:
+        views = [r.memory() for s in stages for r in layout.strategies(s) if r.memory is not None]
+        return layout.MemoryView(params=tuple(t for v in views for t in v.params),
+                                 grads=tuple(t for v in views for t in v.grads),
+                                 gathered_peak=sum(v.gathered_peak for v in views),
+                                 gathered_now=sum(v.gathered_now for v in views))
+
+    layout.declare(hybrid, layout.Parallelized(
+        "hybrid", tuple(comms), placements, memory=memory, world=mesh.world,
+        partitioned_over=mesh.pp if mesh.sizes["pp"] > 1 else None, buffer_names=buffer_names,
+        options={"dp_strategy": hybrid.plan.dp_strategy, "schedule": hybrid.plan.pp_schedule, **mesh.sizes}))
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    tp_plan: str | dict[str, object] | None = None,
+    sequence_parallel: bool = False,
+    pp_schedule: str = "1f1b",
+    n_microbatches: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    dp_strategy: str = "ddp",
+    dp_shard: int | None = None,
+    virtual_stages: int = 1,
+    activation_checkpointing: bool = False,
+) -> HybridModel:
+    """Data x tensor x pipeline parallelism over `mesh`, in the documented order (see the module docstring).
+
+    model: the plain model, identical on every rank (same seed or state dict).
+    mesh: `Mesh(comm, dp=None, tp, pp)` (dp=None: the remaining ranks).
+    tp_plan: a tensor-parallel plan ("gpt", "llama", "gpt2" or a dict); needed when tp > 1.
+    sequence_parallel: shard the LayerNorm / dropout regions along the sequence too (Korthikanti et al. 2022).
+    pp_schedule: "gpipe", "1f1b", "interleaved_1f1b" (with virtual_stages > 1) or "zb_h1" (DDP only).
+    n_microbatches: microbatches per step (default 2 x pp, at least 1); this rank's batch must split evenly.
+    loss_fn: loss_fn(output, target) of one microbatch; default: the model's own (the GPT's next-token loss,
+        vocabulary-parallel under tensor parallel; HuggingFace's causal-LM loss).
+    dp_strategy: "ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op" or "fsdp:hybrid_shard"
+        (with dp_shard: the size of the shard groups within dp).
+    activation_checkpointing: recompute every layer between the first and the last in backward.
+    Raises ValueError at wrap time for any combination it does not support, naming the argument.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"parallelize: mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
+    if n_microbatches is None:
+        n_microbatches = 2 * mesh.sizes["pp"]
+    plan = _Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
+                 bool(activation_checkpointing))
+    _check(mesh, plan, model)
+    if mesh.sizes["tp"] > 1:
+        tp.parallelize(model, mesh.tp, tp_plan, sequence_parallel=sequence_parallel)
+    layers, loss, gather_vocab = _layers_and_loss(model, loss_fn)
+    stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
+    pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss)
+    if activation_checkpointing:
+        for layer in layers[1:-1]:
+            checkpoint_module(layer)
+    # A weight tied across stages is held whole by each rank of its tie group: replicated over that group.
+    tied = {id(p): group for _, params, group in pipe.tied.groups for p in params}
+    model_placements = {id(pl.param): pl for pl in layout.placements(model).values()}
+    for stage in pipe.stages.values():
+        # The stage's parameters under their original names (and tensor-parallel boxes), before data parallel.
+        own = {}
+        for p in stage.parameters():
+            pl = model_placements[id(p)]
+            if id(p) in tied:
+                pl = dataclasses.replace(pl, replicated_over=(*pl.replicated_over, tied[id(p)]))
+            own[pl.name] = pl
+        layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
+        _wrap_data_parallel(stage, mesh, plan, tuple(p for p in stage.parameters() if id(p) in tied))
+    hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages))
+    _declare(hybrid, model, mesh)
+    return hybrid
