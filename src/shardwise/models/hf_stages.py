@@ -1,0 +1,282 @@
+"""HuggingFace decoder models as pipeline layers: one tensor in, one tensor out, holding the model's own modules.
+
+``transformers`` decoders run their layers inside one ``forward`` that builds, once, what every layer needs
+besides the hidden states: the causal attention mask (``create_causal_mask``), the position ids and, for Llama,
+the rotary ``(cos, sin)``. A pipeline stage only receives the previous stage's tensor, so here each decoder-layer
+stage rebuilds those from the hidden states it receives (B, T, d) -- position ids ``arange(T)``, an explicit
+causal mask, the rotary embeddings from the model's own ``rotary_emb`` module -- and calls the HuggingFace layer
+with them. The lists are ``[embedding, *decoder layers, head]``, the same shape as the GPT's ``pipeline_layers()``,
+for ``shardwise.pipeline.partition``:
+
+    stages = pp.partition(llama_pipeline_layers(model), n_stages=4)
+    pipe = pp.Pipeline(stages, comm, "1f1b", n_microbatches=8, loss_fn=causal_lm_loss)
+
+The stages reference the modules the model holds when the list is built (no copies), so training them trains the
+model and its ``state_dict`` names stay valid; build the list after ``tensor_parallel.parallelize`` (which
+replaces modules in place) and the stages run the tensor-parallel layers. GPT-2's ``lm_head`` is tied to ``wte``:
+the first and last stage hold one Parameter, which ``Pipeline`` keeps in sync across ranks by identity.
+
+The mask (what the installed transformers 5.x expects, checked by the tests against the model's own logits): an
+additive float mask (B, 1, T, T), 0 where a query may attend and ``finfo(dtype).min`` elsewhere, in the hidden
+states' dtype. The ``"eager"`` attention adds it to the scores; it is exactly the mask HuggingFace builds for eager
+(a bool mask would be added as 0/1, and None would not mask at all). ``"sdpa"`` passes it to
+``scaled_dot_product_attention`` as ``attn_mask`` (HuggingFace itself passes None with ``is_causal=True``; the
+results are equal). Other implementations (flash attention, flex attention) expect something else and are
+rejected with a ValueError. A sliding-window layer (Mistral's ``sliding_window``; Qwen2's ``layer_types``) also
+masks keys ``window`` or more positions back, as HuggingFace's sliding-window mask does.
+
+``causal_lm_loss`` is HuggingFace's ``ForCausalLMLoss``: logits at position t predict label t + 1, -100 labels are
+ignored, the mean is over the remaining tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "SUPPORTED_ATTENTION",
+    "GPT2BlockStage",
+    "GPT2EmbeddingStage",
+    "HFHeadStage",
+    "LlamaDecoderStage",
+    "LlamaEmbeddingStage",
+    "causal_lm_loss",
+    "gpt2_pipeline_layers",
+    "llama_pipeline_layers",
+]
+
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+IGNORE_INDEX = -100
+
+
+def _check_attention(config: object, who: str) -> None:
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"{who}: attention implementation {impl!r} is not supported; allowed {list(SUPPORTED_ATTENTION)} (the "
+            f"stages pass an explicit additive causal mask), e.g. model.set_attn_implementation('sdpa')"
+        )
+
+
+def _check_ids(ids: torch.Tensor, who: str, max_positions: int | None = None) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{who}: input_ids must be an integer tensor of shape (B, T), got {got}")
+    if max_positions is not None and ids.shape[1] > max_positions:
+        raise ValueError(f"{who}: sequence length T={ids.shape[1]} exceeds the model's {max_positions} positions")
+
+
+def _check_hidden(hidden: torch.Tensor, who: str) -> None:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
+        got = f"{hidden.dtype} {tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"{who}: expected hidden states of shape (B, T, d), got {got}")
+
+
+class _CausalMasks:
+    """The additive causal masks of one model's decoder stages, built once per (T, window, dtype, device).
+
+    Shared by the stages of one ``*_pipeline_layers`` call (a plain object, not a module: it holds no state to
+    save or move). Only the latest mask per window is kept, so varying sequence lengths do not accumulate masks;
+    reusing one tensor also means an attention kernel that saves its mask for backward keeps one copy, not one
+    per layer and microbatch.
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[int | None, tuple[tuple, torch.Tensor]] = {}
+
+    def __call__(self, hidden: torch.Tensor, window: int | None) -> torch.Tensor:
+        B, T = hidden.shape[:2]
+        key = (T, hidden.dtype, hidden.device)
+        hit = self._latest.get(window)
+        if hit is None or hit[0] != key:
+            q = torch.arange(T, device=hidden.device)[:, None]
+            k = torch.arange(T, device=hidden.device)[None, :]
+            allowed = k <= q
+            if window is not None:
+                allowed &= k > q - window
+            zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
+            mask = torch.where(allowed, zero, torch.finfo(hidden.dtype).min).view(1, 1, T, T)
+            hit = self._latest[window] = (key, mask)
+        return hit[1].expand(B, 1, T, T)
+
+
+def _positions(hidden: torch.Tensor) -> torch.Tensor:
+    # (1, T), as HuggingFace's own forward builds it without a cache: broadcasts over the batch.
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+class LlamaEmbeddingStage(nn.Module):
+    """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d)."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        _check_ids(input_ids, "LlamaEmbeddingStage")
+        return self.embed_tokens(input_ids)
+
+
+class LlamaDecoderStage(nn.Module):
+    """One Llama-style decoder layer as a stage: hidden (B, T, d) -> hidden (B, T, d).
+
+    Builds what ``LlamaModel.forward`` builds once for all layers: position ids ``arange(T)``, the rotary
+    ``(cos, sin)`` from the model's own ``rotary_emb`` (a module without parameters, shared by every decoder
+    stage), and the additive causal mask (sliding-window when ``window`` is set); then calls ``layer`` with them.
+    """
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: object, window: int | None,
+                 masks: _CausalMasks) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb
+        self.config = config
+        self.window = window
+        self._masks = masks
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        _check_hidden(hidden, "LlamaDecoderStage")
+        # Read at call time: set_attn_implementation may switch it after the stages were built.
+        _check_attention(self.config, "LlamaDecoderStage")
+        position_ids = _positions(hidden)
+        out = self.layer(hidden, attention_mask=self._masks(hidden, self.window), position_ids=position_ids,
+                         position_embeddings=self.rotary_emb(hidden, position_ids))
+        # Older transformers returned a 1-tuple (hidden,); 5.x returns the tensor.
+        return out[0] if isinstance(out, tuple) else out
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}"
+
+
+class HFHeadStage(nn.Module):
+    """Last stage: ``lm_head(norm(hidden))``, (B, T, d) -> logits (B, T, V) (Llama's RMSNorm, GPT-2's ln_f)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def _submodule(model: nn.Module, path: str, who: str, expected: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(f"{who}: {type(model).__name__} has no module {path!r}; expected {expected}") from None
+
+
+def _layer_window(config: object, index: int, who: str) -> int | None:
+    """The sliding window of decoder layer `index` (None: full causal attention), as the HF model decides it."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # Llama has no sliding window; Mistral applies config.sliding_window to every layer
+        return getattr(config, "sliding_window", None)
+    kind = layer_types[index]
+    if kind == "full_attention":
+        return None
+    if kind == "sliding_attention":
+        return config.sliding_window
+    raise ValueError(f"{who}: decoder layer {index} has layer type {kind!r}; supported 'full_attention' and "
+                     f"'sliding_attention'")
+
+
+def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """``[LlamaEmbeddingStage, LlamaDecoderStage per layer, HFHeadStage]`` for a Llama-style causal LM.
+
+    `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (Mistral, Qwen2, ...):
+    ``model.model.embed_tokens``, ``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head``. The stages hold
+    those modules (no copies); applying them in order to input_ids (B, T) gives ``model(input_ids).logits``.
+    Raises ValueError naming what is missing for another structure, and for an attention implementation other
+    than eager or sdpa.
+    """
+    who = "llama_pipeline_layers"
+    expected = "a Llama-style causal LM (model.model.embed_tokens, .layers, .norm, .rotary_emb; model.lm_head)"
+    parts = {name: _submodule(model, path, who, expected) for name, path in (
+        ("embed_tokens", "model.embed_tokens"), ("layers", "model.layers"), ("norm", "model.norm"),
+        ("rotary_emb", "model.rotary_emb"), ("lm_head", "lm_head"))}
+    config = model.config
+    _check_attention(config, who)
+    masks = _CausalMasks()
+    # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
+    layers = list(parts["layers"])[: config.num_hidden_layers]
+    return [
+        LlamaEmbeddingStage(parts["embed_tokens"]),
+        *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks)
+          for i, layer in enumerate(layers)),
+        HFHeadStage(parts["norm"], parts["lm_head"]),
+    ]
+
+
+class GPT2EmbeddingStage(nn.Module):
+    """First stage of GPT-2: ``drop(wte(input_ids) + wpe(arange(T)))``, (B, T) int -> (B, T, d)."""
+
+    def __init__(self, wte: nn.Module, wpe: nn.Embedding, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte = wte
+        self.wpe = wpe
+        self.drop = drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        _check_ids(input_ids, "GPT2EmbeddingStage", self.wpe.num_embeddings)
+        # Same operand order as GPT2Model.forward (token embeddings first), so the sum is bitwise the same.
+        return self.drop(self.wte(input_ids) + self.wpe(_positions(input_ids)))
+
+
+class GPT2BlockStage(nn.Module):
+    """One ``GPT2Block`` as a stage: hidden (B, T, d) -> hidden (B, T, d), with the additive causal mask."""
+
+    def __init__(self, block: nn.Module, config: object, masks: _CausalMasks) -> None:
+        super().__init__()
+        self.block = block
+        self.config = config
+        self._masks = masks
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        _check_hidden(hidden, "GPT2BlockStage")
+        _check_attention(self.config, "GPT2BlockStage")
+        out = self.block(hidden, attention_mask=self._masks(hidden, None), position_ids=_positions(hidden))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def gpt2_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """``[GPT2EmbeddingStage, GPT2BlockStage per block, HFHeadStage]`` for ``transformers.GPT2LMHeadModel``.
+
+    The stages hold the model's ``transformer.wte``, ``.wpe``, ``.drop``, each block of ``.h``, ``.ln_f`` and
+    ``lm_head`` (no copies); ``lm_head.weight`` is ``wte.weight``, so the first and last stage share that Parameter.
+    Applying them in order to input_ids (B, T) gives ``model(input_ids).logits``. Raises ValueError naming what is
+    missing for another structure, and for an attention implementation other than eager or sdpa.
+    """
+    who = "gpt2_pipeline_layers"
+    expected = "a GPT-2 causal LM (model.transformer.wte, .wpe, .drop, .h, .ln_f; model.lm_head)"
+    parts = {name: _submodule(model, path, who, expected) for name, path in (
+        ("wte", "transformer.wte"), ("wpe", "transformer.wpe"), ("drop", "transformer.drop"), ("h", "transformer.h"),
+        ("ln_f", "transformer.ln_f"), ("lm_head", "lm_head"))}
+    config = model.config
+    _check_attention(config, who)
+    masks = _CausalMasks()
+    return [
+        GPT2EmbeddingStage(parts["wte"], parts["wpe"], parts["drop"]),
+        *(GPT2BlockStage(block, config, masks) for block in parts["h"]),
+        HFHeadStage(parts["ln_f"], parts["lm_head"]),
+    ]
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HuggingFace's causal-LM loss: mean cross entropy of logits (B, T, V) at t against labels (B, T) at t + 1.
+
+    ``causal_lm_loss(logits, input_ids)`` equals ``model(input_ids, labels=input_ids).loss``: the labels are
+    shifted left by one inside (the last position predicts nothing), labels equal to -100 are ignored, and the mean
+    is over the remaining tokens. Half-precision logits are upcast to float32 as HuggingFace does; float64 stays
+    float64 (HuggingFace's ``logits.float()`` would round it to float32). As a pipeline ``loss_fn`` the step's
+    loss is the mean of the microbatch means, which is HuggingFace's whole-batch mean when every microbatch has
+    the same number of labels that are not -100 (always, without -100 labels).
+    """
+    if logits.dim() < 2 or logits.shape[:-1] != labels.shape:
+        raise ValueError(f"causal_lm_loss: labels shape {tuple(labels.shape)} does not match logits shape "
+                         f"{tuple(logits.shape)} minus the vocabulary dim")
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX).to(logits.device)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX)
