@@ -172,7 +172,9 @@ class HybridModel(nn.Module):
 
 def _stage_names(model: nn.Module, stages: list[nn.Module]) -> list[str]:
     """Per stage, the original names of the modules its parameters come from (for describe())."""
-    owner = {id(p): n.rsplit(".", 1)[0] for n, p in model.named_parameters(remove_duplicate=False)}
+    owner: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        owner.setdefault(id(p), n.rsplit(".", 1)[0])  # a tied weight under its first name
     out = []
     for stage in stages:
         names = list(dict.fromkeys(owner[id(p)].split(".")[0] if not owner[id(p)].startswith("blocks")

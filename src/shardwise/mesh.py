@@ -42,7 +42,25 @@ class Mesh:
     """
 
     def __init__(self, comm: Communicator, dp: int | None = None, tp: int = 1, pp: int = 1) -> None:
-        world = comm.size
+        self._layout(comm.size, dp, tp, pp, comm.rank)
+        self.world = comm
+        dp, tp = self.sizes["dp"], self.sizes["tp"]
+        c = self.coords
+        # Each split's color names the group: the coordinates on the *other* axes.
+        self.tp: Communicator = comm.split(c.pp * dp + c.dp, key=c.tp)  # type: ignore[assignment]
+        self.dp: Communicator = comm.split(c.pp * tp + c.tp, key=c.dp)  # type: ignore[assignment]
+        self.pp: Communicator = comm.split(c.dp * tp + c.tp, key=c.pp)  # type: ignore[assignment]
+
+    @classmethod
+    def dry_run(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1) -> Mesh:
+        """A Mesh of `world_size` ranks for planning and describe(), without processes: validated the same way,
+        seen from rank 0, with no communicators (`mesh.dp`, `mesh.tp`, `mesh.pp` and `mesh.world` are None)."""
+        mesh = cls.__new__(cls)
+        mesh._layout(_check_axis("world_size", world_size), dp, tp, pp, 0)
+        mesh.world = mesh.dp = mesh.tp = mesh.pp = None  # type: ignore[assignment]
+        return mesh
+
+    def _layout(self, world: int, dp: int | None, tp: int, pp: int, r: int) -> None:
         tp = _check_axis("tp", tp)
         pp = _check_axis("pp", pp)
         if dp is None:
@@ -58,15 +76,9 @@ class Mesh:
                 f"Mesh: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the world has {world} ranks; "
                 f"the product must equal the world size"
             )
-        self.world = comm
         self.sizes = {"dp": dp, "tp": tp, "pp": pp}
-        r = comm.rank
+        self.world_size = world
         self.coords = Coordinates(dp=(r // tp) % dp, tp=r % tp, pp=r // (tp * dp))
-        c = self.coords
-        # Each split's color names the group: the coordinates on the *other* axes.
-        self.tp: Communicator = comm.split(c.pp * dp + c.dp, key=c.tp)  # type: ignore[assignment]
-        self.dp: Communicator = comm.split(c.pp * tp + c.tp, key=c.dp)  # type: ignore[assignment]
-        self.pp: Communicator = comm.split(c.dp * tp + c.tp, key=c.pp)  # type: ignore[assignment]
 
     @staticmethod
     def rank_of(dp_index: int, tp_index: int, pp_index: int, *, dp: int, tp: int) -> int:
@@ -76,8 +88,8 @@ class Mesh:
     def describe(self) -> str:
         """The grid as text: one block per pipeline stage, rows are dp replicas, columns tp ranks."""
         dp, tp, pp = (self.sizes[a] for a in AXES)
-        lines = [f"Mesh dp={dp} x tp={tp} x pp={pp} over {self.world.size} ranks (tp fastest); this rank: {self.coords}"]
-        width = len(str(self.world.size - 1))
+        lines = [f"Mesh dp={dp} x tp={tp} x pp={pp} over {self.world_size} ranks (tp fastest); this rank: {self.coords}"]
+        width = len(str(self.world_size - 1))
         for p in range(pp):
             lines.append(f"  pp stage {p}:")
             for d in range(dp):
