@@ -12,10 +12,8 @@ Runs alternate, median of --repeats. Prints JSON lines.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +23,8 @@ import torch
 import shardwise as sw
 from shardwise.checkpoint import read_tensors
 from shardwise.models import GPT, GPTConfig
+
+from _common import emit, median
 
 
 def _dir_bytes(path: Path) -> int:
@@ -118,15 +118,14 @@ def main() -> None:
                            threads_per_rank=1)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    medians = {k: statistics.median(v) * 1000 for k, v in result["times"].items()}
+    medians = {k: median(v) * 1000 for k, v in result["times"].items()}
     for impl in ("shardwise", "torch"):
-        print(json.dumps({"impl": impl, "save_ms": round(medians[f"{impl}_save"], 1),
-                          "load_ms": round(medians[f"{impl}_load"], 1), "bytes": result["sizes"][impl],
-                          "nproc": args.nproc, "preset": args.preset, "repeats": args.repeats,
-                          "verify": not args.no_verify}))
-    print(json.dumps({"save_ratio": round(medians["shardwise_save"] / medians["torch_save"], 3),
-                      "load_ratio": round(medians["shardwise_load"] / medians["torch_load"], 3),
-                      "parameters_identical": result["same"]}))
+        emit({"impl": impl, "save_ms": round(medians[f"{impl}_save"], 1), "load_ms": round(medians[f"{impl}_load"], 1),
+              "bytes": result["sizes"][impl], "nproc": args.nproc, "preset": args.preset, "repeats": args.repeats,
+              "verify": not args.no_verify})
+    emit({"save_ratio": round(medians["shardwise_save"] / medians["torch_save"], 3),
+          "load_ratio": round(medians["shardwise_load"] / medians["torch_load"], 3),
+          "parameters_identical": result["same"]})
 
 
 if __name__ == "__main__":

@@ -23,9 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -37,6 +34,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import shardwise
 from shardwise.data import ByteCorpus
 from shardwise.models.gpt import GPT, GPTConfig
+
+from _common import (alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median,
+                     per_round_ratios, step_stats, timed)
 
 GOAL = 0.95  # the target: shardwise step time <= 0.95 x torch DDP's
 MB = 1024 * 1024
@@ -61,11 +61,7 @@ class Config:
 
 
 def _model_config(cfg: Config) -> GPTConfig:
-    return GPTConfig.preset(cfg.preset, **({} if cfg.seq_len is None else {"seq_len": cfg.seq_len}))
-
-
-def _corpus() -> ByteCorpus:
-    return ByteCorpus(max_bytes=2_000_000)  # the stdlib sources; 2 MB is plenty and loads fast
+    return gpt_config(cfg.preset, cfg.seq_len)
 
 
 class _Impl:
@@ -126,18 +122,14 @@ def _params(impl: _Impl) -> list[torch.Tensor]:
 
 def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
     rank, world = comm.rank, comm.size
-    corpus = _corpus()
+    corpus = bench_corpus()
     seq_len = _model_config(cfg).seq_len
     impls = _build(comm, cfg)
     for impl in impls:
         for _ in range(cfg.warmup):
             _step(impl, corpus, cfg, seq_len, rank, world)
-    for r in range(cfg.rounds):
-        order = impls[r % len(impls):] + impls[: r % len(impls)]
-        for impl in order:
-            comm.barrier()  # every block starts with the ranks aligned
-            for _ in range(cfg.steps):
-                impl.times.append(_step(impl, corpus, cfg, seq_len, rank, world))
+    alternate(impls, cfg.rounds, cfg.steps,
+              lambda impl: impl.times.append(_step(impl, corpus, cfg, seq_len, rank, world)), comm.barrier)
     # Parity: same init, same data, same number of steps -> same parameters (every row against torch_ddp).
     reference = _params(next(i for i in impls if i.name == "torch_ddp"))
     parity = {}
@@ -267,7 +259,7 @@ def _median_records(records: list[dict]) -> dict:
         return [_median_records([r[i] for r in records]) for i in range(len(first))]
     if first is None:
         return None
-    return round(statistics.median(records), 2)
+    return round(median(records), 2)
 
 
 def _nosync_step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int) -> list[float]:
@@ -281,17 +273,6 @@ def _nosync_step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, ran
     t2 = time.perf_counter()
     impl.opt.zero_grad(set_to_none=True)
     return [t2 - t0, t1 - t0, t2 - t1]
-
-
-def _time(fn: Any, reps: int, comm: shardwise.Communicator | None = None) -> float:
-    out = []
-    for _ in range(reps):
-        if comm is not None:
-            comm.barrier()
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return round(statistics.median(out) * 1e3, 2)
 
 
 def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpus, cfg: Config,
@@ -321,7 +302,7 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
     finally:
         for probe in probes.values():
             probe.close()
-    ms = lambda xs: round(statistics.median(xs) * 1e3, 2)  # noqa: E731
+    ms = lambda xs: round(median(xs) * 1e3, 2)  # noqa: E731
     out["backward"] = {}
     for name, v in nosync.items():
         row = out["backward"][name] = {"fwd_no_sync_ms": ms([s[1] for s in v]), "bwd_no_sync_ms": ms([s[2] for s in v])}
@@ -347,22 +328,22 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
     for nbytes in sizes + [total]:
         t = torch.ones(nbytes // 4)
         alone[str(nbytes)] = {
-            "torch_all_reduce_sum_ms": _time(lambda: dist.all_reduce(t), 5, comm),
-            "shardwise_all_reduce_avg_ms": _time(lambda: comm.all_reduce(t, shardwise.ReduceOp.AVG), 5, comm),
+            "torch_all_reduce_sum_ms": timed(lambda: dist.all_reduce(t), 5, comm.barrier),
+            "shardwise_all_reduce_avg_ms": timed(lambda: comm.all_reduce(t, shardwise.ReduceOp.AVG), 5, comm.barrier),
         }
     out["collective_alone"] = alone
     g = torch.randn(total // 4)
     view = torch.empty_like(g)
     out["local_passes_over_all_grads_ms"] = {
-        "div_": _time(lambda: g.div_(world), 9),
-        "copy_": _time(lambda: view.copy_(g), 9),
-        "mul_out (copy and scale fused)": _time(lambda: torch.mul(g, 1.0 / world, out=view), 9),
+        "div_": timed(lambda: g.div_(world), 9),
+        "copy_": timed(lambda: view.copy_(g), 9),
+        "mul_out (copy and scale fused)": timed(lambda: torch.mul(g, 1.0 / world, out=view), 9),
     }
     return out
 
 
 def _baseline_main(comm: shardwise.Communicator, cfg: Config) -> list[float]:
-    corpus = _corpus()
+    corpus = bench_corpus()
     seq_len = _model_config(cfg).seq_len
     impl = _Impl("single_process", GPT(_model_config(cfg), seed=cfg.seed), cfg.lr)
     for _ in range(cfg.warmup):
@@ -371,15 +352,7 @@ def _baseline_main(comm: shardwise.Communicator, cfg: Config) -> list[float]:
 
 
 def _summary(name: str, totals: list[float], sections: list[list[float]] | None, info: dict) -> dict[str, Any]:
-    ms = sorted(t * 1e3 for t in totals)
-    deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-    row = {"name": name, "median_ms": round(statistics.median(ms), 2), "p10_ms": round(deciles[0], 2),
-           "p90_ms": round(deciles[8], 2), "steps": len(ms)}
-    if sections is not None:
-        for i, key in enumerate(("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms")):
-            row[key] = round(statistics.median(s[i] * 1e3 for s in sections), 2)
-    row.update(info)
-    return row
+    return {"name": name, **step_stats(totals, sections, ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms")), **info}
 
 
 def _print_profile(profiles: list[dict], err: Any) -> None:
@@ -399,10 +372,6 @@ def _print_profile(profiles: list[dict], err: Any) -> None:
                           f"{v['shardwise_all_reduce_avg_ms']:.1f}" for k, v in prof["collective_alone"].items())
         print(f"    all_reduce alone (torch SUM / shardwise AVG): {alone}", file=err)
         print(f"    one pass over all grads: {prof['local_passes_over_all_grads_ms']}", file=err)
-
-
-def _parse_floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,18 +395,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--nproc must be >= 2 (DDP of one rank has nothing to compare)")
     if min(args.steps, args.rounds) < 1 or args.warmup < 0:
         ap.error("--steps and --rounds must be >= 1, --warmup >= 0")
-    variants = tuple((b, f) for b in _parse_floats(args.bucket_mb) for f in _parse_floats(args.first_bucket_mb))
+    variants = tuple((b, f) for b in comma_list(args.bucket_mb, float) for f in comma_list(args.first_bucket_mb, float))
     cfg = Config(args.preset, args.batch_size, args.seq_len, args.steps, args.rounds, args.warmup, args.nproc,
                  variants, args.torch_bucket_mb, not args.no_view_peer, args.profile, not args.no_floor)
     nparams = GPT(_model_config(cfg), seed=0).num_parameters()
 
-    t0, load0 = time.time(), os.getloadavg()[0]
+    t0, load0 = time.time(), loadavg()[0]
     results = shardwise.launch(_rank_main, cfg.nproc, cfg, backend="gloo", threads_per_rank=1, timeout=300)
     rows, totals = [], {}
-    for name, per_rank_0 in results[0]["times"].items():
-        per_rank = [r["times"][name] for r in results]
-        # max over ranks, per step, of every section
-        steps = [[max(r[k][j] for r in per_rank) for j in range(5)] for k in range(len(per_rank_0))]
+    for name in results[0]["times"]:
+        steps = max_over_ranks([r["times"][name] for r in results])  # per step: [total, fwd, bwd, opt, cpu]
         totals[name] = [s[0] for s in steps]
         rows.append(_summary(name, totals[name], [s[1:] for s in steps], results[0]["info"][name]))
     if not args.no_baseline:
@@ -445,11 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_summary("single_process", base, None, {"note": "separate run, 1 process, not alternated"}))
     for row in rows:
         row.update(preset=cfg.preset, params=nparams, nproc=cfg.nproc, batch_size=cfg.batch_size)
-        print(json.dumps(row), flush=True)
+        emit(row)
     parity = {name: max(r["parity"][name] for r in results) for name in results[0]["parity"]}
-    print(json.dumps({"parity_max_abs_diff_vs_torch_ddp": parity, "trained_steps": results[0]["trained_steps"]}))
+    emit({"parity_max_abs_diff_vs_torch_ddp": parity, "trained_steps": results[0]["trained_steps"]})
     if cfg.profile:
-        print(json.dumps({"profile": [r["profile"] for r in results]}))
+        emit({"profile": [r["profile"] for r in results]})
 
     by_name = {r["name"]: r for r in rows}
     torch_ms = by_name["torch_ddp"]["median_ms"]
@@ -462,17 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     ratio = primary["median_ms"] / torch_ms
     # Robustness checks for a noisy machine: the median over rounds of the ratio of the two blocks run back to back in
     # that round (a burst of load hitting one block moves it less), and the ratio of process CPU time per step.
-    def block(name: str, r: int) -> float:
-        return statistics.median(totals[name][r * cfg.steps:(r + 1) * cfg.steps])
-
-    paired = statistics.median(block(primary["name"], r) / block("torch_ddp", r) for r in range(cfg.rounds))
+    paired = median(per_round_ratios(totals[primary["name"]], totals["torch_ddp"], cfg.steps, cfg.rounds))
     cpu_ratio = primary["cpu_ms"] / by_name["torch_ddp"]["cpu_ms"]
-    print(json.dumps({"ratio": round(ratio, 3), "shardwise": primary["name"],
-                      "shardwise_median_ms": primary["median_ms"], "torch_median_ms": torch_ms, "goal": GOAL,
-                      "meets_goal": ratio <= GOAL, "all_ratios": ratios,
-                      "paired_ratio": round(paired, 3), "cpu_ratio": round(cpu_ratio, 3),
-                      "wall_s": round(time.time() - t0, 1),
-                      "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}), flush=True)
+    load1 = loadavg()[0]
+    emit({"ratio": round(ratio, 3), "shardwise": primary["name"], "shardwise_median_ms": primary["median_ms"],
+          "torch_median_ms": torch_ms, "goal": GOAL, "meets_goal": ratio <= GOAL, "all_ratios": ratios,
+          "paired_ratio": round(paired, 3), "cpu_ratio": round(cpu_ratio, 3), "wall_s": round(time.time() - t0, 1),
+          "loadavg_1min": [load0, load1]})
 
     err = sys.stderr
     print(f"\nDDP step time, {cfg.preset} GPT ({nparams / 1e6:.2f} M params), {cfg.nproc} gloo ranks x 1 thread, "
@@ -485,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
               f"n={r['steps']}){extra}", file=err)
     if cfg.profile:
         _print_profile([r["profile"] for r in results], err)
-    print(f"  1-min load average at start / end: {load0:.2f} / {os.getloadavg()[0]:.2f} (2 cores)", file=err)
+    print(f"  1-min load average at start / end: {load0:.2f} / {load1:.2f} (2 cores)", file=err)
     print(f"  ratio {primary['name']} / torch_ddp = {ratio:.3f}  (goal <= {GOAL}: "
           f"{'met' if ratio <= GOAL else 'NOT met'});  per-round paired ratio {paired:.3f}, CPU-time ratio "
           f"{cpu_ratio:.3f};  parity max|diff| = {max(parity.values()):.2e}", file=err)

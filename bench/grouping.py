@@ -24,9 +24,7 @@ import argparse
 import cProfile
 import dataclasses
 import io
-import json
 import pstats
-import statistics
 import sys
 import time
 from typing import Any
@@ -36,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise
+
+from _common import alternate, comma_list, emit, max_over_ranks, step_stats
 
 GOAL = 20.0  # the target: per-layer collectives / grouped collectives >= 20
 
@@ -148,12 +148,7 @@ def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
         for _ in range(cfg.warmup):
             _step(impl, cfg, comm.rank)
         _count(impl, comm, cfg)  # counted after warm-up: the forward order is recorded and prefetch is on
-    for r in range(cfg.rounds):
-        order = impls[r % len(impls):] + impls[: r % len(impls)]
-        for impl in order:
-            comm.barrier()
-            for _ in range(cfg.steps):
-                impl.times.append(_step(impl, cfg, comm.rank))
+    alternate(impls, cfg.rounds, cfg.steps, lambda impl: impl.times.append(_step(impl, cfg, comm.rank)), comm.barrier)
     full = {i.name: shardwise.full_state_dict(i.model) for i in impls if i.name != "local"}
     ref = full["per_layer"]
     parity = {name: max((sd[k] - ref[k]).abs().max().item() for k in ref) for name, sd in full.items()
@@ -182,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.nproc < 2 or min(args.layers, args.width, args.steps, args.rounds, args.warmup) < 1:
         ap.error("--nproc must be >= 2; --layers, --width, --steps, --rounds, --warmup >= 1")
-    group_mbs = tuple(float(v) for v in args.group_mb.split(",") if v.strip())
+    group_mbs = tuple(comma_list(args.group_mb, float))
     cfg = Config(args.layers, args.width, args.batch_size, args.steps, args.rounds, args.warmup, args.nproc,
                  group_mbs, args.profile, not args.no_local)
     nparams = sum(p.numel() for p in TinyLayers(cfg.layers, cfg.width, 0).parameters())
@@ -191,20 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     results = shardwise.launch(_rank_main, cfg.nproc, cfg, backend="gloo", threads_per_rank=1, timeout=900)
     rows = []
     for name in results[0]["times"]:
-        per_step = [max(r["times"][name][k] for r in results) * 1e3 for k in range(len(results[0]["times"][name]))]
-        ms = sorted(per_step)
-        deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-        row = {"name": name, "median_ms": round(statistics.median(ms), 2), "p10_ms": round(deciles[0], 2),
-               "p90_ms": round(deciles[8], 2), "steps": len(ms), **results[0]["info"][name],
-               "collectives_per_step": results[0]["collectives"][name], "layers": cfg.layers,
-               "width": cfg.width, "params": nparams, "nproc": cfg.nproc}
+        row = {"name": name, **step_stats(max_over_ranks([r["times"][name] for r in results])),
+               **results[0]["info"][name], "collectives_per_step": results[0]["collectives"][name],
+               "layers": cfg.layers, "width": cfg.width, "params": nparams, "nproc": cfg.nproc}
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(row)
     parity = {name: max(r["parity"][name] for r in results) for name in results[0]["parity"]}
-    print(json.dumps({"parity_max_abs_diff_vs_per_layer": parity, "trained_steps": results[0]["trained_steps"]}),
-          flush=True)
+    emit({"parity_max_abs_diff_vs_per_layer": parity, "trained_steps": results[0]["trained_steps"]})
     if cfg.profile:
-        print(json.dumps({"profile_rank0": results[0]["profile"]}), flush=True)
+        emit({"profile_rank0": results[0]["profile"]})
 
     by_name = {r["name"]: r for r in rows}
     per_layer = by_name["per_layer"]
@@ -221,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                               3)}
         if "local" in by_name:
             summary[r["name"]]["step_time_over_local"] = round(r["median_ms"] / by_name["local"]["median_ms"], 3)
-    print(json.dumps({"ratios": summary, "wall_s": round(time.time() - t0, 1)}), flush=True)
+    emit({"ratios": summary, "wall_s": round(time.time() - t0, 1)})
 
     err = sys.stderr
     print(f"\nZeRO-3 grouping, {cfg.layers} x Linear({cfg.width}, {cfg.width}) ({nparams / 1e3:.0f} k params), "

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
 import sys
 import time
 from typing import Any
@@ -36,8 +34,9 @@ import numpy as np
 import torch
 
 import shardwise
-from shardwise.data import ByteCorpus
 from shardwise.models.gpt import GPT, GPTConfig
+
+from _common import alternate, bench_corpus, comma_list, emit, median, rotations, step_stats
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 KB = 1024
@@ -103,9 +102,8 @@ def _collectives(comm: shardwise.Communicator, peers: dict[str, Any], cfg: Confi
                 call()
                 call()
             times: dict[str, list[float]] = {name: [] for name in calls}
-            names = list(calls)
-            for r in range(cfg.rounds):
-                for name in names[r % len(names):] + names[: r % len(names)]:
+            for order in rotations(list(calls), cfg.rounds):
+                for name in order:
                     comm.barrier()
                     t0 = time.perf_counter()
                     for _ in range(iters):
@@ -113,13 +111,13 @@ def _collectives(comm: shardwise.Communicator, peers: dict[str, Any], cfg: Confi
                     times[name].append(_max_over_ranks(comm, (time.perf_counter() - t0) / iters))
             for name, ts in times.items():
                 rows.append({"op": op, "bytes": nbytes, "backend": name, "iters": iters,
-                             "median_us": statistics.median(ts) * 1e6, "min_us": min(ts) * 1e6})
+                             "median_us": median(ts) * 1e6, "min_us": min(ts) * 1e6})
     return rows
 
 
 def _ddp(comm: shardwise.Communicator, peers: dict[str, shardwise.Communicator], cfg: Config) -> dict:
     mcfg = GPTConfig.preset(cfg.preset)
-    corpus = ByteCorpus(max_bytes=2_000_000)
+    corpus = bench_corpus()
     models = {name: shardwise.DDP(GPT(mcfg, seed=0), c) for name, c in peers.items()}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     step_no = dict.fromkeys(models, 0)
@@ -137,12 +135,8 @@ def _ddp(comm: shardwise.Communicator, peers: dict[str, shardwise.Communicator],
     for name in models:
         for _ in range(cfg.ddp_warmup):
             step(name)
-    names = list(models)
-    for r in range(cfg.ddp_rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            comm.barrier()
-            for _ in range(cfg.ddp_steps):
-                times[name].append(_max_over_ranks(comm, step(name)))
+    alternate(list(models), cfg.ddp_rounds, cfg.ddp_steps,
+              lambda name: times[name].append(_max_over_ranks(comm, step(name))), comm.barrier)
     a, b = (list(m.parameters()) for m in models.values())
     parity = max((p - q).abs().max().item() for p, q in zip(a, b))
     return {"times": times, "parity": parity, "params": sum(p.numel() for p in a)}
@@ -187,9 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="bench", help="GPT preset for the DDP rows (tiny | small | bench)")
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     a = p.parse_args(argv)
-    cfg = Config(_bytes(a.min_bytes), _bytes(a.max_bytes), tuple(o for o in a.ops.split(",") if o), a.rounds,
+    cfg = Config(_bytes(a.min_bytes), _bytes(a.max_bytes), tuple(comma_list(a.ops)), a.rounds,
                  _bytes(a.target_bytes), a.ddp_steps, a.ddp_rounds, a.ddp_warmup, a.preset, a.batch_size, not a.no_raw)
-    for n in (int(x) for x in a.nproc.split(",")):
+    for n in comma_list(a.nproc, int):
         start = time.monotonic()
         result = shardwise.launch(_rank_main, n, cfg, backend="mpi", timeout=300, threads_per_rank=1)[0]
         wall = time.monotonic() - start
@@ -199,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             algbw = row["bytes"] / (row["median_us"] * 1e-6) / 1e9
             row.update(nproc=n, algbw_gbs=round(algbw, 3), busbw_gbs=round(algbw * bus[row["op"]], 3),
                        median_us=round(row["median_us"], 1), min_us=round(row["min_us"], 1))
-            print(json.dumps(row), flush=True)
+            emit(row)
         print(f"\n{n} ranks (launch {wall:.0f}s): median us per call [busbw GB/s]", file=sys.stderr)
         backends = list(dict.fromkeys(r["backend"] for r in rows))
         for op in cfg.ops:
@@ -211,16 +205,13 @@ def main(argv: list[str] | None = None) -> None:
                       file=sys.stderr)
         if "ddp" in result:
             ddp = result["ddp"]
-            medians = {name: statistics.median(ts) * 1e3 for name, ts in ddp["times"].items()}
+            medians = {name: median(ts) * 1e3 for name, ts in ddp["times"].items()}
             for name, ts in ddp["times"].items():
-                print(json.dumps({"op": "ddp", "nproc": n, "backend": name, "preset": cfg.preset,
-                                  "batch_per_rank": cfg.batch_size, "median_ms": round(medians[name], 1),
-                                  "p10_ms": round(float(np.percentile(ts, 10)) * 1e3, 1),
-                                  "p90_ms": round(float(np.percentile(ts, 90)) * 1e3, 1), "steps": len(ts)}),
-                      flush=True)
+                emit({"op": "ddp", "nproc": n, "backend": name, "preset": cfg.preset, "batch_per_rank": cfg.batch_size,
+                      **step_stats(ts)})
             ratio = medians["mpi"] / medians["gloo"]
-            print(json.dumps({"op": "ddp_ratio", "nproc": n, "mpi_over_gloo": round(ratio, 3),
-                              "parity_max_abs_diff": ddp["parity"], "params": ddp["params"]}), flush=True)
+            emit({"op": "ddp_ratio", "nproc": n, "mpi_over_gloo": round(ratio, 3), "parity_max_abs_diff": ddp["parity"],
+                  "params": ddp["params"]})
             print(f"  DDP ({cfg.preset}, {ddp['params'] / 1e6:.1f}M params, batch {cfg.batch_size}/rank): "
                   + ", ".join(f"{k} {v:.0f} ms" for k, v in medians.items())
                   + f"; mpi/gloo {medians['mpi'] / medians['gloo']:.2f}; parity {ddp['parity']:.1e}", file=sys.stderr)

@@ -28,9 +28,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
-import os
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -43,6 +40,8 @@ import shardwise
 from shardwise import pipeline as pp
 from shardwise.data import ByteCorpus
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
+
+from _common import alternate, bench_corpus, comma_list, emit, loadavg, max_over_ranks, median, step_stats
 
 GOAL_1F1B = 1.0  # shardwise 1f1b step time <= 1.0 x torch Schedule1F1B's
 GOAL_ZB = 0.4  # zb_h1 bubble <= 0.4 x 1f1b's
@@ -124,27 +123,19 @@ def _step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int,
 
 def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
     p, rank = comm.size, comm.rank
-    corpus = ByteCorpus(max_bytes=2_000_000)
+    corpus = bench_corpus()
     seq_len = model_config(cfg, p).seq_len
     impls = _build(comm, cfg)
     for impl in impls:
         for _ in range(cfg.warmup):
             _step(impl, corpus, cfg, seq_len, rank, p, False)
-    for r in range(cfg.rounds):
-        for impl in impls[r % len(impls):] + impls[: r % len(impls)]:
-            comm.barrier()
-            for _ in range(cfg.steps):
-                _step(impl, corpus, cfg, seq_len, rank, p, True)
+    alternate(impls, cfg.rounds, cfg.steps, lambda impl: _step(impl, corpus, cfg, seq_len, rank, p, True), comm.barrier)
     # Same init, same batches, same step count: every implementation should hold the same parameters.
     ref = next(i for i in impls if i.name == "torch_1f1b").params
     parity = {i.name: max(((q - ref[n]).abs().max().item() for n, q in i.params.items() if n in ref), default=0.0)
               for i in impls if i.name != "torch_1f1b"}
     return {"times": {i.name: i.times for i in impls}, "events": {i.name: i.events for i in impls if i.events},
             "parity": parity}
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def _analyse(name: str, per_rank_events: list[list[list[pp.Event]]], p: int, m: int) -> dict[str, Any]:
@@ -162,7 +153,7 @@ def _analyse(name: str, per_rank_events: list[list[list[pp.Event]]], p: int, m: 
             durations[(e.op, e.stage)].append(e.duration)
     v = 2 if name == "interleaved_1f1b" else 1
     stages = range(p * v)
-    cost = {key: _median(vals) for key, vals in durations.items()}
+    cost = {key: median(vals) for key, vals in durations.items()}
     fwd = [cost[("F", s)] for s in stages]
     if name == "zb_h1":
         i_cost, w_cost = [cost[("I", s)] for s in stages], [cost[("W", s)] for s in stages]
@@ -172,26 +163,23 @@ def _analyse(name: str, per_rank_events: list[list[list[pp.Event]]], p: int, m: 
         bwd, share = [cost[("B", s)] for s in stages], 0.5
     sim = pp.simulate(name, p, m, forward=fwd, backward=bwd, virtual_stages=v, weight_share=share)
     median_step = sorted(range(n_steps), key=lambda k: spans[k])[n_steps // 2]
-    return {"measured_bubble": round(_median(bubbles), 4), "simulated_bubble": round(sim.bubble, 4),
-            "measured_idle_ms": round(_median(idle) * 1e3, 2), "simulated_idle_ms": round(sim.bubble_time * 1e3, 2),
-            "measured_span_ms": round(_median(spans) * 1e3, 2), "simulated_span_ms": round(sim.makespan * 1e3, 2),
+    return {"measured_bubble": round(median(bubbles), 4), "simulated_bubble": round(sim.bubble, 4),
+            "measured_idle_ms": round(median(idle) * 1e3, 2), "simulated_idle_ms": round(sim.bubble_time * 1e3, 2),
+            "measured_span_ms": round(median(spans) * 1e3, 2), "simulated_span_ms": round(sim.makespan * 1e3, 2),
             "stage_ms": {"F": [round(c * 1e3, 2) for c in fwd], "B": [round(c * 1e3, 2) for c in bwd]},
             "_timeline": timelines[median_step], "_sim": sim}
 
 
 def run(cfg: Config, nproc: int, plot_dir: Path | None) -> list[dict[str, Any]]:
-    t0, load0 = time.time(), os.getloadavg()[0]
+    t0, load0 = time.time(), loadavg()[0]
     results = shardwise.launch(_rank_main, nproc, cfg, backend="gloo", threads_per_rank=1, timeout=600)
     mcfg = model_config(cfg, nproc)
     nparams = GPT(mcfg, seed=0).num_parameters()
     rows = {}
     for name in SHARDWISE + TORCH:
-        steps = [max(r["times"][name][k] for r in results) for k in range(len(results[0]["times"][name]))]
-        ms = sorted(t * 1e3 for t in steps)
-        deciles = statistics.quantiles(ms, n=10, method="inclusive")
-        row = {"name": name, "nproc": nproc, "median_ms": round(_median(ms), 2), "p10_ms": round(deciles[0], 2),
-               "p90_ms": round(deciles[8], 2), "steps": len(ms),
-               "samples_per_s": round(cfg.batch_size / (_median(ms) / 1e3), 2),
+        steps = max_over_ranks([r["times"][name] for r in results])
+        row = {"name": name, "nproc": nproc, **step_stats(steps),
+               "samples_per_s": round(cfg.batch_size / median(steps), 2),
                "parity_max_abs_diff_vs_torch_1f1b": max(r["parity"].get(name, 0.0) for r in results),
                "preset": cfg.preset, "n_layers": mcfg.n_layers, "params": nparams, "batch": cfg.batch_size,
                "microbatches": cfg.microbatches}
@@ -205,7 +193,7 @@ def run(cfg: Config, nproc: int, plot_dir: Path | None) -> list[dict[str, Any]]:
                               title=f"measured {name}, p={nproc}, m={cfg.microbatches}: bubble {timeline.bubble:.1%}")
                 sim.plot(plot_dir / f"simulated_{name}_p{nproc}.png")
         rows[name] = row
-        print(json.dumps(row), flush=True)
+        emit(row)
     ratio_1f1b = rows["1f1b"]["median_ms"] / rows["torch_1f1b"]["median_ms"]
     ratio_gpipe = rows["gpipe"]["median_ms"] / rows["torch_gpipe"]["median_ms"]
     zb_measured = rows["zb_h1"]["measured_bubble"] / rows["1f1b"]["measured_bubble"]
@@ -224,8 +212,8 @@ def run(cfg: Config, nproc: int, plot_dir: Path | None) -> list[dict[str, Any]]:
                "zb_h1_idle_time_vs_1f1b_simulated": round(zb_idle_simulated, 3), "goal_zb": GOAL_ZB,
                "meets_goal_zb_measured": zb_measured <= GOAL_ZB,
                "meets_goal_zb_idle_time_measured": zb_idle_measured <= GOAL_ZB, "wall_s": round(time.time() - t0, 1),
-               "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}
-    print(json.dumps(summary), flush=True)
+               "loadavg_1min": [load0, loadavg()[0]]}
+    emit(summary)
     err = sys.stderr
     print(f"\npipeline step, {cfg.preset} GPT n_layers={mcfg.n_layers} ({nparams / 1e6:.2f} M params), {nproc} gloo "
           f"ranks x 1 thread, batch {cfg.batch_size}, m={cfg.microbatches} (max over ranks, median of "
@@ -238,7 +226,7 @@ def run(cfg: Config, nproc: int, plot_dir: Path | None) -> list[dict[str, Any]]:
     print(f"  1f1b / torch 1F1B = {ratio_1f1b:.3f} (goal <= {GOAL_1F1B}); gpipe / torch GPipe = {ratio_gpipe:.3f}; "
           f"zb_h1 / 1f1b bubble fraction = {zb_measured:.3f} measured, {zb_simulated:.3f} simulated, {textbook:.3f} "
           f"with unit costs; idle time = {zb_idle_measured:.3f} measured, {zb_idle_simulated:.3f} simulated "
-          f"(goal <= {GOAL_ZB}); load {load0:.1f} -> {os.getloadavg()[0]:.1f}", file=err)
+          f"(goal <= {GOAL_ZB}); load {load0:.1f} -> {summary['loadavg_1min'][1]:.1f}", file=err)
     return list(rows.values()) + [summary]
 
 
@@ -254,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps of each implementation (default 3)")
     ap.add_argument("--plot-dir", type=Path, default=None, help="write measured and simulated Gantt PNGs here")
     args = ap.parse_args(argv)
-    nprocs = [int(v) for v in args.nproc.split(",") if v.strip()]
+    nprocs = comma_list(args.nproc, int)
     if any(n < 2 for n in nprocs):
         ap.error("--nproc values must be >= 2")
     cfg = Config(args.preset, args.n_layers, args.batch_size, args.microbatches, args.steps, args.rounds, args.warmup)

@@ -43,10 +43,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import logging
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -62,6 +60,9 @@ import shardwise  # noqa: E402
 from shardwise.data import ByteCorpus  # noqa: E402
 from shardwise.whole.memory import peak_rss_bytes  # noqa: E402
 from shardwise.models.gpt import GPT, Block, GPTConfig  # noqa: E402
+
+from _common import (alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks,  # noqa: E402
+                     median, per_round_ratios, step_stats, timed)
 
 MB = 1024 * 1024
 ALL = ("sw_zero1", "ds_zero1", "sw_zero2", "ds_zero2", "sw_zero3", "ds_zero3", "sw_fsdp", "fsdp2")
@@ -88,11 +89,7 @@ class Config:
 
 
 def _model_config(cfg: Config) -> GPTConfig:
-    return GPTConfig.preset(cfg.preset, **({} if cfg.seq_len is None else {"seq_len": cfg.seq_len}))
-
-
-def _corpus() -> ByteCorpus:
-    return ByteCorpus(max_bytes=2_000_000)  # the stdlib sources; 2 MB is plenty and loads fast
+    return gpt_config(cfg.preset, cfg.seq_len)
 
 
 def _rss_now() -> int:
@@ -224,7 +221,7 @@ def _count_collectives(impl: _Impl, comm: shardwise.Communicator, corpus: ByteCo
 def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
     _quiet()
     rank, world = comm.rank, comm.size
-    corpus = _corpus()
+    corpus = bench_corpus()
     seq_len = _model_config(cfg).seq_len
     impls = [_build_one(name, comm, cfg) for name in cfg.impls]
     for impl in impls:
@@ -233,12 +230,8 @@ def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
                 _count_collectives(impl, comm, corpus, cfg, seq_len, rank, world)
             else:
                 _step(impl, corpus, cfg, seq_len, rank, world)
-    for r in range(cfg.rounds):
-        order = impls[r % len(impls):] + impls[: r % len(impls)]
-        for impl in order:
-            comm.barrier()  # every block starts with the ranks aligned
-            for _ in range(cfg.steps):
-                impl.times.append(_step(impl, corpus, cfg, seq_len, rank, world))
+    alternate(impls, cfg.rounds, cfg.steps,
+              lambda impl: impl.times.append(_step(impl, corpus, cfg, seq_len, rank, world)), comm.barrier)
     # Parity: each shardwise row against its peer, and every row against the first peer present.
     full = {impl.name: _full_params(impl) for impl in impls if impl.name != "local"}
     parity: dict[str, Any] = {}
@@ -261,7 +254,7 @@ def _memory_main(comm: shardwise.Communicator, cfg: Config, name: str, steps: in
     """A fresh process pair running ONE implementation: its own peak RSS."""
     _quiet()
     rank, world = comm.rank, comm.size
-    corpus = _corpus()
+    corpus = bench_corpus()
     seq_len = _model_config(cfg).seq_len
     if name.startswith("ds_"):
         import deepspeed  # noqa: F401  (imported before the baseline reading: its import is not the model's cost)
@@ -443,19 +436,8 @@ def _instrumented_steps(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: i
         for u, c in zip(engine.units, originals):
             u.shard_comm = c
         timer.restore()
-    return {k: (None if per_step[0][k] is None else round(statistics.median(r[k] for r in per_step), 2))
+    return {k: (None if per_step[0][k] is None else round(median(r[k] for r in per_step), 2))
             for k in per_step[0]}
-
-
-def _time(fn: Any, reps: int, comm: shardwise.Communicator | None = None) -> float:
-    out = []
-    for _ in range(reps):
-        if comm is not None:
-            comm.barrier()
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return round(statistics.median(out) * 1e3, 2)
 
 
 def _ring_reduce_scatter(comm: shardwise.Communicator, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -502,7 +484,7 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
         _step(local, corpus, cfg, seq_len, rank, world)
     comm.barrier()
     steps = [_step(local, corpus, cfg, seq_len, rank, world) for _ in range(n)]
-    out["local_no_comm"] = {k: round(statistics.median(s[i] for s in steps) * 1e3, 2)
+    out["local_no_comm"] = {k: round(median(s[i] for s in steps) * 1e3, 2)
                             for i, k in enumerate(("step_ms", "fwd_ms", "bwd_ms", "opt_ms"))}
     # 2. shardwise rows, hooks and collectives probed
     out["shardwise"] = {}
@@ -526,13 +508,14 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
         c = comm
         out["collective_alone"] = {
             "unit_MB": round(unit.padded * 4 / MB, 2),
-            "all_gather_ms": _time(lambda: c.all_gather(full, shard), 7, c),
-            "reduce_scatter_avg_ms": _time(lambda: c.reduce_scatter(shard, full, shardwise.ReduceOp.AVG), 7, c),
-            "all_reduce_sum_ms": _time(lambda: c.all_reduce(full), 7, c),
-            "ring_reduce_scatter_p2p_avg_ms": _time(lambda: _ring_reduce_scatter(c, shard, full), 7, c),
-            "all_reduce_avg_then_copy_chunk_ms": _time(lambda: (c.all_reduce(full, shardwise.ReduceOp.AVG),
-                                                                shard.copy_(full.view(c.size, -1)[c.rank])), 7, c),
-            "copy_unit_ms": _time(lambda: full.clone(), 7),
+            "all_gather_ms": timed(lambda: c.all_gather(full, shard), 7, c.barrier),
+            "reduce_scatter_avg_ms": timed(lambda: c.reduce_scatter(shard, full, shardwise.ReduceOp.AVG), 7, c.barrier),
+            "all_reduce_sum_ms": timed(lambda: c.all_reduce(full), 7, c.barrier),
+            "ring_reduce_scatter_p2p_avg_ms": timed(lambda: _ring_reduce_scatter(c, shard, full), 7, c.barrier),
+            "all_reduce_avg_then_copy_chunk_ms": timed(lambda: (c.all_reduce(full, shardwise.ReduceOp.AVG),
+                                                                shard.copy_(full.view(c.size, -1)[c.rank])), 7,
+                                                       c.barrier),
+            "copy_unit_ms": timed(lambda: full.clone(), 7),
         }
         for what, issue in (("reduce_scatter", lambda: c.reduce_scatter(shard, full, shardwise.ReduceOp.AVG,
                                                                         async_op=True)),
@@ -544,7 +527,7 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
                 work = issue()
                 spent.append(time.perf_counter() - t)
                 work.wait()
-            out["collective_alone"][f"{what}_async_issue_ms"] = round(statistics.median(spent) * 1e3, 2)
+            out["collective_alone"][f"{what}_async_issue_ms"] = round(median(spent) * 1e3, 2)
         expected, got = torch.empty_like(shard), torch.empty_like(shard)
         c.reduce_scatter(expected, full, shardwise.ReduceOp.AVG)
         _ring_reduce_scatter(c, got, full)
@@ -554,18 +537,6 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
 
 
 # ---- driver -------------------------------------------------------------------------------------------------------
-
-
-def _summary(name: str, totals: list[float], sections: list[list[float]] | None, info: dict) -> dict[str, Any]:
-    ms = sorted(t * 1e3 for t in totals)
-    deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-    row = {"name": name, "median_ms": round(statistics.median(ms), 2), "p10_ms": round(deciles[0], 2),
-           "p90_ms": round(deciles[8], 2), "steps": len(ms)}
-    if sections is not None:
-        for i, key in enumerate(("fwd_ms", "bwd_ms", "opt_ms")):
-            row[key] = round(statistics.median(s[i] * 1e3 for s in sections), 2)
-    row.update(info)
-    return row
 
 
 def _source_id() -> str:
@@ -591,7 +562,7 @@ def _memory_rows(cfg: Config, names: list[str], steps: int) -> list[dict[str, An
             "rss_end_MB": [round(r["rss_end"] / MB, 1) for r in res],
             "steps": steps, "step_ms_last": round(max(r["times"][-1] for r in res) * 1e3, 1),
         })
-        print(json.dumps(rows[-1]), flush=True)
+        emit(rows[-1])
     return rows
 
 
@@ -612,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ds-clip", type=float, default=0.0,
                     help="DeepSpeed gradient_clipping (default 0.0 = off, as every other row; DeepSpeed's own is 1.0)")
     args = ap.parse_args(argv)
-    impls = tuple(n.strip() for n in args.impls.split(",") if n.strip())
+    impls = tuple(comma_list(args.impls))
     bad = [n for n in impls + ((args.only,) if args.only else ()) if n not in KNOWN]
     if bad:
         ap.error(f"unknown implementation(s) {bad}; allowed {KNOWN}")
@@ -624,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                  impls, args.profile, args.ds_clip)
     nparams = GPT(_model_config(cfg), seed=0).num_parameters()
     common = {"preset": cfg.preset, "params": nparams, "nproc": cfg.nproc, "batch_size": cfg.batch_size,
-              "source": _source_id(), "loadavg_at_start": [round(v, 1) for v in os.getloadavg()],
+              "source": _source_id(), "loadavg_at_start": loadavg(),
               "cpus": os.cpu_count()}
     err = sys.stderr
     t0 = time.time()
@@ -637,36 +608,32 @@ def main(argv: list[str] | None = None) -> int:
 
     results = shardwise.launch(_rank_main, cfg.nproc, cfg, backend="gloo", threads_per_rank=1, timeout=600)
     rows = []
+    totals = {}
     for name in cfg.impls:
-        per_rank = [r["times"][name] for r in results]
-        steps = [[max(r[k][j] for r in per_rank) for j in range(4)] for k in range(len(per_rank[0]))]
+        steps = max_over_ranks([r["times"][name] for r in results])  # per step: [total, fwd, bwd, opt]
+        totals[name] = [s[0] for s in steps]
         info = dict(results[0]["info"][name])
         if name in results[0]["collectives"]:
             info["collectives_per_step"] = results[0]["collectives"][name]
-        rows.append(_summary(name, [s[0] for s in steps], [s[1:] for s in steps], info))
+        rows.append({"name": name, **step_stats(totals[name], [s[1:] for s in steps], ("fwd_ms", "bwd_ms", "opt_ms")),
+                     **info})
     for row in rows:
         row.update(common)
-        print(json.dumps(row), flush=True)
+        emit(row)
     by_name = {r["name"]: r for r in rows}
     mem_rows = [] if args.no_memory else _memory_rows(cfg, list(cfg.impls), args.memory_steps)
     mem = {r["name"]: r for r in mem_rows}
     parity = results[0]["parity"]
-    print(json.dumps({"parity": parity, "trained_steps": results[0]["trained_steps"],
-                      "peak_rss_MB_all_impls_one_process_CONFOUNDED": [round(r["peak_rss"] / MB, 1)
-                                                                       for r in results]}), flush=True)
+    emit({"parity": parity, "trained_steps": results[0]["trained_steps"],
+          "peak_rss_MB_all_impls_one_process_CONFOUNDED": [round(r["peak_rss"] / MB, 1) for r in results]})
     if cfg.profile:
-        print(json.dumps({"profile": [r["profile"] for r in results]}), flush=True)
-
-    totals = {name: [max(r["times"][name][k][0] for r in results) for k in range(len(results[0]["times"][name]))]
-              for name in cfg.impls}
+        emit({"profile": [r["profile"] for r in results]})
 
     def paired(a: str, b: str) -> dict[str, float]:
         """Per round, median of a's block / median of b's block (blocks of one round run minutes apart at most):
         more robust to slow phases than the ratio of overall medians."""
-        s = cfg.steps
-        rs = [statistics.median(totals[a][i * s:(i + 1) * s]) / statistics.median(totals[b][i * s:(i + 1) * s])
-              for i in range(cfg.rounds)]
-        return {"median": round(statistics.median(rs), 3), "min": round(min(rs), 3), "max": round(max(rs), 3)}
+        rs = per_round_ratios(totals[a], totals[b], cfg.steps, cfg.rounds)
+        return {"median": round(median(rs), 3), "min": round(min(rs), 3), "max": round(max(rs), 3)}
 
     ratios: dict[str, Any] = {}
     if "sw_zero3" in totals and "sw_fsdp" in totals:
@@ -690,8 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios["rss_goal_vs_fsdp2"] = {n: {"peak_rss_MB": max(mem[n]["peak_rss_MB"]),
                                                "meets_goal": max(mem[n]["peak_rss_MB"]) <= goal_rss}
                                            for n in mem if n.startswith("sw_")}
-    print(json.dumps({"ratios": ratios, "wall_s": round(time.time() - t0, 1), **common,
-                      "loadavg_at_end": [round(v, 1) for v in os.getloadavg()]}), flush=True)
+    emit({"ratios": ratios, "wall_s": round(time.time() - t0, 1), **common, "loadavg_at_end": loadavg()})
 
     print(f"\nSharding step time, {cfg.preset} GPT ({nparams / 1e6:.2f} M params), {cfg.nproc} gloo ranks x 1 thread, "
           f"batch {cfg.batch_size}/rank, {cfg.rounds} rounds x {cfg.steps} steps alternating (max over ranks):",

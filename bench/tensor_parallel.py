@@ -37,19 +37,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
 import sys
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import shardwise
 from shardwise import tensor_parallel as tp
 from shardwise.data import ByteCorpus
 from shardwise.models.gpt import GPT, GPTConfig
+
+from _common import alternate, bench_corpus, emit, max_over_ranks, step_stats
 
 GOAL = 0.8  # the target: shardwise step time <= 0.8 x DTensor's
 BLOCK_PLAN = {"blocks.*.attn.qkv": tp.Colwise(fused=3), "blocks.*.attn.proj": "rowwise",
@@ -66,10 +65,6 @@ class Config:
     nproc: int
     lr: float = 1e-3
     seed: int = 0
-
-
-def _corpus() -> ByteCorpus:
-    return ByteCorpus(max_bytes=2_000_000)
 
 
 class _Impl:
@@ -130,7 +125,7 @@ def _dtensor_state(model: torch.nn.Module, world: int, d: int) -> dict[str, torc
 
 
 def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
-    corpus = _corpus()
+    corpus = bench_corpus()
     mcfg = GPTConfig.preset(cfg.preset)
     world = comm.size
     impls = [
@@ -144,11 +139,8 @@ def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
     for impl in impls:
         for _ in range(cfg.warmup):
             _step(impl, corpus, cfg, mcfg.seq_len)
-    for r in range(cfg.rounds):
-        for impl in impls[r % len(impls):] + impls[: r % len(impls)]:
-            comm.barrier()
-            for _ in range(cfg.steps):
-                impl.times.append(_step(impl, corpus, cfg, mcfg.seq_len))
+    alternate(impls, cfg.rounds, cfg.steps, lambda impl: impl.times.append(_step(impl, corpus, cfg, mcfg.seq_len)),
+              comm.barrier)
     states = {impl.name: impl.gather(impl.model) for impl in impls}
     ref = states["shardwise_gpt"]
     parity = {name: max((s[k] - ref[k]).abs().max().item() for k in ref) for name, s in states.items()
@@ -159,7 +151,7 @@ def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
 
 
 def _baseline_main(comm: shardwise.Communicator, cfg: Config) -> list[float]:
-    corpus = _corpus()
+    corpus = bench_corpus()
     mcfg = GPTConfig.preset(cfg.preset)
     impl = _Impl("single_process", GPT(mcfg, seed=cfg.seed), cfg.lr, None)
     for _ in range(cfg.warmup):
@@ -186,13 +178,7 @@ def _memory(cfg: Config) -> dict[str, Any]:
 
 
 def _summary(name: str, totals: list[float], sections: list[list[float]] | None, note: str = "") -> dict[str, Any]:
-    ms = sorted(t * 1e3 for t in totals)
-    deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-    row: dict[str, Any] = {"name": name, "median_ms": round(statistics.median(ms), 2), "p10_ms": round(deciles[0], 2),
-                           "p90_ms": round(deciles[8], 2), "steps": len(ms)}
-    if sections is not None:
-        for i, key in enumerate(("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms")):
-            row[key] = round(statistics.median(s[i] * 1e3 for s in sections), 2)
+    row = {"name": name, **step_stats(totals, sections, ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms"))}
     if note:
         row["note"] = note
     return row
@@ -219,9 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     results = shardwise.launch(_rank_main, cfg.nproc, cfg, backend="gloo", threads_per_rank=1, timeout=600)
     rows = []
-    for name, first in results[0]["times"].items():
-        per_rank = [r["times"][name] for r in results]
-        steps = [[max(r[k][j] for r in per_rank) for j in range(5)] for k in range(len(first))]
+    for name in results[0]["times"]:
+        steps = max_over_ranks([r["times"][name] for r in results])  # per step: [total, fwd, bwd, opt, cpu]
         rows.append(_summary(name, [s[0] for s in steps], [s[1:] for s in steps]))
     if not args.no_baseline:
         for threads in (1, 2):
@@ -229,14 +214,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_summary(f"single_process_{threads}t", base, None, "separate run, not alternated"))
     for row in rows:
         row.update(preset=cfg.preset, params=nparams, nproc=cfg.nproc, batch_size=cfg.batch_size)
-        print(json.dumps(row), flush=True)
+        emit(row)
     parity = {name: max(r["parity"][name] for r in results) for name in results[0]["parity"]}
     # Parameters drift apart slowly (AdamW's default eps=1e-8 amplifies rounding noise of near-zero gradients, e.g.
     # the attention key bias); the losses along the way show the rows train the same model.
-    print(json.dumps({"parity_max_abs_diff_vs_shardwise_gpt": parity, "losses": results[0]["losses"],
-                      "trained_steps": results[0]["trained_steps"]}))
+    emit({"parity_max_abs_diff_vs_shardwise_gpt": parity, "losses": results[0]["losses"],
+          "trained_steps": results[0]["trained_steps"]})
     if args.memory:
-        print(json.dumps({"memory": _memory(cfg)}), flush=True)
+        emit({"memory": _memory(cfg)})
 
     by_name = {r["name"]: r for r in rows}
     dt_ms = by_name["dtensor"]["median_ms"]
@@ -244,11 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     ratio = by_name["shardwise_gpt"]["median_ms"] / dt_ms
     cpu_ratios = {r["name"]: round(r["cpu_ms"] / by_name["dtensor"]["cpu_ms"], 3) for r in rows
                   if "cpu_ms" in r and r["name"] != "dtensor"}
-    print(json.dumps({"ratio": round(ratio, 3), "shardwise": "shardwise_gpt", "cpu_ratio": cpu_ratios["shardwise_gpt"],
-                      "shardwise_median_ms": by_name["shardwise_gpt"]["median_ms"], "dtensor_median_ms": dt_ms,
-                      "goal": GOAL, "meets_goal": ratio <= GOAL, "all_ratios_vs_dtensor": ratios,
-                      "all_cpu_ratios_vs_dtensor": cpu_ratios,
-                      "wall_s": round(time.time() - t0, 1)}), flush=True)
+    emit({"ratio": round(ratio, 3), "shardwise": "shardwise_gpt", "cpu_ratio": cpu_ratios["shardwise_gpt"],
+          "shardwise_median_ms": by_name["shardwise_gpt"]["median_ms"], "dtensor_median_ms": dt_ms, "goal": GOAL,
+          "meets_goal": ratio <= GOAL, "all_ratios_vs_dtensor": ratios, "all_cpu_ratios_vs_dtensor": cpu_ratios,
+          "wall_s": round(time.time() - t0, 1)})
 
     err = sys.stderr
     print(f"\nTP step time, {cfg.preset} GPT ({nparams / 1e6:.2f} M params), TP={cfg.nproc} gloo ranks x 1 thread, "
