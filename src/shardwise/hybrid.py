@@ -171,15 +171,17 @@ class HybridModel(nn.Module):
 
 
 def _stage_names(model: nn.Module, stages: list[nn.Module]) -> list[str]:
-    """Per stage, the original names of the modules its parameters come from (for describe())."""
-    owner: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        owner.setdefault(id(p), n.rsplit(".", 1)[0])  # a tied weight under its first name
+    """Per stage, the original names of the modules holding its parameters, blocks collapsed (for describe())."""
+    original = {id(m): n for n, m in model.named_modules()}
     out = []
     for stage in stages:
-        names = list(dict.fromkeys(owner[id(p)].split(".")[0] if not owner[id(p)].startswith("blocks")
-                                   else ".".join(owner[id(p)].split(".")[:2]) for p in stage.parameters()))
-        out.append(", ".join(names) or "(no parameters)")
+        names = []
+        for module in stage.modules():
+            name = original.get(id(module))
+            if name and any(True for _ in module.parameters(recurse=False)):
+                parts = name.split(".")
+                names.append(".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else name)
+        out.append(", ".join(dict.fromkeys(names)) or "(no parameters)")
     return out
 
 
