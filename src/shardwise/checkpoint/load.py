@@ -202,9 +202,13 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, metadata
     owners = optimizer_names(model)
     saved_groups = metadata.get("param_groups", [])
     if saved_groups:
+        # This rank holds part of the model (a pipeline stage): each of its groups must be part of the saved one.
         current = [[owners[id(p)].name if id(p) in owners else None for p in g["params"]]
                    for g in optimizer.param_groups]
-        if [g["params"] for g in saved_groups] != current:
+        partial = any(r.partitioned_over is not None for r in layout.strategies(model))
+        if len(current) != len(saved_groups) or any(
+                not set(names) <= set(saved["params"]) if partial else set(names) != set(saved["params"])
+                for names, saved in zip(current, saved_groups)):
             raise ValueError(f"load_checkpoint: the optimizer's parameter groups differ from those in {directory} "
                              f"(group sizes {[len(g) for g in current]} vs {[len(g['params']) for g in saved_groups]})")
         for group, saved in zip(optimizer.param_groups, saved_groups):

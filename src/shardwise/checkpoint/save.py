@@ -175,12 +175,12 @@ def save_checkpoint(
         "pieces": [dict(p.describe(), key=p.key) for p in mine],
         "rng": {"json": rng_json, "tensors": {k: f"{k}@{comm.rank}" for k in rng_tensors}},
         "optim_scalars": _optimizer_scalars(model, optimizer),
+        "param_groups": _param_groups(model, optimizer),
     }
     header = None
     if comm.rank == 0:
         header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size,
-                  "strategy": strategy_name(model), "extra": extra,
-                  "param_groups": _param_groups(model, optimizer)}
+                  "strategy": strategy_name(model), "extra": extra}
 
     handle = SaveHandle(final)
 
@@ -222,17 +222,20 @@ def _finish(root: Path, tmp: Path, final: Path, header: dict[str, Any], world: i
     files: dict[str, dict[str, Any]] = {}
     rng: dict[str, Any] = {}
     optim_scalars: dict[str, Any] = {}
+    param_groups: list[dict[str, Any]] = []
     for name in names:
         index = json.loads(name.read_text())
         files[index["file"]] = {"sha256": index["sha256"], "bytes": index["bytes"]}
         rng[str(index["rank"])] = dict(index["rng"], file=index["file"])
         for key, values in index["optim_scalars"].items():
             optim_scalars.setdefault(key, values)
+        _merge_groups(param_groups, index["param_groups"])
         for p in index["pieces"]:
             entry = tensors.setdefault(p["name"], {"shape": p["shape"], "dtype": p["dtype"],
                                                    "follows_param": p["follows_param"], "pieces": []})
             entry["pieces"].append({"file": index["file"], "key": p["key"], "box": p["box"]})
-    metadata = dict(header, files=files, tensors=tensors, rng=rng, optim_scalars=optim_scalars)
+    metadata = dict(header, files=files, tensors=tensors, rng=rng, optim_scalars=optim_scalars,
+                    param_groups=param_groups)
     write_bytes_durably(tmp / METADATA, json.dumps(metadata, indent=1).encode())
     for name in names:
         name.unlink()
@@ -252,6 +255,15 @@ def _finish(root: Path, tmp: Path, final: Path, header: dict[str, Any], world: i
 
 def _param_names(model: nn.Module) -> dict[int, str]:
     return {pid: pl.name for pid, pl in optimizer_names(model).items()}
+
+
+def _merge_groups(merged: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """Group i of the checkpoint holds every rank's group i: pipeline stages hold different parameters."""
+    for i, group in enumerate(groups):
+        if i == len(merged):
+            merged.append(dict(group, params=[]))
+        known = set(merged[i]["params"])
+        merged[i]["params"] += [n for n in group["params"] if n not in known]
 
 
 def _param_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
