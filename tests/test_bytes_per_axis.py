@@ -57,3 +57,39 @@ def test_each_axis_carries_its_formula(dp_strategy, sp):
             else:  # ZeRO-2: reduce-scatter of gradients + all-gather of updated parameters, (N-1)/N x padded each
                 assert on_dp["reduce_scatter"]["wire_bytes"] == padded // 2
                 assert on_dp["all_gather"]["wire_bytes"] == padded // 2
+
+
+def measure_pipeline(comm, dp_strategy, m):
+    mesh = sw.Mesh(comm, dp=2, tp=1, pp=2)
+    model = sw.parallelize(GPT(CONFIG, seed=0), mesh, dp_strategy=dp_strategy, n_microbatches=m)
+    opt = make_optimizer(model.parameters())
+    stages = list(model.pipe.stages.values())
+    units = sum(u["padded"] for s in stages if hasattr(s, "sharding_units") for u in s.sharding_units()) * 4
+    tied = CONFIG.vocab_size * CONFIG.d_model * 4  # the embedding / head weight, held by both pipeline ranks
+    for step in range(2):
+        x, y = batch(step, mesh.coords.dp, 2)
+        with mesh.dp.stats.measure() as on_dp, mesh.pp.stats.measure() as on_pp:
+            model.step(x, y)
+            opt.step()
+            opt.zero_grad()
+    stage_bytes = sum(p.numel() * 4 for s in stages for p in s.parameters()) if dp_strategy == "ddp" else units
+    return on_dp.as_dict(), on_pp.as_dict(), mesh.coords.pp, stage_bytes, tied
+
+
+@pytest.mark.parametrize("dp_strategy", ["ddp", "zero3"])
+def test_pipeline_axes_carry_their_formulas(dp_strategy):
+    """pp: one activation per microbatch forward and one gradient back per stage boundary (plus one metadata
+    message per step and the tied weight's gradient); dp: once per step after the last microbatch (DDP's
+    all-reduce of the stage), or ZeRO-3's all-gather per microbatch forward and backward plus one reduce-scatter."""
+    m = 4
+    act = (8 // 2 // m) * CONFIG.seq_len * CONFIG.d_model * 4  # one microbatch's activation (or its gradient)
+    for on_dp, on_pp, stage, stage_bytes, tied in sw.launch(measure_pipeline, 4, dp_strategy, m):
+        assert on_pp["send"]["calls"] == m + (1 if stage == 0 else 0)  # + the shape message stage 0 sends first
+        assert on_pp["send"]["bytes"] - (80 if stage == 0 else 0) == m * act  # shape message: 10 int64 words
+        assert on_pp["all_reduce"]["wire_bytes"] == tied  # tied gradient summed over the 2 pipeline ranks
+        if dp_strategy == "ddp":
+            assert on_dp == {"all_reduce": {"calls": 1, "bytes": stage_bytes, "wire_bytes": stage_bytes}}
+        else:
+            assert on_dp["all_gather"] == {"calls": 2 * m, "bytes": 2 * m * stage_bytes, "wire_bytes": m * stage_bytes}
+            assert on_dp["reduce_scatter"]["wire_bytes"] == stage_bytes // 2
+            assert on_dp["all_reduce"]["wire_bytes"] == tied  # the tied weight stays whole: all-reduced as DDP
