@@ -160,3 +160,55 @@ def test_unsupported_combinations_are_refused_at_wrap_time(options, message):
             sw.parallelize(GPT(CONFIG, seed=0), mesh, **options)
 
     sw.launch(body, 4)
+
+
+def _mixed(comm, dtype, init_scale, steps, skip_first=0):
+    import dataclasses
+
+    mesh = sw.Mesh(comm, dp=2, tp=2, pp=2)
+    untied = dataclasses.replace(CONFIG, tie_weights=False)
+    mp = sw.MixedPrecision(param_dtype=dtype) if dtype is not None else None
+    model = sw.parallelize(GPT(untied, seed=0), mesh, tp_plan="gpt", dp_strategy="zero2", mixed_precision=mp)
+    opt = optimizer(model.parameters())
+    scaler = sw.ShardedGradScaler(model, init_scale=init_scale)
+    out = []
+    for step in range(steps):
+        x, y = batch(step, mesh.coords.dp, 2)
+        loss = model.step(x, y, loss_scale=scaler.get_scale())
+        took = scaler.step(opt) if step >= skip_first else False
+        if step >= skip_first:
+            scaler.update()
+        opt.zero_grad()
+        out.append((loss.item(), took))
+    return out
+
+
+def test_bf16_and_fp16_with_the_scaler_on_the_whole_mesh():
+    """bf16 compute stays within 2% of fp32 at every step; fp16 starting at an overflowing scale skips the same
+    steps on all 8 ranks (a skip on any rank skips on all), then trains within 2% of the fp32 losses shifted by the
+    skipped steps. Losses compared are rank 0's (its dp group's mean), in every run."""
+    fp32 = sw.launch(_mixed, 8, None, 1.0, 5)[0]
+    bf16 = sw.launch(_mixed, 8, torch.bfloat16, 1.0, 5)[0]
+    for (want, _), (got, took) in zip(fp32, bf16):
+        assert took and abs(got - want) <= 0.02 * want
+    fp16 = sw.launch(_mixed, 8, torch.float16, 2.0**21, 7)
+    assert all([t for _, t in r] == [t for _, t in fp16[0]] for r in fp16)  # the same skips on every rank
+    skipped = [not took for _, took in fp16[0]]
+    assert skipped[0] and not skipped[-1]  # 2**21 overflows fp16 gradients; halving finds a scale that fits
+    first = skipped.index(False)
+    shifted = sw.launch(_mixed, 8, None, 1.0, 7, first)[0]  # fp32 skipping the same first steps
+    for (want, _), (got, _) in zip(shifted[first:], fp16[0][first:]):
+        assert abs(got - want) <= 0.02 * want
+
+
+def test_mixed_precision_with_weights_tied_across_pipeline_ranks_is_refused():
+    def body(comm):
+        mesh = sw.Mesh(comm, dp=1, tp=1, pp=2)
+        with pytest.raises(ValueError, match="mixed_precision with weights tied across pipeline ranks"):
+            sw.parallelize(GPT(CONFIG, seed=0), mesh, dp_strategy="zero1",
+                           mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="mixed_precision needs a sharded dp_strategy"):
+            sw.parallelize(GPT(CONFIG, seed=0), sw.Mesh(comm, dp=1, tp=1, pp=2), dp_strategy="ddp",
+                           mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+
+    sw.launch(body, 2)

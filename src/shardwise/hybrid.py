@@ -41,7 +41,7 @@ from . import tensor_parallel as tp
 from .activation_checkpointing import checkpoint_module
 from .ddp import DDP
 from .mesh import Mesh
-from .sharding import FSDP, ZeRO
+from .sharding import FSDP, MixedPrecision, ZeRO
 from .tensor_parallel.mappings import gather_from_region
 
 __all__ = ["parallelize", "HybridModel", "DP_STRATEGIES"]
@@ -59,6 +59,7 @@ class _Plan:
     dp_strategy: str
     dp_shard: int | None
     activation_checkpointing: bool
+    mixed_precision: MixedPrecision | None = None
 
 
 def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
@@ -80,6 +81,12 @@ def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
     if mesh.sizes["tp"] > 1 and plan.tp_plan is None:
         raise ValueError(f"parallelize: the mesh has tp={mesh.sizes['tp']} but tp_plan is None; pass a plan "
                          f"(\"gpt\", \"llama\", \"gpt2\" or a dict)")
+    if plan.mixed_precision is not None:
+        if not isinstance(plan.mixed_precision, MixedPrecision):
+            raise ValueError(f"parallelize: mixed_precision={plan.mixed_precision!r} must be a shardwise.MixedPrecision")
+        if plan.dp_strategy == "ddp":
+            raise ValueError("parallelize: mixed_precision needs a sharded dp_strategy (zero1/2/3 or fsdp:*), whose "
+                             "engine keeps fp32 master weights; DDP trains in the model's own dtype")
     if plan.sequence_parallel and mesh.sizes["tp"] == 1:
         raise ValueError("parallelize: sequence_parallel=True needs tp > 1")
     if plan.pp_schedule == "zb_h1" and plan.dp_strategy != "ddp":
@@ -113,11 +120,13 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[n
 def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan, tied: tuple[nn.Parameter, ...]) -> nn.Module:
     if plan.dp_strategy == "ddp":
         return DDP(stage, mesh.dp)
+    mp = plan.mixed_precision
     if plan.dp_strategy.startswith("zero"):
-        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), replicated_params=tied)
+        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), replicated_params=tied, mixed_precision=mp)
     sharding = plan.dp_strategy.split(":", 1)[1]
     shard_size = plan.dp_shard if sharding == "hybrid_shard" else None
-    return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, replicated_params=tied)
+    return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, replicated_params=tied,
+                mixed_precision=mp)
 
 
 class HybridModel(nn.Module):
@@ -135,14 +144,29 @@ class HybridModel(nn.Module):
         self.plan = plan
         self._gather_vocab = gather_vocab
         self._stage_layers = names
+        self._loss_scale = 1.0
 
-    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        """One training step on this rank's slice of the global batch; returns the loss (every rank)."""
+    def scaled_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+        """`loss_fn` times the current step's loss scale (what the pipeline backpropagates)."""
+        def scaled(output: Any, target: Any) -> torch.Tensor:
+            loss = loss_fn(output, target)
+            # In fp32: a float16 loss times a scale of 2**16 would overflow before backward even starts.
+            return loss.float() * self._loss_scale if self._loss_scale != 1.0 else loss
+
+        return scaled
+
+    def step(self, inputs: Any = None, targets: Any = None, *, loss_scale: float = 1.0) -> torch.Tensor:
+        """One training step on this rank's slice of the global batch; returns the loss (every rank).
+
+        loss_scale: multiply every microbatch's loss by this before backward (fp16: `scaler.get_scale()` of a
+        `sw.ShardedGradScaler(model)`, then `scaler.step(opt)`; the returned loss is unscaled).
+        """
         stages = list(self.pipe.stages.values())
+        self._loss_scale = float(loss_scale)
         with contextlib.ExitStack() as stack:
             for stage in stages:
                 stack.enter_context(stage.no_sync())
-            loss = self.pipe.step(inputs, targets)
+            loss = self.pipe.step(inputs, targets) / self._loss_scale
         for stage in stages:  # once per step, after the last microbatch: the same order on every dp rank
             stage.sync_gradients()
         return loss
@@ -222,6 +246,7 @@ def parallelize(
     dp_shard: int | None = None,
     virtual_stages: int = 1,
     activation_checkpointing: bool = False,
+    mixed_precision: MixedPrecision | None = None,
 ) -> HybridModel:
     """Data x tensor x pipeline parallelism over `mesh`, in the documented order (see the module docstring).
 
@@ -236,6 +261,8 @@ def parallelize(
     dp_strategy: "ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op" or "fsdp:hybrid_shard"
         (with dp_shard: the size of the shard groups within dp).
     activation_checkpointing: recompute every layer between the first and the last in backward.
+    mixed_precision: compute dtypes (`sw.MixedPrecision(param_dtype=torch.bfloat16)`) for a sharded dp_strategy;
+        fp32 master shards are kept. With float16 use `sw.ShardedGradScaler(model)`.
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
@@ -243,7 +270,7 @@ def parallelize(
     if n_microbatches is None:
         n_microbatches = 2 * mesh.sizes["pp"]
     plan = _Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
-                 bool(activation_checkpointing))
+                 bool(activation_checkpointing), mixed_precision)
     _check(mesh, plan, model)
     if mesh.sizes["tp"] > 1:
         tp.parallelize(model, mesh.tp, tp_plan, sequence_parallel=sequence_parallel)
@@ -266,6 +293,12 @@ def parallelize(
             own[pl.name] = pl
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
         _wrap_data_parallel(stage, mesh, plan, tuple(p for p in stage.parameters() if id(p) in tied))
+    if mixed_precision is not None and pipe.tied:
+        raise ValueError(f"parallelize: mixed_precision with weights tied across pipeline ranks "
+                         f"({'; '.join(pipe.tied.names)}) is not supported: the tied copies stay whole fp32 "
+                         f"parameters outside the engine's compute casts; untie them (e.g. GPTConfig(tie_weights="
+                         f"False)) or use pp=1")
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages))
+    pipe.loss_fn = hybrid.scaled_loss(loss)
     _declare(hybrid, model, mesh)
     return hybrid
