@@ -117,16 +117,15 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[n
                      f"decoder ({sorted(builders)}); give the model a pipeline_layers() method returning its layers")
 
 
-def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan, tied: tuple[nn.Parameter, ...]) -> nn.Module:
+def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
     if plan.dp_strategy == "ddp":
         return DDP(stage, mesh.dp)
     mp = plan.mixed_precision
     if plan.dp_strategy.startswith("zero"):
-        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), replicated_params=tied, mixed_precision=mp)
+        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), mixed_precision=mp)
     sharding = plan.dp_strategy.split(":", 1)[1]
     shard_size = plan.dp_shard if sharding == "hybrid_shard" else None
-    return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, replicated_params=tied,
-                mixed_precision=mp)
+    return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, mixed_precision=mp)
 
 
 class HybridModel(nn.Module):
@@ -216,19 +215,11 @@ def _declare(hybrid: HybridModel, model: nn.Module, mesh: Mesh) -> None:
     comms: list[Any] = [mesh.tp]
     for stage in stages:
         placements.update(layout.placements(stage))
-        comms += [c for r in layout.strategies(stage) for c in r.comms]
+        comms += [c for r in layout.strategies(stage) for c in layout.record_comms(r)]
     original = {id(b): n for n, b in model.named_buffers()}
     buffer_names = {n: original[id(b)] for n, b in hybrid.named_buffers() if id(b) in original}
-
-    def memory() -> layout.MemoryView:
-        views = [r.memory() for s in stages for r in layout.strategies(s) if r.memory is not None]
-        return layout.MemoryView(params=tuple(t for v in views for t in v.params),
-                                 grads=tuple(t for v in views for t in v.grads),
-                                 gathered_peak=sum(v.gathered_peak for v in views),
-                                 gathered_now=sum(v.gathered_now for v in views))
-
     layout.declare(hybrid, layout.Parallelized(
-        "hybrid", tuple(comms), placements, memory=memory, world=mesh.world,
+        "hybrid", tuple(comms), placements, memory=lambda: layout.merged_memory(stages), world=mesh.world,
         partitioned_over=mesh.pp if mesh.sizes["pp"] > 1 else None, buffer_names=buffer_names,
         options={"dp_strategy": hybrid.plan.dp_strategy, "schedule": hybrid.plan.pp_schedule, **mesh.sizes}))
 
@@ -280,19 +271,17 @@ def parallelize(
     if activation_checkpointing:
         for layer in layers[1:-1]:
             checkpoint_module(layer)
-    # A weight tied across stages is held whole by each rank of its tie group: replicated over that group.
-    tied = {id(p): group for _, params, group in pipe.tied.groups for p in params}
     model_placements = {id(pl.param): pl for pl in layout.placements(model).values()}
     for stage in pipe.stages.values():
-        # The stage's parameters under their original names (and tensor-parallel boxes), before data parallel.
+        # The stage's parameters under their original names (and tensor-parallel boxes), with the ties the
+        # pipeline declared (a tied weight stays whole under ZeRO), before data parallel.
+        tied = {id(pl.param): pl.tied_over for pl in layout.placements(stage).values()}
         own = {}
         for p in stage.parameters():
-            pl = model_placements[id(p)]
-            if id(p) in tied:
-                pl = dataclasses.replace(pl, replicated_over=(*pl.replicated_over, tied[id(p)]))
+            pl = dataclasses.replace(model_placements[id(p)], tied_over=tied[id(p)])
             own[pl.name] = pl
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
-        _wrap_data_parallel(stage, mesh, plan, tuple(p for p in stage.parameters() if id(p) in tied))
+        _wrap_data_parallel(stage, mesh, plan)
     if mixed_precision is not None and pipe.tied:
         raise ValueError(f"parallelize: mixed_precision with weights tied across pipeline ranks "
                          f"({'; '.join(pipe.tied.names)}) is not supported: the tied copies stay whole fp32 "

@@ -42,7 +42,7 @@ from .comm.base import Communicator
 
 __all__ = ["Box", "Placement", "Parallelized", "MemoryView", "strategies", "placements", "declare",
            "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "full_box", "reduction_groups",
-           "counts_here", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers"]
+           "counts_here", "record_comms", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers"]
 
 Box = tuple[tuple[int, int], ...]
 _ATTR = "_shardwise_layout"  # the one attribute a wrapped model carries; read only by this module
@@ -112,6 +112,9 @@ class Placement:
     replicated_over: groups whose ranks hold identical copies of this rank's piece.
     partial_grad_over: a group over which the parameter's gradient is a partial sum that a hook completes
         (sequence parallel: replicated weights applied to sequence shards).
+    tied_over: a group of ranks each holding a copy of this parameter used by a different pipeline stage (a GPT's
+        embedding and head); the pipeline sums the copies' gradients over it, so a data-parallel strategy must keep
+        the parameter whole (the sharding engine does, as a replicated parameter) and counts it once.
     """
 
     names: tuple[str, ...]
@@ -127,6 +130,7 @@ class Placement:
     flat_by_rank: tuple[tuple[int, int], ...] = ()
     replicated_over: tuple[Communicator, ...] = ()
     partial_grad_over: Communicator | None = None
+    tied_over: Communicator | None = None
 
     @property
     def name(self) -> str:
@@ -179,6 +183,8 @@ class Parallelized:
 
     comms: the groups it communicates over (clipping and overflow flags reduce over these, innermost first).
     placements: every parameter's placement after this strategy, by canonical name, in model order.
+    Both may be functions, evaluated when asked: a container whose parts are wrapped later (pipeline stages) stays
+    current.
     no_sync: a context manager factory skipping its gradient reduction (None: it has none).
     memory: what it holds beyond the parameters (flat buffers, master shards), for memory_stats.
     world: a communicator spanning every rank of the model when the strategy knows one (a Mesh's world).
@@ -187,8 +193,8 @@ class Parallelized:
     """
 
     name: str
-    comms: tuple[Communicator, ...]
-    placements: dict[str, Placement]
+    comms: tuple[Communicator, ...] | Callable[[], tuple[Communicator, ...]]
+    placements: dict[str, Placement] | Callable[[], dict[str, Placement]]
     no_sync: Callable[[], Any] | None = None
     memory: Callable[[], MemoryView] | None = None
     world: Communicator | None = None
@@ -236,7 +242,15 @@ def base_placements(model: nn.Module) -> dict[str, Placement]:
 def placements(model: nn.Module) -> dict[str, Placement]:
     """The placements of the outermost strategy (or of the plain module), by canonical name."""
     records = strategies(model)
-    return dict(records[-1].placements) if records else base_placements(model)
+    return dict(_evaluate(records[-1].placements)) if records else base_placements(model)
+
+
+def record_comms(record: Parallelized) -> tuple[Communicator, ...]:
+    return tuple(_evaluate(record.comms))
+
+
+def _evaluate(value: Any) -> Any:
+    return value() if callable(value) else value
 
 
 def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -284,6 +298,14 @@ def inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
+def merged_memory(modules: Any) -> MemoryView:
+    """What the strategies of several modules (pipeline stages) hold, together."""
+    views = [r.memory() for m in modules for r in strategies(m) if r.memory is not None]
+    return MemoryView(params=tuple(t for v in views for t in v.params), grads=tuple(t for v in views for t in v.grads),
+                      gathered_peak=sum(v.gathered_peak for v in views),
+                      gathered_now=sum(v.gathered_now for v in views))
+
+
 def held_views(pl: Placement, tensor: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
     """(global box, writable view of `tensor`) for every element this rank holds; `tensor` is shaped like pl.param
     (the parameter itself, its gradient, or optimizer state that follows it)."""
@@ -304,8 +326,10 @@ def held_views(pl: Placement, tensor: torch.Tensor) -> list[tuple[Box, torch.Ten
 
 
 def counts_here(placement: Placement) -> bool:
-    """Whether this rank contributes `placement` to a global sum: rank 0 of every group replicating it."""
-    return all(g.rank == 0 for g in placement.replicated_over)
+    """Whether this rank contributes `placement` to a global sum: rank 0 of every group replicating it (and of the
+    ranks holding tied copies)."""
+    tied = () if placement.tied_over is None else (placement.tied_over,)
+    return all(g.rank == 0 for g in (*placement.replicated_over, *tied))
 
 
 def reduction_groups(model: nn.Module) -> list[Communicator]:
@@ -314,7 +338,7 @@ def reduction_groups(model: nn.Module) -> list[Communicator]:
     seen: list[Communicator] = []
     members: set[tuple[int, ...]] = set()
     for record in strategies(model):
-        for comm in (*record.comms, record.partitioned_over):
+        for comm in (*record_comms(record), record.partitioned_over):
             # Equal groups made by separate splits (each pipeline stage wrapped on its own) reduce once.
             if comm is not None and comm.size > 1 and tuple(comm.global_ranks) not in members:
                 members.add(tuple(comm.global_ranks))

@@ -60,6 +60,7 @@ from .schedules import FORWARD_SCHEDULES, SCHEDULES, build_schedule, check_sched
 from .simulate import check_schedule
 from .split_backward import WeightGrad, backward_inputs
 from .structure import call, concat, flatten, split, unflatten
+from .declare import declare_pipeline
 from .tied import TiedParameters
 from .timeline import Event, Timeline
 
@@ -154,6 +155,7 @@ class Pipeline(nn.Module):
         self.tied = TiedParameters(stages, comm, schedule.rank_of)
         self.stages = nn.ModuleDict({str(s): stages[s] for s in self.local_stages})
         self._stage_params = {s: [q for q in stages[s].parameters() if q.requires_grad] for s in self.local_stages}
+        declare_pipeline(self, dict(self.stages.items()), comm, self.tied.groups)
         self._last_rank = schedule.rank_of(self.n_stages - 1)
         self._forward_schedules: dict[int, Schedule] = {}  # predict's forward-only schedule by microbatch count
         self._st: _StepState | None = None

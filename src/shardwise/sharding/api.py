@@ -105,7 +105,9 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     # The placements so far (plain, or tensor parallel), keyed by this module's own parameter names.
     local = {id(p): name for name, p in module.named_parameters()}
     before = {local[id(pl.param)]: pl for pl in layout.placements(module).values()}
-    engine = ShardingEngine(module, shard, replicate, config, replicated_params)
+    # Weights tied to copies on other pipeline ranks stay whole, so the pipeline can sum the copies' gradients.
+    tied = tuple(pl.param for pl in before.values() if pl.tied_over is not None and pl.param not in replicated_params)
+    engine = ShardingEngine(module, shard, replicate, config, (*replicated_params, *tied))
     engine.comm = comm  # every data-parallel rank (checkpoints need them all)
     reinstall_partial_grad_hooks(engine, before)
     mix_in(module, ShardedModule, "Sharded")
