@@ -25,3 +25,19 @@ def mix_in(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
             _CACHE[(cls, mixin)] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
         module.__class__ = _CACHE[(cls, mixin)]
     return module
+
+
+class MovesRefused(nn.Module):
+    """Base of the in-place wrappers (DDP, ZeRO / FSDP): `model.to(...)`, `.half()`, `.cuda()` after wrapping would
+    change tensors the wrapper's buffers, shards and hooks point at, so a move that changes anything raises; a no-op
+    move (`.to("cpu")` on CPU, `.float()` on fp32) is allowed."""
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - torch.nn.Module's signature
+        probe = next(iter(self.parameters()), None)
+        if probe is not None:
+            moved = fn(probe.detach()[:0])
+            if moved.dtype != probe.dtype or moved.device != probe.device:
+                raise ValueError(f"{type(self).__name__}: cannot move or cast a wrapped model ({probe.dtype} on "
+                                 f"{probe.device} -> {moved.dtype} on {moved.device}); move or cast the model before "
+                                 f"wrapping it (for mixed precision use sw.MixedPrecision)")
+        return super()._apply(fn, recurse)

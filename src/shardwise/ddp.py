@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from . import layout
-from ._mixin import mix_in
+from ._mixin import MovesRefused, mix_in
 from .comm.base import Communicator, ReduceOp, Work
 
 __all__ = ["DDP", "DDPModule"]
@@ -109,8 +109,19 @@ class _Reducer:
 
     # ---- forward side -----------------------------------------------------------------------------------------
     def before_forward(self) -> None:
+        if self.in_backward and torch._C._current_graph_task_id() == -1:
+            self._recover()
         if self.broadcast_buffers and self.buffers and self.comm.size > 1:
             broadcast_coalesced(self.comm, [b.data for b in self.buffers])
+
+    def _recover(self) -> None:
+        """The previous backward raised before its end-of-backward callback ran: wait for the buckets it launched
+        (every rank launched them, in order), then start clean (the partial gradients are the caller's to zero)."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+        self.reachable = set()
+        self._reset()
 
     def after_forward(self, output: Any) -> None:
         if self.find_unused and self.require_sync and torch.is_grad_enabled():
@@ -252,7 +263,7 @@ def broadcast_coalesced(comm: Communicator, tensors: list[torch.Tensor], src: in
                 size += t.numel() * t.element_size()
 
 
-class DDPModule(nn.Module):
+class DDPModule(MovesRefused):
     """Mixed into a module's class by `DDP`: adds `no_sync()` and the forward-time buffer broadcast."""
 
     _ddp: _Reducer

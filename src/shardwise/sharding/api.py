@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from .. import layout
-from .._mixin import mix_in
+from .._mixin import MovesRefused, mix_in
 from ..comm.base import Communicator
 from ..mesh import Mesh
 from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
@@ -46,7 +46,7 @@ _FSDP = {
 }
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(MovesRefused):
     """Mixed into a module's class by ZeRO / FSDP: adds `no_sync()` and `sharding_units()`."""
 
     _sharding: ShardingEngine

@@ -124,7 +124,7 @@ class ShardingEngine:
             if unit.is_root:
                 continue
             for module in unit.modules:
-                self.handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit)))
+                self.handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
             self.handles.append(unit.modules[-1].register_forward_hook(self._make_post_forward(unit)))
             if self.config.activation_checkpointing:
                 for module in unit.modules:
@@ -137,8 +137,8 @@ class ShardingEngine:
                 self.handles.append(info.unsharded.register_post_accumulate_grad_hook(hook))
 
     def _make_pre_forward(self, unit: Unit) -> Any:
-        def hook(module: nn.Module, args: tuple) -> tuple:
-            return self._pre_forward(unit, args)
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return self._pre_forward(unit, args, kwargs)
 
         return hook
 
@@ -156,6 +156,8 @@ class ShardingEngine:
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if (self.in_backward and not _inside_backward()) or any(u.entered for u in self.units):
+            self._recover()
         if not self.in_backward and self.forward_order:
             self.order_recorded = True
         dtype = self.config.mixed_precision.param_dtype
@@ -167,11 +169,11 @@ class ShardingEngine:
             self._start_gather(self.forward_order[0])
         return args, kwargs
 
-    def _pre_forward(self, unit: Unit, args: tuple) -> tuple:
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._gather(unit)
         unit.swap_to_unsharded()
         if self.in_backward:
-            return args  # recomputation (activation checkpointing) inside backward: just make parameters whole
+            return args, kwargs  # recomputation (activation checkpointing) inside backward: make parameters whole
         if not self.order_recorded:
             if unit not in self.forward_pos:
                 self.forward_pos[unit] = len(self.forward_order)
@@ -183,11 +185,15 @@ class ShardingEngine:
         if not unit.entered:
             unit.entered = True  # the first module of the unit: its inputs are the unit's inputs
             if torch.is_grad_enabled() and not unit.keep_full:
-                tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+                # Positional and keyword inputs alike: a unit called with keywords must free after its backward too.
+                keys = list(kwargs)
+                values = [*args, *(kwargs[k] for k in keys)]
+                tensors = [a for a in values if isinstance(a, torch.Tensor) and a.requires_grad]
                 if tensors:
                     marked = iter(_MarkBackwardDone.apply(lambda: self._post_backward(unit), *tensors))
-                    args = tuple(next(marked) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
-        return args
+                    values = [next(marked) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in values]
+                    args, kwargs = tuple(values[: len(args)]), dict(zip(keys, values[len(args):]))
+        return args, kwargs
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         unit.entered = False
@@ -273,6 +279,14 @@ class ShardingEngine:
                     unit.free_full()
             self.in_backward = False
 
+    def _recover(self) -> None:
+        """A previous forward or backward raised part-way (the autograd callback that ends a backward never ran):
+        wait for what was issued, drop the partial gradients, reshard, so the next step starts clean."""
+        for unit in self.units:
+            unit.abandon()
+        self.in_backward = False
+        self.next_launch = 0
+
     def sync_gradients(self) -> None:
         """Reduce what backward passes under `no_sync()` accumulated, now: every unit's reduce-scatter (in launch
         order, the same on every rank) and the replicated parameters' all-reduce. A pipeline calls it once per
@@ -303,6 +317,11 @@ class ShardingEngine:
     @property
     def gathered_peak(self) -> int:
         return self.memory.peak
+
+
+def _inside_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (recomputation happens there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -120,7 +120,16 @@ class Unit:
         if self.master_is_view:
             self.master = self.full.data[start : start + self.shard_size]
         else:
-            self.master = self.full[start : start + self.shard_size].to(self.master_device, self.master_dtype).clone()
+            # From the user's own values, not from the (possibly bf16-rounded) full buffer: master weights must be
+            # exactly what the user wrapped.
+            self.master = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.master_device)
+            offset = 0
+            with torch.no_grad():
+                for p in plan.params:
+                    lo, hi = max(start, offset), min(start + self.shard_size, offset + p.numel())
+                    if lo < hi:
+                        self.master[lo - start : hi - start].copy_(p.detach().reshape(-1)[lo - offset : hi - offset])
+                    offset += p.numel()
 
         self.infos: list[ParamInfo] = []
         offset = 0
@@ -282,6 +291,27 @@ class Unit:
         self.reduced_shard = None
         if not self.keep_grad_buffer:
             self.grad_buffer = None
+
+    def abandon(self) -> None:
+        """Return to the state between steps after a forward or backward that raised: wait for issued collectives
+        (every rank issued them, in order), forget the partial reduction and gradients, reshard."""
+        for work in (self.pending_gather, self.reduce_work):
+            if work is not None:
+                work.wait()
+        self.pending_gather = self.reduce_work = self.reduced_shard = None
+        self.entered = False
+        self.grads_seen = set()
+        self.grad_pending = 0
+        for info in self.infos:
+            info.unsharded.grad = None
+        if self.grad_buffer is not None:
+            if self.keep_grad_buffer:
+                self._ready_grad_buffer()
+                self.grad_buffer.zero_()
+            else:
+                self.grad_buffer = None
+        self.swap_to_sharded()
+        self.free_full()
 
     def _ready_grad_buffer(self) -> None:
         """Allocate the flat gradient buffer, or zero a kept one at the start of a new accumulation cycle."""
