@@ -1,17 +1,33 @@
-"""`load_checkpoint`: each rank reads, for each piece it holds, only the saved slices that intersect it.
+"""`load_checkpoint`: a transaction over the model's ranks (validate, stage, agree, commit), strict by default.
 
-A checkpoint saved by N ranks under one layout therefore loads on M ranks under another (DDP, ZeRO-1/2/3, FSDP,
-tensor parallel, pipeline and their compositions): the metadata says which file holds which box of every tensor,
-each rank intersects the boxes it holds (shardwise.layout) with the saved ones, and safetensors reads exactly the
-intersection from disk. Loading needs no communication. Files are checked against their sha256 before use; a
-missing, truncated or corrupt file, an unreadable metadata file, or a model whose shapes differ raise an error
-naming the file or the parameter. Nothing here unpickles anything.
+A checkpoint saved by N ranks under one layout loads on M ranks under another: each rank reads, for each box it
+holds, only the saved slices intersecting it (reader.py). The load runs in four steps:
+
+1. Validate, on every rank, with no communication: the paths (every symlink must stay inside the checkpoint root),
+   the metadata (validate.py: keys, dtypes, shapes bounded by the files' sizes), and the fit between the checkpoint
+   and what this rank holds: every parameter and buffer present with the model's shape and dtype, an optimizer of
+   the saved type with the saved parameter groups, this rank's RNG entry well formed.
+2. Stage: read every box this rank holds into staging tensors: a host (CPU) copy for each tensor that exists in
+   the model or optimizer, and a fresh tensor on the parameter's device for optimizer state that does not exist
+   yet (the optimizer sees it only at step 4). Each file's size and sha256 are checked when it is first opened,
+   each stored tensor's shape and dtype when it is read, and every element of every held box must be found.
+3. Agree: one all_gather of a small JSON record over the model's communicator: each rank's error (or none) and the
+   checkpoint tensors nobody consumed, so that a pipeline stage does not call the other stages' tensors unexpected.
+4. Commit, only if every rank succeeded and (strict) nothing was unexpected: copy the staged tensors into place,
+   set the optimizer's hyperparameters, install its state, restore the RNG states: in-memory copies only.
+A failure before step 4 on any rank leaves every rank's model and optimizer untouched; the failing rank raises its
+own error, the others a CheckpointError naming it.
+
+Memory: staging holds a host copy of the tensors this rank already has (its parameters, buffers and, when the
+optimizer has stepped, its optimizer state): at most this rank's share of the checkpoint, the bytes a save's
+snapshot takes, freed when the load returns. Optimizer state the optimizer does not have yet is read straight into
+its own device tensors. Nothing here unpickles anything.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -19,138 +35,133 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from .. import layout
 from ..comm.base import Communicator
-from .pieces import optimizer_names
-from .save import FORMAT, READABLE_VERSIONS, VERSION, model_comm
-from .storage import METADATA, CheckpointError, check_file_name, resolve_checkpoint, sha256_of
+from ..comm.objects import all_gather_json
+from .optim_load import stage_optimizer
+from .reader import Reader, fill_held
+from .save import model_comm
+from .storage import METADATA, CheckpointError, CheckpointMismatch, resolve_checkpoint
+from .validate import read_metadata, rng_states, tensor_dtype
 
 __all__ = ["load_checkpoint", "read_metadata", "read_tensors"]
 
-
-def read_metadata(directory: Path) -> dict[str, Any]:
-    path = directory / METADATA
-    try:
-        metadata = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON (truncated or corrupt): {exc}") from None
-    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a shardwise checkpoint")
-    if metadata.get("version") not in READABLE_VERSIONS:
-        raise CheckpointError(f"{path} has format version {metadata.get('version')!r}; this shardwise writes "
-                              f"{VERSION} and reads {list(READABLE_VERSIONS)}")
-    for name in metadata.get("files", {}):
-        check_file_name(name, path)
-    return metadata
+log = logging.getLogger("shardwise.checkpoint")
+_LISTED = 10  # problems named in one error message
 
 
-class _Reader:
-    """Opens each shard file at most once, after checking its size and sha256 against the metadata."""
+class Staged:
+    """What one rank will write at commit, and what it found wrong (see the module docstring, steps 1-2)."""
 
-    def __init__(self, directory: Path, metadata: dict[str, Any], verify: bool, stack: contextlib.ExitStack) -> None:
-        self.directory = directory
-        self.files = metadata["files"]
-        self.verify = verify
-        self.stack = stack
-        self.handles: dict[str, Any] = {}
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.directory: Path | None = None
+        self.metadata: dict[str, Any] = {}
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, staged host copy)
+        self.group_values: list[dict[str, Any]] = []
+        self.optim_state: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        self.rng: tuple[Any, ...] | None = None
+        self.problems: dict[str, str] = {}  # checkpoint name (or "optimizer", "param_groups") -> what is wrong
+        self.consumed: set[str] = set()
+        self.optim_checked = optimizer is not None  # False: optim/* tensors are neither loaded nor unexpected
 
-    def handle(self, name: str) -> Any:
-        if name not in self.handles:
-            check_file_name(name, self.directory / METADATA)
-            path = self.directory / name
-            expected = self.files.get(name)
-            if expected is None:
-                raise CheckpointError(f"{self.directory / METADATA} refers to {name}, which it does not list")
-            if not path.is_file():
-                raise CheckpointError(f"{path} is missing")
-            if path.stat().st_size != expected["bytes"]:
-                raise CheckpointError(f"{path} has {path.stat().st_size} bytes, expected {expected['bytes']} "
-                                      f"(truncated or replaced)")
-            if self.verify and sha256_of(path) != expected["sha256"]:
-                raise CheckpointError(f"{path} does not match its sha256 in the metadata (corrupt)")
+    def match(self, name: str, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any] | None:
+        """The checkpoint's entry for `name` if it has the model's shape and dtype, else None (problem recorded)."""
+        entry = self.metadata["tensors"].get(name)
+        if entry is None:
+            self.problems[name] = f"{what} is not in the checkpoint"
+            return None
+        self.consumed.add(name)
+        if list(entry["shape"]) != list(shape):
+            self.problems[name] = (f"{what} has shape {tuple(shape)} in the model but {tuple(entry['shape'])} in "
+                                   f"the checkpoint")
+        elif tensor_dtype(entry["dtype"], name) != dtype:
+            self.problems[name] = (f"{what} is {str(dtype).removeprefix('torch.')} in the model but "
+                                   f"{entry['dtype']} in the checkpoint")
+        return None if name in self.problems else entry
+
+    def stage(self, path: str | os.PathLike, comm: Communicator, verify: bool, restore_rng: bool,
+              stack: contextlib.ExitStack) -> None:
+        root, self.directory = resolve_checkpoint(path)
+        self.metadata = read_metadata(self.directory, root)
+        reader = Reader(root, self.directory, self.metadata, verify, stack)
+        for pl in layout.placements(self.model).values():
+            what = f"parameter {pl.name!r}"
+            entry = self.match(f"param/{pl.name}", what, pl.shape, pl.param.dtype)
+            if entry is not None:
+                staged = torch.empty(pl.param.shape, dtype=pl.param.dtype)
+                fill_held(reader, entry, what, pl, staged)
+                self.copies.append((pl.param, staged))
+        for name, b in layout.buffers(self.model).items():
+            entry = self.match(f"buffer/{name}", f"buffer {name!r}", tuple(b.shape), b.dtype)
+            if entry is not None:
+                staged = torch.empty(b.shape, dtype=b.dtype)
+                reader.fill(entry, f"buffer {name!r}", staged, layout.full_box(b.shape))
+                self.copies.append((b, staged))
+        if self.optimizer is not None:
+            stage_optimizer(self, reader)
+        rng = self.metadata.get("rng", {})
+        if restore_rng and self.metadata["world_size"] == comm.size and str(comm.rank) in rng:
+            self._stage_rng(reader, rng[str(comm.rank)], comm.rank)
+
+    def _stage_rng(self, reader: Reader, saved: Any, rank: int) -> None:
+        where = str(self.directory / METADATA)
+        python, numpy_state, keys, file = rng_states(saved, where, rank)
+        states: dict[str, torch.Tensor] = {}
+        for name, key in keys.items():
+            state = reader.tensor(file, key).clone()
+            index = name.removeprefix("rng/cuda")
             try:
-                self.handles[name] = self.stack.enter_context(safe_open(str(path), framework="pt"))
-            except Exception as exc:
-                raise CheckpointError(f"{path} cannot be read as safetensors: {exc}") from None
-        return self.handles[name]
+                if name == "rng/torch":
+                    torch.Generator().set_state(state)  # a fresh generator: checks without applying
+                elif not (name.startswith("rng/cuda") and index.isdigit() and state.dtype == torch.uint8):
+                    raise ValueError(f"unknown generator {name!r} or state of dtype {state.dtype}")
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise CheckpointError(f"{where}: the RNG entry of rank {rank} is malformed ({exc})") from None
+            states[name] = state
+        self.rng = (python, numpy_state, states)
 
-    def _read(self, piece: dict[str, Any], saved: layout.Box, want: layout.Box) -> torch.Tensor:
-        """The part `want` of a saved piece covering `saved`: a box-shaped stored tensor (format 2) is sliced on
-        disk; a flat one (format 1: `offset` into a 1-D run of the global flattening) is read then reshaped."""
-        handle = self.handle(piece["file"])
-        key = piece["key"]
-        if "offset" not in piece:
-            if not saved:
-                return handle.get_tensor(key)
-            return handle.get_slice(key)[layout.box_slices(want, saved)]
-        lo = piece["offset"]
-        run = handle.get_slice(key)[lo : lo + layout.box_numel(saved)]
-        return run.reshape([n for _, n in saved])[layout.box_slices(want, saved)]
+    def unexpected_here(self, partitioned: bool) -> dict[str, Any]:
+        """This rank's part of the agreement record: the checkpoint tensors it did not consume, or (pipeline stages,
+        which each consume a part) the ones it did, the shorter list."""
+        if partitioned:
+            return {"consumed": sorted(self.consumed), "optim": self.optim_checked}
+        return {"unexpected": sorted(self._unconsumed(self.consumed, self.optim_checked))}
 
-    def fill(self, entry: dict[str, Any], what: str, dest: torch.Tensor, box: layout.Box) -> None:
-        """Copy the global box `box` of the saved tensor into `dest` (shaped like the box), from the pieces that
-        intersect it; every element must be found."""
-        covered = 0
-        for piece in _boxed_pieces(entry):
-            saved = piece["box"]
-            overlap = layout.intersect(saved, box) if box else ()
-            if overlap is None:
-                continue
-            try:
-                data = self._read(piece, saved, overlap)
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                raise CheckpointError(f"{self.directory / piece['file']}: cannot read {piece['key']}: {exc}") from None
-            with torch.no_grad():
-                dest[layout.box_slices(overlap, box)].copy_(data)
-            covered += layout.box_numel(overlap)
-        if covered != layout.box_numel(box):
-            raise CheckpointError(f"{self.directory}: {what} elements of box {list(box)} are not all in the checkpoint "
-                                  f"({covered} of {layout.box_numel(box)} found)")
+    def _unconsumed(self, consumed: set[str], optim: bool) -> set[str]:
+        return {n for n in self.metadata["tensors"] if n not in consumed and (optim or not n.startswith("optim/"))}
 
+    def unexpected(self, records: list[dict[str, Any]]) -> list[str]:
+        """Checkpoint tensors that no rank consumed (the same list on every rank)."""
+        sets = [set(r["unexpected"]) if "unexpected" in r else self._unconsumed(set(r["consumed"]), r["optim"])
+                for r in records]
+        return sorted(set.intersection(*sets))
 
-def _boxed_pieces(entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """The entry's pieces as global boxes. Format 1 stored flat ranges [lo, hi) of the global flattening: each is
-    cut into boxes, remembering where each box starts in the stored 1-D run."""
-    if "boxed" not in entry:
-        boxed = []
-        for piece in entry["pieces"]:
-            if "box" in piece:
-                boxed.append(dict(piece, box=tuple(tuple(b) for b in piece["box"])))
-                continue
-            offset = 0
-            for box in layout.split_flat_range(layout.full_box(entry["shape"]), piece["lo"], piece["hi"]):
-                boxed.append(dict(piece, box=box, offset=offset))
-                offset += layout.box_numel(box)
-        entry["boxed"] = boxed
-    return entry["boxed"]
+    def commit(self) -> None:
+        with torch.no_grad():
+            for live, staged in self.copies:
+                live.copy_(staged)
+        if self.optimizer is not None:
+            for group, values in zip(self.optimizer.param_groups, self.group_values):
+                group.update(values)
+            for p, state in self.optim_state:
+                self.optimizer.state[p] = state
+        if self.rng is not None:
+            python, numpy_state, states = self.rng
+            for name, state in states.items():
+                if name == "rng/torch":
+                    torch.set_rng_state(state)
+                elif torch.cuda.is_available() and int(name[len("rng/cuda"):]) < torch.cuda.device_count():
+                    torch.cuda.set_rng_state(state, int(name[len("rng/cuda"):]))
+            random.setstate(python)
+            np.random.set_state(numpy_state)
 
 
-def _fill_held(reader: _Reader, entry: dict[str, Any], what: str, pl: layout.Placement, target: torch.Tensor) -> None:
-    """Fill every box `pl` holds of `target` (a tensor shaped like pl.param) from the checkpoint."""
-    for box, view in layout.held_views(pl, target.detach()):
-        reader.fill(entry, what, view, box)
-
-
-def read_tensors(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Every tensor of a sharded checkpoint, whole ("param/<name>", "optim/<name>/<key>", "buffer/<name>"): for
-    inspecting or converting checkpoints without building the model. Reads everything into memory."""
-    directory = resolve_checkpoint(path)
-    metadata = read_metadata(directory)
-    out: dict[str, torch.Tensor] = {}
-    with contextlib.ExitStack() as stack:
-        reader = _Reader(directory, metadata, verify, stack)
-        for name, entry in metadata["tensors"].items():
-            value = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
-            reader.fill(entry, name, value, layout.full_box(value.shape))
-            out[name] = value
-    return out
+def _listing(problems: list[str]) -> str:
+    more = len(problems) - _LISTED
+    return "; ".join(problems[:_LISTED]) + (f"; and {more} more" if more > 0 else "")
 
 
 def load_checkpoint(
@@ -159,111 +170,74 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     comm: Communicator | None = None,
+    strict: bool = True,
     verify: bool = True,
     restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Load the checkpoint at `path` (a checkpoint directory, or a root whose `latest` names one) into `model` and
-    `optimizer`, whatever strategies, layout and world size saved it. Returns the saved extras plus "step".
+    `optimizer`, whatever strategies, layout and world size saved it; collective over the model's ranks (`comm`).
+    Returns the saved extras plus "step" (and "skipped" with strict=False).
 
+    strict: every parameter and buffer must be in the checkpoint with the model's shape and dtype, every tensor of
+        the checkpoint must belong to the model (optimizer state: to a parameter the optimizer holds), and the
+        optimizer must be of the saved type with the saved parameter groups; else CheckpointMismatch (a ValueError)
+        naming them, and nothing is loaded. strict=False loads what fits and returns the rest under "skipped"
+        ({name: reason}; "optimizer" when the optimizer's type differs: then none of its state is loaded), also
+        logged as a warning.
     verify: check every file read against its sha256. restore_rng: restore this rank's torch / Python / NumPy
-    RNG states when the world size is the one that saved (on another world size they do not map, and are left).
+        RNG states when the world size is the one that saved (on another world size they do not map, and are left).
+    Transactional: nothing changes on any rank unless every rank validated and read everything it needs.
     """
-    directory = resolve_checkpoint(path)
-    metadata = read_metadata(directory)
-    tensors = metadata["tensors"]
     comm = model_comm(model, comm)
+    staged = Staged(model, optimizer)
+    error: Exception | None = None
+    partitioned = any(r.partitioned_over is not None and r.partitioned_over.size > 1 for r in layout.strategies(model))
     with contextlib.ExitStack() as stack:
-        reader = _Reader(directory, metadata, verify, stack)
-        for pl in layout.placements(model).values():
-            entry = tensors.get(f"param/{pl.name}")
-            if entry is None:
-                raise CheckpointError(f"{directory}: parameter {pl.name!r} is not in the checkpoint")
-            if list(entry["shape"]) != list(pl.shape):
-                raise ValueError(f"load_checkpoint: parameter {pl.name!r} has shape {tuple(pl.shape)} in the model but "
-                                 f"{tuple(entry['shape'])} in {directory}")
-            _fill_held(reader, entry, f"parameter {pl.name!r}", pl, pl.param)
-        for name, b in layout.buffers(model).items():
-            entry = tensors.get(f"buffer/{name}")
-            if entry is None:
-                raise CheckpointError(f"{directory}: buffer {name!r} is not in the checkpoint")
-            if list(entry["shape"]) != list(b.shape):
-                raise ValueError(f"load_checkpoint: buffer {name!r} has shape {tuple(b.shape)} in the model but "
-                                 f"{tuple(entry['shape'])} in {directory}")
-            reader.fill(entry, f"buffer {name!r}", b, layout.full_box(b.shape))
-        if optimizer is not None:
-            _load_optimizer(optimizer, model, metadata, reader, directory)
-    if restore_rng and metadata["world_size"] == comm.size and str(comm.rank) in metadata["rng"]:
-        _restore_rng(directory, metadata["rng"][str(comm.rank)], reader_files=metadata, verify=verify)
-    return dict(metadata.get("extra", {}), step=metadata["step"])
+        try:
+            staged.stage(path, comm, verify, restore_rng, stack)
+            if strict and staged.problems:
+                raise CheckpointMismatch(f"load_checkpoint: {staged.directory} does not fit (strict=True; strict=False "
+                                         f"loads what fits): {_listing(list(staged.problems.values()))}")
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
+            error = exc
+    record: dict[str, Any] = {"error": None if error is None else f"{type(error).__name__}: {error}"[:2000]}
+    if error is None:
+        record.update(staged.unexpected_here(partitioned))
+    records = all_gather_json(comm, record)
+    if error is not None:
+        raise error
+    failed = [r for r, rec in enumerate(records) if rec["error"] is not None]
+    if failed:
+        raise CheckpointError(f"load_checkpoint: rank {failed[0]} failed to load {staged.directory}: "
+                              f"{records[failed[0]]['error']} (ranks that failed: {failed}); nothing was loaded on "
+                              f"rank {comm.rank}")
+    unexpected = staged.unexpected(records)
+    if unexpected and strict:
+        raise CheckpointMismatch(f"load_checkpoint: {staged.directory} holds tensors that the model (or its "
+                                 f"optimizer) does not have (strict=True; strict=False ignores them): "
+                                 f"{_listing(unexpected)}")
+    staged.commit()
+    extra = dict(staged.metadata.get("extra", {}), step=staged.metadata["step"])
+    if not strict:
+        skipped = dict(staged.problems, **{name: "not held by the model's optimizer" if name.startswith("optim/")
+                                          else "not in the model" for name in unexpected})
+        if skipped:
+            log.warning("load_checkpoint: %s: skipped %d: %s", staged.directory, len(skipped),
+                        _listing([f"{k}: {v}" for k, v in skipped.items()]))
+        extra["skipped"] = skipped
+    return extra
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, metadata: dict[str, Any],
-                    reader: _Reader, directory: Path) -> None:
-    owners = optimizer_names(model)
-    saved_groups = metadata.get("param_groups", [])
-    if saved_groups:
-        # This rank holds part of the model (a pipeline stage): each of its groups must be part of the saved one.
-        current = [[owners[id(p)].name if id(p) in owners else None for p in g["params"]]
-                   for g in optimizer.param_groups]
-        partial = any(r.partitioned_over is not None for r in layout.strategies(model))
-        if len(current) != len(saved_groups) or any(
-                not set(names) <= set(saved["params"]) if partial else set(names) != set(saved["params"])
-                for names, saved in zip(current, saved_groups)):
-            raise ValueError(f"load_checkpoint: the optimizer's parameter groups differ from those in {directory} "
-                             f"(group sizes {[len(g) for g in current]} vs {[len(g['params']) for g in saved_groups]})")
-        for group, saved in zip(optimizer.param_groups, saved_groups):
-            for key, value in saved.items():
-                if key != "params" and key in group and not isinstance(group[key], torch.Tensor):
-                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
-    tensors = metadata["tensors"]
-    scalars = metadata.get("optim_scalars", {})
-    by_param: dict[str, list[str]] = {}
-    for key in tensors:
-        if key.startswith("optim/"):
-            by_param.setdefault(key[len("optim/") : key.rindex("/")], []).append(key)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            pl = owners.get(id(p))
-            if pl is None:
-                raise ValueError("load_checkpoint: the optimizer holds a parameter that is not in the model")
-            prefix = f"optim/{pl.name}/"
-            existing = optimizer.state.get(p, {})
-            state: dict[str, Any] = dict(scalars.get(pl.name, {}))
-            for key in by_param.get(pl.name, ()):
-                entry = tensors[key]
-                dtype = getattr(torch, entry["dtype"])
-                # Format 1 did not record it: state shaped like the parameter followed it.
-                follows = entry.get("follows_param", list(entry["shape"]) == list(pl.shape) and entry["shape"] != [])
-                local_shape = p.shape if follows else torch.Size(entry["shape"])
-                device = p.device if follows else torch.device("cpu")
-                old = existing.get(key[len(prefix):])
-                # Refill the optimizer's own tensor when it fits (no allocation); every element gets written.
-                if isinstance(old, torch.Tensor) and old.shape == local_shape and old.dtype == dtype:
-                    value = old
-                else:
-                    value = torch.empty(local_shape, dtype=dtype, device=device)
-                if follows:
-                    _fill_held(reader, entry, key, pl, value)
-                else:
-                    reader.fill(entry, key, value, layout.full_box(value.shape))
-                state[key[len(prefix):]] = value
-            if state:
-                optimizer.state[p] = state
-
-
-def _restore_rng(directory: Path, saved: dict[str, Any], reader_files: dict[str, Any], verify: bool) -> None:
+def read_tensors(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint, whole ("param/<name>", "optim/<name>/<key>", "buffer/<name>"): for
+    inspecting or converting checkpoints without building the model. Reads everything into memory."""
+    root, directory = resolve_checkpoint(path)
+    metadata = read_metadata(directory, root)
+    out: dict[str, torch.Tensor] = {}
     with contextlib.ExitStack() as stack:
-        reader = _Reader(directory, reader_files, verify, stack)
-        handle = reader.handle(saved["file"])
-        for name, key in saved["tensors"].items():
-            state = handle.get_tensor(key)
-            if name == "rng/torch":
-                torch.set_rng_state(state)
-            elif name.startswith("rng/cuda") and torch.cuda.is_available():
-                index = int(name[len("rng/cuda"):])
-                if index < torch.cuda.device_count():
-                    torch.cuda.set_rng_state(state, index)
-    version, internal, gauss = saved["json"]["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = saved["json"]["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        reader = Reader(root, directory, metadata, verify, stack)
+        for name, entry in metadata["tensors"].items():
+            value = torch.empty(entry["shape"], dtype=tensor_dtype(entry["dtype"], name))
+            reader.fill(entry, name, value, layout.full_box(value.shape))
+            out[name] = value
+    return out

@@ -18,6 +18,7 @@ before returning); they use no collectives, only the filesystem, so they never i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -37,11 +38,15 @@ from ..comm.base import Communicator
 from ..comm.objects import all_gather_json, broadcast_json
 from .pieces import local_pieces, optimizer_names
 from .storage import (
+    FORMAT,
     METADATA,
+    VERSION,
     CheckpointError,
+    SaveLock,
     checkpoint_dir_name,
     fsync_dir,
     prune,
+    remove_stale,
     shard_file_name,
     update_latest,
     write_bytes_durably,
@@ -49,9 +54,7 @@ from .storage import (
 
 __all__ = ["save_checkpoint", "SaveHandle", "model_comm", "strategy_name"]
 
-FORMAT = "shardwise-checkpoint"
-VERSION = 2  # 2: pieces are boxes of the global tensor (any layout); 1: flat ranges (read too, see load.py)
-READABLE_VERSIONS = (1, 2)
+log = logging.getLogger("shardwise.checkpoint")
 
 
 def model_comm(model: nn.Module, comm: Communicator | None) -> Communicator:
@@ -147,15 +150,49 @@ def save_checkpoint(
         raise ValueError(f"save_checkpoint: extra values must be JSON-serialisable: {exc}") from None
     comm = model_comm(model, comm)
     root = Path(path)
-    plan = None
+    plan: dict[str, Any] | None = None
+    lock: SaveLock | None = None
     if comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if step is None:
-            existing = [int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()]
-            step = max(existing, default=-1) + 1
-        plan = {"step": step, "tmp": f".tmp-{checkpoint_dir_name(step)}-{uuid.uuid4().hex}"}
-    plan = broadcast_json(comm, plan)
-    step, tmp = plan["step"], root / plan["tmp"]
+        try:
+            plan, lock = _start(root, step)
+        except (OSError, CheckpointError) as exc:
+            plan = {"error": str(exc) if isinstance(exc, CheckpointError) else
+                    f"save_checkpoint: cannot use {root} as the checkpoint root: {exc.strerror or exc}"}
+    plan = broadcast_json(comm, plan)  # an error on rank 0 reaches every rank, which would otherwise wait for it
+    if "error" in plan:
+        raise CheckpointError(plan["error"])
+    try:
+        return _save(root, plan["id"], plan["step"], lock, model, optimizer, comm, keep_last, async_save, timeout,
+                     extra)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _start(root: Path, step: int | None) -> tuple[dict[str, Any], SaveLock]:
+    """Rank 0: create the root, pick the step and this save's id, take its lock, remove dead saves' leftovers."""
+    blocker = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise CheckpointError(f"save_checkpoint: {blocker} is a file; the checkpoint root {root} must be a directory "
+                              f"(or not exist yet)")
+    root.mkdir(parents=True, exist_ok=True)
+    if step is None:
+        existing = [int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit()]
+        step = max(existing, default=-1) + 1
+    ident = f"{checkpoint_dir_name(step)}-{uuid.uuid4().hex}"
+    lock = SaveLock(root, ident)
+    removed = remove_stale(root, ident)
+    if removed:
+        log.info("save_checkpoint: removed what dead saves left in %s: %s", root, removed)
+    return {"step": step, "id": ident}, lock
+
+
+def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Module,
+          optimizer: torch.optim.Optimizer | None, comm: Communicator, keep_last: int | None, async_save: bool,
+          timeout: float, extra: dict[str, Any]) -> SaveHandle:
+    """Every rank: snapshot and write what it holds into `.tmp-<ident>`; rank 0 then puts the checkpoint in place."""
+    tmp = root / f".tmp-{ident}"
     final = root / checkpoint_dir_name(step)
     if comm.rank != 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -180,7 +217,8 @@ def save_checkpoint(
     header = None
     if comm.rank == 0:
         header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": comm.size,
-                  "strategy": strategy_name(model), "extra": extra}
+                  "strategy": strategy_name(model), "extra": extra,
+                  "optimizer": None if optimizer is None else type(optimizer).__name__}
 
     handle = SaveHandle(final)
 
@@ -197,6 +235,9 @@ def save_checkpoint(
                 _finish(root, tmp, final, header, comm.size, keep_last, timeout)
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
             handle.error = exc
+        finally:
+            if lock is not None:
+                lock.release()
 
     if async_save:
         handle.thread = threading.Thread(target=write, name=f"shardwise-save-rank{comm.rank}", daemon=True)
@@ -241,7 +282,7 @@ def _finish(root: Path, tmp: Path, final: Path, header: dict[str, Any], world: i
         name.unlink()
     fsync_dir(tmp)
     if final.exists():  # re-saving a step: move the old one aside first, never leave a half state under its name
-        old = root / f".old-{final.name}-{os.getpid()}"
+        old = root / f".old-{tmp.name.removeprefix('.tmp-')}"  # tied to this save's lock (storage.remove_stale)
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
