@@ -295,10 +295,15 @@ def _tagged_stages(first=_Tagged):
     return [first(), _Tagged()]
 
 
+def _rank0(build):
+    """Rank 0's Pipeline of a 2-rank thread world. Construction agrees on the schedule with the other rank (a
+    collective), so both ranks build; the tests then drive rank 0 alone into errors raised before any message."""
+    return sw.launch(build, 2, timeout=5)[0]
+
+
 def test_a_leaf_that_cannot_be_sent_is_a_value_error_naming_the_stage_and_key():
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    pipe = pp.Pipeline(_tagged_stages(), ThreadWorld(2, timeout=5).communicators()[0], "gpipe", 2,
-                       lambda out, t: F.mse_loss(out[0], t))
+    pipe = _rank0(lambda comm: pp.Pipeline(_tagged_stages(), comm, "gpipe", 2, lambda out, t: F.mse_loss(out[0], t)))
     with pytest.raises(ValueError, match=r"stage 0 output\[1\] is a str, which cannot be sent to another rank"):
         pipe.step(x, None)
     with pytest.raises(ValueError, match=r"stage 0 output\[1\] is a str"):
@@ -330,7 +335,7 @@ def test_an_output_predict_cannot_send_fails_on_every_rank_that_waits_for_it():
 
 def test_predict_and_construction_errors_name_what_is_allowed():
     comm = ThreadWorld(2, timeout=5).communicators()[0]
-    pipe = pp.Pipeline(_tagged_stages(), comm, "gpipe", 2, loss_fn)
+    pipe = _rank0(lambda comm: pp.Pipeline(_tagged_stages(), comm, "gpipe", 2, loss_fn))
     for to in (99, -1, "last", True):
         with pytest.raises(ValueError, match=r"must be 'all' or a rank of the pipeline communicator, one of 0\.\.1"):
             pipe.predict(torch.randn(4, 4), to=to)

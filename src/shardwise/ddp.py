@@ -35,7 +35,9 @@ from torch import nn
 
 from . import layout
 from ._mixin import MovesRefused, mix_in
-from .comm.base import Communicator, ReduceOp, Work
+from .agreement import check_agreement, describe_parameters
+from .comm.base import Communicator, ReduceOp, Work, is_communicator
+from .comm.coalesced import broadcast_coalesced
 
 __all__ = ["DDP", "DDPModule"]
 
@@ -239,30 +241,6 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def broadcast_coalesced(comm: Communicator, tensors: list[torch.Tensor], src: int = 0, chunk_mb: float = 64) -> None:
-    """Broadcast many tensors from `src` with one collective per dtype and ~chunk_mb, instead of one per tensor."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    for group in groups.values():
-        chunk: list[torch.Tensor] = []
-        size = 0
-        for t in group + [None]:  # type: ignore[list-item]
-            if t is None or (chunk and size + t.numel() * t.element_size() > chunk_mb * MB):
-                if chunk:
-                    flat = torch.cat([c.detach().reshape(-1) for c in chunk])
-                    comm.broadcast(flat, src)
-                    offset = 0
-                    with torch.no_grad():
-                        for c in chunk:
-                            c.copy_(flat[offset : offset + c.numel()].view_as(c))
-                            offset += c.numel()
-                chunk, size = [], 0
-            if t is not None:
-                chunk.append(t)
-                size += t.numel() * t.element_size()
-
-
 class DDPModule(MovesRefused):
     """Mixed into a module's class by `DDP`: adds `no_sync()` and the forward-time buffer broadcast."""
 
@@ -314,10 +292,19 @@ def DDP(
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"DDP: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not is_communicator(comm):
+        raise ValueError(f"DDP: comm must be a shardwise Communicator (sw.init(), sw.launch's argument, mesh.dp), "
+                         f"got {type(comm).__name__}")
+    for name, value in (("find_unused_parameters", find_unused_parameters), ("broadcast_buffers", broadcast_buffers)):
+        if not isinstance(value, bool):
+            raise ValueError(f"DDP: {name}={value!r} must be True or False")
     layout.check_not_data_parallel(module, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"DDP: {name}={value!r} must be a positive number of MiB")
+    check_agreement(comm, "DDP", {"parameters": describe_parameters(module), "options": {
+        "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "find_unused_parameters": find_unused_parameters,
+        "broadcast_buffers": broadcast_buffers}})
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
     before = layout.placements(module)

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["ReduceOp", "CommError", "Work", "CompletedWork", "OpCount", "CommStats", "Communicator", "wire_bytes"]
+__all__ = ["ReduceOp", "CommError", "Work", "CompletedWork", "OpCount", "CommStats", "Communicator", "wire_bytes", "is_communicator"]
 
 
 class ReduceOp(enum.Enum):
@@ -45,14 +45,18 @@ class CommError(RuntimeError):
     """A communication operation failed or timed out: a peer died, hangs, or called a different operation.
 
     The message names the operation, this rank and the peer ranks involved. `op`, `rank` and `peers` carry the
-    same facts as attributes for programs that handle the error.
+    same facts as attributes for programs that handle the error; `peers` are the ranks the failed wait was for (the
+    culprits, where the backend or the job's heartbeats can tell them apart), and `waited` how many seconds that wait
+    lasted (None when unknown).
     """
 
-    def __init__(self, message: str, *, op: str = "", rank: int | None = None, peers: Sequence[int] = ()) -> None:
+    def __init__(self, message: str, *, op: str = "", rank: int | None = None, peers: Sequence[int] = (),
+                 waited: float | None = None) -> None:
         super().__init__(message)
         self.op = op
         self.rank = rank
         self.peers = tuple(peers)
+        self.waited = waited
 
 
 class Work(abc.ABC):
@@ -293,3 +297,9 @@ class Communicator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size}, backend={self.backend!r})"
+
+
+def is_communicator(obj: object) -> bool:
+    """A Communicator, or an object that acts as one (a wrapper delegating to one: tests record calls that way)."""
+    return isinstance(obj, Communicator) or all(
+        hasattr(obj, name) for name in ("rank", "size", "all_reduce", "all_gather", "broadcast"))

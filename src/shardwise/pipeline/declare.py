@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from .. import layout
+from ..agreement import check_agreement
 from ..comm.base import Communicator
 
 __all__ = ["declare_pipeline"]
@@ -31,8 +32,10 @@ def _stage_record(s: str, stage: nn.Module, tied: dict[int, Communicator]) -> la
 
 
 def declare_pipeline(pipe: nn.Module, stages: dict[str, nn.Module], comm: Communicator,
-                     tied_groups: list[tuple[Any, list[nn.Parameter], Communicator]]) -> None:
-    """Declare the local stages and the pipeline (see the module docstring)."""
+                     tied_groups: list[tuple[Any, list[nn.Parameter], Communicator]], options: dict[str, Any]) -> None:
+    """Agree on the schedule with the other pipeline ranks, then declare the local stages and the pipeline (see the
+    module docstring). Pipeline ranks hold different stages: they compare only what they share, the options."""
+    check_agreement(comm, "Pipeline", options)
     tied = {id(p): group for _, params, group in tied_groups for p in params}
     for s, stage in stages.items():
         layout.declare(stage, _stage_record(s, stage, tied))

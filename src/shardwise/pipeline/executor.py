@@ -155,7 +155,10 @@ class Pipeline(nn.Module):
         self.tied = TiedParameters(stages, comm, schedule.rank_of)
         self.stages = nn.ModuleDict({str(s): stages[s] for s in self.local_stages})
         self._stage_params = {s: [q for q in stages[s].parameters() if q.requires_grad] for s in self.local_stages}
-        declare_pipeline(self, dict(self.stages.items()), comm, self.tied.groups)
+        declare_pipeline(self, dict(self.stages.items()), comm, self.tied.groups, {
+            "schedule": schedule.name, "n_microbatches": n_microbatches, "n_stages": self.n_stages,
+            "virtual_stages": schedule.virtual_stages, "stage_sizes": [sum(p.numel() for p in st.parameters())
+                                                                       for st in stages]})
         self._last_rank = schedule.rank_of(self.n_stages - 1)
         self._forward_schedules: dict[int, Schedule] = {}  # predict's forward-only schedule by microbatch count
         self._st: _StepState | None = None

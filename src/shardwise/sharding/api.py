@@ -16,6 +16,7 @@ Wire bytes per rank per step (ring, Ψ parameter bytes, N ranks): DDP / no_shard
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,9 @@ from torch import nn
 
 from .. import layout
 from .._mixin import MovesRefused, mix_in
-from ..comm.base import Communicator
+from ..agreement import check_agreement, describe_parameters
+from ..comm.coalesced import broadcast_coalesced
+from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
 from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
 from .engine import ShardingConfig, ShardingEngine
@@ -74,9 +77,16 @@ class ShardedModule(MovesRefused):
         ]
 
 
-def _check_common(module: nn.Module, mixed_precision: Any, cpu_offload: Any, group_mb: Any) -> MixedPrecision:
+def _check_common(module: nn.Module, comm: Any, mixed_precision: Any, cpu_offload: Any, group_mb: Any,
+                  flags: dict[str, Any]) -> MixedPrecision:
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not is_communicator(comm):
+        raise ValueError(f"comm must be a shardwise Communicator (sw.init(), sw.launch's argument, mesh.dp), got "
+                         f"{type(comm).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False")
     layout.check_not_data_parallel(module, "ZeRO/FSDP")
     if not any(True for _ in module.parameters()):
         raise ValueError("the module has no parameters to shard")
@@ -102,6 +112,11 @@ def _check_replicated(module: nn.Module, params: object) -> tuple[nn.Parameter, 
 
 def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate: Communicator | None,
           config: ShardingConfig, record_name: str, replicated_params: tuple[nn.Parameter, ...]) -> nn.Module:
+    # Every rank wraps the same model with the same options, and starts from rank 0's values.
+    check_agreement(comm, record_name, {"parameters": describe_parameters(module), "options": {
+        k: str(v) for k, v in dataclasses.asdict(config).items()}})
+    if comm.size > 1:
+        broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
     # The placements so far (plain, or tensor parallel), keyed by this module's own parameter names.
     local = {id(p): name for name, p in module.named_parameters()}
     before = {local[id(pl.param)]: pl for pl in layout.placements(module).values()}
@@ -147,9 +162,10 @@ def ZeRO(
     After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
     empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
     """
-    if stage not in _STAGES:
+    if isinstance(stage, bool) or stage not in _STAGES:
         raise ValueError(f"ZeRO: stage={stage!r} is not supported; allowed 1, 2 or 3")
-    mp = _check_common(module, mixed_precision, cpu_offload, group_mb)
+    mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
+                       {"activation_checkpointing": activation_checkpointing, "prefetch": prefetch})
     config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
                             group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
     return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params))
@@ -179,6 +195,8 @@ def FSDP(
     The other options are those of `ZeRO`.
     """
     comm = comm_or_mesh.dp if isinstance(comm_or_mesh, Mesh) else comm_or_mesh
+    if not is_communicator(comm):
+        raise ValueError(f"FSDP: comm_or_mesh must be a shardwise Communicator or Mesh, got {type(comm).__name__}")
     if sharding not in _FSDP:
         raise ValueError(f"FSDP: sharding={sharding!r} is not supported; allowed {SHARDING_STRATEGIES}")
     if sharding == "hybrid_shard":
@@ -189,7 +207,8 @@ def FSDP(
             )
     elif shard_size is not None:
         raise ValueError(f"FSDP: shard_size={shard_size!r} only applies to sharding='hybrid_shard'")
-    mp = _check_common(module, mixed_precision, cpu_offload, group_mb)
+    mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
+                       {"activation_checkpointing": activation_checkpointing, "prefetch": prefetch})
     replicated_params = _check_replicated(module, replicated_params)
     config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
                             group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)

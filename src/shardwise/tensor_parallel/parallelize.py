@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..agreement import check_agreement, describe_parameters, fingerprints
 from ..comm.base import Communicator
 from .declare import tensor_parallel_placements
 from .gpt import install_gpt_forward
@@ -143,6 +144,12 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         plan = builtin_plan(plan, model, comm.size)
     styles = match_plan(model, plan)
     sp = bool(sequence_parallel)
+    # Every rank slices its own copy of the dense model: the copies must be equal (values too), or the slices are
+    # pieces of different models.
+    check_agreement(comm, "parallelize", {
+        "parameters": describe_parameters(model), "fingerprints": fingerprints(model), "plan": plan_name,
+        "styles": {name: repr(style) for name, style in styles.items()}, "sequence_parallel": sp,
+        "sequence_dim": sequence_dim})
 
     originals: dict[int, tuple[nn.Parameter, str, tuple]] = {}  # id(dense weight) -> (shard, module name, layout)
     keep_alive = []  # the dense weights, so their ids stay unique while we compare them
