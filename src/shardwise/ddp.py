@@ -38,6 +38,7 @@ from ._mixin import MovesRefused, mix_in
 from .agreement import check_agreement, describe_parameters
 from .comm.base import Communicator, ReduceOp, Work, is_communicator
 from .comm.coalesced import broadcast_coalesced
+from .optimizer_guard import register_wrapped
 
 __all__ = ["DDP", "DDPModule"]
 
@@ -317,6 +318,7 @@ def DDP(
         no_sync=module.no_sync, world=comm,
         memory=lambda: layout.MemoryView(grads=tuple(b.buffer for b in reducer.buckets)),
         options={"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb}))
+    register_wrapped(module)
     log.debug("DDP over %d ranks: %d buckets %s", comm.size, len(reducer.buckets), [b.nbytes for b in reducer.buckets])
     return module
 

@@ -26,6 +26,7 @@ from .. import layout
 from .._mixin import MovesRefused, mix_in
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
+from ..optimizer_guard import mark_replaced, register_wrapped
 from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
 from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
@@ -122,7 +123,10 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     before = {local[id(pl.param)]: pl for pl in layout.placements(module).values()}
     # Weights tied to copies on other pipeline ranks stay whole, so the pipeline can sum the copies' gradients.
     tied = tuple(pl.param for pl in before.values() if pl.tied_over is not None and pl.param not in replicated_params)
+    originals = list(module.parameters())
     engine = ShardingEngine(module, shard, replicate, config, (*replicated_params, *tied))
+    kept = {id(p) for p in module.parameters()}
+    mark_replaced([p for p in originals if id(p) not in kept], record_name)
     engine.comm = comm  # every data-parallel rank (checkpoints need them all)
     reinstall_partial_grad_hooks(engine, before)
     mix_in(module, ShardedModule, "Sharded")
@@ -131,6 +135,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     layout.declare(module, layout.Parallelized(
         record_name, comms, sharded_placements(engine, before), no_sync=module.no_sync, world=comm,
         memory=lambda: engine_memory(engine), options={"sharding": config.name}))
+    register_wrapped(module)
     return module
 
 

@@ -1,0 +1,80 @@
+"""The optimizer guard: an optimizer that cannot train the wrapped model raises at its first step, naming the fix.
+
+Two mistakes train nothing, silently, in plain PyTorch: an optimizer built before ZeRO / FSDP wrapped the model
+(it holds the original parameters, which the engine replaced by its shards), and an optimizer over another model's
+parameters (an unwrapped copy). Wrapping marks the parameters it replaces and registers the wrapped model with this
+thread; one global optimizer step pre-hook (`torch.optim.optimizer.register_optimizer_step_pre_hook`, installed at
+the first wrap, never at import) then checks each step:
+
+* the optimizer holds a replaced parameter -> ValueError: build the optimizer after wrapping;
+* none of the optimizer's parameters has a gradient while a model wrapped in this thread holds gradients -> the
+  optimizer is over something else -> ValueError naming the wrapped model.
+
+The first check is a few attribute reads per parameter and is cached per optimizer (re-done when its parameter
+list changes); the second runs only when the optimizer has no gradient at all (a step that would do nothing).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch import nn
+
+from . import layout
+
+__all__ = ["mark_replaced", "register_wrapped", "check_step"]
+
+_MARK = "_shardwise_replaced_by"
+_local = threading.local()  # the models wrapped in this thread (thread ranks each have their own)
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_installed = False
+_lock = threading.Lock()
+
+
+def mark_replaced(params: list[nn.Parameter], wrapper: str) -> None:
+    """Record that `wrapper` replaced these parameter objects (an optimizer holding them trains nothing)."""
+    for p in params:
+        setattr(p, _MARK, wrapper)
+
+
+def register_wrapped(model: nn.Module) -> None:
+    """Remember `model` (weakly) as wrapped in this thread, and install the step hook once."""
+    global _installed
+    models = getattr(_local, "models", None)
+    if models is None:
+        models = _local.models = weakref.WeakSet()
+    models.add(model)
+    with _lock:
+        if not _installed:
+            register_optimizer_step_pre_hook(check_step)
+            _installed = True
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The step pre-hook (see the module docstring)."""
+    params = _params(optimizer)
+    if _checked.get(optimizer) != len(params):
+        stale = [p for p in params if getattr(p, _MARK, None)]
+        if stale:
+            raise ValueError(f"optimizer.step(): the optimizer holds {len(stale)} parameter(s) that "
+                             f"{getattr(stale[0], _MARK)} replaced when it wrapped the model (shape "
+                             f"{tuple(stale[0].shape)}, ...): it would train nothing; build the optimizer after "
+                             f"wrapping, over model.parameters()")
+        _checked[optimizer] = len(params)
+    if any(p.grad is not None for p in params):
+        return
+    for model in list(getattr(_local, "models", ())):
+        if any(pl.param.grad is not None for pl in layout.placements(model).values()):
+            names = " + ".join(r.name for r in layout.strategies(model))
+            raise ValueError(f"optimizer.step(): none of the optimizer's {len(params)} parameters has a gradient, "
+                             f"while the {names} model wrapped in this thread ({type(model).__name__}) holds "
+                             f"gradients: the optimizer is over other parameters; build it over the wrapped "
+                             f"model's parameters()")
