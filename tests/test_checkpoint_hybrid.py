@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoint_cases import state_equal
+from compose_cases import load_and_resave, optimizer
 from parity import CONFIG, RTOL, batch
 from sharding_cases import wrap
 
@@ -15,10 +16,6 @@ from shardwise.checkpoint import read_tensors
 from shardwise.models import GPT
 
 ATOL_TP = 1e-5
-
-
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5)
 
 
 def build(comm, name):
@@ -51,13 +48,6 @@ def train(comm, name, steps, load=None, save=None):
     return sw.full_state_dict(model)
 
 
-def load_and_resave(comm, name, source, target):
-    model, _, _ = build(comm, name)
-    opt = optimizer(model.parameters())
-    step = sw.load_checkpoint(source, model, opt, comm=comm)["step"]
-    sw.save_checkpoint(target, model, opt, step=step, comm=comm)
-
-
 def world(name):
     if name == "plain":
         return 1
@@ -82,7 +72,7 @@ def test_3d_checkpoints_reload_on_any_layout(tmp_path, src, dst, uninterrupted):
     before = read_tensors(first)
     assert "param/tok_emb.weight" in before and "param/head.weight" not in before  # tied: written once
     assert before["param/blocks.1.mlp.fc.weight"].shape == (CONFIG.ff_dim, CONFIG.d_model)
-    sw.launch(load_and_resave, world(dst), dst, first, second)
+    sw.launch(load_and_resave, world(dst), build, dst, first, second)
     assert state_equal(before, read_tensors(second)) == []
     resumed = sw.launch(train, world(dst), dst, 2, first)[0]
     for key, want in uninterrupted.items():

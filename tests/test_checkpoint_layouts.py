@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from checkpoint_cases import state_equal
+from compose_cases import load_and_resave, optimizer
 from parity import CONFIG, RTOL, batch
 from safetensors.torch import save as safetensors_save
 from sharding_cases import wrap
@@ -23,10 +24,6 @@ from shardwise.checkpoint import CheckpointError, read_tensors
 from shardwise.models import GPT
 
 EPS, ATOL_TP = 1e-5, 1e-5
-
-
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=EPS)
 
 
 def parse(name):
@@ -61,13 +58,6 @@ def train(comm, name, steps, load=None, save=None):
     return sw.full_state_dict(model)
 
 
-def load_and_resave(comm, name, source, target):
-    model, _ = build(comm, name)
-    opt = optimizer(model.parameters())
-    step = sw.load_checkpoint(source, model, opt, comm=comm)["step"]
-    sw.save_checkpoint(target, model, opt, step=step, comm=comm)
-
-
 def world(name):
     dp, t, _ = parse(name)
     return dp * t
@@ -85,7 +75,7 @@ def uninterrupted():
 def test_any_layout_reloads_on_any_other(tmp_path, src, dst, uninterrupted):
     first, second = tmp_path / "first", tmp_path / "second"
     sw.launch(train, world(src), src, 3, None, first)
-    sw.launch(load_and_resave, world(dst), dst, first, second)
+    sw.launch(load_and_resave, world(dst), build, dst, first, second)
     before, after = read_tensors(first), read_tensors(second)
     assert any(k.endswith("/exp_avg_sq") for k in before) and any(k.endswith("/step") for k in before)
     assert before["param/blocks.0.attn.qkv.weight"].shape == (3 * CONFIG.d_model, CONFIG.d_model)  # dense shapes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compose_cases import dense_clipped, optimizer
 from parity import CONFIG, RTOL, batch
 
 import shardwise as sw
@@ -13,20 +14,8 @@ from shardwise.models import GPT
 STEPS, MAX_NORM = 3, 0.3
 
 
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5)
-
-
 def reference():
-    model = GPT(CONFIG, seed=0)
-    opt = optimizer(model.parameters())
-    for step in range(STEPS):
-        x, y = batch(step)
-        model(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in dense_clipped(STEPS, MAX_NORM).state_dict().items()}
 
 
 def _train(comm, tp, pp, sp):

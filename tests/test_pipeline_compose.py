@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compose_cases import dense_clipped, optimizer
 from parity import CONFIG, RTOL, batch
 from sharding_cases import wrap
 
@@ -17,22 +18,6 @@ from shardwise.models import GPT
 from shardwise.models.gpt import lm_loss
 
 MAX_NORM = 0.3
-
-
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5)
-
-
-def dense(steps):
-    model = GPT(CONFIG, seed=0)
-    opt = optimizer(model.parameters())
-    for step in range(steps):
-        x, y = batch(step)
-        model(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-    return model
 
 
 def build(comm, strategy):
@@ -68,7 +53,7 @@ def expected(model):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
 def test_hand_composed_pipeline_with_tied_weights_matches_one_process(strategy, tmp_path):
-    want = expected(dense(5))
+    want = expected(dense_clipped(5, MAX_NORM))
     for state in sw.launch(train, 4, strategy, 3, None, tmp_path):
         assert state.keys() == want.keys()
     tensors = read_tensors(tmp_path)
