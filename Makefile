@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 MPI4PY_VERSION := 4.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench clean
+.PHONY: demo test soak bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed $(VENV)/.mpi
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Fault injection over many seeds (kill -9, raise, stall of one of 3 gloo ranks: launch must blame that rank).
+# SHARDWISE_SOAK_TRIALS sets the trials per fault (default 10).
+soak: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m soak $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/ddp.py

@@ -10,8 +10,9 @@ overlaps: a rank may compute while its slot waits for the others. Point-to-point
 
 Failure handling. Every wait has a deadline (the communicator's timeout); on expiry it raises CommError naming the
 operation, this rank and the ranks that never arrived. Ranks that call different collectives at the same position
-(a bug that deadlocks real backends) all get a CommError naming both calls. `ThreadWorld.abort()` wakes every
-waiter with a CommError, which is how `launch` stops the other ranks when one fails.
+(a bug that deadlocks real backends) all get a CommError naming both calls. `ThreadWorld.abort(reason, rank)` wakes
+every waiter with a CommError naming `rank` as the peer it stopped for, which is how `launch` stops the other ranks
+when one fails.
 
 No torch.distributed here: the backend works in any PyTorch build.
 """
@@ -78,6 +79,7 @@ class ThreadWorld:
         self.timeout = float(timeout)
         self.cond = threading.Condition()
         self.abort_reason: str | None = None
+        self.abort_rank: int | None = None
         self.mailboxes: dict[tuple[int, int, int, int], collections.deque[torch.Tensor]] = {}
         self._group_ids = itertools.count()
         self.world_group = self.new_group(tuple(range(size)))
@@ -88,21 +90,28 @@ class ThreadWorld:
     def communicators(self) -> list[ThreadCommunicator]:
         return [ThreadCommunicator(self.world_group, r) for r in range(self.size)]
 
-    def abort(self, reason: str) -> None:
-        """Make every current and future wait of this world raise CommError carrying `reason`."""
+    def abort(self, reason: str, rank: int | None = None) -> None:
+        """Make every current and future wait of this world raise CommError carrying `reason` (and naming `rank`, the
+        rank whose failure stops the others, as the peer)."""
         with self.cond:
             if self.abort_reason is None:
-                self.abort_reason = reason
+                self.abort_reason, self.abort_rank = reason, rank
             self.cond.notify_all()
 
-    def wait_until(self, ready: Callable[[], bool], timeout: float, describe: Callable[[], CommError]) -> None:
-        """Wait (holding no lock on return) until ready() is true; raise describe() on timeout or abort."""
-        deadline = time.monotonic() + timeout
+    def wait_until(self, ready: Callable[[], bool], timeout: float, describe: Callable[[], CommError],
+                   what: str = "") -> None:
+        """Wait (holding no lock on return) until ready() is true; raise describe() on timeout, or a CommError
+        saying why the world was aborted (`what`: the operation, for that message)."""
+        start = time.monotonic()
+        deadline = start + timeout
         with self.cond:
             while not ready():
                 if self.abort_reason is not None:
                     err = describe()
-                    raise CommError(f"{err} (aborted: {self.abort_reason})", op=err.op, rank=err.rank, peers=err.peers)
+                    peers = err.peers if self.abort_rank is None else (self.abort_rank,)
+                    waited = time.monotonic() - start
+                    raise CommError(f"{what or err.op} on rank {err.rank} stopped after {waited:.2f}s (aborted: "
+                                    f"{self.abort_reason})", op=err.op, rank=err.rank, peers=peers, waited=waited)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise describe()
@@ -148,9 +157,10 @@ class _SlotWork(Work):
                 op=slot.op,
                 rank=comm.global_rank,
                 peers=missing,
+                waited=limit,
             )
 
-        comm.world.wait_until(lambda: slot.done or slot.error is not None, limit, timed_out)
+        comm.world.wait_until(lambda: slot.done or slot.error is not None, limit, timed_out, self.describe)
         if slot.error is not None:
             raise CommError(f"{slot.error} (seen on rank {comm.global_rank})", op=slot.op, rank=comm.global_rank)
 
@@ -186,6 +196,7 @@ class _RecvWork(Work):
                 op="recv",
                 rank=comm.global_rank,
                 peers=[src],
+                waited=limit,
             )
 
         taken: list[torch.Tensor] = []
@@ -196,7 +207,7 @@ class _RecvWork(Work):
                 taken.append(queue.popleft())
             return bool(taken)
 
-        comm.world.wait_until(take, limit, timed_out)
+        comm.world.wait_until(take, limit, timed_out, f"recv(src={self.src}, tag={self.tag})")
         message = taken[0]
         if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:
             raise CommError(

@@ -14,7 +14,8 @@ world taking part. Groups are cached by member list, so splitting the same way t
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from .base import (
     check_reduce_op,
     tensor_bytes,
 )
+from .heartbeat import RankWatch
 from .thread_backend import ThreadCommunicator, ThreadWorld
 
 __all__ = ["TorchCommunicator"]
@@ -43,13 +45,18 @@ _NATIVE_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX,
 
 
 class _TorchWork(Work):
-    """Wraps a torch.distributed Work: waits with a deadline, rewraps errors, then runs a finishing step."""
+    """Wraps a torch.distributed Work: waits with a deadline, rewraps errors, then runs a finishing step.
 
-    def __init__(self, comm: TorchCommunicator, work: dist.Work, what: str, then: Callable[[], None] | None) -> None:
+    `peers` are the global ranks the operation waits for (the rest of the group; the one peer of a send / recv).
+    """
+
+    def __init__(self, comm: TorchCommunicator, work: dist.Work, what: str, then: Callable[[], None] | None,
+                 peers: Sequence[int]) -> None:
         self.comm = comm
         self.work = work
         self.what = what
         self.then = then
+        self.peers = peers
         self.done = False
 
     def is_completed(self) -> bool:
@@ -58,13 +65,24 @@ class _TorchWork(Work):
     def wait(self, timeout: float | None = None) -> None:
         if self.done:
             return
-        limit = self.comm.timeout if timeout is None else timeout
+        comm = self.comm
+        limit = comm.timeout if timeout is None else timeout
+        activity = comm._watch.activity if comm._watch is not None else None
+        if activity is not None:
+            activity.enter(self.what, comm.global_ranks)
+        began, start = time.time(), time.monotonic()
         try:
             ok = self.work.wait(datetime.timedelta(seconds=limit))
         except Exception as exc:  # torch raises RuntimeError / DistBackendError subclasses with backend text
-            raise self.comm._error(self.what, limit, exc) from exc
+            ok, error = False, exc
+        else:
+            error = None
         if ok is False:
-            raise self.comm._error(self.what, limit, None)
+            if activity is not None:
+                activity.fail()  # first, so that peers diagnosing meanwhile see a fellow victim
+            raise comm._error(self.what, limit, error, self.peers, began, start) from error
+        if activity is not None:
+            activity.leave()
         if self.then is not None:
             self.then()
         self.done = True
@@ -77,7 +95,8 @@ class TorchCommunicator(Communicator):
     come from `split`. Ranks given to operations (src, dst) are ranks of this group, as with every Communicator.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 60.0, _cache: dict | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 60.0, _cache: dict | None = None,
+                 _watch: RankWatch | None = None):
         if not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs torch.distributed initialised; use shardwise.init()")
         self.group = group
@@ -90,25 +109,44 @@ class TorchCommunicator(Communicator):
         self.stats = CommStats()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self._cache: dict[tuple[int, ...], dist.ProcessGroup] = {} if _cache is None else _cache
+        self._watch = _watch  # this process's heartbeat (None when the job runs none): names culprits in errors
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
-    def _error(self, what: str, limit: float, exc: BaseException | None) -> CommError:
-        peers = [r for r in self.global_ranks if r != self.global_rank]
-        cause = f": {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" if exc else ""
+    def _error(self, what: str, limit: float, exc: BaseException | None, peers: Sequence[int] | None = None,
+               began: float | None = None, start: float | None = None) -> CommError:
+        """The CommError of a failed wait: the culprits among `peers` (default: the rest of the group) and why.
+
+        began / start: when the wait began (wall clock / monotonic); None for a call that failed while being issued.
+        """
+        peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else list(peers)
+        start = time.monotonic() if start is None else start
+        waited = time.monotonic() - start
+        cause = str(exc).splitlines()[0].split(". This is typically")[0][:300] if exc is not None and str(exc) else ""
+        timed_out = exc is None or waited >= 0.95 * limit or "timed out" in cause.lower()
+        clause = ""
+        if self._watch is not None and peers:
+            peers, clause = self._watch.culprits(peers, self.global_ranks, time.time() - waited if began is None
+                                                 else began, early=not timed_out, deadline=start + limit)
+            clause = f": {clause}"
+        backend = f" [{self.backend}: {type(exc).__name__}: {cause}]" if exc is not None else ""
+        how = (f"timed out after {limit:g}s on rank {self.global_rank}" if timed_out else
+               f"failed on rank {self.global_rank} after {waited:.2f}s (limit {limit:g}s)")
         return CommError(
-            f"{what} failed or timed out (limit {limit:g}s) on rank {self.global_rank}, "
-            f"waiting for rank(s) {peers} of group {list(self.global_ranks)}{cause}",
+            f"{what} {how}, waiting for rank(s) {peers} of group {list(self.global_ranks)}{clause}{backend}",
             op=what.split("(")[0],
             rank=self.global_rank,
             peers=peers,
+            waited=waited,
         )
 
-    def _issue(self, what: str, start: Callable[[], dist.Work], then: Callable[[], None] | None, async_op: bool):
+    def _issue(self, what: str, start: Callable[[], dist.Work], then: Callable[[], None] | None, async_op: bool,
+               peers: Sequence[int] | None = None):
+        peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else peers
         try:
             work = start()
         except Exception as exc:
-            raise self._error(what, self.timeout, exc) from exc
-        handle = _TorchWork(self, work, what, then)
+            raise self._error(what, self.timeout, exc, peers) from exc
+        handle = _TorchWork(self, work, what, then, peers)
         if async_op:
             return handle
         handle.wait()
@@ -171,13 +209,15 @@ class TorchCommunicator(Communicator):
         self._check_peer("send", dst, "dst")
         self.stats.record("send", tensor_bytes(tensor), self.size)
         peer = self.global_ranks[dst]
-        return self._issue(f"send(dst={dst}, tag={tag})", lambda: dist.isend(tensor, peer, self.group, tag), None, True)
+        start = lambda: dist.isend(tensor, peer, self.group, tag)  # noqa: E731
+        return self._issue(f"send(dst={dst}, tag={tag})", start, None, True, [peer])
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         self._check_peer("recv", src, "src")
         self.stats.record("recv", tensor_bytes(tensor), self.size)
         peer = self.global_ranks[src]
-        return self._issue(f"recv(src={src}, tag={tag})", lambda: dist.irecv(tensor, peer, self.group, tag), None, True)
+        start = lambda: dist.irecv(tensor, peer, self.group, tag)  # noqa: E731
+        return self._issue(f"recv(src={src}, tag={tag})", start, None, True, [peer])
 
     # ---- groups -----------------------------------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
@@ -213,4 +253,4 @@ class TorchCommunicator(Communicator):
                     use_local_synchronization=True,
                 )
                 self._cache[global_members] = pg
-        return TorchCommunicator(pg, timeout=self.timeout, _cache=self._cache)
+        return TorchCommunicator(pg, timeout=self.timeout, _cache=self._cache, _watch=self._watch)

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = ["LaunchError"]
 
 
 class LaunchError(RuntimeError):
-    """A rank of `launch` failed. `rank` is the first rank that failed; `remote_traceback` its traceback text."""
+    """A rank of `launch` failed. `rank` is the first rank that failed (the root cause, by time); `summary` one line
+    of what happened to it ("killed by SIGKILL", "ValueError: ...", "stalled: ..."); `remote_traceback` its traceback
+    text (or stack). `others` lists (rank, summary) of every other rank that failed too (survivors' CommErrors, which
+    name the root cause), in order of time.
+    """
 
-    def __init__(self, rank: int, summary: str, remote_traceback: str) -> None:
-        super().__init__(f"rank {rank} failed: {summary}\n--- traceback of rank {rank} ---\n{remote_traceback}")
+    def __init__(self, rank: int, summary: str, remote_traceback: str,
+                 others: Sequence[tuple[int, str]] = ()) -> None:
+        text = f"rank {rank} failed: {summary}\n--- traceback of rank {rank} ---\n{remote_traceback}"
+        if others:
+            text += "\n--- other ranks ---\n" + "\n".join(f"rank {r}: {s}" for r, s in others)
+        super().__init__(text)
         self.rank = rank
+        self.summary = summary
         self.remote_traceback = remote_traceback
+        self.others = tuple(others)

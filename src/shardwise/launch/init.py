@@ -5,8 +5,11 @@ the torch.distributed world (NCCL when CUDA is present, gloo otherwise) through 
 world Communicator; with no launcher it returns a world of one, so the same script runs unchanged on a laptop.
 Where the rendezvous store lives depends on the launcher: torchrun's agent hosts it (`env://`); under mpirun /
 mpiexec with mpi4py installed, rank 0 hosts it on a port the OS picks and broadcasts its address with MPI; otherwise
-(srun, or MPI without mpi4py) rank 0 hosts it at MASTER_ADDR:MASTER_PORT. With `backend="mpi"` the Communicator is
-MPI itself (comm/mpi_backend.py), checked against the launcher's idea of the world size.
+(srun, MPI without mpi4py, or RANK / WORLD_SIZE set by hand) rank 0 hosts it at MASTER_ADDR:MASTER_PORT. A store that
+rank 0 hosts on a loopback MASTER_ADDR listens on that address only, and gloo then stays on the loopback interface.
+When SHARDWISE_JOB_TOKEN is set (the same value on every rank; see docs/guide.md) every key of the job lives under it.
+Each rank runs a heartbeat in the store, so its CommErrors name the peer that failed. With `backend="mpi"` the
+Communicator is MPI itself (comm/mpi_backend.py), checked against the launcher's idea of the world size.
 """
 
 from __future__ import annotations
@@ -59,20 +62,22 @@ def init(backend: str | None = None, timeout: float = 60.0) -> Communicator:
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if chosen == "nccl":
         torch.cuda.set_device(env.local_rank)
-    store, init_method = None, None
-    if env.source == "torchrun":
-        init_method = "env://"  # honours torchrun's agent-hosted store
+    addr = env.master_addr
+    if env.source == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = rendezvous.env_store(env.rank, env.world_size, timeout)  # torchrun's agent hosts it, as env:// has it
     elif env.source in ("openmpi", "pmi") and importlib.util.find_spec("mpi4py") is not None:
         # env.master_addr is MASTER_ADDR, or 127.0.0.1 when every rank is on this node; else this host's name.
-        store = rendezvous.store_via_mpi(env.rank, env.master_addr or socket.getfqdn(),
-                                         int(os.environ.get("MASTER_PORT", 0)), timeout)
-    elif env.master_addr is None:
+        addr = addr or socket.getfqdn()
+        store = rendezvous.store_via_mpi(env.rank, addr, int(os.environ.get("MASTER_PORT", 0)), timeout)
+    elif addr is None or env.master_port is None:
         raise ValueError(
             f"init: the {env.source} environment does not say where rank 0 listens; set MASTER_ADDR and MASTER_PORT"
         )
     else:
-        init_method = f"tcp://{env.master_addr}:{env.master_port}"
-    comm = rendezvous.join_world(chosen, env.rank, env.world_size, timeout, store=store, init_method=init_method)
+        store = rendezvous.rank_zero_store(addr, env.master_port, env.rank, timeout)
+    store = rendezvous.job_store(store, os.environ.get(rendezvous.JOB_TOKEN_ENV))
+    comm = rendezvous.join_world(chosen, env.rank, env.world_size, timeout, store=store,
+                                 local=rendezvous.is_loopback(addr))
     set_log_rank(env.rank)
     return comm
 

@@ -1,29 +1,39 @@
 """`launch(fn, world_size, *args)`: run `fn(comm, *args)` on N local ranks and return the results in rank order.
 
 With `backend="thread"` the ranks are threads of this process sharing a ThreadWorld (fast; the test harness). With
-`backend="gloo"` they are spawned processes that rendezvous through a TCP store this process hosts on 127.0.0.1
-(port chosen by the OS, so parallel launches never race for a port); each sends back its pickled result or its
-error and traceback on a queue. With `backend="mpi"` they run under `mpirun -np N` (see mpi.py). If one rank
-raises, the others are stopped (thread ranks get a CommError at their next wait; processes are terminated; an MPI
-job is aborted) and LaunchError names the failing rank and carries its traceback.
+`backend="gloo"` they are spawned processes that rendezvous through a TCP store this process hosts on 127.0.0.1 only
+(port chosen by the OS, so parallel launches never race for a port; every key under a fresh job token; gloo pinned to
+loopback); each sends back its pickled result, or its error and traceback, on its own pipe. With `backend="mpi"` they
+run under `mpirun -np N` (see mpi.py).
+
+Failures. A FailureDetector (detector.py) collects what the ranks report and, for processes, watches their exits and
+heartbeats (comm/heartbeat.py). When one rank fails, the others are stopped (thread ranks get a CommError at their
+next wait; processes fail their next collective, naming the culprit from the detector's verdict, and are then
+terminated and reaped: no orphans) and LaunchError names the first rank that failed by time, with its traceback:
+a process that died (its signal or exit code), a rank that raised, or a rank that stalled (its peers timed out waiting
+while it made no progress; for a process, its Python stack, dumped on SIGUSR1 before it is stopped). An MPI job is
+aborted and reports the earliest failure (mpi.py).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
-import queue as queue_module
+import shutil
+import signal
+import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..comm.base import CommError
 from ..comm.thread_backend import ThreadWorld
+from .detector import FailureDetector, error_report
 from .errors import LaunchError
 from .logs import rank_logging_installed, set_log_rank, start_rank_logging
 from .mpi import launch_mpi
@@ -67,57 +77,87 @@ def _launch_threads(fn: Callable[..., Any], n: int, args: tuple, timeout: float)
     world = ThreadWorld(n, timeout)
     comms = world.communicators()
     results: list[Any] = [None] * n
-    failures: list[tuple[float, int, BaseException, str]] = []
+    raised: dict[int, BaseException] = {}
+    detector = FailureDetector(n)
 
     def run(rank: int) -> None:
         set_log_rank(rank, thread_only=True)
         try:
             results[rank] = fn(comms[rank], *args)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller, named by rank
-            failures.append((time.monotonic(), rank, exc, traceback.format_exc()))
-            world.abort(f"rank {rank} raised {type(exc).__name__}: {exc}")
+            raised[rank] = exc
+            detector.report_error(rank, error_report(exc))
+            world.abort(f"rank {rank} raised {type(exc).__name__}: {exc}", rank=rank)
+        else:
+            detector.report_done(rank)
 
     threads = [threading.Thread(target=run, args=(r,), name=f"shardwise-rank{r}", daemon=True) for r in range(n)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    if failures:
-        # The root cause is the first failure that is not merely another rank being aborted because of it.
-        failures.sort(key=lambda f: (isinstance(f[2], CommError) and "aborted" in str(f[2]), f[0]))
-        _, rank, exc, text = failures[0]
-        raise LaunchError(rank, f"{type(exc).__name__}: {exc}", text) from exc
-    return results
+    # Every rank returns or fails; after a failure the others are woken by the abort at their next wait. A rank that
+    # never gets there (it stalled) is left behind after `settle`: a thread cannot be stopped from outside.
+    while True:
+        detector.changed.clear()
+        if not detector.running() or detector.settled():
+            break
+        detector.changed.wait(0.05)
+    if detector.first_failure() is None:
+        for t in threads:
+            t.join()  # each has reported; it is only returning
+        return results
+    error = _launch_error(detector)
+    raise error from raised.get(error.rank)
+
+
+def _launch_error(detector: FailureDetector, stacks: dict[int, str] | None = None) -> LaunchError:
+    """LaunchError for the detector's root cause, listing every other failed or abandoned rank."""
+    failures = detector.failures()
+    root = failures[0]
+    others = [(f.rank, f.summary) for f in failures[1:]]
+    named = {f.rank for f in failures}
+    others += [(r, "still running when the job was stopped") for r in detector.running() if r not in named]
+    text = root.traceback or (stacks or {}).get(root.rank) or "(no traceback)"
+    return LaunchError(root.rank, root.summary, text, others)
 
 
 def _process_main(
-    rank: int, n: int, port: int, timeout: float, threads: int, logs: bool, fn: Callable, args: tuple, out: Any
+    rank: int, n: int, port: int, token: str, timeout: float, threads: int, logs: bool, fn: Callable, args: tuple,
+    out: Any, launcher_pid: int, stack_path: str,
 ) -> None:
     """Body of one spawned gloo rank: join the store-hosted rendezvous, run fn, send back the pickled result."""
     from ..comm import rendezvous
 
+    stack_file = open(stack_path, "w")  # noqa: SIM115 - held open for faulthandler until the process exits
+    if hasattr(faulthandler, "register"):  # the launcher asks a stalled rank for its stack with SIGUSR1
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-         "MASTER_PORT": str(port)}
+         "MASTER_PORT": str(port), rendezvous.JOB_TOKEN_ENV: token}
     )
     torch.set_num_threads(threads)
     start_rank_logging(rank, logs)
+    comm = None
     try:
-        store = rendezvous.join_store("127.0.0.1", port, timeout, rank=rank)
-        comm = rendezvous.join_world("gloo", rank, n, timeout, store=store)
-        result = fn(comm, *args)
+        store = rendezvous.job_store(rendezvous.join_store("127.0.0.1", port, timeout, rank=rank), token)
+        comm = rendezvous.join_world("gloo", rank, n, timeout, store=store, local=True, launcher_pid=launcher_pid)
         # Plain pickle copies tensors by value; a torch multiprocessing queue would hand over shared memory that
         # dies with this process.
-        payload = pickle.dumps(result)
-        out.put(("ok", rank, payload))
+        message: tuple = ("ok", pickle.dumps(fn(comm, *args)))
+        error = None
     except BaseException as exc:  # noqa: BLE001
-        out.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        message = ("error", error_report(exc))
+        error = message[1]["summary"].splitlines()[0]
+    # Report before leaving: leaving closes this rank's gloo links, and peers still waiting on them then look up why.
+    out.send(message)
+    try:
+        rendezvous.leave_world(comm, error)
     finally:
-        rendezvous.leave_world()
+        out.close()
 
 
 def _launch_processes(fn: Callable[..., Any], n: int, args: tuple, timeout: float, threads: int | None) -> list[Any]:
     from ..comm import rendezvous
+    from ..comm.heartbeat import Board
 
     try:
         pickle.dumps(fn)
@@ -128,44 +168,80 @@ def _launch_processes(fn: Callable[..., Any], n: int, args: tuple, timeout: floa
         ) from None
     threads = threads or max(1, (os.cpu_count() or 1) // n)
     logs = rank_logging_installed()
-    # The parent hosts the rendezvous store on a port the OS picks: no free-port race between parallel launches.
-    store = rendezvous.host_store("127.0.0.1", 0, timeout)
+    # The parent hosts the rendezvous store on 127.0.0.1, on a port the OS picks: no free-port race between parallel
+    # launches, nothing reachable from another host, and every key under this job's token.
+    token = rendezvous.new_job_token()
+    host = rendezvous.host_store("127.0.0.1", 0, timeout)
+    store = rendezvous.job_store(host, token)
+    stacks_dir = tempfile.mkdtemp(prefix="shardwise-launch-")
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_process_main, args=(r, n, store.port, timeout, threads, logs, fn, args, out),
-                    name=f"shardwise-rank{r}", daemon=True)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
+    procs = {
+        r: ctx.Process(target=_process_main, name=f"shardwise-rank{r}", daemon=True,
+                       args=(r, n, host.port, token, timeout, threads, logs, fn, args, pipes[r][1], os.getpid(),
+                             os.path.join(stacks_dir, f"rank{r}.stack")))
         for r in range(n)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
+    }
+    detector = FailureDetector(n, board=Board(store, silence=max(2.0, timeout)), processes=procs)
     try:
-        while len(results) < n:
-            try:
-                message = out.get(timeout=0.2)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    time.sleep(0.5)  # the rank may have queued its error just before dying: prefer that message
-                    if out.empty():
-                        r = dead[0]
-                        raise LaunchError(r, f"process exited with code {procs[r].exitcode}", "(no traceback: killed)")
-                continue
-            if message[0] == "error":
-                _, rank, summary, text = message
-                raise LaunchError(rank, summary, text)
-            _, rank, payload = message
-            results[rank] = pickle.loads(payload)
-        for p in procs:
-            p.join(timeout)
-        return [results[r] for r in range(n)]
+        for r, p in procs.items():
+            p.start()
+            pipes[r][1].close()  # the child holds the writing end; EOF here then means it is gone
+        detector.start()
+        readers = {pipes[r][0]: r for r in range(n)}
+        results: dict[int, Any] = {}
+        while len(results) < n and not detector.settled():
+            for conn in multiprocessing.connection.wait(list(readers), timeout=0.1):
+                rank = readers.pop(conn)
+                try:
+                    kind, body = conn.recv()
+                except (EOFError, OSError):
+                    continue  # died without a word: the detector saw its exit
+                if kind == "ok":
+                    results[rank] = pickle.loads(body)
+                    detector.report_done(rank)
+                else:
+                    detector.report_error(rank, body)
+        detector.stop()
+        if detector.first_failure() is None:
+            for p in procs.values():
+                p.join(timeout)
+            return [results[r] for r in range(n)]
+        stacks = {f.rank: _stack(procs[f.rank], stacks_dir, f.rank) for f in detector.failures() if f.kind == "stalled"}
+        raise _launch_error(detector, stacks)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
+        detector.stop()
+        _stop_all(procs.values())
+        shutil.rmtree(stacks_dir, ignore_errors=True)
+        del store, host
+
+
+def _stack(proc: Any, stacks_dir: str, rank: int) -> str:
+    """The Python stack of a live process (faulthandler dump on SIGUSR1), for a rank that stalled."""
+    if not proc.is_alive() or not hasattr(faulthandler, "register"):
+        return ""
+    path = os.path.join(stacks_dir, f"rank{rank}.stack")
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+    except OSError:
+        return ""
+    deadline, text, before = time.monotonic() + 2.0, "", None
+    while time.monotonic() < deadline and (not text or text != before):  # until the dump stops growing
+        time.sleep(0.1)
+        before = text
+        with open(path) as f:
+            text = f.read()
+    return f"(the rank was still running; its Python stack when it was stopped:)\n{text}" if text else ""
+
+
+def _stop_all(procs: Any) -> None:
+    """Terminate every child still running, then kill and reap: no process outlives launch()."""
+    procs = list(procs)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(3)
+        if p.is_alive():
+            p.kill()
             p.join(5)
-            if p.is_alive():
-                p.kill()
-        del store

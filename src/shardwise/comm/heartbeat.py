@@ -1,0 +1,270 @@
+"""Heartbeats: a cheap failure detector beside the data path, and how a rank whose wait failed names the culprit.
+
+Mechanism. Each rank of a process job runs one daemon thread (`Heartbeat`) that writes a small JSON record under
+`shardwise/beat/<rank>` in the job's rendezvous store every `interval` seconds, through its own clone of the store (one
+more TCP connection: a store client is not shared between threads, and the data path never waits for a beat). The
+record holds the beat's wall-clock time, the process id, the rank's state ("running", "done", or "failed" with a
+one-line error) and what its communicators are doing, kept by `Activity`: the operation a wait is blocked in and its
+group, since when; or, between waits, when the last wait ended. Communicators only update `Activity` (two attribute
+writes per wait), so the data path pays nothing else. A launcher that watches the processes writes its verdict on a
+rank under `shardwise/verdict/<rank>` ("killed by SIGKILL", "raised ValueError: ...").
+
+Its own timeout. A record whose beat is older than `silence` seconds belongs to a process that died or froze
+(SIGSTOP, a host gone): the heartbeat thread beats while the rank's main thread sleeps or computes, so silence means
+the process itself stopped. A rank that beats but makes no progress is told apart differently: it is outside
+communication while its peers wait for it (`Board.explain`).
+
+Naming the culprit. When a wait fails, the communicator calls `Board.explain` with the peers the operation waited for.
+Each is judged from its record and the launcher's verdict: died / silent / raised / already returned / outside
+communication for X s / waiting in another group's operation are culprits; a peer waiting in, or failed in, an
+operation of the same group is a fellow victim. When the backend failed early (gloo reports a dead peer as a broken
+connection, at once), a peer's last beat may still look healthy: `explain` then polls the board until some peer's
+fate is certain (a verdict, a silent or final record) or the deadline passes.
+
+Clocks: records carry wall-clock time (time.time()); ranks on several hosts need clocks that agree to well within
+`silence` seconds (NTP does). Nothing here changes what a collective computes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Activity", "Board", "Heartbeat", "PeerNote", "RankWatch"]
+
+_BEAT = "shardwise/beat/{}"
+_VERDICT = "shardwise/verdict/{}"
+_STORE_TIMEOUT_S = 5.0  # a store call of the detector never blocks longer than this
+
+
+class Activity:
+    """What this process's communicators are doing: the operation a wait is blocked in, or when the last one ended.
+
+    `enter` / `leave` / `fail` are called by a communicator around each wait (attribute writes only: cheap, and atomic
+    under the GIL); the heartbeat thread reads `snapshot()`.
+    """
+
+    def __init__(self) -> None:
+        self.doing: tuple[str, tuple[int, ...], float] | None = None  # (operation, group, since)
+        self.idle_since = time.time()
+        self.last: tuple[str, tuple[int, ...]] | None = None  # the last operation that completed
+        self.failed: tuple[str, tuple[int, ...], float] | None = None  # the last wait that raised CommError
+
+    def enter(self, what: str, group: Sequence[int]) -> None:
+        self.doing = (what, tuple(group), time.time())
+
+    def leave(self) -> None:
+        doing = self.doing
+        if doing is not None:
+            self.last = (doing[0], doing[1])
+        self.doing, self.idle_since = None, time.time()
+
+    def fail(self) -> None:
+        doing = self.doing
+        if doing is not None:
+            self.failed = (doing[0], doing[1], time.time())
+        self.doing, self.idle_since = None, time.time()
+
+    def snapshot(self) -> dict[str, Any]:
+        doing, last, failed = self.doing, self.last, self.failed
+        return {
+            "doing": None if doing is None else [doing[0], list(doing[1]), doing[2]],
+            "idle_since": self.idle_since,
+            "last": None if last is None else [last[0], list(last[1])],
+            "failed": None if failed is None else [failed[0], list(failed[1]), failed[2]],
+        }
+
+
+def _clone(store: Any) -> Any:
+    clone = store.clone()
+    clone.set_timeout(datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+    return clone
+
+
+class Heartbeat:
+    """The rank side: a daemon thread publishing this rank's record every `interval` seconds (module docstring).
+
+    launcher_pid: when given, the process exits (code 1) once its parent is no longer that process, so the ranks of a
+    launcher that was killed do not live on as orphans.
+    """
+
+    def __init__(self, store: Any, rank: int, activity: Activity, interval: float = 0.5,
+                 *, launcher_pid: int | None = None) -> None:
+        self.store = _clone(store)
+        self.rank = rank
+        self.activity = activity
+        self.interval = float(interval)
+        self.launcher_pid = launcher_pid
+        self.state, self.error = "running", ""
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one writer of the store clone at a time
+        self._thread = threading.Thread(target=self._run, name=f"shardwise-heartbeat{rank}", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def stop(self, state: str = "done", error: str = "") -> None:
+        """Publish the final record (state "done", or "failed" with a one-line error) and end the thread."""
+        self.state, self.error = state, error[:500]
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.interval + _STORE_TIMEOUT_S)
+        self._publish()
+
+    def _publish(self) -> None:
+        record = {"t": time.time(), "pid": os.getpid(), "state": self.state, "error": self.error,
+                  **self.activity.snapshot()}
+        with self._lock:
+            try:
+                self.store.set(_BEAT.format(self.rank), json.dumps(record))
+            except Exception:  # noqa: BLE001 - a store that went away must not kill the rank; peers see silence
+                pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+                os._exit(1)  # the launcher died: nobody will collect this rank's result
+            self._publish()
+
+
+class PeerNote:
+    """What `Board.explain` says about one peer: `text` (a clause for the error), whether it is a `culprit`, and
+    whether that is `certain` (a verdict, silence, a final record) rather than a reading of a live record."""
+
+    __slots__ = ("rank", "text", "culprit", "certain")
+
+    def __init__(self, rank: int, text: str, culprit: bool, certain: bool = False) -> None:
+        self.rank, self.text, self.culprit, self.certain = rank, text, culprit, certain
+
+    def __repr__(self) -> str:
+        return f"PeerNote({self.rank}, {self.text!r}, culprit={self.culprit}, certain={self.certain})"
+
+
+class Board:
+    """The reading side of the heartbeats: peers' records and the launcher's verdicts, in one store clone.
+
+    silence: seconds without a beat after which a rank counts as dead or frozen (the detector's own timeout).
+    """
+
+    def __init__(self, store: Any, silence: float) -> None:
+        self.store = _clone(store)
+        self.silence = float(silence)
+        self._lock = threading.Lock()  # a launcher may read from a watcher thread and mark from its main thread
+
+    def _get(self, key: str) -> bytes | None:
+        with self._lock:
+            try:
+                return self.store.get(key) if self.store.check([key]) else None
+            except Exception:  # noqa: BLE001 - an unreachable store is "unknown", never a second error
+                return None
+
+    def record(self, rank: int) -> dict[str, Any] | None:
+        """The rank's last published record, or None before its first beat."""
+        raw = self._get(_BEAT.format(rank))
+        return None if raw is None else json.loads(raw)
+
+    def verdict(self, rank: int) -> str | None:
+        raw = self._get(_VERDICT.format(rank))
+        return None if raw is None else raw.decode()
+
+    def mark(self, rank: int, verdict: str) -> None:
+        """The launcher's verdict on a rank ("killed by SIGKILL", ...), read by its peers' `explain`."""
+        with self._lock:
+            try:
+                self.store.set(_VERDICT.format(rank), verdict)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def silent_for(self, record: dict[str, Any], now: float | None = None) -> float:
+        """Seconds since the record's beat."""
+        return (time.time() if now is None else now) - record["t"]
+
+    def note(self, rank: int, group: Sequence[int], since: float) -> PeerNote:
+        """Judge peer `rank` for a wait in `group` that began at wall time `since` (see the module docstring)."""
+        verdict = self.verdict(rank)
+        if verdict is not None:
+            return PeerNote(rank, f"rank {rank} {verdict}", True, True)
+        rec = self.record(rank)
+        if rec is None:
+            return PeerNote(rank, f"rank {rank} never published a heartbeat", False)
+        now = time.time()
+        quiet = self.silent_for(rec, now)
+        if rec["state"] == "failed":
+            if rec["error"].startswith("CommError"):  # a fellow victim; its own error names whom it waited for
+                return PeerNote(rank, f"rank {rank} failed with a CommError too", False, True)
+            return PeerNote(rank, f"rank {rank} failed: {rec['error']}", True, True)
+        if rec["state"] == "done":
+            return PeerNote(rank, f"rank {rank} already returned from its function", True, True)
+        if quiet > self.silence:
+            return PeerNote(rank, f"rank {rank} sent no heartbeat for {quiet:.1f}s (its process died or froze)",
+                            True, True)
+        members = sorted(group)
+        failed = rec.get("failed")
+        if failed is not None and sorted(failed[1]) == members and failed[2] >= since:
+            return PeerNote(rank, f"rank {rank} failed in {failed[0]} too", False)
+        doing = rec.get("doing")
+        if doing is not None:
+            what, its_group, entered = doing
+            if sorted(its_group) == members:
+                return PeerNote(rank, f"rank {rank} waits in {what} too", False)
+            return PeerNote(rank, f"rank {rank} waits in {what} of group {its_group} since {now - entered:.1f}s ago",
+                            True)
+        last = f"; its last finished operation: {rec['last'][0]}" if rec.get("last") else ""
+        return PeerNote(rank, f"rank {rank} is outside communication for {now - rec['idle_since']:.1f}s (stalled "
+                              f"or still computing{last})", True)
+
+    def explain(self, peers: Sequence[int], group: Sequence[int], since: float, *, settle: float = 0.0,
+                poll: float = 0.05) -> list[PeerNote]:
+        """Notes on `peers` for a failed wait in `group` begun at wall time `since`.
+
+        settle: for a wait that failed early (a broken connection), poll up to this many seconds until some peer's
+        fate is certain; a wait that ran to its deadline passes 0 (the live records already tell who is missing).
+        """
+        end = time.monotonic() + settle
+        while True:
+            notes = [self.note(p, group, since) for p in peers]
+            if any(n.certain and n.culprit for n in notes) or time.monotonic() >= end:
+                return notes
+            time.sleep(poll)
+
+
+class RankWatch:
+    """One rank's side of the detector, as its communicators hold it: Activity, Heartbeat and a Board together.
+
+    `start()` begins beating; `explain()` names the culprits of a failed wait; `stop()` publishes the final state.
+    """
+
+    def __init__(self, store: Any, rank: int, *, interval: float = 0.5, silence: float = 10.0,
+                 launcher_pid: int | None = None) -> None:
+        self.rank = rank
+        self.activity = Activity()
+        self.heartbeat = Heartbeat(store, rank, self.activity, interval, launcher_pid=launcher_pid)
+        self.board = Board(store, silence)
+
+    def start(self) -> RankWatch:
+        self.heartbeat.start()
+        return self
+
+    def stop(self, state: str = "done", error: str = "") -> None:
+        self.heartbeat.stop(state, error)
+
+    def culprits(self, peers: Sequence[int], group: Sequence[int], since: float, early: bool,
+                 deadline: float) -> tuple[list[int], str]:
+        """(the peers to blame, a clause describing every peer) for a failed wait; every peer when none stands out.
+
+        early: the backend failed before the deadline (a broken connection), so wait for certainty until `deadline`
+        (a time.monotonic() value) or `silence` + a beat, whichever comes first.
+        """
+        settle = min(max(0.0, deadline - time.monotonic()), self.board.silence + self.heartbeat.interval) if early else 0
+        notes = self.board.explain(peers, group, since, settle=settle)
+        certain = [n for n in notes if n.culprit and n.certain]
+        blamed = certain or [n for n in notes if n.culprit]
+        ranks = [n.rank for n in blamed] or list(peers)
+        return ranks, "; ".join(n.text for n in (certain or notes))
