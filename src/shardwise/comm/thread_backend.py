@@ -91,8 +91,7 @@ class ThreadWorld:
         return [ThreadCommunicator(self.world_group, r) for r in range(self.size)]
 
     def abort(self, reason: str, rank: int | None = None) -> None:
-        """Make every current and future wait of this world raise CommError carrying `reason` (and naming `rank`, the
-        rank whose failure stops the others, as the peer)."""
+        """Make every current and future wait raise CommError carrying `reason`, naming `rank` (the one that failed)."""
         with self.cond:
             if self.abort_reason is None:
                 self.abort_reason, self.abort_rank = reason, rank
@@ -102,8 +101,7 @@ class ThreadWorld:
                    what: str = "") -> None:
         """Wait (holding no lock on return) until ready() is true; raise describe() on timeout, or a CommError
         saying why the world was aborted (`what`: the operation, for that message)."""
-        start = time.monotonic()
-        deadline = start + timeout
+        deadline = (start := time.monotonic()) + timeout
         with self.cond:
             while not ready():
                 if self.abort_reason is not None:

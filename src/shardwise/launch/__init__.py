@@ -7,6 +7,8 @@
     mpi.py           launch(fn, n, backend="mpi"): the parent's side of a job under mpirun
     mpi_rank.py      ... and each rank's side (run by mpirun, never imported)
     errors.py        LaunchError, naming the first rank that failed with its traceback
+    detector.py      FailureDetector: which rank failed first by time (died, raised, stalled), from the ranks' reports,
+                     their processes' exits and their heartbeats (comm/heartbeat.py)
     logs.py          get_logger(): `[rank 3] INFO shardwise.ddp: ...` lines
 
 This package sits on comm/ (it builds Communicators; all torch.distributed calls are in comm/rendezvous.py) and

@@ -58,7 +58,9 @@ def launch(
     results must be picklable, and `fn` must be importable by module and name (or defined in the main script).
     timeout: seconds any collective may wait before raising CommError.
     threads_per_rank: torch intra-op threads of each spawned process (default: cores // world_size, at least 1).
-    Raises LaunchError naming the first rank that raised, with its traceback text.
+    Raises LaunchError naming the first rank that failed by time (a process that died: its signal or exit code; a
+    rank that raised: its traceback; a rank that stalled while its peers waited) and listing the other ranks' errors.
+    A stalled thread rank cannot be stopped: launch returns without it once the others are done.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size={world_size!r} must be a positive int")
