@@ -175,6 +175,7 @@ class MemoryView:
     grads: tuple[torch.Tensor, ...] = ()
     gathered_peak: int = 0
     gathered_now: int = 0
+    grad_buffer_peak: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -303,7 +304,8 @@ def merged_memory(modules: Any) -> MemoryView:
     views = [r.memory() for m in modules for r in strategies(m) if r.memory is not None]
     return MemoryView(params=tuple(t for v in views for t in v.params), grads=tuple(t for v in views for t in v.grads),
                       gathered_peak=sum(v.gathered_peak for v in views),
-                      gathered_now=sum(v.gathered_now for v in views))
+                      gathered_now=sum(v.gathered_now for v in views),
+                      grad_buffer_peak=sum(v.grad_buffer_peak for v in views))
 
 
 def held_views(pl: Placement, tensor: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:

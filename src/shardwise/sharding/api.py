@@ -102,6 +102,12 @@ def _check_common(module: nn.Module, comm: Any, mixed_precision: Any, cpu_offloa
     return mixed_precision
 
 
+def _check_inflight(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_inflight_reductions={value!r} must be a positive int")
+    return value
+
+
 def _check_replicated(module: nn.Module, params: object) -> tuple[nn.Parameter, ...]:
     params = tuple(params)  # type: ignore[arg-type]
     own = {id(p) for p in module.parameters()}
@@ -151,6 +157,7 @@ def ZeRO(
     activation_checkpointing: bool = False,
     prefetch: bool = True,
     replicated_params: tuple[nn.Parameter, ...] = (),
+    max_inflight_reductions: int = 2,
 ) -> nn.Module:
     """ZeRO data parallelism (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
     Models", SC 2020) over `comm`; returns the same module.
@@ -164,6 +171,8 @@ def ZeRO(
     prefetch: issue the next unit's all-gather while the current one computes.
     replicated_params: parameters kept whole on every rank and all-reduced (averaged) as DDP does, in no unit
         (e.g. a weight tied across pipeline stages, whose copies are summed before the data-parallel average).
+    max_inflight_reductions: gradient reduce-scatters in flight during backward; one more finishes the oldest and
+        frees its flat buffer, bounding unsharded gradient memory (memory_stats().grad_buffer_peak).
     After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
     empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
     """
@@ -172,7 +181,8 @@ def ZeRO(
     mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
                        {"activation_checkpointing": activation_checkpointing, "prefetch": prefetch})
     config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
-                            group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
+                            group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing,
+                            max_inflight_reductions=_check_inflight(max_inflight_reductions))
     return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params))
 
 
@@ -189,6 +199,7 @@ def FSDP(
     activation_checkpointing: bool = False,
     prefetch: bool = True,
     replicated_params: tuple[nn.Parameter, ...] = (),
+    max_inflight_reductions: int = 2,
 ) -> nn.Module:
     """Fully sharded data parallelism (Zhao et al., "PyTorch FSDP", VLDB 2023) with PyTorch's strategy names.
 
@@ -216,7 +227,8 @@ def FSDP(
                        {"activation_checkpointing": activation_checkpointing, "prefetch": prefetch})
     replicated_params = _check_replicated(module, replicated_params)
     config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
-                            group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing)
+                            group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing,
+                            max_inflight_reductions=_check_inflight(max_inflight_reductions))
     if sharding == "no_shard":
         return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard", replicated_params)
     if sharding == "hybrid_shard":

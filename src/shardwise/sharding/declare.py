@@ -62,4 +62,5 @@ def engine_memory(engine: ShardingEngine) -> layout.MemoryView:
     return layout.MemoryView(
         params=tuple(u.master for u in engine.units) + tuple(u.full for u in engine.units if u.keep_full),
         grads=tuple(u.grad_buffer for u in engine.units if u.grad_buffer is not None),
-        gathered_peak=engine.gathered_peak, gathered_now=engine.memory.live)
+        gathered_peak=engine.gathered_peak, gathered_now=engine.memory.live,
+        grad_buffer_peak=engine.grad_memory.peak)

@@ -27,6 +27,7 @@ optimizer step
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -48,6 +49,9 @@ class ShardingConfig:
     keep_full: the gathered parameters stay allocated between steps (ZeRO-1/2, no_shard).
     reshard_after_forward: free the gathered parameters after each unit's forward (stage 3, full/hybrid shard).
     keep_grad_buffer: full-size gradient buffers stay allocated (ZeRO-1, no_shard: gradients are not sharded).
+    max_inflight_reductions: reduce-scatters allowed in flight during backward; launching one more finishes the
+        oldest (its shard goes to .grad and its flat buffer is freed), so ZeRO-2/3 never hold a whole unsharded
+        gradient: at most this many units' buffers plus the one accumulating (FSDP2 keeps one in flight).
     """
 
     name: str
@@ -60,6 +64,7 @@ class ShardingConfig:
     group_mb: float = 25.0
     prefetch: bool = True
     activation_checkpointing: bool = False
+    max_inflight_reductions: int = 2
 
 
 class _MarkBackwardDone(torch.autograd.Function):
@@ -93,10 +98,12 @@ class ShardingEngine:
         names = {p: n for n, p in model.named_parameters()}
         plans = plan_units(model, config.wrap, config.group_mb, frozenset(replicated_params))
         self.memory = GatheredMemory()
+        self.grad_memory = GatheredMemory()  # flat (unsharded) gradient buffers alive, and their peak
+        self._inflight: collections.deque[Unit] = collections.deque()
         self.units = [
             Unit(plan, i, names, shard_comm, replicate_comm, keep_full=config.keep_full,
                  keep_grad_buffer=config.keep_grad_buffer, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                 offload=config.cpu_offload, memory=self.memory)
+                 offload=config.cpu_offload, memory=self.memory, grad_memory=self.grad_memory)
             for i, plan in enumerate(plans)
         ]
         self.root = self.units[-1]
@@ -255,8 +262,18 @@ class ShardingEngine:
         if not self.require_sync:
             return
         while self.next_launch < len(self.launch_order) and self.launch_order[self.next_launch].grad_pending == 0:
-            self.launch_order[self.next_launch].start_reduce()
+            self._start_reduce(self.launch_order[self.next_launch])
             self.next_launch += 1
+
+    def _start_reduce(self, unit: Unit) -> None:
+        unit.start_reduce()
+        self._inflight.append(unit)
+        self._drain(self.config.max_inflight_reductions)
+
+    def _drain(self, limit: int) -> None:
+        """Finish the oldest reductions until at most `limit` are in flight (the same order on every rank)."""
+        while len(self._inflight) > limit:
+            self._inflight.popleft().finish_reduce()
 
     def _post_backward(self, unit: Unit) -> None:
         if not unit.keep_full and not unit.is_root:
@@ -269,8 +286,7 @@ class ShardingEngine:
                 unit.flush_unused()  # parameters that got no gradient this pass contribute zeros
             if self.require_sync:
                 self._launch_ready()
-                for unit in self.launch_order:
-                    unit.finish_reduce()
+                self._drain(0)
                 self._reduce_replicated()
         finally:
             for unit in self.units:
@@ -284,6 +300,7 @@ class ShardingEngine:
         wait for what was issued, drop the partial gradients, reshard, so the next step starts clean."""
         for unit in self.units:
             unit.abandon()
+        self._inflight.clear()
         self.in_backward = False
         self.next_launch = 0
 
@@ -294,9 +311,8 @@ class ShardingEngine:
         if not self.launch_order:
             self.launch_order = list(self.units)
         for unit in self.launch_order:
-            unit.start_reduce()
-        for unit in self.launch_order:
-            unit.finish_reduce()
+            self._start_reduce(unit)
+        self._drain(0)
         self._reduce_replicated()
 
     def _reduce_replicated(self) -> None:

@@ -82,9 +82,11 @@ class Unit:
         reduce_dtype: torch.dtype | None,
         offload: bool,
         memory: GatheredMemory,
+        grad_memory: GatheredMemory | None = None,
     ) -> None:
         self.name = plan.name
         self.memory = memory
+        self.grad_memory = grad_memory if grad_memory is not None else GatheredMemory()
         self.index = index
         self.modules = plan.modules
         self.is_root = plan.is_root
@@ -265,9 +267,9 @@ class Unit:
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average over replicas, and hand the shard to the shard parameters' .grad."""
-        if not self.trainable:
-            return
-        assert self.reduce_work is not None and self.reduced_shard is not None
+        if not self.trainable or self.reduce_work is None:
+            return  # frozen, or already finished (the engine finishes the oldest reductions early)
+        assert self.reduced_shard is not None
         self.reduce_work.wait()
         self.reduce_work = None
         if self.replicate_comm is not None and not self.replicated:
@@ -290,6 +292,11 @@ class Unit:
                 info.shard_param.grad.add_(piece)
         self.reduced_shard = None
         if not self.keep_grad_buffer:
+            self._drop_grad_buffer()
+
+    def _drop_grad_buffer(self) -> None:
+        if self.grad_buffer is not None:
+            self.grad_memory.freed(self.grad_buffer.numel() * self.grad_buffer.element_size())
             self.grad_buffer = None
 
     def abandon(self) -> None:
@@ -309,7 +316,7 @@ class Unit:
                 self._ready_grad_buffer()
                 self.grad_buffer.zero_()
             else:
-                self.grad_buffer = None
+                self._drop_grad_buffer()
         self.swap_to_sharded()
         self.free_full()
 
@@ -317,6 +324,7 @@ class Unit:
         """Allocate the flat gradient buffer, or zero a kept one at the start of a new accumulation cycle."""
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
+            self.grad_memory.allocated(self.grad_buffer.numel() * self.grad_buffer.element_size())
             self.grad_buffer_dirty = False
         elif self.grad_buffer_dirty:
             storage = self.grad_buffer.untyped_storage().data_ptr()

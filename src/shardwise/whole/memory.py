@@ -29,6 +29,7 @@ class MemoryStats:
     temporarily gathered parameters (0 for strategies that keep whole parameters). peak_rss: the process's peak
     resident set size so far (the whole process: on the thread backend it covers every rank). gathered: bytes of
     temporarily gathered parameters alive now (0 between steps and after an inference forward under ZeRO-3).
+    grad_buffer_peak: the most bytes of unsharded (flat) gradient buffers the sharding engine held at once.
     """
 
     params: int
@@ -37,6 +38,7 @@ class MemoryStats:
     gathered_peak: int
     peak_rss: int
     gathered: int = 0
+    grad_buffer_peak: int = 0
 
     @property
     def model_states(self) -> int:
@@ -71,7 +73,7 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """
     params: list[torch.Tensor] = [pl.param for pl in layout.placements(model).values()]
     grads = [p.grad for p in params if p.grad is not None]
-    gathered_peak = gathered = 0
+    gathered_peak = gathered = grad_buffer_peak = 0
     for record in layout.strategies(model):
         if record.memory is not None:
             held = record.memory()
@@ -79,6 +81,7 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
             grads += held.grads
             gathered_peak = max(gathered_peak, held.gathered_peak)
             gathered += held.gathered_now
+            grad_buffer_peak = max(grad_buffer_peak, held.grad_buffer_peak)
     state: list[torch.Tensor] = []
     if optimizer is not None:
         for per_param in optimizer.state.values():
@@ -90,4 +93,5 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         gathered_peak=gathered_peak,
         peak_rss=peak_rss_bytes(),
         gathered=gathered,
+        grad_buffer_peak=grad_buffer_peak,
     )
