@@ -51,7 +51,9 @@ def _unique_grad_bytes(preset: str) -> int:
         (["--batch-size", "0"], "argument --batch-size: 0 must be >= 1"),
         (["--lr", "0"], "argument --lr: 0 must be a positive number"),
         (["--lr", "nan"], "argument --lr: nan must be a positive number"),
-        (["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
+        (["--strategy", "zero4"], "argument --strategy: invalid choice: 'zero4'"),
+        (["--schedule", "zb_h1"], "argument --schedule: invalid choice: 'zb_h1'"),
+        (["--tp", "0"], "argument --tp: 0 must be >= 1"),
         (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (["--backend", "nccl"], "argument --backend: invalid choice: 'nccl'"),
         (["--data", "/no/such/corpus.txt"], "argument --data: '/no/such/corpus.txt' does not exist"),
@@ -76,10 +78,45 @@ def test_a_command_is_required(capsys):
 
 
 def test_options_validate_when_built_directly():
-    with pytest.raises(ValueError, match=r"strategy='fsdp' is not supported; allowed \('ddp',\)"):
+    with pytest.raises(ValueError, match=r"strategy='fsdp' is not supported; allowed \('ddp', 'zero1', "):
         DemoOptions(strategy="fsdp")
     with pytest.raises(ValueError, match="nproc=0"):
         DemoOptions(nproc=0)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--dp", "2", "--tp", "2", "--pp", "2", "--nproc", "3"], "dp x tp x pp = 2 x 2 x 2 = 8 ranks, but nproc=3"),
+        (["--dp", "3", "--nproc", "2"], "dp x tp x pp = 3 x 1 x 1 = 3 ranks, but nproc=2"),
+        (["--tp", "2", "--nproc", "3"], "nproc=3 is not a multiple of tp x pp = 2 x 1 = 2"),
+        (["--tp", "3"], "tp=3 must divide the 'tiny' preset's n_heads=4"),
+        (["--pp", "2", "--batch-size", "6"], "batch_size=6 (sequences per dp rank) does not split into microbatches=4"),
+        (["--pp", "2", "--schedule", "interleaved_1f1b"], "schedule='interleaved_1f1b' needs virtual_stages >= 2 (got 1)"),
+        (["--pp", "4", "--virtual-stages", "2", "--schedule", "interleaved_1f1b"],
+         "pp x virtual_stages = 4 x 2 stages, but the 'tiny' preset has 4 pipeline layers"),
+        (["--strategy", "fsdp:hybrid_shard", "--dp", "4"], "strategy='fsdp:hybrid_shard' needs dp_shard, a divisor of dp=4; got dp_shard=None"),
+        (["--strategy", "zero2", "--dp-shard", "2"], "dp_shard=2 only applies to strategy='fsdp:hybrid_shard'"),
+        (["--sequence-parallel"], "sequence_parallel needs tp > 1"),
+    ],
+)
+def test_inconsistent_mesh_options_are_usage_errors(argv, needle, capsys, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *argv, *FAST, "--out", str(tmp_path)])
+    assert info.value.code == 2
+    assert f"shardwise demo: error: {needle}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_options_resolve_the_mesh_and_its_defaults():
+    plain = DemoOptions()  # today's run: DDP over 2 gloo processes
+    assert (plain.nproc, plain.dp, plain.tp, plain.pp, plain.backend) == (2, 2, 1, 1, "gloo")
+    assert not plain.uses_mesh and plain.microbatches is None and plain.label == "ddp x2"
+    cube = DemoOptions(tp=2, pp=2)  # dp defaults to 1 when tp or pp is given; thread ranks
+    assert (cube.nproc, cube.dp, cube.backend, cube.microbatches) == (4, 1, "thread", 4)
+    assert DemoOptions(nproc=8, tp=2, pp=2).dp == 2 and DemoOptions(dp=3).nproc == 3
+    zero = DemoOptions(nproc=2, strategy="zero3")  # dp only, but sharded: through parallelize, on processes
+    assert zero.uses_mesh and zero.backend == "gloo" and zero.microbatches == 2
 
 
 def test_lr_warms_up_then_decays_to_a_tenth():
@@ -137,6 +174,58 @@ def test_three_ranks_match_the_formula_despite_rounding(tmp_path, corpus_file):
     assert all(0 <= summary.formula_wire_bytes - w < 16 for w in summary.wire_bytes_per_step)
 
 
+def test_three_d_demo_reports_bytes_per_axis(tmp_path, corpus_file, capsys):
+    out = tmp_path / "runs"
+    argv = ["demo", "--dp", "2", "--tp", "2", "--pp", "2", "--strategy", "zero1", "--steps", "4", "--data",
+            corpus_file, "--out", str(out)]
+    assert main(argv + FAST) == 0  # thread ranks: the default backend for tp or pp > 1
+    printed = capsys.readouterr().out
+    run = _only_run_dir(out)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["options"]["backend"] == "thread" and summary["options"]["nproc"] == 8
+    assert summary["mesh"] == {"dp": 2, "tp": 2, "pp": 2}
+    assert printed.count("Mesh dp=2 x tp=2 x pp=2 over 8 ranks") == 1  # describe(), once, before the summary
+    assert printed.index("stage 1 (pp rank 1): blocks.1, ln_f, head") < printed.index("loss (first -> final)")
+    for axis in ("dp", "tp", "pp"):
+        assert all(w > 0 for w in summary["wire_bytes_per_axis"][axis])
+        assert f"{axis} wire bytes/step" in printed
+    ops = summary["ops_per_axis"]  # rank 0 (pp stage 0)'s last step
+    assert {"reduce_scatter", "all_gather"} <= set(ops["dp"])  # ZeRO-1: reduce-scatter grads, gather params
+    assert "all_reduce" in ops["tp"] and ops["pp"]["send"]["wire_bytes"] > 0
+    assert summary["formula_wire_bytes"] is None and summary["wire_bytes_match"] is None
+    assert "MATCH" not in printed
+    assert [r["coords"] for r in summary["ranks"]][:3] == [{"dp": 0, "tp": 0, "pp": 0}, {"dp": 0, "tp": 1, "pp": 0},
+                                                           {"dp": 1, "tp": 0, "pp": 0}]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    for r in records:  # rank 0's totals are its three axes summed
+        assert r["wire_bytes"] == r["wire_bytes_dp"] + r["wire_bytes_tp"] + r["wire_bytes_pp"]
+    assert torch.isfinite(torch.tensor([r["loss"] for r in records])).all()
+    assert summary["final_loss"] < summary["first_loss"]
+    assert summary["tokens_per_step"] == 2 * 8 * GPTConfig.preset("tiny").seq_len  # dp x batch x seq_len
+    # The same global batches as plain DDP over 2 ranks, so the logged (dp-averaged) losses agree with its losses.
+    ddp = DemoOptions(nproc=2, steps=4, preset="tiny", data=corpus_file, out=str(tmp_path / "ddp"), backend="thread",
+                      progress=False)
+    ddp_run = Path(run_demo(ddp).run_dir)
+    ddp_losses = [json.loads(line)["loss"] for line in (ddp_run / "metrics.jsonl").read_text().splitlines()]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(ddp_losses), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("argv", [["--nproc", "2", "--strategy", "zero3"],
+                                  ["--dp", "4", "--strategy", "fsdp:hybrid_shard", "--dp-shard", "2"]])
+def test_sharded_strategy_over_dp_only(argv, tmp_path, corpus_file, capsys):
+    out = tmp_path / "runs"
+    assert main(["demo", *argv, "--backend", "thread", "--steps", "3", "--data", corpus_file, "--out", str(out),
+                 *FAST]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((_only_run_dir(out) / "summary.json").read_text())
+    assert summary["wire_bytes_per_axis"]["tp"] == [0] and summary["wire_bytes_per_axis"]["pp"] == [0]
+    assert min(summary["wire_bytes_per_axis"]["dp"]) > 0
+    assert {"reduce_scatter", "all_gather"} <= set(summary["ops_per_axis"]["dp"])
+    assert "tp wire bytes/step" in printed and "0  (tp = 1)" in printed
+    assert torch.isfinite(torch.tensor(summary["final_loss"]))
+
+
 def test_missing_matplotlib_skips_the_plot(tmp_path, corpus_file, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     opts = DemoOptions(nproc=1, steps=1, preset="tiny", data=corpus_file, out=str(tmp_path), backend="thread",
@@ -154,7 +243,8 @@ def test_python_dash_m_help():
                             timeout=60)
     assert result.returncode == 0, result.stderr
     for option in ("--nproc", "--strategy", "--steps", "--data", "--preset", "--batch-size", "--lr", "--seed",
-                   "--out", "--backend"):
+                   "--out", "--backend", "--dp", "--tp", "--pp", "--dp-shard", "--schedule", "--virtual-stages",
+                   "--microbatches", "--sequence-parallel", "--activation-checkpointing"):
         assert option in result.stdout
 
 
@@ -166,4 +256,16 @@ def test_gloo_demo(tmp_path, corpus_file):
     summary = run_demo(opts)
     assert summary.wire_bytes_match and summary.wire_bytes_per_step == [_unique_grad_bytes("tiny")]
     assert len((Path(summary.run_dir) / "metrics.jsonl").read_text().splitlines()) == 3
+    assert torch.isfinite(torch.tensor(summary.final_loss))
+
+
+@pytest.mark.multiprocess
+def test_gloo_mesh_demo(tmp_path, corpus_file):
+    # ZeRO-3 over dp x a 2-stage pipeline on 4 processes: the rank body and its per-axis counts survive pickling.
+    opts = DemoOptions(dp=2, pp=2, strategy="zero3", steps=2, preset="tiny", data=corpus_file, out=str(tmp_path),
+                       backend="gloo", progress=False)
+    summary = run_demo(opts)
+    assert summary.mesh == {"dp": 2, "tp": 1, "pp": 2} and len(summary.ranks) == 4
+    assert min(summary.wire_bytes_per_axis["dp"]) > 0 and min(summary.wire_bytes_per_axis["pp"]) > 0
+    assert summary.wire_bytes_per_axis["tp"] == [0]
     assert torch.isfinite(torch.tensor(summary.final_loss))

@@ -10,6 +10,7 @@ and what is allowed, before any rank starts.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,43 +47,66 @@ def _existing_path(text: str) -> str:
 
 # ---- demo -----------------------------------------------------------------------------------------------------------
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
-    from .demo import STRATEGIES, DemoOptions
+    from .demo import SCHEDULES, STRATEGIES, DemoOptions
     from .models.gpt import PRESETS
 
     defaults = DemoOptions()
     p = subparsers.add_parser(
         "demo",
-        help="train a small GPT data-parallel on local ranks and report loss, throughput, traffic and memory",
-        description="Train the byte-level GPT on N local ranks (gloo processes on 127.0.0.1, or threads), print "
-        "a summary (loss, step time, tokens/s, all-reduce bytes against the DDP formula, memory per rank) and "
-        "write metrics.jsonl, summary.json and loss.png under OUT/<timestamp>/.",
+        help="train a small GPT on local ranks with any strategy and mesh; report loss, throughput, traffic, memory",
+        description="Train the byte-level GPT on local ranks (gloo processes on 127.0.0.1, or threads) with a "
+        "data-parallel strategy over a dp x tp x pp mesh, print a summary (loss, step time, tokens/s, wire bytes "
+        "per step: against the DDP formula for plain DDP, per mesh axis otherwise; memory per rank) and write "
+        "metrics.jsonl, summary.json and loss.png under OUT/<timestamp>/.",
     )
-    p.add_argument("--nproc", type=_positive_int, default=defaults.nproc, help="number of ranks (default: %(default)s)")
-    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy, help="parallelism strategy (default: %(default)s)")
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="number of ranks (default: dp x tp x pp; 2 for plain DDP)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=defaults.strategy,
+                   help="data-parallel strategy over the dp axis (default: %(default)s)")
+    p.add_argument("--dp", type=_positive_int, default=None,
+                   help="data-parallel size (default: nproc // (tp x pp); without --nproc, 2 for plain DDP, else 1)")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
+    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (default: %(default)s)")
+    p.add_argument("--dp-shard", type=_positive_int, default=None,
+                   help="shard-group size within dp, for --strategy fsdp:hybrid_shard (required there)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=defaults.schedule,
+                   help="pipeline schedule (default: %(default)s)")
+    p.add_argument("--virtual-stages", type=_positive_int, default=defaults.virtual_stages,
+                   help="stages per pipeline rank, >= 2 for interleaved_1f1b (default: %(default)s)")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help="microbatches per step, dividing --batch-size (default: 2 x pp)")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/dropout regions too (tp > 1)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute the blocks in backward")
     p.add_argument("--steps", type=_positive_int, default=defaults.steps, help="optimizer steps (default: %(default)s)")
     p.add_argument("--data", type=_existing_path, default=None,
                    help="text file or folder to train on (default: the Python standard library's sources)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=defaults.preset, help="GPT size (default: %(default)s)")
     p.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size,
-                   help="sequences per rank per step (default: %(default)s)")
+                   help="sequences per dp rank per step (default: %(default)s)")
     p.add_argument("--lr", type=_positive_float, default=defaults.lr, help="peak learning rate of AdamW (default: %(default)s)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="model init and data order (default: %(default)s)")
     p.add_argument("--out", default=defaults.out, help="parent folder of the run directory (default: %(default)s)")
-    p.add_argument("--backend", choices=("gloo", "thread"), default=defaults.backend,
-                   help="gloo: one process per rank; thread: ranks as threads of this process (fast, for tests); default: %(default)s")
+    p.add_argument("--backend", choices=("gloo", "thread"), default=None,
+                   help="gloo: one process per rank; thread: ranks as threads of this process (fast, for tests); "
+                   "default: thread when tp or pp > 1, else gloo")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
-    p.set_defaults(handler=_run_demo)
+    p.set_defaults(handler=functools.partial(_run_demo, p))
 
 
-def _run_demo(args: argparse.Namespace) -> int:
+def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .demo import DemoOptions, run_demo
     from .launch import LaunchError
 
-    options = DemoOptions(
-        nproc=args.nproc, strategy=args.strategy, steps=args.steps, data=args.data, preset=args.preset,
-        batch_size=args.batch_size, lr=args.lr, seed=args.seed, out=args.out, backend=args.backend,
-        progress=not args.no_progress,
-    )
+    try:
+        options = DemoOptions(
+            nproc=args.nproc, strategy=args.strategy, steps=args.steps, data=args.data, preset=args.preset,
+            batch_size=args.batch_size, lr=args.lr, seed=args.seed, out=args.out, backend=args.backend,
+            progress=not args.no_progress, dp=args.dp, tp=args.tp, pp=args.pp, dp_shard=args.dp_shard,
+            schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
+            sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
+        )
+    except ValueError as exc:  # a combination of valid values that does not fit: a usage error, before any rank
+        parser.error(str(exc).removeprefix("demo: "))
     try:
         run_demo(options)
     except LaunchError as exc:

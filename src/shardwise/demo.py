@@ -1,4 +1,4 @@
-"""`shardwise demo`: train the small byte-level GPT data-parallel on N local ranks and report what it cost.
+"""`shardwise demo`: train the small byte-level GPT on N local ranks, with any strategy and mesh, and report its cost.
 
 Mechanism
 ---------
@@ -16,6 +16,11 @@ unique parameters (`model.parameters()` already yields a shared Parameter once).
 global one: each rank's loss is all-reduced (AVG) after the measured block, so that 4-byte collective does not
 pollute the DDP count.
 
+Any other configuration (a ZeRO / FSDP strategy, tp or pp > 1, any pipeline, tensor-parallel or activation
+checkpointing option) runs `demo_hybrid.train_mesh_rank` instead: `sw.parallelize` over `Mesh(comm, dp, tp, pp)`, its traffic measured per mesh
+axis (see that module). There is no single textbook formula for a composed step, so only the pure-DDP run is
+checked against one.
+
 Rank 0 draws a tqdm bar and keeps the per-step metrics; every rank returns its peak RSS and `memory_stats`. The
 parent prints a summary table and writes `<out>/<YYYYmmdd-HHMMSS>/` with `metrics.jsonl` (one line per step),
 `summary.json` and `loss.png` (skipped, with a note, when matplotlib is missing).
@@ -25,11 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
-import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,32 +42,50 @@ import torch
 
 from .comm.base import Communicator, ReduceOp
 from .ddp import DDP
-from .whole.memory import memory_stats, peak_rss_bytes
-from .models.gpt import GPT, GPTConfig
+from .demo_hybrid import StepLog, axis_rows, check_mesh_options, dp_size, lr_at, mesh_fields, train_mesh_rank
+from .hybrid import DP_STRATEGIES
 from .launch import launch
+from .models.gpt import GPT, GPTConfig
+from .whole.memory import memory_stats, peak_rss_bytes
 
-__all__ = ["STRATEGIES", "DemoOptions", "DemoSummary", "run_demo", "train_rank", "lr_at"]
+__all__ = ["STRATEGIES", "SCHEDULES", "DemoOptions", "DemoSummary", "StepLog", "run_demo", "train_rank", "lr_at"]
 
-#: Strategies the demo can train with (more join as they land: zero1/2/3, fsdp, tp, pp, ...).
-STRATEGIES = ("ddp",)
+#: Data-parallel strategies the demo can train with (`sw.parallelize`'s dp_strategy values).
+STRATEGIES = DP_STRATEGIES
+#: Pipeline schedules the demo offers (zb_h1 is left out: parallelize allows it with DDP only).
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 # Seconds a collective may wait. Generous because a 2-core machine shared with other jobs can stall a rank for
 # many seconds (spawn, torch import, corpus read); a rank that dies is still reported at once by launch().
 COMM_TIMEOUT_S = 300.0
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"demo: {name}={value!r} must be an int >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoOptions:
     """Everything one demo run needs; picklable, since gloo ranks receive it in a spawned process.
 
-    nproc: number of ranks. strategy: one of STRATEGIES. steps: optimizer steps.
+    nproc: number of ranks (None: dp x tp x pp). strategy: one of STRATEGIES. steps: optimizer steps (about two
+    minutes of the "small" preset on 2 cores, for DDP x2 and for dp2 x tp2 x pp2 on 8 thread ranks alike).
     data: corpus path for `ByteCorpus` (None: the Python standard library's sources).
-    preset: `GPTConfig.preset` name. batch_size: sequences per rank per step (seq_len comes from the preset).
+    preset: `GPTConfig.preset` name. batch_size: sequences per dp rank per step (seq_len comes from the preset).
     lr: peak learning rate of AdamW. warmup: steps of linear warmup (None: 10% of steps, at most 50).
     seed: model init and data order. out: parent folder of the run directory.
-    backend: "gloo" (processes) or "thread" (threads of this process). progress: draw rank 0's tqdm bar.
+    backend: "gloo" (processes) or "thread" (threads of this process); None: thread when tp or pp > 1, else gloo.
+    progress: draw rank 0's tqdm bar.
+    dp, tp, pp: the mesh (dp None: nproc // (tp x pp), or 2 ranks of DDP when tp = pp = 1 and nproc is None).
+    dp_shard: shard-group size within dp for strategy "fsdp:hybrid_shard" (required there, refused elsewhere).
+    schedule: pipeline schedule (SCHEDULES); virtual_stages: stages per pp rank (interleaved_1f1b needs >= 2).
+    microbatches: per step (None: 2 x pp); must divide batch_size. sequence_parallel: needs tp > 1.
+    activation_checkpointing: recompute the blocks in backward.
+    Resolved fields (nproc, dp, backend, microbatches) hold their values after construction; an
+    inconsistent combination raises ValueError naming the numbers.
     """
 
-    nproc: int = 2
+    nproc: int | None = None
     strategy: str = "ddp"
     steps: int = 200
     data: str | None = None
@@ -73,35 +95,73 @@ class DemoOptions:
     warmup: int | None = None
     seed: int = 0
     out: str = "runs"
-    backend: str = "gloo"
+    backend: str | None = None
     progress: bool = True
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    dp_shard: int | None = None
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"demo: strategy={self.strategy!r} is not supported; allowed {STRATEGIES}")
-        for name in ("nproc", "steps", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"demo: {name}={value!r} must be an int >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"demo: schedule={self.schedule!r} is not supported; allowed {SCHEDULES}")
+        for name in ("steps", "batch_size", "tp", "pp", "virtual_stages"):
+            _check_int(name, getattr(self, name))
+        for name in ("nproc", "dp", "microbatches", "dp_shard"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
         if not self.lr > 0:
             raise ValueError(f"demo: lr={self.lr!r} must be a positive number")
+        resolve = functools.partial(object.__setattr__, self)  # frozen: resolved once, here
+        resolve("dp", dp_size(self.nproc, self.dp, self.tp, self.pp))
+        resolve("nproc", self.dp * self.tp * self.pp)
+        # Thread ranks for a model split over tp or pp: dp2 x tp2 x pp2 is 8 ranks, and 8 processes would each load
+        # torch (about 0.4 GiB of RSS apiece) and spawn for seconds on 2 cores; threads share one process.
+        resolve("backend", self.backend or ("thread" if self.tp * self.pp > 1 else "gloo"))
+        if self.uses_mesh:
+            resolve("microbatches", self.microbatches or 2 * self.pp)
+            check_mesh_options(self)
+
+    @property
+    def uses_mesh(self) -> bool:
+        """True unless this is the plain DDP run: DDP over dp only, with no pipeline or tensor-parallel option."""
+        return (self.tp * self.pp > 1 or self.strategy != "ddp" or self.microbatches is not None
+                or self.activation_checkpointing or self.sequence_parallel or self.dp_shard is not None
+                or self.schedule != "1f1b" or self.virtual_stages != 1)
 
     @property
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else min(50, max(1, self.steps // 10))
 
+    @property
+    def label(self) -> str:
+        """A short name of the run: "ddp x2", or the strategy and mesh, e.g. "zero1 dp2 x tp2 x pp2"."""
+        if not self.uses_mesh:
+            return f"{self.strategy} x{self.nproc}"
+        return f"{self.strategy} dp{self.dp} x tp{self.tp} x pp{self.pp}"
+
 
 @dataclasses.dataclass
 class DemoSummary:
-    """What `run_demo` measured; `as_dict()` is what summary.json holds. Losses are global (averaged over ranks).
+    """What `run_demo` measured; `as_dict()` is what summary.json holds. Losses are global (averaged over dp).
 
     final_loss_mean_last: the mean loss of the last `mean_last_steps` (up to 10) steps, less noisy than the last.
     median_step_ms: median wall time of a whole iteration (batch, forward, backward, step, loss all-reduce) on
-    rank 0; tokens_per_s is tokens_per_step (batch_size x seq_len x nproc) over that median.
-    wire_bytes_per_step: measured per-rank all-reduce wire bytes of each step, as the distinct values seen over
-    all ranks and steps (one value when every step cost the same). formula_wire_bytes: 2(N-1)/N x grad_bytes.
-    ranks: per rank, peak_rss (bytes of the whole process; on the thread backend every rank shares one process)
-    and memory (memory_stats().as_dict(): params, grads, optimizer, model_states bytes).
+    rank 0; tokens_per_s is tokens_per_step (batch_size x seq_len x dp) over that median.
+    wire_bytes_per_step: measured per-rank wire bytes of each step (all axes summed; DDP: its all-reduce), as the
+    distinct values over all ranks and steps. formula_wire_bytes: 2(N-1)/N x grad_bytes, and wire_bytes_match,
+    for the pure-DDP run only (else None). mesh: {dp, tp, pp} sizes; wire_bytes_per_axis: the same distinct values
+    per axis; ops_per_axis: rank 0's last step per axis, `CommStats.as_dict()` ({op: {calls, bytes, wire_bytes}}).
+    ranks: per rank, its mesh coords, wire_bytes_per_axis, peak_rss (bytes of the whole process; on the thread
+    backend every rank shares one process) and memory (memory_stats().as_dict(): params, grads, optimizer,
+    model_states bytes).
     """
 
     run_dir: str
@@ -116,22 +176,16 @@ class DemoSummary:
     tokens_per_step: int
     tokens_per_s: float
     wire_bytes_per_step: list[int]
-    formula_wire_bytes: int
-    wire_bytes_match: bool
+    formula_wire_bytes: int | None
+    wire_bytes_match: bool | None
     ranks: list[dict[str, Any]]
     wall_s: float
+    mesh: dict[str, int]
+    wire_bytes_per_axis: dict[str, list[int]]
+    ops_per_axis: dict[str, dict[str, dict[str, int]]]
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def lr_at(step: int, options: DemoOptions) -> float:
-    """Linear warmup to `lr` over the warmup steps, then cosine decay to lr / 10 at the last step."""
-    warmup = options.warmup_steps
-    if step < warmup:
-        return options.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, options.steps - 1 - warmup)
-    return options.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
 def ring_all_reduce_bytes(grad_bytes: int, world_size: int) -> int:
@@ -152,16 +206,12 @@ def train_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
     corpus = ByteCorpus(options.data)
     sampler = ShardedSampler(corpus, options.batch_size, config.seq_len, rank=comm.rank, world_size=comm.size,
                              seed=options.seed)
-    global_tokens = options.batch_size * config.seq_len * comm.size
-    lead = comm.rank == 0
-    bar = _progress_bar(options) if lead else None
-    metrics: list[dict[str, Any]] = []
+    log = StepLog(options, comm.rank, options.batch_size * config.seq_len * comm.size)
     wire: list[int] = []
     calls = 0
+    ops: dict[str, dict[str, int]] = {}
     for step in range(options.steps):
-        lr = lr_at(step, options)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        lr = log.set_lr(opt, step)
         start = time.perf_counter()
         x, y = next(sampler)
         with comm.stats.measure() as step_stats:
@@ -175,33 +225,20 @@ def train_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         wire.append(step_stats.wire_bytes("all_reduce"))
         calls = max(calls, step_stats.calls("all_reduce"))
-        if lead:
-            record = {"step": step, "loss": global_loss.item(), "lr": lr, "step_ms": seconds * 1e3,
-                      "tokens_per_s": global_tokens / seconds, "wire_bytes": wire[-1]}
-            metrics.append(record)
-            if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+        ops = step_stats.as_dict()
+        log.record(step, global_loss.item(), lr, seconds, wire_bytes=wire[-1])
     return {
         "rank": comm.rank,
         "grad_bytes": grad_bytes,
         "wire_bytes": wire,
         "all_reduce_calls": calls,
+        "coords": {"dp": comm.rank, "tp": 0, "pp": 0},
+        "wire_bytes_per_axis": {"dp": wire, "tp": [0] * len(wire), "pp": [0] * len(wire)},
+        "ops_per_axis": {"dp": ops, "tp": {}, "pp": {}},
         "peak_rss": peak_rss_bytes(),
         "memory": memory_stats(model, opt).as_dict(),
-        "metrics": metrics if lead else None,
+        "metrics": log.close(),
     }
-
-
-def _progress_bar(options: DemoOptions) -> Any:
-    if not options.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=options.steps, desc=f"{options.strategy} x{options.nproc}", unit="step", file=sys.stderr,
-                dynamic_ncols=True)
 
 
 # ---- the parent -----------------------------------------------------------------------------------------------------
@@ -210,19 +247,25 @@ def run_demo(options: DemoOptions) -> DemoSummary:
     config = GPTConfig.preset(options.preset)
     with torch.device("meta"):  # counts parameters without allocating or drawing them
         num_params = GPT(config).num_parameters()
-    tokens_per_step = options.batch_size * config.seq_len * options.nproc
+    tokens_per_step = options.batch_size * config.seq_len * options.dp  # tp and pp ranks share their dp slice
+    body: Any = train_rank
+    over = f"{options.nproc} {options.backend} rank(s)"
+    if options.uses_mesh:
+        body = train_mesh_rank
+        over = (f"dp {options.dp} x tp {options.tp} x pp {options.pp} = {over}, schedule {options.schedule} with "
+                f"{options.microbatches} microbatches")
     print(f"shardwise demo: GPT {options.preset!r} ({num_params / 1e6:.2f}M params), {options.strategy} over "
-          f"{options.nproc} {options.backend} rank(s), {options.nproc} x {options.batch_size} x {config.seq_len} = "
+          f"{over}, {options.dp} x {options.batch_size} x {config.seq_len} = "
           f"{tokens_per_step:,} tokens/step, {options.steps} steps, lr {options.lr:g}", flush=True)
     threads = max(1, (os.cpu_count() or 1) // options.nproc)
     started = time.perf_counter()
-    results = launch(train_rank, options.nproc, options, backend=options.backend, threads_per_rank=threads,
+    results = launch(body, options.nproc, options, backend=options.backend, threads_per_rank=threads,
                      timeout=COMM_TIMEOUT_S)
     wall = time.perf_counter() - started
     summary = _summarise(options, results, num_params, tokens_per_step, wall)
     run_dir = _make_run_dir(Path(options.out))
     summary.run_dir = str(run_dir)
-    _write_outputs(run_dir, summary, results[0]["metrics"])
+    _write_outputs(run_dir, summary, results[0]["metrics"], options.label)
     print(format_summary(summary))
     print(f"run directory: {run_dir}")
     return summary
@@ -234,12 +277,15 @@ def _summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: 
     losses = [m["loss"] for m in metrics]
     step_ms = statistics.median(m["step_ms"] for m in metrics)
     grad_bytes = results[0]["grad_bytes"]
-    formula = ring_all_reduce_bytes(grad_bytes, options.nproc)
     measured = sorted({w for r in results for w in r["wire_bytes"]})
-    # DDP reduces bucket by bucket and CommStats rounds each bucket's 2(N-1)/N share down to a whole byte, so
-    # with N not a power of two the sum may sit up to one byte per call below the formula.
-    calls = max(r["all_reduce_calls"] for r in results)
-    match = all(0 <= formula - w <= calls for w in measured)
+    formula: int | None = None
+    match: bool | None = None
+    if not options.uses_mesh:
+        formula = ring_all_reduce_bytes(grad_bytes, options.nproc)
+        # DDP reduces bucket by bucket and CommStats rounds each bucket's 2(N-1)/N share down to a whole byte, so
+        # with N not a power of two the sum may sit up to one byte per call below the formula.
+        calls = max(r["all_reduce_calls"] for r in results)
+        match = all(0 <= formula - w <= calls for w in measured)
     return DemoSummary(
         run_dir="",
         options=dataclasses.asdict(options),
@@ -255,8 +301,8 @@ def _summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: 
         wire_bytes_per_step=measured,
         formula_wire_bytes=formula,
         wire_bytes_match=match,
-        ranks=[{"rank": r["rank"], "peak_rss": r["peak_rss"], "memory": r["memory"]} for r in results],
         wall_s=wall,
+        **mesh_fields(options, results),
     )
 
 
@@ -272,7 +318,7 @@ def _make_run_dir(out: Path) -> Path:
     raise FileExistsError(f"demo: could not create a fresh run directory under {out}")
 
 
-def _write_outputs(run_dir: Path, summary: DemoSummary, metrics: list[dict[str, Any]]) -> None:
+def _write_outputs(run_dir: Path, summary: DemoSummary, metrics: list[dict[str, Any]], label: str) -> None:
     with open(run_dir / "metrics.jsonl", "w") as fh:
         for record in metrics:
             fh.write(json.dumps(record) + "\n")
@@ -288,9 +334,8 @@ def _write_outputs(run_dir: Path, summary: DemoSummary, metrics: list[dict[str, 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte, mean over ranks)")
-    opts = summary.options
-    ax.set_title(f"shardwise demo: {opts['strategy']} x{opts['nproc']}, GPT {opts['preset']}")
+    ax.set_ylabel("loss (nats/byte, mean over dp ranks)")
+    ax.set_title(f"shardwise demo: {label}, GPT {summary.options['preset']}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(run_dir / "loss.png", dpi=110)
@@ -302,22 +347,30 @@ def _mib(n: float) -> str:
 
 
 def format_summary(s: DemoSummary) -> str:
-    """The summary table the demo prints."""
+    """The summary table the demo prints: the pure-DDP run's all-reduce against its formula, any other run's
+    wire bytes per mesh axis."""
     measured = ", ".join(f"{w:,}" for w in s.wire_bytes_per_step)
     rows = [
         ("loss (first -> final)", f"{s.first_loss:.3f} -> {s.final_loss:.3f}  (mean of last "
                                   f"{s.mean_last_steps}: {s.final_loss_mean_last:.3f})"),
         ("median step time", f"{s.median_step_ms:,.1f} ms"),
         ("throughput", f"{s.tokens_per_s:,.0f} tokens/s  ({s.tokens_per_step:,} tokens/step)"),
-        ("all-reduce wire bytes/step", f"measured {measured} per rank"),
-        ("  formula 2(N-1)/N x grads", f"{s.formula_wire_bytes:,}  (grads {s.grad_bytes:,} B)  "
-                                       f"{'MATCH' if s.wire_bytes_match else 'MISMATCH'}"),
     ]
+    if s.formula_wire_bytes is not None:
+        rows += [
+            ("all-reduce wire bytes/step", f"measured {measured} per rank"),
+            ("  formula 2(N-1)/N x grads", f"{s.formula_wire_bytes:,}  (grads {s.grad_bytes:,} B)  "
+                                           f"{'MATCH' if s.wire_bytes_match else 'MISMATCH'}"),
+        ]
+    else:
+        rows += axis_rows(s)
     shared = s.options["backend"] == "thread"
     for r in s.ranks:
         m = r["memory"]
         rss = _mib(r["peak_rss"]) + (" (shared process)" if shared else "")
-        rows.append((f"rank {r['rank']} memory", f"peak RSS {rss}; model states {_mib(m['model_states'])} "
+        where = f" (dp {r['coords']['dp']}, tp {r['coords']['tp']}, pp {r['coords']['pp']})" \
+            if s.formula_wire_bytes is None else ""
+        rows.append((f"rank {r['rank']}{where} memory", f"peak RSS {rss}; model states {_mib(m['model_states'])} "
                                                  f"(params {_mib(m['params'])}, grads {_mib(m['grads'])}, "
                                                  f"optimizer {_mib(m['optimizer'])})"))
     rows.append(("wall time", f"{s.wall_s:.1f} s"))

@@ -1,0 +1,259 @@
+"""The demo's rank body for any mesh and data-parallel strategy: `sw.parallelize` over `Mesh(comm, dp, tp, pp)`.
+
+Also here, so that demo.py imports this module and never the other way round: the options checks a mesh run
+needs, the summary rows per axis, and the loop bookkeeping both rank bodies share (`lr_at`, `StepLog`).
+
+Mechanism
+---------
+Every rank builds the same `GPT(GPTConfig.preset(preset), seed=seed)`, lays the world out as `Mesh(comm, dp, tp,
+pp)` (tp fastest, then dp, then pp) and hands both to `parallelize`: tensor parallel over `mesh.tp` (the "gpt" plan,
+sequence parallel if asked), the pipeline split over `mesh.pp` with the chosen schedule, activation checkpointing,
+then the data-parallel strategy (DDP, ZeRO-1/2/3, FSDP) over `mesh.dp`. Rank 0 prints `model.describe()` first.
+
+Each step, a rank feeds its dp slice of the global batch (`ShardedSampler` with rank = mesh.coords.dp and
+world_size = dp: tp and pp peers read the same rows), and runs `model.step(x, y)` (every microbatch's forward and
+backward, the dp reduction once), `clip_grad_norm_` (the global norm over dp, tp and pp) and the AdamW step. The
+traffic of that block is counted per mesh axis (`stats.measure()` of the axis's communicators, nested): dp carries
+gradient reductions and ZeRO / FSDP parameter gathers, tp the activations and their gradients inside the split
+layers, pp the activations and gradients between stages (counted on the sender) and the tied embedding's
+gradient; clipping adds a 4-byte all-reduce on each. The loss `step` returns is its dp group's mean; the logged
+loss is its AVG over `mesh.dp`, all-reduced after the measured block so that it does not count as training traffic.
+
+An axis's traffic does not all go through `mesh.dp`, `mesh.tp` or `mesh.pp` themselves: FSDP hybrid_shard
+reduces and gathers over shard and replicate groups split from dp (one pair per stage), and a pipeline of more
+than two ranks sums its tied embedding over a group split from pp. `CommStats` counts per Communicator, so
+`axis_groups` collects every group the model declares (shardwise.layout: its strategies' communicators and its
+placements' groups), puts each on the one axis along which its ranks' coordinates vary, and the step is measured
+on all of them (`CommStats.merge` sums an axis).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import layout
+from .comm.base import Communicator, CommStats, ReduceOp
+from .hybrid import parallelize
+from .mesh import AXES, Mesh
+from .models.gpt import GPT, GPTConfig
+from .pipeline.schedules import check_schedule_args
+from .whole.clip import clip_grad_norm_
+from .whole.memory import memory_stats, peak_rss_bytes
+
+if TYPE_CHECKING:
+    from .demo import DemoOptions, DemoSummary
+
+__all__ = ["train_mesh_rank", "axis_groups", "dp_size", "check_mesh_options", "mesh_fields", "axis_rows", "lr_at",
+           "StepLog"]
+
+
+def dp_size(nproc: int | None, dp: int | None, tp: int, pp: int) -> int:
+    """The dp size of a demo run: dp itself, else nproc // (tp x pp), else 1 with tp or pp > 1 (2, the 2-rank
+    DDP run, without); raises ValueError naming the numbers when nproc is given and is not dp x tp x pp."""
+    if dp is None:
+        if nproc is None:
+            dp = 1 if tp * pp > 1 else 2
+        elif nproc % (tp * pp):
+            raise ValueError(f"demo: nproc={nproc} is not a multiple of tp x pp = {tp} x {pp} = {tp * pp}")
+        else:
+            dp = nproc // (tp * pp)
+    if nproc is not None and nproc != dp * tp * pp:
+        raise ValueError(f"demo: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} ranks, but nproc={nproc}; "
+                         f"nproc must be their product (or leave it out)")
+    return dp
+
+
+def check_mesh_options(options: DemoOptions) -> None:
+    """Raise ValueError, with the numbers to fix, for what `parallelize` would refuse on every rank at once."""
+    config = GPTConfig.preset(options.preset)
+    if config.n_heads % options.tp:
+        raise ValueError(f"demo: tp={options.tp} must divide the {options.preset!r} preset's n_heads={config.n_heads}")
+    layers = config.n_layers + 2  # GPT.pipeline_layers(): the embedding, each block, the head
+    if options.pp * options.virtual_stages > layers:
+        raise ValueError(f"demo: pp x virtual_stages = {options.pp} x {options.virtual_stages} stages, but the "
+                         f"{options.preset!r} preset has {layers} pipeline layers")
+    if options.sequence_parallel and options.tp == 1:
+        raise ValueError("demo: sequence_parallel needs tp > 1")
+    if options.strategy == "fsdp:hybrid_shard":
+        if options.dp_shard is None or options.dp % options.dp_shard:
+            raise ValueError(f"demo: strategy='fsdp:hybrid_shard' needs dp_shard, a divisor of dp={options.dp}; "
+                             f"got dp_shard={options.dp_shard}")
+    elif options.dp_shard is not None:
+        raise ValueError(f"demo: dp_shard={options.dp_shard} only applies to strategy='fsdp:hybrid_shard'")
+    if options.batch_size % options.microbatches:
+        raise ValueError(f"demo: batch_size={options.batch_size} (sequences per dp rank) does not split into "
+                         f"microbatches={options.microbatches}; use a batch size that is a multiple of it")
+    check_schedule_args("demo", options.schedule, options.pp, options.microbatches, options.virtual_stages)
+
+
+# ---- the loop bookkeeping both rank bodies share (demo.train_rank and train_mesh_rank) --------------------------
+def lr_at(step: int, options: DemoOptions) -> float:
+    """Linear warmup to `lr` over the warmup steps, then cosine decay to lr / 10 at the last step."""
+    warmup = options.warmup_steps
+    if step < warmup:
+        return options.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, options.steps - 1 - warmup)
+    return options.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+class StepLog:
+    """The bookkeeping every rank body shares: it sets each step's learning rate (`lr_at`); rank 0 also keeps one
+    metrics record per step and draws the tqdm bar (when options.progress); close() returns rank 0's records."""
+
+    def __init__(self, options: DemoOptions, rank: int, tokens_per_step: int) -> None:
+        self.options, self.lead, self.tokens_per_step = options, rank == 0, tokens_per_step
+        self.metrics: list[dict[str, Any]] = []
+        self.bar = None
+        if self.lead and options.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=options.steps, desc=options.label, unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def set_lr(self, opt: torch.optim.Optimizer, step: int) -> float:
+        lr = lr_at(step, self.options)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def record(self, step: int, loss: float, lr: float, seconds: float, **wire: int) -> None:
+        """Rank 0 keeps {step, loss, lr, step_ms, tokens_per_s, **wire} and advances its bar."""
+        if not self.lead:
+            return
+        record = {"step": step, "loss": loss, "lr": lr, "step_ms": seconds * 1e3,
+                  "tokens_per_s": self.tokens_per_step / seconds, **wire}
+        self.metrics.append(record)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            self.bar.update(1)
+
+    def close(self) -> list[dict[str, Any]] | None:
+        if self.bar is not None:
+            self.bar.close()
+        return self.metrics if self.lead else None
+
+
+# ---- the mesh rank body ---------------------------------------------------------------------------------------------
+def axis_groups(model: nn.Module, mesh: Mesh) -> dict[str, list[Communicator]]:
+    """Per mesh axis, the communicators (each once) that carry its traffic: the axis itself when it has more than
+    one rank, and the groups split from it that `model` declares (see the module docstring). A group spanning
+    several axes would be counted on none; parallelize makes none."""
+    found: list[Communicator | None] = [mesh.dp, mesh.tp, mesh.pp]
+    for record in layout.strategies(model):
+        found += [*layout.record_comms(record), record.partitioned_over]
+    for pl in layout.placements(model).values():
+        found += [pl.box_group, pl.flat_group, *pl.replicated_over, pl.partial_grad_over, pl.tied_over]
+    dp, tp = mesh.sizes["dp"], mesh.sizes["tp"]
+    groups: dict[str, list[Communicator]] = {a: [] for a in AXES}
+    seen: set[int] = set()
+    for comm in found:
+        if comm is None or comm.size == 1 or id(comm) in seen:
+            continue
+        seen.add(id(comm))
+        coords = [((r // tp) % dp, r % tp, r // (tp * dp)) for r in comm.global_ranks]  # Mesh's rank order
+        varying = [axis for i, axis in enumerate(AXES) if len({c[i] for c in coords}) > 1]
+        if len(varying) == 1:
+            groups[varying[0]].append(comm)
+    return groups
+
+
+def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
+    """Body of one rank (see the module docstring); returns what `demo._summarise` reads, metrics on rank 0."""
+    from .data import ByteCorpus, ShardedSampler  # the corpus is read inside each rank, not pickled over
+
+    config = GPTConfig.preset(options.preset)
+    mesh = Mesh(comm, dp=options.dp, tp=options.tp, pp=options.pp)
+    model = GPT(config, seed=options.seed)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    model = parallelize(model, mesh, tp_plan="gpt" if options.tp > 1 else None,
+                        sequence_parallel=options.sequence_parallel, pp_schedule=options.schedule,
+                        n_microbatches=options.microbatches, dp_strategy=options.strategy, dp_shard=options.dp_shard,
+                        virtual_stages=options.virtual_stages,
+                        activation_checkpointing=options.activation_checkpointing)
+    if comm.rank == 0:
+        print(model.describe(), flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sampler = ShardedSampler(ByteCorpus(options.data), options.batch_size, config.seq_len, rank=mesh.coords.dp,
+                             world_size=options.dp, seed=options.seed)
+    groups = axis_groups(model, mesh)
+    log = StepLog(options, comm.rank, options.batch_size * config.seq_len * options.dp)
+    wire: list[int] = []
+    per_axis: dict[str, list[int]] = {a: [] for a in AXES}
+    ops: dict[str, dict[str, dict[str, int]]] = {}
+    for step in range(options.steps):
+        lr = log.set_lr(opt, step)
+        start = time.perf_counter()
+        x, y = next(sampler)
+        with contextlib.ExitStack() as stack:
+            counted = {a: [stack.enter_context(c.stats.measure()) for c in groups[a]] for a in AXES}
+            loss = model.step(x, y)
+            clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+        global_loss = loss.detach().clone()
+        mesh.dp.all_reduce(global_loss, ReduceOp.AVG)
+        seconds = time.perf_counter() - start
+        totals = {a: functools.reduce(CommStats.merge, counted[a], CommStats()) for a in AXES}
+        ops = {a: totals[a].as_dict() for a in AXES}
+        for axis in AXES:
+            per_axis[axis].append(totals[axis].wire_bytes())
+        wire.append(sum(per_axis[a][-1] for a in AXES))
+        log.record(step, global_loss.item(), lr, seconds, wire_bytes=wire[-1],
+                   **{f"wire_bytes_{a}": per_axis[a][-1] for a in AXES})
+    return {
+        "rank": comm.rank,
+        "coords": dataclasses.asdict(mesh.coords),
+        "grad_bytes": grad_bytes,
+        "wire_bytes": wire,
+        "wire_bytes_per_axis": per_axis,
+        "ops_per_axis": ops,
+        "peak_rss": peak_rss_bytes(),
+        "memory": memory_stats(model, opt).as_dict(),
+        "metrics": log.close(),
+    }
+
+
+def mesh_fields(options: DemoOptions, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """DemoSummary's per-rank and per-axis fields from the ranks' results (of either rank body): ranks (coords,
+    per-axis wire bytes: the distinct values in the order the steps first gave them, peak RSS, memory), mesh
+    sizes, wire_bytes_per_axis (distinct values over all ranks, sorted), ops_per_axis."""
+    return {
+        "ranks": [{"rank": r["rank"], "coords": r["coords"],
+                   "wire_bytes_per_axis": {a: list(dict.fromkeys(r["wire_bytes_per_axis"][a])) for a in AXES},
+                   "peak_rss": r["peak_rss"], "memory": r["memory"]} for r in results],
+        "mesh": {a: getattr(options, a) for a in AXES},
+        "wire_bytes_per_axis": {a: sorted({w for r in results for w in r["wire_bytes_per_axis"][a]}) for a in AXES},
+        "ops_per_axis": results[0]["ops_per_axis"],
+    }
+
+
+def axis_rows(s: DemoSummary) -> list[tuple[str, str]]:
+    """Summary rows: per mesh axis, the wire bytes one rank sent per step, by pp rank (stages hold different
+    layers, so their traffic differs; the ranks of one stage send the same), and rank 0's operations. The
+    steady value comes first; values of earlier steps follow in brackets (ZeRO-1/2 all-gather the updated
+    parameters at the start of the next step, so the first step has no gather)."""
+    rows = []
+    for axis in AXES:
+        if s.mesh[axis] == 1:
+            rows.append((f"{axis} wire bytes/step", f"0  ({axis} = 1)"))
+            continue
+        by_stage: dict[int, dict[int, None]] = {}
+        for r in s.ranks:
+            by_stage.setdefault(r["coords"]["pp"], {}).update(dict.fromkeys(r["wire_bytes_per_axis"][axis]))
+        values = []
+        for _, seen in sorted(by_stage.items()):
+            *early, steady = seen
+            values.append(f"{steady:,}" + (f" (first steps: {', '.join(f'{w:,}' for w in early)})" if early else ""))
+        text = values[0] if len(values) == 1 else " | ".join(f"pp {p}: {v}" for p, v in enumerate(values))
+        ops = ", ".join(f"{op} x{c['calls']}" for op, c in s.ops_per_axis[axis].items())
+        rows.append((f"{axis} wire bytes/step", f"{text} per rank  (rank 0: {ops})"))
+    return rows
