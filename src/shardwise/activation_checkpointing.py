@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_module", "is_checkpointed"]
+__all__ = ["checkpoint_module", "is_checkpointed", "checkpoint_every", "check_interval", "every_kth"]
 
 _MARK = "_shardwise_checkpointed"
 
@@ -40,3 +40,27 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
 
 def is_checkpointed(module: nn.Module) -> bool:
     return bool(getattr(module, _MARK, False))
+
+
+def check_interval(value: object, who: str) -> int:
+    """`activation_checkpointing` as an interval: False -> 0 (none), True -> 1 (every unit / layer), k -> every k-th
+    (the design documents' CheckpointInterval). Anything else is a ValueError naming the value."""
+    if isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{who}: activation_checkpointing={value!r} must be True, False or a positive int k "
+                         f"(checkpoint every k-th unit)")
+    return value
+
+
+def every_kth(items: list, interval: int) -> list:
+    """The k-th, 2k-th, ... of `items` (all of them for k = 1, none for 0): which units or layers to checkpoint."""
+    return items[interval - 1 :: interval] if interval > 0 else []
+
+
+def checkpoint_every(modules: list[nn.Module], interval: int) -> list[nn.Module]:
+    """Checkpoint every `interval`-th module of `modules`; returns them."""
+    chosen = every_kth(modules, interval)
+    for module in chosen:
+        checkpoint_module(module)
+    return chosen

@@ -38,7 +38,7 @@ from torch import nn
 from . import layout
 from . import pipeline as pp
 from . import tensor_parallel as tp
-from .activation_checkpointing import checkpoint_module
+from .activation_checkpointing import check_interval, checkpoint_every
 from .ddp import DDP
 from .mesh import Mesh
 from .sharding import FSDP, MixedPrecision, ZeRO
@@ -58,7 +58,7 @@ class _Plan:
     virtual_stages: int
     dp_strategy: str
     dp_shard: int | None
-    activation_checkpointing: bool
+    activation_checkpointing: int
     mixed_precision: MixedPrecision | None = None
 
 
@@ -236,7 +236,7 @@ def parallelize(
     dp_strategy: str = "ddp",
     dp_shard: int | None = None,
     virtual_stages: int = 1,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
     mixed_precision: MixedPrecision | None = None,
 ) -> HybridModel:
     """Data x tensor x pipeline parallelism over `mesh`, in the documented order (see the module docstring).
@@ -251,7 +251,8 @@ def parallelize(
         vocabulary-parallel under tensor parallel; HuggingFace's causal-LM loss).
     dp_strategy: "ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op" or "fsdp:hybrid_shard"
         (with dp_shard: the size of the shard groups within dp).
-    activation_checkpointing: recompute every layer between the first and the last in backward.
+    activation_checkpointing: recompute layers between the first and the last in backward: True for every one, an
+        int k for every k-th.
     mixed_precision: compute dtypes (`sw.MixedPrecision(param_dtype=torch.bfloat16)`) for a sharded dp_strategy;
         fp32 master shards are kept. With float16 use `sw.ShardedGradScaler(model)`.
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
@@ -261,16 +262,14 @@ def parallelize(
     if n_microbatches is None:
         n_microbatches = 2 * mesh.sizes["pp"]
     plan = _Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
-                 bool(activation_checkpointing), mixed_precision)
+                 check_interval(activation_checkpointing, "parallelize"), mixed_precision)
     _check(mesh, plan, model)
     if mesh.sizes["tp"] > 1:
         tp.parallelize(model, mesh.tp, tp_plan, sequence_parallel=sequence_parallel)
     layers, loss, gather_vocab = _layers_and_loss(model, loss_fn)
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
     pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss)
-    if activation_checkpointing:
-        for layer in layers[1:-1]:
-            checkpoint_module(layer)
+    checkpoint_every(layers[1:-1], plan.activation_checkpointing)
     model_placements = {id(pl.param): pl for pl in layout.placements(model).values()}
     for stage in pipe.stages.values():
         # The stage's parameters under their original names (and tensor-parallel boxes), with the ties the

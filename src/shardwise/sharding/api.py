@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import layout
 from .._mixin import MovesRefused, mix_in
+from ..activation_checkpointing import check_interval
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
 from ..optimizer_guard import mark_replaced, register_wrapped
@@ -154,7 +155,7 @@ def ZeRO(
     cpu_offload: bool = False,
     wrap: object = "auto",
     group_mb: float = 25.0,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
     prefetch: bool = True,
     replicated_params: tuple[nn.Parameter, ...] = (),
     max_inflight_reductions: int = 2,
@@ -167,7 +168,8 @@ def ZeRO(
     mixed_precision: dtypes of compute copies and reductions (fp32 master shards are kept).
     cpu_offload: master shards, their gradients and so the optimizer state live on CPU; the optimizer steps there.
     wrap / group_mb: how parameters are grouped into communication units (see `sharding.policy`).
-    activation_checkpointing: recompute each unit's activations in backward (torch.utils.checkpoint).
+    activation_checkpointing: recompute units' activations in backward (torch.utils.checkpoint): True for every
+        unit, an int k for every k-th unit (the design documents' CheckpointInterval), False for none.
     prefetch: issue the next unit's all-gather while the current one computes.
     replicated_params: parameters kept whole on every rank and all-reduced (averaged) as DDP does, in no unit
         (e.g. a weight tied across pipeline stages, whose copies are summed before the data-parallel average).
@@ -179,9 +181,10 @@ def ZeRO(
     if isinstance(stage, bool) or stage not in _STAGES:
         raise ValueError(f"ZeRO: stage={stage!r} is not supported; allowed 1, 2 or 3")
     mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
-                       {"activation_checkpointing": activation_checkpointing, "prefetch": prefetch})
+                       {"prefetch": prefetch})
     config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
-                            group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing,
+                            group_mb=group_mb, prefetch=prefetch,
+                            activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
                             max_inflight_reductions=_check_inflight(max_inflight_reductions))
     return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params))
 
@@ -196,7 +199,7 @@ def FSDP(
     cpu_offload: bool = False,
     wrap: object = "auto",
     group_mb: float = 25.0,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
     prefetch: bool = True,
     replicated_params: tuple[nn.Parameter, ...] = (),
     max_inflight_reductions: int = 2,
@@ -224,10 +227,11 @@ def FSDP(
     elif shard_size is not None:
         raise ValueError(f"FSDP: shard_size={shard_size!r} only applies to sharding='hybrid_shard'")
     mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
-                       {"activation_checkpointing": activation_checkpointing, "prefetch": prefetch})
+                       {"prefetch": prefetch})
     replicated_params = _check_replicated(module, replicated_params)
     config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
-                            group_mb=group_mb, prefetch=prefetch, activation_checkpointing=activation_checkpointing,
+                            group_mb=group_mb, prefetch=prefetch,
+                            activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
                             max_inflight_reductions=_check_inflight(max_inflight_reductions))
     if sharding == "no_shard":
         return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard", replicated_params)

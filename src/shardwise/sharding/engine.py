@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..activation_checkpointing import checkpoint_module
+from ..activation_checkpointing import checkpoint_module, every_kth
 from ..comm.base import Communicator, ReduceOp
 from .policy import MixedPrecision, plan_units
 from .unit import GatheredMemory, ParamInfo, Unit
@@ -63,7 +63,7 @@ class ShardingConfig:
     wrap: object = "auto"
     group_mb: float = 25.0
     prefetch: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: int = 0
     max_inflight_reductions: int = 2
 
 
@@ -133,9 +133,11 @@ class ShardingEngine:
             for module in unit.modules:
                 self.handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
             self.handles.append(unit.modules[-1].register_forward_hook(self._make_post_forward(unit)))
-            if self.config.activation_checkpointing:
-                for module in unit.modules:
-                    checkpoint_module(module)
+        # Activation checkpointing of every k-th unit (k = 1: all of them), each unit's modules recomputed.
+        units = [u for u in self.units if not u.is_root]
+        for unit in every_kth(units, int(self.config.activation_checkpointing)):
+            for module in unit.modules:
+                checkpoint_module(module)
         self.handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self.handles.append(self.model.register_forward_hook(self._make_post_forward(self.root)))
         for unit in self.units:
