@@ -1,6 +1,8 @@
-"""`python -m shardwise ...`: the same command line as the `shardwise` console script (see cli.py)."""
+"""`python -m shardwise ...`: the same command line as the `shardwise` console script (see shardwise_cli.py).
 
-from shardwise.cli import main
+Running the package imports `shardwise/__init__.py` (and torch) first; the console script does not."""
+
+from shardwise_cli import main
 
 # Guarded because gloo ranks are spawned processes that re-import the parent's main module.
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from shardwise_cli import SCHEDULES  # the command line's vocabulary, spelled where it needs no torch
 
 from .comm.base import Communicator, ReduceOp
 from .ddp import DDP
@@ -52,8 +53,6 @@ __all__ = ["STRATEGIES", "SCHEDULES", "DemoOptions", "DemoSummary", "StepLog", "
 
 #: Data-parallel strategies the demo can train with (`sw.parallelize`'s dp_strategy values).
 STRATEGIES = DP_STRATEGIES
-#: Pipeline schedules the demo offers (zb_h1 is left out: parallelize allows it with DDP only).
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 # Seconds a collective may wait. Generous because a 2-core machine shared with other jobs can stall a rank for
 # many seconds (spawn, torch import, corpus read); a rank that dies is still reported at once by launch().
 COMM_TIMEOUT_S = 300.0

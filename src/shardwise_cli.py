@@ -1,0 +1,276 @@
+"""The `shardwise` command line: `shardwise <command> [options]` (the console script's entry point).
+
+Why a top-level module: importing anything under `shardwise.` first runs `shardwise/__init__.py`, which imports
+torch (seconds, up to ~20 on a loaded machine). This module uses only the standard library until a command has
+been parsed and checked, so a usage error or `--help` answers at once; the library is imported by the command's
+handler. `shardwise.cli` re-exports `main` and `build_parser`, and `python -m shardwise` runs the same `main`.
+
+Each command is one subparser, added by its own `_add_<command>(subparsers)` function that declares the options
+and sets `handler`, a function taking the parsed namespace and returning the exit code. `main()` only parses and
+dispatches, so `bench`, `plan` and `run` join by adding their function to `_COMMANDS`. Values are validated while
+parsing (argparse `type=` and `choices=`), so a bad value is a usage error (exit 2) naming the option, its value
+and what is allowed, before any rank starts (and before torch is imported). A path that cannot be used (an `--out`
+that cannot be written, a `--data` that cannot be trained on) is one line on stderr and exit code 1.
+
+The option vocabulary the parser offers (strategies, schedules, presets, defaults) is spelled here, torch-free;
+`shardwise.demo` imports `SCHEDULES` from here, and tests/test_reliability_cli.py checks that the rest equals the
+library's (`hybrid.DP_STRATEGIES`, `models.gpt.PRESETS`, `demo.DemoOptions()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardwise.demo import DemoOptions
+
+__all__ = ["main", "build_parser", "max_ranks", "STRATEGIES", "SCHEDULES", "PRESETS", "DEMO_DEFAULTS",
+           "MAX_RANKS", "GLOO_RANKS_PER_CPU"]
+
+#: Data-parallel strategies `shardwise demo` offers: `sw.parallelize`'s dp_strategy values (hybrid.DP_STRATEGIES).
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard")
+#: Pipeline schedules the demo offers (zb_h1 is left out: parallelize allows it with DDP only).
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+#: GPT presets (the keys of models.gpt.PRESETS), sorted.
+PRESETS = ("bench", "small", "tiny")
+#: The defaults of `demo.DemoOptions` that the parser shows in --help.
+DEMO_DEFAULTS = {"strategy": "ddp", "steps": 200, "preset": "small", "batch_size": 8, "lr": 3e-3, "seed": 0,
+                 "out": "runs", "schedule": "1f1b", "virtual_stages": 1}
+
+#: Most ranks one local run may start: thread ranks share one process, and the demo is no cluster.
+MAX_RANKS = 256
+#: Most gloo processes per CPU core: each one imports torch (about 0.4 GiB of RSS) and competes for the cores.
+GLOO_RANKS_PER_CPU = 8
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use (containers, taskset)
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def max_ranks(backend: str) -> int:
+    """The most ranks `shardwise demo` starts on `backend`: MAX_RANKS threads, or GLOO_RANKS_PER_CPU processes per
+    usable CPU core (at most MAX_RANKS)."""
+    return MAX_RANKS if backend == "thread" else min(MAX_RANKS, GLOO_RANKS_PER_CPU * _cpus())
+
+
+# ---- value checkers (argparse turns their ArgumentTypeError into "argument --x: <message>") --------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
+    return value
+
+
+def _existing_path(text: str) -> str:
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist (give a text file or a folder of them)")
+    return text
+
+
+def _os_reason(exc: Exception) -> str:
+    """An OSError as "<strerror> (<path>)", anything else as its message: one line, no traceback."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return str(exc)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"shardwise {command}: {message}", file=sys.stderr)
+    return 1
+
+
+class _Version(argparse.Action):
+    """--version, read from the installed metadata so that it needs no torch (shardwise.__version__ if none)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("shardwise")
+        except metadata.PackageNotFoundError:  # run from a source tree
+            from shardwise import __version__ as version
+        print(f"shardwise {version}")  # on stdout, as argparse's own version action does
+        parser.exit()
+
+
+# ---- demo -----------------------------------------------------------------------------------------------------------
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    defaults = DEMO_DEFAULTS
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small GPT on local ranks with any strategy and mesh; report loss, throughput, traffic, memory",
+        description="Train the byte-level GPT on local ranks (gloo processes on 127.0.0.1, or threads) with a "
+        "data-parallel strategy over a dp x tp x pp mesh, print a summary (loss, step time, tokens/s, wire bytes "
+        "per step: against the DDP formula for plain DDP, per mesh axis otherwise; memory per rank) and write "
+        "metrics.jsonl, summary.json and loss.png under OUT/<timestamp>/.",
+    )
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help=f"number of ranks (default: dp x tp x pp; 2 for plain DDP); at most {MAX_RANKS} thread "
+                   f"ranks, or {GLOO_RANKS_PER_CPU} gloo processes per CPU core ({max_ranks('gloo')} here)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=defaults["strategy"],
+                   help="data-parallel strategy over the dp axis (default: %(default)s)")
+    p.add_argument("--dp", type=_positive_int, default=None,
+                   help="data-parallel size (default: nproc // (tp x pp); without --nproc, 2 for plain DDP, else 1)")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
+    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (default: %(default)s)")
+    p.add_argument("--dp-shard", type=_positive_int, default=None,
+                   help="shard-group size within dp, for --strategy fsdp:hybrid_shard (required there)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=defaults["schedule"],
+                   help="pipeline schedule (default: %(default)s)")
+    p.add_argument("--virtual-stages", type=_positive_int, default=defaults["virtual_stages"],
+                   help="stages per pipeline rank, >= 2 for interleaved_1f1b (default: %(default)s)")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help="microbatches per step, dividing --batch-size (default: 2 x pp)")
+    p.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm/dropout regions too (tp > 1)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute the blocks in backward")
+    p.add_argument("--steps", type=_positive_int, default=defaults["steps"],
+                   help="optimizer steps (default: %(default)s)")
+    p.add_argument("--data", type=_existing_path, default=None,
+                   help="text file or folder to train on (default: the Python standard library's sources)")
+    p.add_argument("--preset", choices=PRESETS, default=defaults["preset"], help="GPT size (default: %(default)s)")
+    p.add_argument("--batch-size", type=_positive_int, default=defaults["batch_size"],
+                   help="sequences per dp rank per step (default: %(default)s)")
+    p.add_argument("--lr", type=_positive_float, default=defaults["lr"],
+                   help="peak learning rate of AdamW (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=defaults["seed"], help="model init and data order (default: %(default)s)")
+    p.add_argument("--out", default=defaults["out"], help="parent folder of the run directory (default: %(default)s)")
+    p.add_argument("--backend", choices=("gloo", "thread"), default=None,
+                   help="gloo: one process per rank; thread: ranks as threads of this process (fast, for tests); "
+                   "default: thread when tp or pp > 1, else gloo")
+    p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+    p.set_defaults(handler=functools.partial(_run_demo, p))
+
+
+def _check_world_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error, before torch is imported, when the run would start more ranks than `max_ranks` allows. The
+    world is --nproc or dp x tp x pp (whichever is larger: DemoOptions reports a mismatch between them)."""
+    mesh = (args.dp or 1) * args.tp * args.pp
+    world = max(args.nproc or 0, mesh)
+    backend = args.backend or ("thread" if args.tp * args.pp > 1 else "gloo")
+    limit = max_ranks(backend)
+    if world <= limit:
+        return
+    what = (f"argument --nproc: {args.nproc}" if args.nproc == world else
+            f"dp x tp x pp = {args.dp or 1} x {args.tp} x {args.pp} = {mesh}")
+    if backend == "thread":
+        rule = f"{limit} thread ranks"
+    else:
+        capped = f", capped at {MAX_RANKS}" if limit == MAX_RANKS else ""
+        rule = (f"{limit} gloo processes ({GLOO_RANKS_PER_CPU} per CPU core x {_cpus()} cores{capped}; "
+                f"--backend thread runs up to {MAX_RANKS} ranks)")
+    parser.error(f"{what} ranks exceeds the limit of {rule}")
+
+
+def _probe_out(out: str) -> str | None:
+    """Why a run directory cannot be made under `out`, or None: creates `out` (as the run would) and a scratch
+    folder in it, removed at once, so a bad --out is found before training rather than after it."""
+    import tempfile
+
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        return "it exists and is not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".shardwise-probe-", dir=path))
+    except OSError as exc:
+        return _os_reason(exc)
+    return None
+
+
+def _probe_data(options: DemoOptions) -> str | None:
+    """Why rank 0 could not train on options.data (unreadable, no text files, shorter than one window), or None:
+    the corpus and sampler the rank would build, built once here, before any rank starts."""
+    from shardwise.data import ByteCorpus, ShardedSampler
+    from shardwise.models.gpt import GPTConfig
+
+    try:
+        ShardedSampler(ByteCorpus(options.data), options.batch_size, GPTConfig.preset(options.preset).seq_len,
+                       world_size=options.dp, seed=options.seed)
+    except (OSError, ValueError) as exc:
+        return _os_reason(exc)
+    return None
+
+
+def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    _check_world_size(parser, args)
+    from shardwise.demo import DemoOptions, run_demo  # torch: only now that the command line is known to be good
+    from shardwise.launch import LaunchError
+
+    try:
+        options = DemoOptions(
+            nproc=args.nproc, strategy=args.strategy, steps=args.steps, data=args.data, preset=args.preset,
+            batch_size=args.batch_size, lr=args.lr, seed=args.seed, out=args.out, backend=args.backend,
+            progress=not args.no_progress, dp=args.dp, tp=args.tp, pp=args.pp, dp_shard=args.dp_shard,
+            schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
+            sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
+        )
+    except ValueError as exc:  # a combination of valid values that does not fit: a usage error, before any rank
+        parser.error(str(exc).removeprefix("demo: "))
+    reason = _probe_data(options) if options.data is not None else None
+    if reason:
+        return _fail("demo", f"cannot train on --data {options.data}: {reason}")
+    reason = _probe_out(options.out)  # second: a bad --data creates no folder
+    if reason:
+        return _fail("demo", f"cannot write the run directory under {options.out}: {reason}")
+    try:
+        run_demo(options)
+    except LaunchError as exc:
+        return _fail("demo", str(exc))
+    except OSError as exc:  # writing the run directory after training (a disk that filled up, a folder removed)
+        if exc.filename is None:
+            raise
+        return _fail("demo", f"cannot write the run directory under {options.out}: {_os_reason(exc)}")
+    return 0
+
+
+# ---- the parser -----------------------------------------------------------------------------------------------------
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `shardwise` parser with one subparser per command."""
+    parser = argparse.ArgumentParser(
+        prog="shardwise", description="Train PyTorch models across many processes with every major parallelism "
+        "strategy, behind one small API."
+    )
+    parser.add_argument("--version", action=_Version)
+    subparsers = parser.add_subparsers(dest="command", title="commands", required=True)
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `shardwise` console script and of `python -m shardwise`; returns the exit code.
+
+    Usage errors exit through argparse (SystemExit with code 2 and a message on stderr); a path that cannot be
+    used, or a rank that failed, returns 1 with one line (the rank's traceback after it) on stderr.
+    """
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
