@@ -67,6 +67,7 @@ CASES = {
     "interleaved-zero3": ((2, 2, 2), dict(dp_strategy="zero3", pp_schedule="interleaved_1f1b", virtual_stages=2)),
     "1f1b-zero2-sp-ac": ((2, 2, 2), dict(dp_strategy="zero2", sequence_parallel=True, activation_checkpointing=True)),
     "pp2-dp4-hybrid_shard": ((4, 1, 2), dict(dp_strategy="fsdp:hybrid_shard", dp_shard=2, n_microbatches=2)),
+    "pp2-dp2-hybrid_shard1": ((2, 1, 2), dict(dp_strategy="fsdp:hybrid_shard", dp_shard=1)),
     "gpipe-ddp-ac": ((2, 2, 2), dict(dp_strategy="ddp", pp_schedule="gpipe", activation_checkpointing=True)),
 }
 
@@ -77,7 +78,7 @@ def test_clipped_training_matches_one_process(case, reference):
     want, want_losses, want_norms = reference
     assert min(want_norms) > MAX_NORM  # clipping binds at every step
     dp = sizes[0]
-    results = sw.launch(train, 8, sizes, options)
+    results = sw.launch(train, sizes[0] * sizes[1] * sizes[2], sizes, options)
     for rank, (state, losses, norms) in enumerate(results):
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=RTOL, atol=0)
         assert state.keys() == want.keys()
