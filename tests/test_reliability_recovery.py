@@ -145,3 +145,26 @@ def test_moving_a_wrapped_model_raises_unless_it_is_a_no_op(strategy):
             model.to(torch.float64)
 
     sw.launch(move, 2)
+
+
+def one_rank_fails(comm, strategy):
+    model = wrap(fresh(), comm, strategy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = []
+    for step in range(3):
+        model.fail_forward = step == 1 and comm.rank == 0
+        try:
+            model(data(step, comm.rank, comm.size)).backward()
+            opt.step()
+        except (RuntimeError, ValueError) as exc:  # CommError is a RuntimeError
+            errors.append((step, type(exc).__name__))
+        opt.zero_grad()
+    return errors
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_step_that_failed_on_one_rank_only_is_an_error_on_every_rank(strategy):
+    """Not recoverable in-process (the peers are inside that step's collectives), but never silent: the failed
+    rank's recovery handshake meets the peers' pending collective, and every rank raises CommError."""
+    for rank, errors in enumerate(sw.launch(one_rank_fails, 2, strategy, timeout=2)):
+        assert any(name == "CommError" and step >= 1 for step, name in errors), (rank, errors)

@@ -22,7 +22,7 @@ from torch import nn
 from .comm.base import Communicator
 from .comm.objects import all_gather_json
 
-__all__ = ["check_agreement", "describe_parameters", "fingerprints"]
+__all__ = ["check_agreement", "describe_parameters", "fingerprints", "agree_on_recovery"]
 
 
 def describe_parameters(module: nn.Module) -> list[list[Any]]:
@@ -81,3 +81,23 @@ def check_agreement(comm: Communicator, who: str, description: dict[str, Any]) -
     raise ValueError(f"{who}: the ranks of its group do not hold the same model or options: {where} is {first!r} on "
                      f"rank {group[0]} but {second!r} on rank {group[other]}; build the same model (same seed or "
                      f"state dict) with the same options on every rank")
+
+
+def agree_on_recovery(comm: Communicator, who: str) -> None:
+    """After a forward or backward that raised on this rank, check that every rank of `comm` is recovering too.
+
+    A step that failed on every rank (a bad batch) is recoverable: every rank arrives here and this one-element
+    all-reduce completes. A step that failed on this rank only is not: its peers are still inside that step's
+    collectives, and letting this rank go on would pair its next collectives with their old ones (equal-sized
+    all-reduces combine silently). Here the peers' pending collective meets this small one instead: a mismatch the
+    backend reports, or a timeout, so every rank raises CommError rather than train on crossed gradients.
+    """
+    if comm.size == 1:
+        return
+    flag = torch.ones(1, device=comm.device)
+    from .comm.base import ReduceOp
+
+    comm.all_reduce(flag, ReduceOp.SUM)
+    if int(flag.item()) != comm.size:
+        raise RuntimeError(f"{who}: {int(flag.item())} of {comm.size} ranks are recovering from a failed step; the "
+                           f"others are not: the job cannot continue in step")

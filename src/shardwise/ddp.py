@@ -35,7 +35,7 @@ from torch import nn
 
 from . import layout
 from ._mixin import MovesRefused, mix_in
-from .agreement import check_agreement, describe_parameters
+from .agreement import agree_on_recovery, check_agreement, describe_parameters
 from .comm.base import Communicator, ReduceOp, Work, is_communicator
 from .comm.coalesced import broadcast_coalesced
 from .optimizer_guard import register_wrapped
@@ -83,6 +83,7 @@ class _Reducer:
         self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.reachable: set[nn.Parameter] = set()
+        self.failed = False  # a forward raised: recover before the next one
         self._reset()
 
     # ---- layout -----------------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class _Reducer:
 
     # ---- forward side -----------------------------------------------------------------------------------------
     def before_forward(self) -> None:
-        if self.in_backward and torch._C._current_graph_task_id() == -1:
+        if self.failed or (self.in_backward and torch._C._current_graph_task_id() == -1):
             self._recover()
         if self.broadcast_buffers and self.buffers and self.comm.size > 1:
             broadcast_coalesced(self.comm, [b.data for b in self.buffers])
@@ -123,7 +124,9 @@ class _Reducer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
+        agree_on_recovery(self.comm, "DDP")
         self.reachable = set()
+        self.failed = False
         self._reset()
 
     def after_forward(self, output: Any) -> None:
@@ -249,7 +252,11 @@ class DDPModule(MovesRefused):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._ddp.before_forward()
-        output = super().forward(*args, **kwargs)
+        try:
+            output = super().forward(*args, **kwargs)
+        except BaseException:
+            self._ddp.failed = True  # the next forward recovers, after agreeing with the peers that they failed too
+            raise
         self._ddp.after_forward(output)
         return output
 

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..activation_checkpointing import checkpoint_module, every_kth
+from ..agreement import agree_on_recovery
 from ..comm.base import Communicator, ReduceOp
 from .policy import MixedPrecision, plan_units
 from .unit import GatheredMemory, ParamInfo, Unit
@@ -112,6 +113,7 @@ class ShardingEngine:
         }
         self.require_sync = True
         self.in_backward = False
+        self.forward_running = False  # between the root's pre- and post-forward: still set next time if it raised
         self.forward_order: list[Unit] = []
         self.forward_pos: dict[Unit, int] = {}
         self.order_recorded = False
@@ -165,8 +167,9 @@ class ShardingEngine:
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if (self.in_backward and not _inside_backward()) or any(u.entered for u in self.units):
+        if self.forward_running or (self.in_backward and not _inside_backward()) or any(u.entered for u in self.units):
             self._recover()
+        self.forward_running = not self.in_backward
         if not self.in_backward and self.forward_order:
             self.order_recorded = True
         dtype = self.config.mixed_precision.param_dtype
@@ -206,6 +209,8 @@ class ShardingEngine:
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         unit.entered = False
+        if unit.is_root:
+            self.forward_running = False
         if self.in_backward:
             return output
         grads_follow = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output))
@@ -302,8 +307,9 @@ class ShardingEngine:
         wait for what was issued, drop the partial gradients, reshard, so the next step starts clean."""
         for unit in self.units:
             unit.abandon()
+        agree_on_recovery(getattr(self, "comm", self.shard_comm), "ZeRO/FSDP")
         self._inflight.clear()
-        self.in_backward = False
+        self.in_backward = self.forward_running = False
         self.next_launch = 0
 
     def sync_gradients(self) -> None:
