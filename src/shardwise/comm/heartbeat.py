@@ -111,7 +111,10 @@ class Heartbeat:
         return self
 
     def stop(self, state: str = "done", error: str = "") -> None:
-        """Publish the final record (state "done", or "failed" with a one-line error) and end the thread."""
+        """Publish the final record (state "done", or "failed" with a one-line error) and end the thread. Only the
+        first call counts."""
+        if self._stop.is_set():
+            return
         self.state, self.error = state, error[:500]
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():

@@ -23,11 +23,13 @@ seconds, instead of torch's assorted connection errors.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import ipaddress
 import os
 import secrets
 import socket
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -187,7 +189,12 @@ def join_world(
             watch = None
         else:
             watch.start()
-    return world_communicator(timeout, watch)
+    comm = world_communicator(timeout, watch)
+    if backend == "gloo":
+        # A gloo world still alive when the interpreter exits can abort the process in torch's teardown
+        # ("terminate called without an active exception", exit code 134 after a successful job): leave it first.
+        atexit.register(_leave_at_exit, comm)
+    return comm
 
 
 def leave_world(comm: TorchCommunicator | None = None, error: str | None = None) -> None:
@@ -201,6 +208,14 @@ def leave_world(comm: TorchCommunicator | None = None, error: str | None = None)
         watch.stop("failed" if error else "done", error or "")
     if world_initialized():
         dist.destroy_process_group()
+
+
+def _leave_at_exit(comm: TorchCommunicator) -> None:
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    try:
+        leave_world(comm, f"{type(uncaught).__name__}: {uncaught}" if uncaught is not None else None)
+    except Exception:  # noqa: BLE001 - nothing may fail at exit
+        pass
 
 
 def _address(store: Any) -> str:
