@@ -17,6 +17,7 @@ aborted and reports the earliest failure (mpi.py).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -242,6 +243,8 @@ def _stop_all(procs: Any) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)  # a frozen (stopped) rank acts on SIGTERM only once continued
     for p in procs:
         p.join(3)
         if p.is_alive():
