@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import RTOL, batch, make_optimizer
+from parity import RTOL, batch, make_optimizer, reference_state
 
 import shardwise as sw
 from shardwise.activation_checkpointing import checkpoint_module, is_checkpointed
@@ -15,17 +15,6 @@ from shardwise.models.gpt import Block
 from shardwise.tensor_parallel import saved_activations
 
 CONFIG = GPTConfig.preset("tiny", n_layers=4)
-
-
-def reference(steps=3):
-    model = GPT(CONFIG, seed=0)
-    opt = make_optimizer(model.parameters())
-    for step in range(steps):
-        x, y = batch(step)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def train(comm, ac, steps=3):
@@ -44,7 +33,7 @@ def train(comm, ac, steps=3):
 
 
 def test_every_kth_unit_trains_like_one_process_and_keeps_less():
-    want = reference()
+    want = reference_state(3, CONFIG)
     kept = {}
     for ac in (False, 2, True):
         results = sw.launch(train, 2, ac)
