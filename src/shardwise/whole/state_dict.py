@@ -32,9 +32,11 @@ def _exchange_partitions(model: nn.Module, local: dict[str, torch.Tensor]) -> di
             for name, (shape, dtype) in names.items():
                 if name in merged:
                     continue
-                tensor = local[name] if group.rank == owner else torch.empty(shape, dtype=getattr(torch, dtype))
+                # Through the communicator's device (NCCL broadcasts CUDA tensors); the result is on CPU.
+                tensor = (local[name] if group.rank == owner else torch.empty(shape, dtype=getattr(torch, dtype)))
+                tensor = tensor.to(group.device)
                 group.broadcast(tensor, owner)
-                merged[name] = tensor
+                merged[name] = tensor.cpu()
         local = merged
     return local
 
