@@ -104,11 +104,14 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> int:
 
 @dataclasses.dataclass
 class OpCount:
-    """Totals for one kind of operation: number of calls, payload bytes, and per-rank ring wire bytes."""
+    """Totals for one kind of operation: number of calls, payload bytes, per-rank ring wire bytes (the textbook
+    cost, what the formulas and tests check), and the per-rank bytes the backend's implementation really moved
+    (`transport_bytes`: more than `wire_bytes` when, e.g., gloo runs a reduce-scatter as a whole all-reduce)."""
 
     calls: int = 0
     bytes: int = 0
     wire_bytes: int = 0
+    transport_bytes: int = 0
 
 
 class CommStats:
@@ -126,11 +129,14 @@ class CommStats:
     def __init__(self) -> None:
         self.ops: dict[str, OpCount] = {}
 
-    def record(self, op: str, payload_bytes: int, group_size: int) -> None:
+    def record(self, op: str, payload_bytes: int, group_size: int, *, transport_bytes: int | None = None) -> None:
+        """Count one `op`; `transport_bytes`: what the implementation moves per rank when it is not the ring cost."""
         count = self.ops.setdefault(op, OpCount())
         count.calls += 1
         count.bytes += payload_bytes
-        count.wire_bytes += wire_bytes(op, payload_bytes, group_size)
+        wire = wire_bytes(op, payload_bytes, group_size)
+        count.wire_bytes += wire
+        count.transport_bytes += wire if transport_bytes is None else transport_bytes
 
     def calls(self, op: str | None = None) -> int:
         return sum(c.calls for name, c in self.ops.items() if op is None or name == op)
@@ -142,6 +148,10 @@ class CommStats:
     def wire_bytes(self, op: str | None = None) -> int:
         """Per-rank ring wire bytes of `op` (or of every operation when op is None)."""
         return sum(c.wire_bytes for name, c in self.ops.items() if op is None or name == op)
+
+    def transport_bytes(self, op: str | None = None) -> int:
+        """Per-rank bytes the backend really moved for `op` (or every operation): >= wire_bytes."""
+        return sum(c.transport_bytes for name, c in self.ops.items() if op is None or name == op)
 
     def reset(self) -> None:
         self.ops.clear()
@@ -156,7 +166,8 @@ class CommStats:
         delta = CommStats()
         for name, c in self.ops.items():
             before = earlier.ops.get(name, OpCount())
-            d = OpCount(c.calls - before.calls, c.bytes - before.bytes, c.wire_bytes - before.wire_bytes)
+            d = OpCount(c.calls - before.calls, c.bytes - before.bytes, c.wire_bytes - before.wire_bytes,
+                        c.transport_bytes - before.transport_bytes)
             if d.calls:
                 delta.ops[name] = d
         return delta
@@ -169,6 +180,7 @@ class CommStats:
             t.calls += c.calls
             t.bytes += c.bytes
             t.wire_bytes += c.wire_bytes
+            t.transport_bytes += c.transport_bytes
         return total
 
     @contextlib.contextmanager
@@ -182,7 +194,9 @@ class CommStats:
             result.ops = self.since(start).ops
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        return {name: dataclasses.asdict(c) for name, c in sorted(self.ops.items())}
+        """{op: {calls, bytes, wire_bytes}}: the logical counts (see `transport_bytes()` for what was moved)."""
+        return {name: {"calls": c.calls, "bytes": c.bytes, "wire_bytes": c.wire_bytes}
+                for name, c in sorted(self.ops.items())}
 
     def __repr__(self) -> str:
         return f"CommStats({self.as_dict()})"
@@ -240,9 +254,13 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+        scratch_input: bool = False,
     ) -> Work | None:
-        """Reduce the flat `input` (size x output.numel() elements) across ranks; keep chunk `rank` in `output`."""
+        """Reduce the flat `input` (size x output.numel() elements) across ranks; keep chunk `rank` in `output`.
+
+        scratch_input: the caller does not need `input` afterwards, so a backend may reduce in it in place (gloo
+        runs an in-place all-reduce then copies the chunk, instead of cloning the input first)."""
 
     @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:

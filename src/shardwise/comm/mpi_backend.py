@@ -195,7 +195,8 @@ class MPICommunicator(Communicator):
         return self._issue(what, start, self._peers(), None, (send, sbuf, rbuf), async_op)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+        scratch_input: bool = False,  # the input is not reused here: nothing to gain
     ) -> Work | None:
         self._check_gather_shapes("reduce_scatter", input, output)
         check_contiguous("reduce_scatter", "output", output)

@@ -324,7 +324,8 @@ class ThreadCommunicator(Communicator):
         return self._finish_or_wait(self._collective("all_gather", sig, (output, input), finish), async_op)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+        scratch_input: bool = False,  # the input is not reused here: nothing to gain
     ) -> Work | None:
         self._check_gather_shapes("reduce_scatter", input, output)
         op = check_reduce_op("reduce_scatter", op, input)

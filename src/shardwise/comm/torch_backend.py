@@ -179,16 +179,38 @@ class TorchCommunicator(Communicator):
         return self._issue(what, start, None, async_op)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+        scratch_input: bool = False,
     ) -> Work | None:
         self._check_gather_shapes("reduce_scatter", input, output)
         check_contiguous("reduce_scatter", "output", output)
         native, then = self._native(op, output, "reduce_scatter")
-        self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
-        flat_in = input.reshape(-1)
         what = f"reduce_scatter(op={op.name}, numel={output.numel()})"
+        if self.backend == "gloo":
+            # gloo has no ring reduce-scatter: reduce_scatter_tensor clones the input and all-reduces the clone. It
+            # moves an all-reduce's bytes either way (counted as transport); with a scratch input, reducing in place
+            # and copying this rank's chunk skips the clone (measured 1.3-1.7x faster at 2 ranks, 1-16 MB).
+            moved = 2 * (self.size - 1) * tensor_bytes(input) // self.size
+            self.stats.record("reduce_scatter", tensor_bytes(input), self.size, transport_bytes=moved)
+            if scratch_input and input.is_contiguous():
+                return self._issue(what, *self._reduce_scatter_in_place(output, input, native, then), async_op)
+        else:
+            self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
+        flat_in = input.reshape(-1)
         start = lambda: _reduce_scatter_flat(output.view(-1), flat_in, native, group=self.group, async_op=True)  # noqa: E731
         return self._issue(what, start, then, async_op)
+
+    def _reduce_scatter_in_place(self, output: torch.Tensor, input: torch.Tensor, native: dist.ReduceOp,
+                                 then: Callable[[], None] | None) -> tuple[Callable[[], dist.Work], Callable[[], None]]:
+        flat, chunk = input.view(-1), output.numel()
+        lo = self.rank * chunk
+
+        def finish() -> None:
+            output.view(-1).copy_(flat[lo : lo + chunk])
+            if then is not None:
+                then()  # AVG: divide the chunk
+
+        return (lambda: dist.all_reduce(flat, native, group=self.group, async_op=True)), finish
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         self._check_peer("broadcast", src, "src")

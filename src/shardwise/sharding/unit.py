@@ -262,8 +262,10 @@ class Unit:
             self.replicated = True
             return
         self.replicated = False
+        # The flat buffer is scratch from here on (zeroed or freed before it accumulates again): a backend may
+        # reduce in it in place (gloo then skips cloning it).
         self.reduce_work = self.shard_comm.reduce_scatter(self.reduced_shard, self.grad_buffer, ReduceOp.AVG,
-                                                          async_op=True)
+                                                          async_op=True, scratch_input=True)
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average over replicas, and hand the shard to the shard parameters' .grad."""
