@@ -129,8 +129,25 @@ def test_thousand_tiny_layers_need_few_collectives():
 
     grouped, n_units = sw.launch(body, 2, "auto")[0]
     per_layer, n_layer_units = sw.launch(body, 2, nn.Linear)[0]
-    assert n_layer_units == 1001 and n_units <= 2  # 1000 layers + an empty root unit
+    # The default group size (~1/8 of the model, at least 2 MiB: below that a collective is latency-bound) merges the
+    # 1,000 layers (1.1 MB) into one unit: 1000x fewer collectives than one unit per layer.
+    assert n_layer_units == 1001 and n_units <= 50  # 1000 layers + an empty root unit
     assert per_layer >= 20 * grouped, (per_layer, grouped)
+
+
+def test_thousand_tiny_layers_keep_the_zero3_memory_formula():
+    """Model states per rank within 5% of 16 Psi / N (fp32 Adam) with the default grouping: padding stays small."""
+    def body(comm):
+        model = sw.ZeRO(_ThousandLayers(), comm, stage=3)
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(4, 16)).backward()
+        opt.step()
+        return sw.memory_stats(model, opt).model_states
+
+    psi = 1000 * (16 * 16 + 16)
+    for world in (2, 4):
+        for states in sw.launch(body, world):
+            assert abs(states - 16 * psi / world) <= 0.05 * 16 * psi / world, (world, states)
 
 
 def test_bad_configurations_are_value_errors():

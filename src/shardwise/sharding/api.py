@@ -98,8 +98,9 @@ def _check_common(module: nn.Module, comm: Any, mixed_precision: Any, cpu_offloa
         raise ValueError(f"mixed_precision={mixed_precision!r} must be a shardwise.MixedPrecision or None")
     if not isinstance(cpu_offload, bool):
         raise ValueError(f"cpu_offload={cpu_offload!r} must be True or False")
-    if isinstance(group_mb, bool) or not isinstance(group_mb, (int, float)) or not group_mb > 0:
-        raise ValueError(f"group_mb={group_mb!r} must be a positive number of MiB")
+    if group_mb is not None and (isinstance(group_mb, bool) or not isinstance(group_mb, (int, float))
+                                 or not group_mb > 0):
+        raise ValueError(f"group_mb={group_mb!r} must be a positive number of MiB or None (chosen from the model)")
     return mixed_precision
 
 
@@ -154,7 +155,7 @@ def ZeRO(
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: bool = False,
     wrap: object = "auto",
-    group_mb: float = 25.0,
+    group_mb: float | None = None,
     activation_checkpointing: bool | int = False,
     prefetch: bool = True,
     replicated_params: tuple[nn.Parameter, ...] = (),
@@ -167,7 +168,8 @@ def ZeRO(
         (all-gathered before each unit's forward and again in its backward, freed after each).
     mixed_precision: dtypes of compute copies and reductions (fp32 master shards are kept).
     cpu_offload: master shards, their gradients and so the optimizer state live on CPU; the optimizer steps there.
-    wrap / group_mb: how parameters are grouped into communication units (see `sharding.policy`).
+    wrap / group_mb: how parameters are grouped into communication units (see `sharding.policy`); group_mb=None
+        lets wrap="auto" pick the size from the model (about 1/8 of it, within 2..25 MiB).
     activation_checkpointing: recompute units' activations in backward (torch.utils.checkpoint): True for every
         unit, an int k for every k-th unit (the design documents' CheckpointInterval), False for none.
     prefetch: issue the next unit's all-gather while the current one computes.
@@ -198,7 +200,7 @@ def FSDP(
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: bool = False,
     wrap: object = "auto",
-    group_mb: float = 25.0,
+    group_mb: float | None = None,
     activation_checkpointing: bool | int = False,
     prefetch: bool = True,
     replicated_params: tuple[nn.Parameter, ...] = (),

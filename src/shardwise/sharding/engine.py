@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -37,10 +38,12 @@ from torch import nn
 from ..activation_checkpointing import checkpoint_module, every_kth
 from ..agreement import agree_on_recovery
 from ..comm.base import Communicator, ReduceOp
-from .policy import MixedPrecision, plan_units
+from .policy import MixedPrecision, auto_group_mb, plan_units
 from .unit import GatheredMemory, ParamInfo, Unit
 
 __all__ = ["ShardingConfig", "ShardingEngine"]
+
+log = logging.getLogger("shardwise.sharding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,7 @@ class ShardingConfig:
     mixed_precision: MixedPrecision = MixedPrecision()
     cpu_offload: bool = False
     wrap: object = "auto"
-    group_mb: float = 25.0
+    group_mb: float | None = None
     prefetch: bool = True
     activation_checkpointing: int = 0
     max_inflight_reductions: int = 2
@@ -97,7 +100,9 @@ class ShardingEngine:
         self.config = config
         mp = config.mixed_precision
         names = {p: n for n, p in model.named_parameters()}
-        plans = plan_units(model, config.wrap, config.group_mb, frozenset(replicated_params))
+        exclude = frozenset(replicated_params)
+        group_mb = config.group_mb if config.group_mb is not None else auto_group_mb(model, exclude)
+        plans = plan_units(model, config.wrap, group_mb, exclude)
         self.memory = GatheredMemory()
         self.grad_memory = GatheredMemory()  # flat (unsharded) gradient buffers alive, and their peak
         self._inflight: collections.deque[Unit] = collections.deque()
@@ -108,6 +113,9 @@ class ShardingEngine:
             for i, plan in enumerate(plans)
         ]
         self.root = self.units[-1]
+        log.info("%s: %d units over %d ranks; wrap=%r, group size %.3g MiB%s", config.name, len(self.units),
+                 shard_comm.size, config.wrap, group_mb,
+                 " (chosen from the model: ~1/8 of its bytes, 2..25 MiB)" if config.group_mb is None else "")
         self.by_shard_param: dict[nn.Parameter, tuple[Unit, ParamInfo]] = {
             info.shard_param: (u, info) for u in self.units for info in u.infos
         }
