@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 __all__ = ["LaunchError"]
 
+_SHOWN = 8
+
 
 class LaunchError(RuntimeError):
     """A rank of `launch` failed. `rank` is the first rank that failed (the root cause, by time); `summary` one line
@@ -18,7 +20,11 @@ class LaunchError(RuntimeError):
                  others: Sequence[tuple[int, str]] = ()) -> None:
         text = f"rank {rank} failed: {summary}\n--- traceback of rank {rank} ---\n{remote_traceback}"
         if others:
-            text += "\n--- other ranks ---\n" + "\n".join(f"rank {r}: {s}" for r, s in others)
+            # The first few in the message (a 64-rank job would print 63 copies of one error); all in `.others`.
+            shown = [f"rank {r}: {s}" for r, s in others[:_SHOWN]]
+            if len(others) > _SHOWN:
+                shown.append(f"... and {len(others) - _SHOWN} more (LaunchError.others has them all)")
+            text += "\n--- other ranks ---\n" + "\n".join(shown)
         super().__init__(text)
         self.rank = rank
         self.summary = summary
