@@ -269,6 +269,11 @@ def parallelize(
     layers, loss, gather_vocab = _layers_and_loss(model, loss_fn)
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
     pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss)
+    if mixed_precision is not None and pipe.tied:
+        raise ValueError(f"parallelize: mixed_precision with weights tied across pipeline ranks "
+                         f"({'; '.join(pipe.tied.names)}) is not supported: the tied copies stay whole fp32 "
+                         f"parameters outside the engine's compute casts; untie them (e.g. GPTConfig(tie_weights="
+                         f"False)) or use pp=1")
     checkpoint_every(layers[1:-1], plan.activation_checkpointing)
     model_placements = {id(pl.param): pl for pl in layout.placements(model).values()}
     for stage in pipe.stages.values():
@@ -281,11 +286,6 @@ def parallelize(
             own[pl.name] = pl
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
         _wrap_data_parallel(stage, mesh, plan)
-    if mixed_precision is not None and pipe.tied:
-        raise ValueError(f"parallelize: mixed_precision with weights tied across pipeline ranks "
-                         f"({'; '.join(pipe.tied.names)}) is not supported: the tied copies stay whole fp32 "
-                         f"parameters outside the engine's compute casts; untie them (e.g. GPTConfig(tie_weights="
-                         f"False)) or use pp=1")
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages))
     pipe.loss_fn = hybrid.scaled_loss(loss)
     _declare(hybrid, model, mesh)
