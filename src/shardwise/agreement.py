@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .comm.base import Communicator
+from .comm.base import Communicator, ReduceOp
 from .comm.objects import all_gather_json
 
 __all__ = ["check_agreement", "describe_parameters", "fingerprints", "agree_on_recovery"]
@@ -95,8 +95,6 @@ def agree_on_recovery(comm: Communicator, who: str) -> None:
     if comm.size == 1:
         return
     flag = torch.ones(1, device=comm.device)
-    from .comm.base import ReduceOp
-
     comm.all_reduce(flag, ReduceOp.SUM)
     if int(flag.item()) != comm.size:
         raise RuntimeError(f"{who}: {int(flag.item())} of {comm.size} ranks are recovering from a failed step; the "

@@ -118,6 +118,19 @@ class _Reducer:
         if self.broadcast_buffers and self.buffers and self.comm.size > 1:
             broadcast_coalesced(self.comm, [b.data for b in self.buffers])
 
+    def sync_now(self) -> None:
+        """All-reduce every bucket now (what backward passes under no_sync accumulated); every .grad views its
+        bucket afterwards."""
+        for p in self.params:
+            self._mark_ready(p, used=True)  # launches each bucket as it fills, in bucket order
+        for bucket in self.buckets:
+            assert bucket.work is not None
+            bucket.work.wait()
+        for p in self.params:
+            bucket, i = self.location[p]
+            p.grad = bucket.views[i]
+        self._reset()
+
     def _recover(self) -> None:
         """The previous backward raised before its end-of-backward callback ran: wait for the buckets it launched
         (every rank launched them, in order), then start clean (the partial gradients are the caller's to zero)."""
@@ -205,19 +218,6 @@ class _Reducer:
             self._reset()
 
 
-def _sync_now(reducer: _Reducer) -> None:
-    """All-reduce every bucket now (what backward passes under no_sync accumulated); every .grad views its bucket."""
-    for p in reducer.params:
-        reducer._mark_ready(p, used=True)  # launches each bucket as it fills, in bucket order
-    for bucket in reducer.buckets:
-        assert bucket.work is not None
-        bucket.work.wait()
-    for p in reducer.params:
-        bucket, i = reducer.location[p]
-        p.grad = bucket.views[i]
-    reducer._reset()
-
-
 def _reachable_parameters(output: Any) -> set[nn.Parameter]:
     """Leaf parameters reachable from the autograd graph of every tensor in `output` (nested lists/dicts too)."""
     roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
@@ -273,7 +273,7 @@ class DDPModule(MovesRefused):
     def sync_gradients(self) -> None:
         """All-reduce, now, the gradients that backward passes under `no_sync()` accumulated (collective): a
         pipeline calls it once per step, after its last microbatch."""
-        _sync_now(self._ddp)
+        self._ddp.sync_now()
 
     def ddp_buckets(self) -> list[dict[str, Any]]:
         """The bucket layout: for each bucket in launch order, its parameter names and bytes."""

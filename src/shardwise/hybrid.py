@@ -210,17 +210,13 @@ def _stage_names(model: nn.Module, stages: list[nn.Module]) -> list[str]:
 
 def _declare(hybrid: HybridModel, model: nn.Module, mesh: Mesh) -> None:
     """The hybrid's record: the union of its stages' placements (original names), every group, the world."""
-    stages = list(hybrid.pipe.stages.values())
-    placements: dict[str, layout.Placement] = {}
-    comms: list[Any] = [mesh.tp]
-    for stage in stages:
-        placements.update(layout.placements(stage))
-        comms += [c for r in layout.strategies(stage) for c in layout.record_comms(r)]
+    # The pipeline's own record already unions its stages (placements, groups, memory) as they are wrapped now;
+    # the hybrid adds what the pipeline cannot know: the whole mesh's world and the model's buffer names.
+    pipeline = layout.strategies(hybrid.pipe)[-1]
     original = {id(b): n for n, b in model.named_buffers()}
     buffer_names = {n: original[id(b)] for n, b in hybrid.named_buffers() if id(b) in original}
-    layout.declare(hybrid, layout.Parallelized(
-        "hybrid", tuple(comms), placements, memory=lambda: layout.merged_memory(stages), world=mesh.world,
-        partitioned_over=mesh.pp if mesh.sizes["pp"] > 1 else None, buffer_names=buffer_names,
+    layout.declare(hybrid, dataclasses.replace(
+        pipeline, name="hybrid", world=mesh.world, buffer_names=buffer_names,
         options={"dp_strategy": hybrid.plan.dp_strategy, "schedule": hybrid.plan.pp_schedule, **mesh.sizes}))
 
 

@@ -42,7 +42,7 @@ from .comm.base import Communicator
 
 __all__ = ["Box", "Placement", "Parallelized", "MemoryView", "strategies", "placements", "declare",
            "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "full_box", "reduction_groups",
-           "counts_here", "record_comms", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers"]
+           "counts_here", "record_comms", "is_partitioned", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers"]
 
 Box = tuple[tuple[int, int], ...]
 _ATTR = "_shardwise_layout"  # the one attribute a wrapped model carries; read only by this module
@@ -223,6 +223,11 @@ def check_not_data_parallel(model: nn.Module, who: str) -> None:
         applied = " + ".join(s.name for s in strategies(model))
         raise ValueError(f"{who}: the module is already wrapped by a data-parallel strategy ({applied}); wrap the "
                          f"plain (or tensor-parallel) module once")
+
+
+def is_partitioned(model: nn.Module) -> bool:
+    """Whether this rank holds only part of the model's parameters (a pipeline stage of a pipeline over >1 rank)."""
+    return any(r.partitioned_over is not None and r.partitioned_over.size > 1 for r in strategies(model))
 
 
 def declare(model: nn.Module, record: Parallelized) -> None:

@@ -191,7 +191,7 @@ def load_checkpoint(
     comm = model_comm(model, comm)
     staged = Staged(model, optimizer)
     error: Exception | None = None
-    partitioned = any(r.partitioned_over is not None and r.partitioned_over.size > 1 for r in layout.strategies(model))
+    partitioned = layout.is_partitioned(model)
     with contextlib.ExitStack() as stack:
         try:
             staged.stage(path, comm, verify, restore_rng, stack)

@@ -65,7 +65,7 @@ def _stage_groups(staged: Staged, owners: dict[int, layout.Placement]) -> None:
         return
     # This rank holds part of the model (a pipeline stage): each of its groups must be part of the saved one.
     current = [[owners[id(p)].name for p in g["params"]] for g in optimizer.param_groups]
-    partial = any(r.partitioned_over is not None for r in layout.strategies(staged.model))
+    partial = layout.is_partitioned(staged.model)
     if len(current) != len(saved_groups) or any(
             not isinstance(saved, dict) or not isinstance(saved.get("params"), list)
             or (not set(names) <= set(saved["params"]) if partial else set(names) != set(saved["params"]))

@@ -33,7 +33,7 @@ from torch import nn
 
 from .. import layout
 from ..agreement import check_agreement, describe_parameters, fingerprints
-from ..comm.base import Communicator
+from ..comm.base import Communicator, is_communicator
 from .declare import tensor_parallel_placements
 from .gpt import install_gpt_forward
 from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear,
@@ -125,7 +125,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         applied = " + ".join(r.name for r in layout.strategies(model))
         raise ValueError(f"parallelize: the model is already wrapped ({applied}); apply tensor parallel to the plain "
                          f"model first, then DDP / ZeRO / FSDP over the data-parallel axis (the documented order)")
-    if not isinstance(comm, Communicator) and not all(hasattr(comm, a) for a in ("rank", "size", "all_reduce")):
+    if not is_communicator(comm):
         raise ValueError(f"parallelize: comm must be a Communicator (e.g. mesh.tp), got {type(comm).__name__}")
     if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
         raise ValueError(f"parallelize: sequence_dim={sequence_dim!r} must be an int")

@@ -83,7 +83,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
             with torch.no_grad():
                 b.copy_(state_dict[name])
     if strict:
-        partitioned = any(r.partitioned_over is not None for r in layout.strategies(model))
+        partitioned = layout.is_partitioned(model)
         missing = sorted(expected - state_dict.keys())
         unexpected = [] if partitioned else sorted(state_dict.keys() - expected)
         if missing or unexpected:
