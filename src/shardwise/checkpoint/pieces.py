@@ -61,11 +61,9 @@ def _whole(name: str, value: torch.Tensor) -> Piece:
 
 def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[Piece]:
     """Every piece of parameters, persistent buffers and optimizer state this rank holds (empty ones skipped)."""
-    from ..whole.gather import read_held
-
     pieces: list[Piece] = []
     for pl in layout.placements(model).values():
-        for box, data in read_held(pl, pl.param):
+        for box, data in layout.held_views(pl, pl.param.detach()):
             pieces.append(Piece(f"param/{pl.name}", list(pl.shape), dtype_name(pl.param.dtype), box, data))
     for name, b in layout.buffers(model).items():
         pieces.append(_whole(f"buffer/{name}", b))
@@ -82,7 +80,7 @@ def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> l
                     name = f"optim/{pl.name}/{key}"
                     if follows_param(value, p):
                         pieces += [Piece(name, list(pl.shape), dtype_name(value.dtype), box, data, True)
-                                   for box, data in read_held(pl, value)]
+                                   for box, data in layout.held_views(pl, value.detach())]
                     else:
                         pieces.append(_whole(name, value))
     return pieces

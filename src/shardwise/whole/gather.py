@@ -16,7 +16,7 @@ import torch
 from .. import layout
 from ..comm.base import Communicator
 
-__all__ = ["gather_full", "write_held", "read_held"]
+__all__ = ["gather_full", "write_held"]
 
 
 def _all_gather_padded(comm: Communicator, piece: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -63,8 +63,3 @@ def write_held(pl: layout.Placement, target: torch.Tensor, full: torch.Tensor) -
     """Copy the elements `pl` holds out of the dense tensor `full` into `target` (shaped like pl.param)."""
     for box, view in layout.held_views(pl, target.detach()):
         view.copy_(full[layout.box_slices(box)])
-
-
-def read_held(pl: layout.Placement, source: torch.Tensor) -> list[tuple[layout.Box, torch.Tensor]]:
-    """(global box, view) for every box of `source` (shaped like pl.param) that `pl` holds."""
-    return layout.held_views(pl, source.detach())
