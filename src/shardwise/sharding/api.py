@@ -132,10 +132,9 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     # Weights tied to copies on other pipeline ranks stay whole, so the pipeline can sum the copies' gradients.
     tied = tuple(pl.param for pl in before.values() if pl.tied_over is not None and pl.param not in replicated_params)
     originals = list(module.parameters())
-    engine = ShardingEngine(module, shard, replicate, config, (*replicated_params, *tied))
+    engine = ShardingEngine(module, comm, shard, replicate, config, (*replicated_params, *tied))
     kept = {id(p) for p in module.parameters()}
     mark_replaced([p for p in originals if id(p) not in kept], record_name)
-    engine.comm = comm  # every data-parallel rank (checkpoints need them all)
     reinstall_partial_grad_hooks(engine, before)
     mix_in(module, ShardedModule, "Sharded")
     module._sharding = engine

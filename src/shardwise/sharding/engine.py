@@ -89,9 +89,11 @@ class _MarkBackwardDone(torch.autograd.Function):
 class ShardingEngine:
     """Owns the units of one wrapped model and the hooks that drive them (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, shard_comm: Communicator, replicate_comm: Communicator | None,
-                 config: ShardingConfig, replicated_params: tuple[nn.Parameter, ...] = ()) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, shard_comm: Communicator,
+                 replicate_comm: Communicator | None, config: ShardingConfig,
+                 replicated_params: tuple[nn.Parameter, ...] = ()) -> None:
         self.model = model
+        self.comm = comm  # every data-parallel rank (shard x replicate): what a recovering rank agrees over
         # Kept whole on every rank and all-reduced as DDP does (a weight tied across pipeline stages, whose two
         # copies must be summed before the data-parallel average): in no unit.
         self.replicated_params = [p for p in replicated_params if p.requires_grad]
@@ -315,7 +317,7 @@ class ShardingEngine:
         wait for what was issued, drop the partial gradients, reshard, so the next step starts clean."""
         for unit in self.units:
             unit.abandon()
-        agree_on_recovery(getattr(self, "comm", self.shard_comm), "ZeRO/FSDP")
+        agree_on_recovery(self.comm, "ZeRO/FSDP")
         self._inflight.clear()
         self.in_backward = self.forward_running = False
         self.next_launch = 0
