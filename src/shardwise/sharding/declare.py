@@ -13,16 +13,8 @@ import dataclasses
 from .. import layout
 from ..comm.base import Communicator
 from .engine import ShardingEngine
-from .unit import ParamInfo, Unit
 
 __all__ = ["sharded_placements", "reinstall_partial_grad_hooks", "engine_memory"]
-
-
-def _range_of(unit: Unit, info: ParamInfo, rank: int) -> tuple[int, int]:
-    s = unit.shard_size
-    lo = max(rank * s, info.offset) - info.offset
-    hi = min((rank + 1) * s, info.offset + info.numel) - info.offset
-    return (lo, hi) if hi > lo else (0, 0)
 
 
 def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placement]) -> dict[str, layout.Placement]:
@@ -37,7 +29,7 @@ def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placemen
             pl = before[info.name]
             refined[pl.name] = dataclasses.replace(
                 pl, param=info.shard_param, flat=(info.shard_lo, info.shard_hi), flat_group=group,
-                flat_by_rank=tuple(_range_of(unit, info, r) for r in range(group.size)),
+                flat_by_rank=tuple(unit.piece_of(info.offset, info.numel, r) for r in range(group.size)),
                 replicated_over=(*pl.replicated_over, *extra))
     group = engine.shard_comm
     around = tuple(g for g in (group, replicate) if g is not None and g.size > 1)

@@ -136,9 +136,7 @@ class Unit:
         self.infos: list[ParamInfo] = []
         offset = 0
         for p in plan.params:
-            lo = max(start, offset) - offset
-            hi = min(start + self.shard_size, offset + p.numel()) - offset
-            lo, hi = (lo, hi) if hi > lo else (0, 0)
+            lo, hi = self.piece_of(offset, p.numel(), shard_comm.rank)
             piece = self.master[offset + lo - start : offset + hi - start] if hi > lo else self.master[:0]
             shard_param = nn.Parameter(piece, requires_grad=p.requires_grad)
             unsharded = nn.Parameter(self.full[offset : offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
@@ -164,6 +162,13 @@ class Unit:
         if not keep_full:
             memory.allocated(self.full_bytes)  # so that freeing balances
             self.free_full()
+
+    def piece_of(self, offset: int, numel: int, rank: int) -> tuple[int, int]:
+        """The elements [lo, hi) of a parameter at `offset` (numel elements) that shard-group rank `rank` holds,
+        in the parameter's own flattening; (0, 0) when none."""
+        s = self.shard_size
+        lo, hi = max(rank * s, offset) - offset, min((rank + 1) * s, offset + numel) - offset
+        return (lo, hi) if hi > lo else (0, 0)
 
     # ---- parameters: gather, free, swap -----------------------------------------------------------------------
     def _master_version(self) -> int:
