@@ -118,9 +118,6 @@ class ShardingEngine:
         log.info("%s: %d units over %d ranks; wrap=%r, group size %.3g MiB%s", config.name, len(self.units),
                  shard_comm.size, config.wrap, group_mb,
                  " (chosen from the model: ~1/8 of its bytes, 2..25 MiB)" if config.group_mb is None else "")
-        self.by_shard_param: dict[nn.Parameter, tuple[Unit, ParamInfo]] = {
-            info.shard_param: (u, info) for u in self.units for info in u.infos
-        }
         self.require_sync = True
         self.in_backward = False
         self.forward_running = False  # between the root's pre- and post-forward: still set next time if it raised

@@ -341,16 +341,3 @@ class Unit:
                     info.shard_param.grad = g.clone()
             self.grad_buffer.zero_()
             self.grad_buffer_dirty = False
-
-    # ---- state --------------------------------------------------------------------------------------------------
-    def full_tensor(self, info: ParamInfo) -> torch.Tensor:
-        """This parameter, whole, in the master dtype (collective: every rank of the shard group must call it)."""
-        gathered = torch.empty(self.padded, dtype=self.master_dtype, device=self.master_device)
-        self.shard_comm.all_gather(gathered, self.master.detach())
-        return gathered[info.offset : info.offset + info.numel].view(info.shape).clone()
-
-    def load_full_tensor(self, info: ParamInfo, value: torch.Tensor) -> None:
-        """Copy this rank's piece of a whole parameter `value` into the master shard (no communication)."""
-        flat = value.detach().reshape(-1).to(self.master_device, self.master_dtype)
-        with torch.no_grad():
-            info.shard_param.copy_(flat[info.shard_lo : info.shard_hi])
