@@ -10,6 +10,7 @@ See README.md and docs/ for the user guide.
 
 from .checkpoint import CheckpointError, export_full, import_full, load_checkpoint, save_checkpoint
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
+from .consensus import agree
 from .ddp import DDP, DDPModule
 from .estimate import MemoryEstimate, estimate_memory
 # `launch` is both a subpackage and its function: this import binds the attribute shardwise.launch to the function.
@@ -45,6 +46,7 @@ __all__ = [
     "ShardedModule",
     "Work",
     "ZeRO",
+    "agree",
     "clip_grad_norm_",
     "detect_environment",
     "estimate_memory",
