@@ -176,6 +176,9 @@ class MemoryView:
     gathered_peak: int = 0
     gathered_now: int = 0
     grad_buffer_peak: int = 0
+    # CPU offload: tensors held in host memory, and the parameters whose gradient and optimizer state live there.
+    host: tuple[torch.Tensor, ...] = ()
+    host_params: tuple[torch.Tensor, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)

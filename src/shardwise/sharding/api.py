@@ -32,6 +32,7 @@ from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
 from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
 from .engine import ShardingConfig, ShardingEngine
+from .offload import offload_level
 from .policy import MixedPrecision
 
 __all__ = ["ZeRO", "FSDP", "ShardedModule", "SHARDING_STRATEGIES"]
@@ -96,8 +97,7 @@ def _check_common(module: nn.Module, comm: Any, mixed_precision: Any, cpu_offloa
         mixed_precision = MixedPrecision()
     if not isinstance(mixed_precision, MixedPrecision):
         raise ValueError(f"mixed_precision={mixed_precision!r} must be a shardwise.MixedPrecision or None")
-    if not isinstance(cpu_offload, bool):
-        raise ValueError(f"cpu_offload={cpu_offload!r} must be True or False")
+    offload_level(cpu_offload)  # raises naming the allowed levels
     if group_mb is not None and (isinstance(group_mb, bool) or not isinstance(group_mb, (int, float))
                                  or not group_mb > 0):
         raise ValueError(f"group_mb={group_mb!r} must be a positive number of MiB or None (chosen from the model)")
@@ -152,7 +152,7 @@ def ZeRO(
     *,
     stage: int,
     mixed_precision: MixedPrecision | None = None,
-    cpu_offload: bool = False,
+    cpu_offload: bool | str = False,
     wrap: object = "auto",
     group_mb: float | None = None,
     activation_checkpointing: bool | int = False,
@@ -166,7 +166,9 @@ def ZeRO(
     stage: 1 shards optimizer state; 2 also gradients (reduce-scattered during backward); 3 also parameters
         (all-gathered before each unit's forward and again in its backward, freed after each).
     mixed_precision: dtypes of compute copies and reductions (fp32 master shards are kept).
-    cpu_offload: master shards, their gradients and so the optimizer state live on CPU; the optimizer steps there.
+    cpu_offload: which model states live in host memory (`sharding.offload`): "optimizer" (master shards, their
+        gradients and so the optimizer state; the optimizer steps there), "full" (also no parameters kept on the
+        device: ZeRO-3 copies the host master in at each gather), True (= "full"), False (nothing).
     wrap / group_mb: how parameters are grouped into communication units (see `sharding.policy`); group_mb=None
         lets wrap="auto" pick the size from the model (about 1/8 of it, within 2..25 MiB).
     activation_checkpointing: recompute units' activations in backward (torch.utils.checkpoint): True for every
@@ -183,8 +185,8 @@ def ZeRO(
         raise ValueError(f"ZeRO: stage={stage!r} is not supported; allowed 1, 2 or 3")
     mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
                        {"prefetch": prefetch})
-    config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
-                            group_mb=group_mb, prefetch=prefetch,
+    config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, wrap=wrap,
+                            cpu_offload=offload_level(cpu_offload), group_mb=group_mb, prefetch=prefetch,
                             activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
                             max_inflight_reductions=_check_inflight(max_inflight_reductions))
     return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params))
@@ -197,7 +199,7 @@ def FSDP(
     sharding: str = "full_shard",
     shard_size: int | None = None,
     mixed_precision: MixedPrecision | None = None,
-    cpu_offload: bool = False,
+    cpu_offload: bool | str = False,
     wrap: object = "auto",
     group_mb: float | None = None,
     activation_checkpointing: bool | int = False,
@@ -230,8 +232,8 @@ def FSDP(
     mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
                        {"prefetch": prefetch})
     replicated_params = _check_replicated(module, replicated_params)
-    config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, cpu_offload=cpu_offload, wrap=wrap,
-                            group_mb=group_mb, prefetch=prefetch,
+    config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, wrap=wrap,
+                            cpu_offload=offload_level(cpu_offload), group_mb=group_mb, prefetch=prefetch,
                             activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
                             max_inflight_reductions=_check_inflight(max_inflight_reductions))
     if sharding == "no_shard":

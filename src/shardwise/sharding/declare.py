@@ -50,9 +50,13 @@ def reinstall_partial_grad_hooks(engine: ShardingEngine, before: dict[str, layou
 
 
 def engine_memory(engine: ShardingEngine) -> layout.MemoryView:
-    """Master shards (views of the full buffer in fp32 stage 1/2), kept full buffers and flat gradient buffers."""
+    """Master shards (views of the full buffer in fp32 stage 1/2), kept full buffers, compute shards and flat gradient
+    buffers; what CPU offload keeps on the host."""
     return layout.MemoryView(
-        params=tuple(u.master for u in engine.units) + tuple(u.full for u in engine.units if u.keep_full),
+        params=tuple(u.master for u in engine.units) + tuple(u.full for u in engine.units if u.keep_full)
+        + tuple(u.compute_shard for u in engine.units if u.compute_shard is not None),
         grads=tuple(u.grad_buffer for u in engine.units if u.grad_buffer is not None),
         gathered_peak=engine.gathered_peak, gathered_now=engine.memory.live,
-        grad_buffer_peak=engine.grad_memory.peak)
+        grad_buffer_peak=engine.grad_memory.peak,
+        host=tuple(u.master for u in engine.units if u.offload != "none"),
+        host_params=tuple(info.shard_param for u in engine.units if u.offload != "none" for info in u.infos))

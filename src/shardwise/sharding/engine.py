@@ -63,7 +63,7 @@ class ShardingConfig:
     reshard_after_forward: bool
     keep_grad_buffer: bool
     mixed_precision: MixedPrecision = MixedPrecision()
-    cpu_offload: bool = False
+    cpu_offload: str = "none"  # an offload level (sharding.offload): "none", "optimizer" or "full"
     wrap: object = "auto"
     group_mb: float | None = None
     prefetch: bool = True

@@ -5,7 +5,7 @@ Layout. The unit's parameters are concatenated (flattened) in registration order
 al. 2020). Every rank's shard has the same size, so one all-gather and one reduce-scatter move the whole unit.
 
 Three kinds of tensors per unit:
-* the **master shard** (fp32, s elements; on CPU with offload): what the optimizer updates. Each original
+* the **master shard** (fp32, s elements; on the host with CPU offload): what the optimizer updates. Each original
   parameter is represented by a `shard parameter`: an nn.Parameter viewing the slice of the master shard that
   intersects it (1-D, possibly empty). These are what `model.named_parameters()` yields between steps.
 * the **full buffer** (param_dtype, `padded` elements): the gathered compute copy. `unsharded parameters` are
@@ -15,6 +15,9 @@ Three kinds of tensors per unit:
   again when backward needs them (the technique of PyTorch FSDP). Writes go through `.data`, whose version counter
   is separate, so refilling does not trip autograd's in-place check.
   In fp32 stage 1/2 (parameters kept whole) the master shard is a view of the full buffer: no copy at all.
+* with `cpu_offload="optimizer"` in stage 3, the **compute shard** (param_dtype, s elements, on the device): the
+  master's values in the compute dtype, refreshed once after each optimizer step, which the all-gathers read
+  (ZeRO-Offload's device-resident fp16 partition; see `offload`).
 * the **gradient buffer** (reduce_dtype, `padded` elements): unsharded gradients are added into it as they are
   produced; one reduce-scatter (AVG) leaves this rank's averaged shard, then an all-reduce over the replicate group
   for hybrid sharding, and the result becomes the shard parameters' `.grad`.
@@ -80,7 +83,7 @@ class Unit:
         keep_grad_buffer: bool,
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
-        offload: bool,
+        offload: str,
         memory: GatheredMemory,
         grad_memory: GatheredMemory | None = None,
     ) -> None:
@@ -100,7 +103,8 @@ class Unit:
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or first.dtype
         self.reduce_dtype = reduce_dtype or (torch.float32 if param_dtype is not None else self.param_dtype)
-        self.master_device = torch.device("cpu") if offload else self.device
+        self.offload = offload  # an offload level (see .offload): "none", "optimizer" or "full"
+        self.master_device = torch.device("cpu") if offload != "none" else self.device
         if any(p.dtype != self.master_dtype for p in plan.params):
             raise ValueError(f"unit {self.name!r} mixes parameter dtypes {sorted({str(p.dtype) for p in plan.params})}")
 
@@ -118,7 +122,7 @@ class Unit:
             for p in plan.params:
                 self.full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                 offset += p.numel()
-        self.master_is_view = keep_full and self.param_dtype == self.master_dtype and not offload
+        self.master_is_view = keep_full and self.param_dtype == self.master_dtype and offload == "none"
         if self.master_is_view:
             self.master = self.full.data[start : start + self.shard_size]
         else:
@@ -148,6 +152,11 @@ class Unit:
         self.trainable = [i for i in self.infos if i.requires_grad]
 
         self.gathered_version: int | None = self._master_version()  # the full buffer matches the master now
+        # ZeRO-Offload's device-resident shard in the compute dtype (stage 3 with "optimizer" offload only).
+        self.compute_shard: torch.Tensor | None = None
+        self.compute_version: int | None = None
+        if offload == "optimizer" and not keep_full:
+            self.compute_shard = torch.empty(self.shard_size, dtype=self.param_dtype, device=self.device)
         self.pending_gather: Work | None = None
         self.grad_buffer: torch.Tensor | None = None
         self.grad_buffer_dirty = False  # holds last step's averaged shard, viewed by .grad: zero before reuse
@@ -196,11 +205,21 @@ class Unit:
         if not self.full_allocated:
             self.full.untyped_storage().resize_(self.full_bytes)
             self.memory.allocated(self.full_bytes)
+        source = self._gather_source()
+        self.gathered_version = self._master_version()
+        self.pending_gather = self.shard_comm.all_gather(self.full.data, source, async_op=True)
+
+    def _gather_source(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype on the device: what the all-gather sends."""
+        if self.compute_shard is not None:
+            if self.compute_version != self._master_version():  # once per optimizer step, not once per gather
+                self.compute_shard.copy_(self.master.detach(), non_blocking=True)
+                self.compute_version = self._master_version()
+            return self.compute_shard
         source = self.master.detach().to(self.device, self.param_dtype)
         if self.master_is_view:
             source = source.clone()  # never gather from a slice of the very buffer being written
-        self.gathered_version = self._master_version()
-        self.pending_gather = self.shard_comm.all_gather(self.full.data, source, async_op=True)
+        return source
 
     def wait_gather(self) -> None:
         self.start_gather()
@@ -290,7 +309,8 @@ class Unit:
             own.copy_(reduced)
             reduced = own
             self.grad_buffer_dirty = True
-        shard = reduced.to(self.master_device, self.master_dtype)
+        # Offloaded: always a copy, so the gradient lives on the host as on a GPU, even where host is the device.
+        shard = reduced.to(self.master_device, self.master_dtype, copy=self.offload != "none")
         for info in self.trainable:
             piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
             if info.shard_param.grad is None:

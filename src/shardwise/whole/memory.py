@@ -30,6 +30,8 @@ class MemoryStats:
     resident set size so far (the whole process: on the thread backend it covers every rank). gathered: bytes of
     temporarily gathered parameters alive now (0 between steps and after an inference forward under ZeRO-3).
     grad_buffer_peak: the most bytes of unsharded (flat) gradient buffers the sharding engine held at once.
+    host: the part of params + grads + optimizer that CPU offload keeps in host memory (0 without offload);
+    `device_model_states` is the rest, what the accelerator holds.
     """
 
     params: int
@@ -39,6 +41,12 @@ class MemoryStats:
     peak_rss: int
     gathered: int = 0
     grad_buffer_peak: int = 0
+    host: int = 0
+
+    @property
+    def device_model_states(self) -> int:
+        """Model states not offloaded to the host: what the device holds between steps."""
+        return self.model_states - self.host
 
     @property
     def model_states(self) -> int:
@@ -46,7 +54,8 @@ class MemoryStats:
         return self.params + self.grads + self.optimizer
 
     def as_dict(self) -> dict[str, int]:
-        return {**dataclasses.asdict(self), "model_states": self.model_states}
+        return {**dataclasses.asdict(self), "model_states": self.model_states,
+                "device_model_states": self.device_model_states}
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
@@ -74,6 +83,8 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     params: list[torch.Tensor] = [pl.param for pl in layout.placements(model).values()]
     grads = [p.grad for p in params if p.grad is not None]
     gathered_peak = gathered = grad_buffer_peak = 0
+    host: list[torch.Tensor] = []
+    host_params: list[torch.Tensor] = []
     for record in layout.strategies(model):
         if record.memory is not None:
             held = record.memory()
@@ -82,10 +93,16 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
             gathered_peak = max(gathered_peak, held.gathered_peak)
             gathered += held.gathered_now
             grad_buffer_peak = max(grad_buffer_peak, held.grad_buffer_peak)
+            host += held.host
+            host_params += held.host_params
     state: list[torch.Tensor] = []
     if optimizer is not None:
         for per_param in optimizer.state.values():
             state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    # Offloaded: the host masters, and the gradients and optimizer state of the parameters that view them.
+    host += [p.grad for p in host_params if p.grad is not None]
+    if optimizer is not None:
+        host += [v for p in host_params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
     return MemoryStats(
         params=_unique_bytes(params),
         grads=_unique_bytes(grads),
@@ -94,4 +111,5 @@ def memory_stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         peak_rss=peak_rss_bytes(),
         gathered=gathered,
         grad_buffer_peak=grad_buffer_peak,
+        host=_unique_bytes(host),
     )
