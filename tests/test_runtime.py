@@ -39,8 +39,10 @@ def test_open_mpi_across_nodes_needs_master_addr():
 
 
 def test_pmi_environment():
-    env = detect_environment({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2"})
+    env = detect_environment({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3"})
     assert (env.source, env.rank, env.world_size, env.local_rank, env.master_addr) == ("pmi", 2, 3, 2, "127.0.0.1")
+    # Without MPI_LOCALNRANKS the job may span nodes: no loopback address (tests/test_cluster_env.py has more).
+    assert detect_environment({"PMI_RANK": "2", "PMI_SIZE": "3"}).master_addr is None
 
 
 def test_slurm_environment():

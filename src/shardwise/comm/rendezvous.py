@@ -156,7 +156,7 @@ def join_store(addr: str, port: int, timeout: float, *, rank: int) -> dist.TCPSt
 
 def join_world(
     backend: str, rank: int, size: int, timeout: float, *, store: Any = None, init_method: str | None = None,
-    local: bool = False, launcher_pid: int | None = None,
+    local: bool = False, launcher_pid: int | None = None, backend_timeout: float | None = None,
 ) -> TorchCommunicator:
     """Create the default process group (through `store`, else `init_method`) and return its Communicator.
 
@@ -164,9 +164,10 @@ def join_world(
     local: every rank runs on this host, so gloo's device is pinned to the loopback interface.
     With a `store`, this rank also starts its heartbeat (comm/heartbeat.py) there: its CommErrors then name the
     culprit peers. launcher_pid: the launching process; the rank exits when it dies (no orphans).
+    backend_timeout: the process group's own timeout (NCCL's watchdog), when it must be longer than `timeout`.
     """
     where = _address(store) if store is not None else init_method
-    delta = datetime.timedelta(seconds=timeout)
+    delta = datetime.timedelta(seconds=timeout if backend_timeout is None else max(timeout, backend_timeout))
     if local and backend == "gloo":
         _pin_gloo_to_loopback()
     try:
@@ -189,7 +190,7 @@ def join_world(
             watch = None
         else:
             watch.start()
-    comm = world_communicator(timeout, watch)
+    comm = TorchCommunicator(None, timeout=timeout, _watch=watch, backend_timeout=delta.total_seconds())
     if backend == "gloo":
         # A gloo world still alive when the interpreter exits can abort the process in torch's teardown
         # ("terminate called without an active exception", exit code 134 after a successful job): leave it first.

@@ -96,7 +96,7 @@ class TorchCommunicator(Communicator):
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 60.0, _cache: dict | None = None,
-                 _watch: RankWatch | None = None):
+                 _watch: RankWatch | None = None, backend_timeout: float | None = None):
         if not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs torch.distributed initialised; use shardwise.init()")
         self.group = group
@@ -106,6 +106,8 @@ class TorchCommunicator(Communicator):
         self.global_rank = dist.get_rank()
         self.backend = str(dist.get_backend(group))
         self.timeout = float(timeout)
+        # The process group's own timeout (NCCL's watchdog): sub-groups get the same; never below shardwise's.
+        self.backend_timeout = max(self.timeout, float(backend_timeout or 0.0))
         self.stats = CommStats()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self._cache: dict[tuple[int, ...], dist.ProcessGroup] = {} if _cache is None else _cache
@@ -271,8 +273,9 @@ class TorchCommunicator(Communicator):
             if pg is None:
                 pg = dist.new_group(
                     list(global_members),
-                    timeout=datetime.timedelta(seconds=self.timeout),
+                    timeout=datetime.timedelta(seconds=self.backend_timeout),
                     use_local_synchronization=True,
                 )
                 self._cache[global_members] = pg
-        return TorchCommunicator(pg, timeout=self.timeout, _cache=self._cache, _watch=self._watch)
+        return TorchCommunicator(pg, timeout=self.timeout, _cache=self._cache, _watch=self._watch,
+                                 backend_timeout=self.backend_timeout)

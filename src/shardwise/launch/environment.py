@@ -9,8 +9,16 @@ Launchers announce a process's place through environment variables, each family 
 
 `detect_environment()` reads them (first match in that order) into one `LaunchEnvironment`. MPI and Slurm do not
 name a rendezvous address for torch.distributed: MASTER_ADDR / MASTER_PORT win when set; otherwise a job whose ranks
-all live on this node uses 127.0.0.1, Slurm uses the first node of the step's node list, and the port defaults to
-29500 (Slurm: derived from the job id so that two jobs sharing a node do not collide).
+*provably* all live on this node (the launcher's local size equals the world size) uses 127.0.0.1, a job inside a
+Slurm allocation (srun, or mpirun / Hydra started in one) uses the first host of the step's node list
+(SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST / SLURM_NODELIST, compressed forms such as `gpu[01-04,07]` expanded as
+Slurm does), and the port defaults to 29500 (Slurm: derived from the job id so that two jobs sharing a node do not
+collide). A launcher that does not say how many ranks share this node (PMI without MPI_LOCALNRANKS) is never assumed
+to be a one-node job: without MASTER_ADDR or a node list the address is unknown (None) and `init()` asks for it.
+
+GPUs. `cuda_device_index()` picks this rank's GPU among the ones it can see: the local rank's, or, when the launcher
+bound GPUs per task (srun --gpus-per-task / --gpu-bind, or a CUDA_VISIBLE_DEVICES narrowed per rank, so that every
+task sees only its own GPUs and the local rank is beyond the visible count), the first visible one.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import os
 import re
 from collections.abc import Mapping
 
-__all__ = ["LaunchEnvironment", "detect_environment", "first_slurm_host"]
+__all__ = ["LaunchEnvironment", "cuda_device_index", "detect_environment", "expand_slurm_hostlist", "first_slurm_host"]
 
 DEFAULT_PORT = 29500
 
@@ -54,16 +62,115 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+_MAX_HOSTS = 1_000_000  # a node list that expands beyond this is a typo, not a cluster
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split a hostlist at the commas that are not inside brackets: 'a[1,2],b' -> ['a[1,2]', 'b']."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"cannot read the Slurm node list {text!r}: ']' without '['")
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"cannot read the Slurm node list {text!r}: '[' without ']'")
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def _expand_range(text: str, nodelist: str) -> list[str]:
+    """'01-03,7' -> ['01', '02', '03', '7']: zero padding kept from the range's lower bound, as Slurm does."""
+    out = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cannot read the Slurm node list {nodelist!r}: {part!r} is not a number or a range")
+        if not sep:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"cannot read the Slurm node list {nodelist!r}: range {part!r} runs backwards")
+        if int(hi) - int(lo) >= _MAX_HOSTS:
+            raise ValueError(f"the Slurm node list {nodelist!r} expands to more than {_MAX_HOSTS} hosts")
+        out.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def expand_slurm_hostlist(nodelist: str) -> list[str]:
+    """Every host of a Slurm hostlist, in Slurm's order (what `scontrol show hostnames` prints).
+
+    'gpu[003-005,9],cpu1' -> ['gpu003', 'gpu004', 'gpu005', 'gpu9', 'cpu1']; several bracket groups in one name
+    expand as a product, leftmost slowest: 'rack[1-2]-n[1-2]' -> ['rack1-n1', 'rack1-n2', 'rack2-n1', 'rack2-n2'].
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        names = [""]
+        for text, ranges in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", item):
+            if not text and not ranges:
+                continue
+            names = [name + text for name in names]
+            if ranges:
+                names = [name + n for name in names for n in _expand_range(ranges, nodelist)]
+            if len(hosts) + len(names) > _MAX_HOSTS:
+                raise ValueError(f"the Slurm node list {nodelist!r} expands to more than {_MAX_HOSTS} hosts")
+        hosts.extend(names)
+    if not hosts:
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}: it names no host")
+    return hosts
+
+
 def first_slurm_host(nodelist: str) -> str:
     """First host of a Slurm hostlist: 'gpu[003-005,9],cpu1' -> 'gpu003'; 'node7' -> 'node7'."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
-    prefix, _, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return expand_slurm_hostlist(nodelist)[0]
+
+
+def _slurm_nodelist(env: Mapping[str, str]) -> str | None:
+    """The step's node list (the nodes this job step runs on), else the allocation's."""
+    return env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+
+
+def _mpi_address(env: Mapping[str, str], addr: str | None, local_size: int | None, size: int) -> str | None:
+    """Where rank 0 of an MPI-launched job listens: MASTER_ADDR; loopback only when the launcher says every rank is on
+    this node; the first node of the Slurm allocation the job runs in; else unknown (None)."""
+    if addr:
+        return addr
+    if local_size is not None and local_size == size:
+        return "127.0.0.1"
+    nodelist = _slurm_nodelist(env)
+    return first_slurm_host(nodelist) if nodelist else None
+
+
+def cuda_device_index(local_rank: int, device_count: int, environ: Mapping[str, str] | None = None) -> int:
+    """The index, among the GPUs this process sees, of the one this rank uses.
+
+    `local_rank` when it is a visible GPU (torchrun, mpirun, srun with every GPU of the node visible to every task).
+    When the launcher bound GPUs per task, every task sees only its own, and numbering restarts at 0 in each: one
+    visible GPU is the rank's own (srun --gpus-per-task=1, --gpu-bind=single:1, a per-rank CUDA_VISIBLE_DEVICES);
+    with several visible and a local rank beyond them, the binding is per task (SLURM_GPUS_PER_TASK or
+    CUDA_VISIBLE_DEVICES set) and the rank takes the first. Anything else is an error naming the numbers, never a
+    silent second rank on one GPU.
+    """
+    env = os.environ if environ is None else environ
+    if device_count < 1:
+        raise ValueError(f"NCCL needs a GPU but this process sees none (CUDA_VISIBLE_DEVICES="
+                         f"{env.get('CUDA_VISIBLE_DEVICES')!r}); use backend='gloo' on CPU")
+    if device_count == 1:
+        return 0
+    if 0 <= local_rank < device_count:
+        return local_rank
+    if env.get("SLURM_GPUS_PER_TASK") or env.get("CUDA_VISIBLE_DEVICES"):
+        return 0
+    raise ValueError(
+        f"local rank {local_rank} has no GPU of its own: this process sees {device_count} GPUs (0..{device_count - 1}) "
+        f"and no per-task binding; start at most {device_count} ranks per node, or bind one GPU per task "
+        f"(srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank)"
+    )
 
 
 def detect_environment(environ: Mapping[str, str] | None = None) -> LaunchEnvironment:
@@ -78,28 +185,30 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
         )
     elif "OMPI_COMM_WORLD_RANK" in env:
         size = _int(env, "OMPI_COMM_WORLD_SIZE")
-        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", size)
+        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") if "OMPI_COMM_WORLD_LOCAL_SIZE" in env else None
         found = LaunchEnvironment(
             "openmpi",
             _int(env, "OMPI_COMM_WORLD_RANK"),
             size,
-            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-            addr or ("127.0.0.1" if local_size == size else None),
+            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", _int(env, "SLURM_LOCALID", 0)),
+            _mpi_address(env, addr, local_size, size),
             port or DEFAULT_PORT,
         )
     elif "PMI_RANK" in env:
         size = _int(env, "PMI_SIZE")
-        local_size = _int(env, "MPI_LOCALNRANKS", size)
+        # Hydra (MPICH, Intel MPI) says how many ranks share this node in MPI_LOCALNRANKS; a PMI launcher that does
+        # not (srun --mpi=pmi2, older Hydra) may be spreading the job over many nodes: never assume one.
+        local_size = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else None
         found = LaunchEnvironment(
             "pmi",
             _int(env, "PMI_RANK"),
             size,
-            _int(env, "MPI_LOCALRANKID", 0),
-            addr or ("127.0.0.1" if local_size == size else None),
+            _int(env, "MPI_LOCALRANKID", _int(env, "SLURM_LOCALID", 0)),
+            _mpi_address(env, addr, local_size, size),
             port or DEFAULT_PORT,
         )
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        nodelist = _slurm_nodelist(env)
         if addr is None and nodelist:
             addr = first_slurm_host(nodelist)
         if port is None:
