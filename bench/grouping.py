@@ -14,7 +14,7 @@ Parity: every row trains the same init on the same data, so the final parameters
 stdout carries JSON lines only (one per row, a parity line, optionally a profile line, then the ratio line); the
 human-readable summary goes to stderr.
 
-    .venv/bin/python bench/grouping.py                         # 1,000 layers of 16x16, group_mb 25 and 0.1
+    .venv/bin/python bench/grouping.py                         # 1,000 layers of 16x16: the default, then a sweep
     .venv/bin/python bench/grouping.py --group-mb 25 --profile  # + cProfile of one step of each row
 """
 
@@ -35,9 +35,10 @@ from torch import nn
 
 import shardwise
 
-from _common import alternate, comma_list, emit, max_over_ranks, step_stats
+from _common import alternate, comma_list, emit, loadavg, max_over_ranks, step_stats
 
 GOAL = 20.0  # the issue's target: per-layer collectives / grouped collectives >= 20
+GOAL_VS_BEST = 1.1  # the default's step time within 1.1x of the best group size of the sweep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Config:
     rounds: int
     warmup: int
     nproc: int
-    group_mbs: tuple[float, ...]
+    group_mbs: tuple[float | None, ...]  # None: wrap="auto" picks the size from the model (the default)
     profile: bool
     local: bool = True
     lr: float = 1e-3
@@ -100,14 +101,18 @@ def _step(impl: _Impl, cfg: Config, rank: int) -> float:
     return time.perf_counter() - t0
 
 
+def _row_name(mb: float | None) -> str:
+    return "default[auto]" if mb is None else f"grouped[{mb:g}MB]"
+
+
 def _build(comm: shardwise.Communicator, cfg: Config) -> list[_Impl]:
     impls = []
     for mb in cfg.group_mbs:
         model = shardwise.ZeRO(TinyLayers(cfg.layers, cfg.width, cfg.seed), comm, stage=3, wrap="auto", group_mb=mb)
-        impls.append(_Impl(f"grouped[{mb:g}MB]", model, cfg.lr, wrap="auto", group_mb=mb,
-                           units=len(model._sharding.units)))
+        impls.append(_Impl(_row_name(mb), model, cfg.lr, wrap="auto", group_mb=mb,
+                           units=len(model.sharding_units())))
     model = shardwise.ZeRO(TinyLayers(cfg.layers, cfg.width, cfg.seed), comm, stage=3, wrap=nn.Linear)
-    impls.append(_Impl("per_layer", model, cfg.lr, wrap="nn.Linear", units=len(model._sharding.units)))
+    impls.append(_Impl("per_layer", model, cfg.lr, wrap="nn.Linear", units=len(model.sharding_units())))
     if cfg.local:  # the floor: the plain model, no hooks, no communication (each rank trains its own replica)
         impls.append(_Impl("local", TinyLayers(cfg.layers, cfg.width, cfg.seed), cfg.lr, wrap="none", units=0))
     return impls
@@ -123,6 +128,17 @@ def _count(impl: _Impl, comm: shardwise.Communicator, cfg: Config) -> None:
                         "all_reduce": counted.calls("all_reduce"), "wire_bytes": counted.wire_bytes(),
                         "step_ms_while_counting": round(t * 1e3, 1)}
     impl.collectives["collectives"] = sum(impl.collectives[k] for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    # Model states per rank against the ZeRO-3 formula 16 psi / N (fp32 Adam): measured after backward and the
+    # optimizer step, before zero_grad, so parameters, gradients and AdamW's state are all held.
+    x, y = _batch(cfg, impl.step_no, comm.rank)
+    impl.step_no += 1
+    impl.model(x, y).backward()
+    impl.opt.step()
+    stats = shardwise.memory_stats(impl.model, impl.opt)
+    impl.opt.zero_grad(set_to_none=True)
+    psi = sum(u["params"] for u in impl.model.sharding_units())
+    impl.info["model_state_bytes"] = stats.model_states
+    impl.info["model_state_over_16psi_n"] = round(stats.model_states / (16 * psi / comm.size), 4)
 
 
 def _cprofile(impl: _Impl, comm: shardwise.Communicator, cfg: Config, n: int = 3) -> list[dict[str, Any]]:
@@ -166,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=1000, help="number of Linear layers (default 1000)")
     ap.add_argument("--width", type=int, default=16, help="Linear(width, width) (default 16)")
     ap.add_argument("--batch-size", type=int, default=32, help="rows per rank per step (default 32)")
-    ap.add_argument("--group-mb", default="25,0.1",
-                    help="group_mb of wrap='auto'; a comma list adds rows (default 25,0.1)")
+    ap.add_argument("--group-mb", default="auto,25,2,0.5,0.1",
+                    help="group_mb of wrap='auto' ('auto': chosen from the model, the default); a comma list adds "
+                         "rows: the sweep the default is judged against (default auto,25,2,0.5,0.1)")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per row per round (default 4)")
     ap.add_argument("--rounds", type=int, default=5, help="alternation rounds (default 5)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps of each row first (default 2)")
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.nproc < 2 or min(args.layers, args.width, args.steps, args.rounds, args.warmup) < 1:
         ap.error("--nproc must be >= 2; --layers, --width, --steps, --rounds, --warmup >= 1")
-    group_mbs = tuple(comma_list(args.group_mb, float))
+    group_mbs = tuple(None if v == "auto" else float(v) for v in comma_list(args.group_mb))
     cfg = Config(args.layers, args.width, args.batch_size, args.steps, args.rounds, args.warmup, args.nproc,
                  group_mbs, args.profile, not args.no_local)
     nparams = sum(p.numel() for p in TinyLayers(cfg.layers, cfg.width, 0).parameters())
@@ -211,7 +228,16 @@ def main(argv: list[str] | None = None) -> int:
                                                                               3)}
         if "local" in by_name:
             summary[r["name"]]["step_time_over_local"] = round(r["median_ms"] / by_name["local"]["median_ms"], 3)
-    emit({"ratios": summary, "wall_s": round(time.time() - t0, 1)})
+    default = by_name.get(_row_name(None))
+    swept = [r for r in rows if r["name"].startswith("grouped[")]
+    if default is not None and swept:
+        best = min(swept + [default], key=lambda r: r["median_ms"])
+        summary["default_vs_best"] = {
+            "best": best["name"], "best_median_ms": best["median_ms"],
+            "default_over_best": round(default["median_ms"] / best["median_ms"], 3), "goal": GOAL_VS_BEST,
+            "meets_goal": default["median_ms"] <= GOAL_VS_BEST * best["median_ms"],
+            "default_model_state_over_16psi_n": default["model_state_over_16psi_n"]}
+    emit({"ratios": summary, "wall_s": round(time.time() - t0, 1), "loadavg": loadavg()})
 
     err = sys.stderr
     print(f"\nZeRO-3 grouping, {cfg.layers} x Linear({cfg.width}, {cfg.width}) ({nparams / 1e3:.0f} k params), "
@@ -223,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(all_gather {c['all_gather']}, reduce_scatter {c['reduce_scatter']})  median {r['median_ms']:8.1f} ms "
               f"(p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f})", file=err)
     for name, s in summary.items():
+        if name == "default_vs_best":
+            print(f"  default (group_mb chosen from the model) / best of the sweep ({s['best']}) step time "
+                  f"{s['default_over_best']:.3f} (goal <= {GOAL_VS_BEST}: {'met' if s['meets_goal'] else 'NOT met'});"
+                  f" model states / (16 psi/N) = {s['default_model_state_over_16psi_n']:.4f}", file=err)
+            continue
         print(f"  {name}: {s['fewer_x']:.1f}x fewer collectives than per_layer (goal >= {GOAL:g}x: "
               f"{'met' if s['meets_goal'] else 'NOT met'}); step time / per_layer's "
               f"{s['step_time_ratio_grouped_over_per_layer']:.3f}", file=err)
