@@ -1,0 +1,278 @@
+"""Choose the fastest layout that fits, and say why: the planner behind `sw.distribute` and `shardwise plan`.
+
+Each candidate (candidates.py) gets its memory per rank (costs.py: model states, plus activations when the
+geometry is known, plus the gathered units that ZeRO-3 holds while computing) and its bytes on the wire per step.
+A candidate fits when its device bytes stay within `fit_fraction` (default 90%) of the memory per rank: the rest is
+left to the allocator's fragmentation, the CUDA context and temporary buffers the formulas do not count.
+
+Among those that fit, the choice follows the order practitioners use (HF Accelerate's and DeepSpeed's guides,
+Megatron's "tensor parallel within a node, pipeline across"): plain data parallel and its sharded variants first,
+then tensor parallel within a node, then pipeline meshes (whose bubble idles (p-1)/(m+p-1) of each step), then CPU
+offload (the optimizer steps on the CPU, over PCIe). Within a tier the one with the least estimated communication
+time wins: bytes per step over the bandwidth of the links each group crosses (`Links`: a group larger than a node
+crosses the slower inter-node links; offload adds its PCIe traffic and the CPU's pass over the optimizer state).
+Equal times keep the simpler layout (the listed order: DDP before ZeRO-1 before ZeRO-2 ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import costs
+from .candidates import Candidate, candidates, parse_strategy
+
+__all__ = ["Workload", "Links", "Estimate", "Plan", "estimate", "plan", "smallest_world"]
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is trained: Ψ parameters, the training dtype ("fp32", "bf16", "fp16"), the optimizer (a key of
+    costs.OPTIMIZER_BYTES) and, when known, the activation geometry (this rank's batch per step)."""
+
+    num_params: float
+    dtype: str = "bf16"
+    optimizer: str = "adamw"
+    activations: costs.Activations | None = None
+    checkpointing: bool = False
+    attention: str = "eager"
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_params, bool) or not isinstance(self.num_params, (int, float)) \
+                or not math.isfinite(self.num_params) or self.num_params < 1:
+            raise ValueError(f"num_params={self.num_params!r} must be a positive number of parameters (e.g. 7e9)")
+        if self.dtype not in costs.DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r} is not known; allowed {sorted(costs.DTYPE_BYTES)}")
+        if self.optimizer not in costs.OPTIMIZER_BYTES:
+            raise ValueError(f"optimizer={self.optimizer!r} is not known; allowed {sorted(costs.OPTIMIZER_BYTES)}")
+        if self.attention not in costs.ATTENTION:
+            raise ValueError(f"attention={self.attention!r} is not known; allowed {costs.ATTENTION}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """The machine: ranks, ranks per node, device memory per rank (bytes; None: unknown, everything fits) and link
+    bandwidths in GB/s (defaults: NVLink-class within a node, 100 Gb/s between nodes, PCIe 4 x16, one CPU core
+    group streaming the optimizer state)."""
+
+    world_size: int
+    devices_per_node: int
+    memory: float | None = None
+    intra_node_gbps: float = 150.0
+    inter_node_gbps: float = 12.5
+    pcie_gbps: float = 25.0
+    cpu_gbps: float = 10.0
+    fit_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.memory is not None and not self.memory > 0:
+            raise ValueError(f"memory={self.memory!r} must be a positive number of bytes per rank or None")
+        if not 0 < self.fit_fraction <= 1:
+            raise ValueError(f"fit_fraction={self.fit_fraction!r} must be in (0, 1]")
+
+    def bandwidth(self, group_span: int) -> float:
+        """Bytes per second of a collective over a group whose ranks span `group_span` consecutive ranks."""
+        return (self.intra_node_gbps if group_span <= self.devices_per_node else self.inter_node_gbps) * GB
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """One candidate's figures per rank: model states (device and CPU), activations (None: geometry unknown), the
+    gathered working units, wire bytes per step by group, the estimated communication seconds per step, the tier of
+    the choice order, and whether it fits."""
+
+    candidate: Candidate
+    states: costs.ModelStates
+    activations: float | None
+    working: float
+    wire: dict[str, float]
+    seconds: float
+    tier: int
+    fits: bool
+
+    @property
+    def device(self) -> float:
+        return self.states.device + (self.activations or 0.0) + self.working
+
+    @property
+    def wire_total(self) -> float:
+        return sum(self.wire.values())
+
+
+def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
+    """The figures of candidate `c` (see the module docstring)."""
+    psi, dtype, mp = work.num_params, work.dtype, c.model_parallel
+    states = costs.model_states(psi, c.states_key, c.dp, dtype=dtype, optimizer=work.optimizer, model_parallel=mp,
+                                offload=c.offload, shard=c.shard)
+    wire = {k: v for k, v in costs.data_parallel_wire_bytes(psi, c.states_key, c.dp, dtype=dtype, model_parallel=mp,
+                                                             shard=c.shard).items() if v}
+    g = work.activations
+    hidden = g.hidden_size if g else costs.default_shape(psi)[0]
+    acts = None
+    if g is not None:
+        sp = work.sequence_parallel and c.tp > 1
+        acts = costs.activation_bytes(g, tp=c.tp, pp=c.pp, sequence_parallel=sp, checkpointing=work.checkpointing,
+                                      attention=work.attention, dtype=dtype)
+        if c.tp > 1:
+            wire["tp"] = costs.tensor_parallel_wire_bytes(g, c.tp, pp=c.pp, dtype=dtype)
+        if c.pp > 1:
+            wire["pp"] = costs.pipeline_wire_bytes(g, c.pp, tp=c.tp if sp else 1, dtype=dtype)
+    # ZeRO-3 gathers a unit (about one layer, 12h^2 parameters) and prefetches the next while computing.
+    gathers = c.states_key in ("zero3", "full_shard", "hybrid_shard")
+    working = 2 * 12 * hidden ** 2 / c.tp * costs.DTYPE_BYTES[dtype] if gathers else 0.0
+    # Which links each group crosses: ranks are laid out tp fastest, then dp, then pp (Mesh's order).
+    spans = {"dp": c.dp * c.tp, "shard": (c.shard or c.dp) * c.tp, "replicate": c.dp * c.tp, "tp": c.tp,
+             "pp": links.world_size}
+    seconds = sum(b / links.bandwidth(spans[k]) for k, b in wire.items())
+    if c.offload:  # gradients down and parameters up over PCIe, the optimizer's pass over its state on the CPU
+        width = costs.DTYPE_BYTES[dtype]
+        shard = psi / mp / (c.shard or c.dp)
+        pcie = 2 * width * shard * (3 if c.offload == "full" else 1)
+        seconds += pcie / (links.pcie_gbps * GB) + states.cpu / (links.cpu_gbps * GB)
+    tier = 3 if c.offload else 2 if c.pp > 1 else 1 if c.tp > 1 else 0
+    fits = links.memory is None or (states.device + (acts or 0.0) + working) <= links.fit_fraction * links.memory
+    return Estimate(c, states, acts, working, wire, seconds, tier, fits)
+
+
+def _gb(x: float | None) -> str:
+    return "-" if x is None else f"{x / GB:.1f}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The planner's answer: the chosen layout, every candidate's figures, and why. `explain()` says it in words.
+
+    given: True when the caller named the strategy (no choice was made; the figures are still shown).
+    """
+
+    chosen: Estimate
+    estimates: tuple[Estimate, ...]
+    workload: Workload
+    links: Links
+    reason: str
+    given: bool = False
+
+    @property
+    def strategy(self) -> str:
+        """The chosen strategy string (the offload level is `candidate.offload`)."""
+        return self.chosen.candidate.strategy
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.chosen.candidate
+
+    def table(self) -> str:
+        """The candidates as a fixed-width table (GB of 10^9 bytes, per rank)."""
+        width = max(len("strategy"), *(len(e.candidate.label) for e in self.estimates))
+        head = (f"  {'strategy':<{width}}  {'states':>7}  {'activ.':>7}  {'total':>7}  {'cpu':>6}  "
+                f"{'wire/step':>9}  {'comm s':>7}  fits")
+        rows = [head]
+        for e in self.estimates:
+            mark = " <- chosen" if e is self.chosen else ""
+            rows.append(f"  {e.candidate.label:<{width}}  {_gb(e.states.device):>7}  {_gb(e.activations):>7}  "
+                        f"{_gb(e.device):>7}  {_gb(e.states.cpu) if e.states.cpu else '-':>6}  "
+                        f"{_gb(e.wire_total):>9}  {e.seconds:>7.3f}  {'yes' if e.fits else 'no'}{mark}")
+        return "\n".join(rows)
+
+    def assumptions(self) -> str:
+        w, links = self.workload, self.links
+        k = costs.OPTIMIZER_BYTES[w.optimizer][0 if costs.DTYPE_BYTES[w.dtype] == 2 else 1]
+        per_param = 2 * costs.DTYPE_BYTES[w.dtype] + k
+        precision = "mixed precision" if costs.DTYPE_BYTES[w.dtype] == 2 else "fp32"
+        memory = "unknown (every candidate fits)" if links.memory is None else \
+            f"{links.memory / GB:.1f} GB per rank, fits within {links.fit_fraction:.0%} = " \
+            f"{links.fit_fraction * links.memory / GB:.1f} GB"
+        lines = [f"{w.num_params / 1e9:.2f}B parameters, {w.dtype} {precision}, {w.optimizer}: {per_param} bytes per "
+                 f"parameter of model states (ZeRO paper); {links.world_size} ranks, {links.devices_per_node} per "
+                 f"node; memory {memory}."]
+        g = w.activations
+        if g is None:
+            lines.append("Activations: not counted (give seq_len and batch_size; hidden size and layers come from "
+                         "the model or are derived from the parameter count).")
+        else:
+            lines.append(f"Activations (Korthikanti et al. 2022): s={g.seq_len}, b={g.batch_size} per rank, "
+                         f"h={g.hidden_size}, L={g.num_layers}, a={g.num_heads}"
+                         f"{f', V={g.vocab_size}' if g.vocab_size else ''}; {w.attention} attention, activation "
+                         f"checkpointing {'on' if w.checkpointing else 'off'}"
+                         f"{', sequence parallel' if w.sequence_parallel else ''}.")
+        lines.append(f"Links: {links.intra_node_gbps:g} GB/s within a node, {links.inter_node_gbps:g} GB/s between "
+                     f"nodes, PCIe {links.pcie_gbps:g} GB/s; ring collectives; 'comm s' = wire bytes / link "
+                     f"bandwidth (+ offload traffic), not overlapped with compute.")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """The assumptions, the table of candidates, the choice and why."""
+        verb = "Given" if self.given else "Chosen"
+        return (f"{self.assumptions()}\n{self.table()}\n{verb}: {self.chosen.candidate.label}. {self.reason}")
+
+
+def _reason(chosen: Estimate, estimates: list[Estimate], links: Links) -> str:
+    misfits = [e for e in estimates if not e.fits and (e.tier, e.seconds) < (chosen.tier, chosen.seconds)]
+    parts = []
+    if misfits and links.memory is not None:
+        shown = ", ".join(f"{e.candidate.label} needs {_gb(e.device)} GB" for e in misfits[:4])
+        more = f" and {len(misfits) - 4} more" if len(misfits) > 4 else ""
+        parts.append(f"Faster layouts do not fit in {links.fit_fraction * links.memory / GB:.1f} GB per rank "
+                     f"({shown}{more}).")
+    tier = ["data parallel", "tensor parallel within a node", "a pipeline mesh", "CPU offload"][chosen.tier]
+    rivals = [e for e in estimates if e.fits and e.tier == chosen.tier and e is not chosen]
+    if rivals:
+        best = min(rivals, key=lambda e: e.seconds)
+        how = "the same time; the simpler layout is kept" if math.isclose(best.seconds, chosen.seconds) else \
+            f"{best.seconds:.3f} s for the next, {best.candidate.label}"
+        parts.append(f"Of the layouts that fit, it is the fastest of the '{tier}' tier: {_gb(chosen.wire_total)} GB "
+                     f"on the wire per step, about {chosen.seconds:.3f} s of communication ({how}).")
+    else:
+        parts.append(f"It is the only '{tier}' layout that fits; {_gb(chosen.device)} GB per rank, "
+                     f"{_gb(chosen.wire_total)} GB on the wire per step.")
+    if chosen.tier:
+        parts.append("Tiers in order: data parallel, tensor parallel within a node, pipeline, CPU offload.")
+    return " ".join(parts)
+
+
+def smallest_world(work: Workload, links: Links, *, limit: int = 1 << 16, **allowed: bool) -> int | None:
+    """The smallest world size > links.world_size (same ranks per node) on which some candidate fits, or None up to
+    `limit` (activations do not shrink with more data-parallel ranks)."""
+    n = links.world_size + 1
+    while n <= limit:
+        trial = dataclasses.replace(links, world_size=n)
+        if any(estimate(c, work, trial).fits for c in candidates(n, links.devices_per_node, **allowed)):
+            return n
+        n += 1 if n < 64 else max(1, n // 64)  # fine steps first, then ~1.5% steps (world sizes come rounded)
+    return None
+
+
+def plan(work: Workload, links: Links, *, strategy: str = "auto", shard_size: int | None = None,
+         offload: str | None = None, **allowed: object) -> Plan:
+    """Plan `work` on `links`: strategy="auto" chooses (module docstring); any other strategy string is estimated
+    as given. allowed: tensor_parallel, pipeline, offload (bools), max_pp, tp_divides, as `candidates()` takes them.
+    Raises ValueError when strategy="auto" and nothing fits, naming the smallest world size that would."""
+    n, node = links.world_size, links.devices_per_node
+    if strategy != "auto":
+        given = parse_strategy(strategy, n, shard_size=shard_size, devices_per_node=node, offload=offload)
+        chosen = estimate(given, work, links)
+        others = [estimate(c, work, links) for c in candidates(n, node, **allowed) if c != given]
+        note = "" if chosen.fits else (f" Warning: it is estimated at {_gb(chosen.device)} GB per rank, more than "
+                                       f"{links.fit_fraction:.0%} of the {_gb(links.memory)} GB available.")
+        return Plan(chosen, (chosen, *others), work, links, f"Named by the caller.{note}", given=True)
+    estimates = [estimate(c, work, links) for c in candidates(n, node, **allowed)]
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        need = min(estimates, key=lambda e: e.device)
+        bigger = smallest_world(work, links, **allowed)
+        where = (f"the smallest world size that would fit is {bigger} ranks ({node} per node)" if bigger else
+                 "no world size up to 65536 fits (activations do not shrink with more ranks: lower the batch or "
+                 "sequence length, or turn on activation checkpointing)")
+        raise ValueError(f"no strategy fits {work.num_params / 1e9:.2f}B parameters on {n} ranks with memory="
+                         f"{_gb(links.memory)} GB per rank: the smallest, {need.candidate.label}, needs "
+                         f"{_gb(need.device)} GB (within {links.fit_fraction:.0%}); {where}.\n"
+                         f"{Plan(need, tuple(estimates), work, links, '').table()}")
+    chosen = min(fitting, key=lambda e: (e.tier, round(e.seconds, 12)))  # min() keeps the first of equals
+    return Plan(chosen, tuple(estimates), work, links, _reason(chosen, estimates, links))

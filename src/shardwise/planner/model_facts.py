@@ -1,0 +1,67 @@
+"""What the planner reads from a model without wrapping it: its parameter count and, when its config says, the
+transformer geometry (hidden size, layers, heads, vocabulary, sequence length) and what it can be split by.
+
+Read from public attributes only: the shardwise GPT's `config` (d_model, n_layers, n_heads, vocab_size, seq_len) or
+a HuggingFace `config` (hidden_size, num_hidden_layers, num_attention_heads, vocab_size, max_position_embeddings;
+GPT-2's n_embd, n_layer, n_head, n_positions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+__all__ = ["ModelFacts", "model_facts", "count_parameters"]
+
+_FIELDS = {  # our name -> config attribute names, first found wins
+    "hidden_size": ("d_model", "hidden_size", "n_embd"),
+    "num_layers": ("n_layers", "num_hidden_layers", "n_layer"),
+    "num_heads": ("n_heads", "num_attention_heads", "n_head"),
+    "vocab_size": ("vocab_size",),
+    "seq_len": ("seq_len", "max_position_embeddings", "n_positions"),
+}
+#: HuggingFace model types with a built-in tensor-parallel plan and pipeline layers (tensor_parallel.plans, hybrid).
+_HF_PLANS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Unique parameters (a weight tied in two places counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """num_params and, when known, the geometry; tp_plan: the built-in tensor-parallel plan name, or None;
+    pipeline_layers: how many layers a pipeline could split (None: the model cannot be pipelined)."""
+
+    num_params: int
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    vocab_size: int | None = None
+    seq_len: int | None = None
+    tp_plan: str | None = None
+    pipeline_layers: int | None = None
+
+
+def _int_attr(config: object, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    from ..models.gpt import GPT
+
+    config = getattr(model, "config", None)
+    geometry = {k: _int_attr(config, names) for k, names in _FIELDS.items()} if config is not None else {}
+    model_type = getattr(config, "model_type", None)
+    tp_plan = "gpt" if isinstance(model, GPT) else _HF_PLANS.get(model_type) if isinstance(model_type, str) else None
+    layers = None
+    if hasattr(model, "pipeline_layers") or (isinstance(model_type, str) and model_type in _HF_PLANS):
+        # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers())
+        layers = (geometry.get("num_layers") or 0) + 2 if geometry.get("num_layers") else None
+    return ModelFacts(count_parameters(model), tp_plan=tp_plan, pipeline_layers=layers, **geometry)
