@@ -37,6 +37,7 @@ from .logs import set_log_rank
 __all__ = ["init", "DEFAULT_TIMEOUT", "DEFAULT_NCCL_TIMEOUT"]
 
 INIT_BACKENDS = ("gloo", "nccl", "mpi")
+BACKEND_ENV = "SHARDWISE_BACKEND"  # the default backend, set by `shardwise run --backend`
 DEFAULT_TIMEOUT = 60.0  # seconds: shardwise's CommError deadline
 DEFAULT_NCCL_TIMEOUT = 1800.0  # seconds: the NCCL process group's watchdog (torch's default too); >= 10 minutes
 
@@ -47,7 +48,8 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT, *,
          nccl_timeout: float = DEFAULT_NCCL_TIMEOUT) -> Communicator:
     """Join the job this process was launched into and return the world Communicator.
 
-    backend: "gloo", "nccl", "mpi", or None (NCCL when CUDA is available, else gloo). "mpi" needs a job started
+    backend: "gloo", "nccl", "mpi", or None (SHARDWISE_BACKEND when set, as `shardwise run --backend` sets it;
+    else NCCL when CUDA is available, else gloo). "mpi" needs a job started
     by mpirun / mpiexec / srun and mpi4py; gloo and NCCL under mpirun / mpiexec rendezvous through MPI when mpi4py
     is installed (else at MASTER_ADDR:MASTER_PORT, default 127.0.0.1:29500 on one node), and under srun at the first
     node of the step on a port derived from the job id.
@@ -61,6 +63,10 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT, *,
     # of one (and backend="mpi") does not.
     from ..comm import rendezvous
 
+    if backend is None and os.environ.get(BACKEND_ENV):  # `shardwise run --backend ...` chooses for the script
+        backend = os.environ[BACKEND_ENV]
+        if backend not in INIT_BACKENDS:
+            raise ValueError(f"init: {BACKEND_ENV}={backend!r} is not supported; allowed {INIT_BACKENDS}")
     if backend is not None and backend not in INIT_BACKENDS:
         raise ValueError(f"init: backend={backend!r} is not supported; allowed {INIT_BACKENDS} or None")
     if not timeout > 0:

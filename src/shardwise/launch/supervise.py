@@ -1,0 +1,433 @@
+"""`shardwise run`: start a user's training script on this node's ranks and supervise them (torchrun's agent, ours).
+
+`run(RunConfig(script, args, nproc=4))` does what torchrun's elastic agent does for one node, with shardwise's own
+failure machinery, so that the supervisor (not a peer) decides what a failure means:
+
+1. Rendezvous. Node 0's supervisor hosts the job's TCPStore (comm/rendezvous.py `host_store`: on 127.0.0.1 and a port
+   the OS picks for a one-node job; on --master-addr:--master-port, every interface, for several nodes); other nodes'
+   supervisors join it. Ranks get TORCHELASTIC_USE_AGENT_STORE=True, so `sw.init()` (and torch's own `env://`)
+   connect to that store as clients, exactly as under torchrun, and the store outlives any rank.
+2. Ranks. Each local rank is `<python> -m shardwise.launch.run_rank <script> <args>` (run_rank.py) in its own process
+   group, with the environment `sw.init()` reads (launch/environment.py): RANK, WORLD_SIZE, LOCAL_RANK,
+   LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, SHARDWISE_BACKEND (gloo | nccl | mpi; init's default
+   backend) and SHARDWISE_JOB_TOKEN when set; OMP_NUM_THREADS = cores // nproc unless set. Output is not captured:
+   the ranks write to this terminal (tag lines with `sw.get_logger()`). A rank that raises writes its traceback to a
+   report file before it exits. With backend "mpi" the ranks are started by `mpirun -np nproc` instead (mpi.py's
+   command line) and the MPI library wires them (one node; mpirun's own -H places ranks on several).
+3. Watching. A FailureDetector (detector.py) receives each rank's exit: the report of a rank that raised (its
+   exception, time and, for a CommError, whom it waited for), the exit code or signal of one that died, and, through
+   the ranks' heartbeats in the store (comm/heartbeat.py), the rank that froze. It writes its verdict on a rank into
+   the store, where the survivors' CommErrors read it: they fail naming the root cause. With several nodes each
+   supervisor also reads the verdicts of the other nodes' ranks, so one node's failure stops every node.
+4. Policy. Each failure is handed to `policy(failure, job)`, which returns STOP or CONTINUE. The default,
+   `tear_down`, stops the job (what torchrun and mpirun do). `keep_survivors` lets the other ranks run on to their
+   own end: the hook for asynchronous and elastic training, whose survivors carry on without the failed rank (the
+   job still exits non-zero, naming the failure). Under mpirun, MPI aborts the whole job itself whatever the policy.
+5. Teardown. After a STOP, the detector collects reports for `settle` seconds (survivors' CommErrors arrive within a
+   moment), then every rank still running is asked for its Python stack (SIGUSR1, faulthandler) and sent SIGTERM (and
+   SIGCONT, for a frozen one) to its process group; after `grace` seconds SIGKILL. Nothing outlives `run`: ranks also
+   exit on their own when the supervisor dies (run_rank.py's watchdog).
+6. Report. `RunResult.report()` names the root cause first (the first failure by time, as torchrun's error report and
+   `sw.launch`'s LaunchError have it) with its traceback, then each other failed rank with its traceback, then the
+   stacks of ranks that were stopped while still running. The exit code is the root cause's (1 for an exception).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from .detector import Failure, FailureDetector
+from .run_report import RunResult, dump_stacks
+from .run_rank import RUN_DIR_ENV, SUPERVISOR_PID_ENV, report_file
+
+__all__ = ["CONTINUE", "STOP", "FailurePolicy", "JobView", "RunConfig", "RunResult", "keep_survivors", "run",
+           "tear_down"]
+
+RUN_BACKENDS = ("gloo", "nccl", "mpi")
+BACKEND_ENV = "SHARDWISE_BACKEND"
+STOP, CONTINUE = "stop", "continue"
+_POLL_S = 0.05
+_REMOTE_POLL_S = 1.0  # how often a supervisor of a multi-node job reads the other nodes' verdicts
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What `shardwise run` starts.
+
+    script / args: the user's script and its arguments. nproc: ranks on this node. backend: "gloo", "nccl" (each
+    rank joins through the store; `sw.init()` picks it up from SHARDWISE_BACKEND) or "mpi" (ranks under mpirun;
+    `sw.init()` returns an MPI Communicator). nnodes / node_rank: this node's place; ranks are numbered
+    node_rank * nproc + local rank. master_addr / master_port: where node 0 hosts the store (port 0: the OS picks,
+    one node only). timeout: seconds to reach the store, and of heartbeat silence before a rank counts as frozen.
+    grace: seconds between SIGTERM and SIGKILL. settle: seconds to collect the other ranks' reports after a failure.
+    """
+
+    script: str
+    args: tuple[str, ...] = ()
+    nproc: int = 1
+    backend: str = "gloo"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    timeout: float = 60.0
+    grace: float = 3.0
+    settle: float = 1.0
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> ValueError:
+            return ValueError(f"run: {what}")
+
+        for name in ("nproc", "nnodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(f"{name}={value!r} must be an int >= 1")
+        if self.backend not in RUN_BACKENDS:
+            raise bad(f"backend={self.backend!r} is not supported; allowed {RUN_BACKENDS}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise bad(f"node_rank={self.node_rank!r} must be in 0..nnodes-1 = 0..{self.nnodes - 1}")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
+            raise bad(f"master_port={self.master_port!r} must be a TCP port (1..65535, or 0: the OS picks)")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise bad(f"nnodes={self.nnodes} needs master_port (every node must know where node 0 listens)")
+        if self.backend == "mpi" and self.nnodes > 1:
+            raise bad("backend='mpi' places ranks on hosts through mpirun itself; give nnodes=1 and mpirun's -H, "
+                      "or use backend='gloo' / 'nccl' with one `shardwise run` per node")
+        for name in ("timeout", "grace", "settle"):
+            if not getattr(self, name) > 0:
+                raise bad(f"{name}={getattr(self, name)!r} must be a positive number of seconds")
+        if not os.path.isfile(self.script):
+            raise bad(f"script {self.script!r} is not a file")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this node's local rank 0."""
+        return self.node_rank * self.nproc
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """What a policy sees when a rank fails: global ranks that failed, returned, or are still running (this node's
+    ranks; with several nodes, `remote_failed` lists the other nodes' ranks known to have failed)."""
+
+    world_size: int
+    failed: tuple[int, ...]
+    done: tuple[int, ...]
+    running: tuple[int, ...]
+    remote_failed: tuple[int, ...] = ()
+
+
+#: A failure policy: called once per failed rank (the Failure carries its global rank), returns STOP or CONTINUE.
+FailurePolicy = Callable[[Failure, JobView], str]
+
+
+def tear_down(failure: Failure, job: JobView) -> str:
+    """The default policy: any failure stops the whole job (torchrun's and MPI's behaviour)."""
+    return STOP
+
+
+def keep_survivors(failure: Failure, job: JobView) -> str:
+    """Let the other ranks run to their own end (asynchronous / elastic training tolerates a lost worker). The job
+    still exits non-zero and reports the failure."""
+    return CONTINUE
+
+
+class _NodeBoard:
+    """The job's heartbeat Board seen through this node's local rank numbers (the detector counts 0..nproc-1)."""
+
+    def __init__(self, board: Any, first_rank: int) -> None:
+        self.board, self.first_rank, self.silence = board, first_rank, board.silence
+
+    def record(self, local: int) -> dict[str, Any] | None:
+        return self.board.record(self.first_rank + local)
+
+    def mark(self, local: int, verdict: str) -> None:
+        self.board.mark(self.first_rank + local, verdict)
+
+    def silent_for(self, record: dict[str, Any], now: float | None = None) -> float:
+        return self.board.silent_for(record, now)
+
+
+def _child_env(config: RunConfig, run_dir: str) -> dict[str, str]:
+    """The environment every rank shares (rank-specific variables are added per process)."""
+    import shardwise
+
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(shardwise.__file__)))
+    paths = [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))  # the ranks import the same shardwise as we do
+    env[RUN_DIR_ENV] = run_dir
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())
+    env[BACKEND_ENV] = config.backend
+    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the terminal as they are printed, also from a killed rank
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // config.nproc)))  # torch's intra-op threads per rank
+    return env
+
+
+def _read_report(run_dir: str, rank: int) -> dict[str, Any] | None:
+    try:
+        with open(report_file(run_dir, rank)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class _Interrupt:
+    """SIGINT / SIGTERM to the supervisor: remembered, and the job torn down (the ranks are in their own process
+    groups, so a Ctrl-C reaches them only through us)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> _Interrupt:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: nothing to install
+            pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+
+def run(config: RunConfig, policy: FailurePolicy = tear_down, *, out: TextIO | None = None) -> RunResult:
+    """Start `config.script` on this node's ranks, supervise them (module docstring) and return the RunResult.
+
+    policy: decides, for each failed rank, whether to STOP the job (default `tear_down`) or let the others CONTINUE.
+    out: where the supervisor's own lines go (default sys.stderr); the ranks write to the inherited stdout/stderr.
+    """
+    out = out or sys.stderr
+    run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
+    try:
+        with _Interrupt() as interrupt:
+            if config.backend == "mpi":
+                return _run_mpi(config, policy, run_dir, interrupt, out)
+            return _run_ranks(config, policy, run_dir, interrupt, out)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _globalize(failure: Failure, first_rank: int) -> Failure:
+    return dataclasses.replace(failure, rank=failure.rank + first_rank)
+
+
+def _localize(report: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+    """A rank's report with the peers its CommError names in local numbers (the detector's), others dropped."""
+    comm = report.get("comm")
+    if comm is None or config.nnodes == 1:
+        return report
+    lo, hi = config.first_rank, config.first_rank + config.nproc
+    return {**report, "comm": {**comm, "peers": [p - lo for p in comm["peers"] if lo <= p < hi]}}
+
+
+def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: _Interrupt,
+               out: TextIO) -> RunResult:
+    """gloo / nccl: one process per rank, joined through the store this supervisor hosts (node 0) or joins."""
+    from ..comm import rendezvous
+    from ..comm.heartbeat import Board
+
+    token = os.environ.get(rendezvous.JOB_TOKEN_ENV) or (rendezvous.new_job_token() if config.nnodes == 1 else None)
+    if config.node_rank == 0:
+        host = config.master_addr if config.nnodes > 1 else config.master_addr or "127.0.0.1"
+        store = rendezvous.host_store(host, config.master_port, config.timeout)
+    else:
+        store = rendezvous.join_store(config.master_addr, config.master_port, config.timeout, rank=config.first_rank)
+    port = store.port
+    board = Board(rendezvous.job_store(store, token), silence=config.timeout)
+    detector = FailureDetector(config.nproc, board=_NodeBoard(board, config.first_rank), settle=config.settle)
+    env = _child_env(config, run_dir)
+    env.update({"WORLD_SIZE": str(config.world_size), "LOCAL_WORLD_SIZE": str(config.nproc),
+                "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    if token:
+        env[rendezvous.JOB_TOKEN_ENV] = token
+    print(f"shardwise run: {config.nproc} rank(s) of {config.script} ({config.backend}; ranks "
+          f"{config.first_rank}..{config.first_rank + config.nproc - 1} of {config.world_size}; store at "
+          f"{config.master_addr}:{port})", file=out, flush=True)
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        for local in range(config.nproc):
+            rank = config.first_rank + local
+            procs[local] = subprocess.Popen(
+                [sys.executable, "-m", "shardwise.launch.run_rank", config.script, *config.args],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(local)}, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        detector.start()
+        stopping = _supervise(config, policy, run_dir, detector, procs, board, interrupt)
+        detector.stop()
+        stacks = _stop(procs, run_dir, config, stopping)
+        if config.node_rank == 0 and config.nnodes > 1:
+            _wait_for_other_nodes(config, board)  # the store lives in this process: keep it until they are done
+        return RunResult.build(detector, config.first_rank, procs, stacks, interrupt.signum)
+    finally:
+        detector.stop()
+        _kill(procs.values())
+        del board, store
+
+
+def _supervise(config: RunConfig, policy: FailurePolicy, run_dir: str, detector: FailureDetector,
+               procs: dict[int, subprocess.Popen], board: Any, interrupt: _Interrupt) -> bool:
+    """Watch until every rank exited, or a STOP was decided and the reports settled; returns whether to stop."""
+    exits: dict[int, int] = {}
+    handled: set[int] = set()
+    remote_failed: set[int] = set()
+    stop, next_remote = False, time.monotonic() + _REMOTE_POLL_S
+    while True:
+        for local, proc in procs.items():
+            code = proc.poll()
+            if code is None or local in exits:
+                continue
+            exits[local] = code
+            report = _read_report(run_dir, config.first_rank + local)
+            if report is not None:
+                detector.report_error(local, _localize(report, config))
+            elif code == 0:
+                detector.report_done(local)
+            else:
+                detector.report_exit(local, code)
+        if config.nnodes > 1 and time.monotonic() >= next_remote:
+            next_remote = time.monotonic() + _REMOTE_POLL_S
+            remote_failed |= _remote_failures(config, board)
+            stop = stop or bool(remote_failed)  # another node's supervisor decided already; ours follows
+        for failure in detector.failures():
+            if failure.rank in handled:
+                continue
+            handled.add(failure.rank)
+            view = JobView(config.world_size,
+                           tuple(sorted(config.first_rank + r for r in handled)),
+                           tuple(sorted(config.first_rank + r for r in detector.done)),
+                           tuple(config.first_rank + r for r in detector.running()), tuple(sorted(remote_failed)))
+            decision = policy(_globalize(failure, config.first_rank), view)
+            if decision not in (STOP, CONTINUE):
+                raise ValueError(f"run: the failure policy returned {decision!r}; allowed {STOP!r} or {CONTINUE!r}")
+            stop = stop or decision == STOP
+        if interrupt.signum is not None:
+            return True
+        if len(exits) == len(procs):
+            return stop
+        if stop and (detector.settled() or detector.first_failure() is None):
+            return True
+        detector.changed.wait(_POLL_S)
+        detector.changed.clear()
+
+
+def _remote_failures(config: RunConfig, board: Any) -> set[int]:
+    """Ranks of other nodes on which their supervisor wrote a verdict (died, raised, stalled)."""
+    mine = range(config.first_rank, config.first_rank + config.nproc)
+    return {r for r in range(config.world_size) if r not in mine and board.verdict(r) is not None}
+
+
+def _wait_for_other_nodes(config: RunConfig, board: Any) -> None:
+    """Node 0 hosts the store: before it exits, wait (at most `timeout`) until every other rank published a final
+    heartbeat (done / failed), fell silent, or got a verdict."""
+    mine = range(config.first_rank, config.first_rank + config.nproc)
+    deadline = time.monotonic() + config.timeout
+    while time.monotonic() < deadline:
+        pending = []
+        for r in range(config.world_size):
+            if r in mine or board.verdict(r) is not None:
+                continue
+            record = board.record(r)
+            if record is not None and record.get("state") == "running" and board.silent_for(record) < board.silence:
+                pending.append(r)
+        if not pending:
+            return
+        time.sleep(0.5)
+
+
+def _stop(procs: dict[int, subprocess.Popen], run_dir: str, config: RunConfig, stopping: bool) -> dict[int, str]:
+    """Tear down the ranks still running (their stacks first); returns those stacks by global rank."""
+    alive = {config.first_rank + r: p for r, p in procs.items() if p.poll() is None}
+    if not alive:
+        return {}
+    stacks = dump_stacks(alive, run_dir) if stopping else {}
+    _kill(alive.values(), config.grace)
+    return stacks
+
+
+def _kill(procs: Any, grace: float = 3.0) -> None:
+    """SIGTERM each rank's process group (SIGCONT too: a frozen rank acts on it only once continued), SIGKILL
+    after `grace` seconds, and reap."""
+    procs = [p for p in procs if p.poll() is None]
+    for p in procs:
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            try:
+                os.killpg(p.pid, sig)
+            except OSError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            p.wait(10)
+
+
+def _run_mpi(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: _Interrupt,
+             out: TextIO) -> RunResult:
+    """backend "mpi": `mpirun -np nproc` starts the ranks; each reports an exception through its file, and mpirun's
+    exit tells the rest (MPI aborts the whole job when a rank exits non-zero)."""
+    from .mpi import mpirun_command
+
+    command = [*mpirun_command(config.nproc), sys.executable, "-m", "shardwise.launch.run_rank", config.script,
+               *config.args]
+    print(f"shardwise run: {config.nproc} rank(s) of {config.script} under {command[0]}", file=out, flush=True)
+    detector = FailureDetector(config.nproc, settle=config.settle)
+    proc = subprocess.Popen(command, env=_child_env(config, run_dir), stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    reported: set[int] = set()
+    stop = False
+    try:
+        while proc.poll() is None and interrupt.signum is None and not (stop and detector.settled()):
+            for rank in range(config.nproc):
+                report = None if rank in reported else _read_report(run_dir, rank)
+                if report is not None:
+                    reported.add(rank)
+                    detector.report_error(rank, report)
+                    failure = next(f for f in detector.failures() if f.rank == rank)
+                    view = JobView(config.world_size, tuple(sorted(reported)), (),
+                                   tuple(r for r in range(config.nproc) if r not in reported))
+                    stop = policy(failure, view) == STOP or stop
+            time.sleep(_POLL_S)
+        _kill([proc], config.grace)
+        code = proc.wait()
+        for rank in range(config.nproc):
+            report = None if rank in reported else _read_report(run_dir, rank)
+            if report is not None:
+                detector.report_error(rank, report)
+        unexplained = None
+        if detector.first_failure() is None and code != 0 and interrupt.signum is None:
+            unexplained = (f"mpirun exited with code {code} and no rank reported an exception (a rank died or "
+                           f"exited with a non-zero code without raising; mpirun's message above names it)")
+        return RunResult.build(detector, 0, {}, {}, interrupt.signum, unexplained=unexplained, exit_code=code)
+    finally:
+        _kill([proc])
