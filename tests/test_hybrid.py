@@ -69,6 +69,7 @@ CASES = {
     "pp2-dp4-hybrid_shard": ((4, 1, 2), dict(dp_strategy="fsdp:hybrid_shard", dp_shard=2, n_microbatches=2)),
     "pp2-dp2-hybrid_shard1": ((2, 1, 2), dict(dp_strategy="fsdp:hybrid_shard", dp_shard=1)),
     "gpipe-ddp-ac": ((2, 2, 2), dict(dp_strategy="ddp", pp_schedule="gpipe", activation_checkpointing=True)),
+    "1f1b-zero3-offload": ((2, 2, 2), dict(dp_strategy="zero3", cpu_offload="optimizer")),
 }
 
 
@@ -152,6 +153,8 @@ def test_describe_shows_layers_and_the_512_rank_dry_run():
     (dict(dp_strategy="zero4"), "dp_strategy='zero4' is not supported"),
     (dict(tp_plan=None), "tp=2 but tp_plan is None"),
     (dict(dp_shard=2), "dp_shard=2 only applies"),
+    (dict(cpu_offload="full"), "cpu_offload='full' needs a sharded dp_strategy"),
+    (dict(dp_strategy="zero3", cpu_offload="gpu"), "cpu_offload='gpu' is not an offload level"),
 ])
 def test_unsupported_combinations_are_refused_at_wrap_time(options, message):
     def body(comm):

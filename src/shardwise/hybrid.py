@@ -41,7 +41,9 @@ from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
 from .ddp import DDP
 from .mesh import Mesh
+from .placement import to_comm_device
 from .sharding import FSDP, MixedPrecision, ZeRO
+from .sharding.offload import offload_level
 from .tensor_parallel.mappings import gather_from_region
 
 __all__ = ["parallelize", "HybridModel", "DP_STRATEGIES"]
@@ -60,6 +62,7 @@ class _Plan:
     dp_shard: int | None
     activation_checkpointing: int
     mixed_precision: MixedPrecision | None = None
+    cpu_offload: str = "none"
 
 
 def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
@@ -87,6 +90,9 @@ def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
         if plan.dp_strategy == "ddp":
             raise ValueError("parallelize: mixed_precision needs a sharded dp_strategy (zero1/2/3 or fsdp:*), whose "
                              "engine keeps fp32 master weights; DDP trains in the model's own dtype")
+    if plan.cpu_offload != "none" and plan.dp_strategy == "ddp":
+        raise ValueError(f"parallelize: cpu_offload={plan.cpu_offload!r} needs a sharded dp_strategy (zero1/2/3 or "
+                         f"fsdp:*), whose engine keeps the master shards that offload moves to the host; DDP has none")
     if plan.sequence_parallel and mesh.sizes["tp"] == 1:
         raise ValueError("parallelize: sequence_parallel=True needs tp > 1")
     if plan.pp_schedule == "zb_h1" and plan.dp_strategy != "ddp":
@@ -122,10 +128,11 @@ def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
         return DDP(stage, mesh.dp)
     mp = plan.mixed_precision
     if plan.dp_strategy.startswith("zero"):
-        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), mixed_precision=mp)
+        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), mixed_precision=mp, cpu_offload=plan.cpu_offload)
     sharding = plan.dp_strategy.split(":", 1)[1]
     shard_size = plan.dp_shard if sharding == "hybrid_shard" else None
-    return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, mixed_precision=mp)
+    return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, mixed_precision=mp,
+                cpu_offload=plan.cpu_offload)
 
 
 class HybridModel(nn.Module):
@@ -234,6 +241,7 @@ def parallelize(
     virtual_stages: int = 1,
     activation_checkpointing: bool | int = False,
     mixed_precision: MixedPrecision | None = None,
+    cpu_offload: bool | str = False,
 ) -> HybridModel:
     """Data x tensor x pipeline parallelism over `mesh`, in the documented order (see the module docstring).
 
@@ -251,6 +259,8 @@ def parallelize(
         int k for every k-th.
     mixed_precision: compute dtypes (`sw.MixedPrecision(param_dtype=torch.bfloat16)`) for a sharded dp_strategy;
         fp32 master shards are kept. With float16 use `sw.ShardedGradScaler(model)`.
+    cpu_offload: for a sharded dp_strategy, the engine's offload level ("optimizer", "full" = True, False; see
+        `sw.ZeRO`): each stage's master shards, gradients and optimizer state live on the host.
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
@@ -258,8 +268,10 @@ def parallelize(
     if n_microbatches is None:
         n_microbatches = 2 * mesh.sizes["pp"]
     plan = _Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
-                 check_interval(activation_checkpointing, "parallelize"), mixed_precision)
+                 check_interval(activation_checkpointing, "parallelize"), mixed_precision,
+                 offload_level(cpu_offload))
     _check(mesh, plan, model)
+    to_comm_device(model, mesh.world, "parallelize")  # every axis of the mesh shares the world's device
     if mesh.sizes["tp"] > 1:
         tp.parallelize(model, mesh.tp, tp_plan, sequence_parallel=sequence_parallel)
     layers, loss, gather_vocab = _layers_and_loss(model, loss_fn)
