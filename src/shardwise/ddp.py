@@ -4,7 +4,8 @@ Training", VLDB 2020).
 
 Mechanism
 ---------
-* At wrap time rank 0's parameters and buffers are broadcast, so every replica starts equal.
+* At wrap time the model moves to `comm.device` (this rank's GPU under NCCL; see placement.py), and rank 0's
+  parameters and buffers are broadcast, so every replica starts equal.
 * Trainable parameters are packed, in *reverse* registration order (roughly the order backward produces their
   gradients), into flat buckets of `bucket_mb` (the first one `first_bucket_mb`, small, so communication starts as
   early as possible). Each parameter's `.grad` becomes a view into its bucket, so no copy is needed on later steps.
@@ -39,6 +40,7 @@ from .agreement import agree_on_recovery, check_agreement, describe_parameters
 from .comm.base import Communicator, ReduceOp, Work, is_communicator
 from .comm.coalesced import broadcast_coalesced
 from .optimizer_guard import register_wrapped
+from .placement import to_comm_device
 
 __all__ = ["DDP", "DDPModule"]
 
@@ -201,7 +203,8 @@ class _Reducer:
                 self._mark_ready(p, used=p.grad is not None)
             used_flags = None
             if self.find_unused:
-                used_flags = torch.tensor([p in self.used for p in self.params], dtype=torch.int32)
+                used_flags = torch.tensor([p in self.used for p in self.params], dtype=torch.int32,
+                                          device=self.comm.device)
                 self.comm.all_reduce(used_flags, ReduceOp.SUM)
             for bucket in self.buckets:
                 assert bucket.work is not None
@@ -310,6 +313,7 @@ def DDP(
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"DDP: {name}={value!r} must be a positive number of MiB")
+    to_comm_device(module, comm, "DDP")  # NCCL broadcasts and reduces CUDA tensors: the model goes to comm.device
     check_agreement(comm, "DDP", {"parameters": describe_parameters(module), "options": {
         "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "find_unused_parameters": find_unused_parameters,
         "broadcast_buffers": broadcast_buffers}})

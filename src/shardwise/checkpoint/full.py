@@ -14,14 +14,18 @@ from torch import nn
 
 from ..comm.base import Communicator
 from ..whole.state_dict import full_state_dict, load_full_state_dict
+from .barrier import DEFAULT_IO_TIMEOUT, io_barrier
 from .save import model_comm
 from .storage import CheckpointError, write_bytes_durably
 
 __all__ = ["export_full", "import_full"]
 
 
-def export_full(path: str | os.PathLike, model: nn.Module, *, comm: Communicator | None = None) -> Path:
-    """Gather the full state dict (collective) and write it from rank 0, atomically, to one safetensors file."""
+def export_full(path: str | os.PathLike, model: nn.Module, *, comm: Communicator | None = None,
+                timeout: float = DEFAULT_IO_TIMEOUT) -> Path:
+    """Gather the full state dict (collective) and write it from rank 0, atomically, to one safetensors file.
+
+    timeout: seconds the other ranks wait for rank 0's write (the checkpoint's I/O timeout, see barrier.py)."""
     comm = model_comm(model, comm)
     state = full_state_dict(model)
     target = Path(path)
@@ -29,7 +33,7 @@ def export_full(path: str | os.PathLike, model: nn.Module, *, comm: Communicator
         target.parent.mkdir(parents=True, exist_ok=True)
         # safetensors refuses tensors sharing storage (tied weights): full_state_dict already returns copies.
         write_bytes_durably(target, safetensors_save({k: v.contiguous() for k, v in state.items()}))
-    comm.barrier()
+    io_barrier(comm, timeout)
     return target
 
 

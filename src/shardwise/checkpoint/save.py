@@ -36,6 +36,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json, broadcast_json
+from .barrier import DEFAULT_IO_TIMEOUT, io_barrier
 from .pieces import local_pieces, optimizer_names
 from .storage import (
     FORMAT,
@@ -129,13 +130,16 @@ def save_checkpoint(
     comm: Communicator | None = None,
     keep_last: int | None = None,
     async_save: bool = False,
-    timeout: float = 600.0,
+    timeout: float = DEFAULT_IO_TIMEOUT,
     **extra: Any,
 ) -> SaveHandle:
     """Save a sharded checkpoint of `model` (and `optimizer`) under the directory `path`; collective.
 
     step: names the checkpoint (`step-00000100`); None takes the next number after the newest one.
     keep_last: afterwards delete all but the newest `keep_last` checkpoints.
+    timeout: seconds the I/O may take (rank 0 waiting for the shards, every rank waiting for rank 0 to put the
+        checkpoint in place): the checkpoint's own, sized for large shards on a parallel file system, not the
+        communicator's collective timeout.
     async_save: write on a background thread; call `.wait()` on the returned handle before the next save.
     extra: JSON-serialisable values stored in the metadata and returned by `load_checkpoint` (e.g. the data
         position: `data=sampler.state_dict()`).
@@ -244,7 +248,7 @@ def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Mo
         handle.thread.start()
         return handle
     write()
-    comm.barrier()  # when save_checkpoint returns on any rank, the checkpoint is complete
+    io_barrier(comm, timeout)  # when save_checkpoint returns on any rank, the checkpoint is complete
     handle.wait()
     return handle
 

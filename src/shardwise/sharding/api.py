@@ -28,6 +28,7 @@ from ..activation_checkpointing import check_interval
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
 from ..optimizer_guard import mark_replaced, register_wrapped
+from ..placement import to_comm_device
 from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
 from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
@@ -121,7 +122,9 @@ def _check_replicated(module: nn.Module, params: object) -> tuple[nn.Parameter, 
 
 def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate: Communicator | None,
           config: ShardingConfig, record_name: str, replicated_params: tuple[nn.Parameter, ...]) -> nn.Module:
-    # Every rank wraps the same model with the same options, and starts from rank 0's values.
+    # The model lives where the collectives run (this rank's GPU under NCCL); master shards go back to CPU only
+    # with cpu_offload. Every rank wraps the same model with the same options, and starts from rank 0's values.
+    to_comm_device(module, comm, record_name)
     check_agreement(comm, record_name, {"parameters": describe_parameters(module), "options": {
         k: str(v) for k, v in dataclasses.asdict(config).items()}})
     if comm.size > 1:

@@ -34,6 +34,7 @@ from torch import nn
 from .. import layout
 from ..agreement import check_agreement, describe_parameters, fingerprints
 from ..comm.base import Communicator, is_communicator
+from ..placement import to_comm_device
 from .declare import tensor_parallel_placements
 from .gpt import install_gpt_forward
 from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear,
@@ -150,6 +151,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         "parameters": describe_parameters(model), "fingerprints": fingerprints(model), "plan": plan_name,
         "styles": {name: repr(style) for name, style in styles.items()}, "sequence_parallel": sp,
         "sequence_dim": sequence_dim})
+    to_comm_device(model, comm, "parallelize")  # after the fingerprints (read on the host); slices go to comm.device
 
     originals: dict[int, tuple[nn.Parameter, str, tuple]] = {}  # id(dense weight) -> (shard, module name, layout)
     keep_alive = []  # the dense weights, so their ids stay unique while we compare them

@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import layout
 from ..comm.base import ReduceOp
+from ..placement import comm_device
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
@@ -41,6 +42,8 @@ def global_grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         op = ReduceOp.SUM
     total = total.clone()
     for group in layout.reduction_groups(model):
+        # Reduced on the group's device: with cpu_offload the gradients are on CPU while NCCL reduces on the GPU.
+        total = total.to(comm_device(group))
         group.all_reduce(total, op)
     return total[0] if math.isinf(norm_type) else total[0] ** (1.0 / norm_type)
 
@@ -55,7 +58,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if not layout.strategies(model):  # one process: exactly torch's computation
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     norm = global_grad_norm(model, norm_type)
-    scale = max_norm / (norm + 1e-6)
+    # A Python number: it scales gradients on any device (the norm may sit on the GPU, the gradients on CPU).
+    scale = max_norm / (float(norm) + 1e-6)
     if scale < 1:
         for pl in layout.placements(model).values():
             if pl.param.grad is not None:

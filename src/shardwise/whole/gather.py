@@ -15,17 +15,22 @@ import torch
 
 from .. import layout
 from ..comm.base import Communicator
+from ..placement import comm_device
 
 __all__ = ["gather_full", "write_held"]
 
 
 def _all_gather_padded(comm: Communicator, piece: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Every rank's 1-D `piece` (rank r's has sizes[r] elements), in rank order."""
+    """Every rank's 1-D `piece` (rank r's has sizes[r] elements), in rank order, on `piece`'s device.
+
+    Gathered on the communicator's device: a CPU-offloaded shard travels through the GPU under NCCL."""
     width = max(sizes)
-    padded = torch.zeros(width, dtype=piece.dtype, device=piece.device)
+    device = comm_device(comm)
+    padded = torch.zeros(width, dtype=piece.dtype, device=device)
     padded[: piece.numel()].copy_(piece)
-    out = torch.empty(width * comm.size, dtype=piece.dtype, device=piece.device)
+    out = torch.empty(width * comm.size, dtype=piece.dtype, device=device)
     comm.all_gather(out, padded)
+    out = out.to(piece.device)
     return [out[r * width : r * width + n] for r, n in enumerate(sizes)]
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import layout
 from ..comm.base import Communicator, ReduceOp
+from ..placement import comm_device
 
 __all__ = ["ShardedGradScaler"]
 
@@ -71,10 +72,12 @@ class ShardedGradScaler:
                 p.grad.mul_(inverse)
                 if not local_inf and not torch.isfinite(p.grad).all():
                     local_inf = True
-        flag = torch.tensor([1.0 if local_inf else 0.0])
-        for group in self.groups:  # a skip on any rank skips on all
+        for group in self.groups:  # a skip on any rank skips on all: an OR over each group in turn
+            # On the group's device (NCCL reduces CUDA tensors only), whatever device the gradients are on.
+            flag = torch.tensor([1.0 if local_inf else 0.0], device=comm_device(group))
             group.all_reduce(flag, ReduceOp.MAX)
-        self.found_inf = bool(flag.item())
+            local_inf = bool(flag.item())
+        self.found_inf = local_inf
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale (if not done) and step unless any rank found inf/nan. Returns whether the step was taken."""
