@@ -71,6 +71,14 @@ class ShardingConfig:
     max_inflight_reductions: int = 2
 
 
+def _describe_units(units: list[Unit], shown: int = 6) -> str:
+    """'blocks.0 (0.79M params, 3 tensors), ...': the units the log line names (the first `shown`, then a count)."""
+    parts = [f"{u.name or '<root>'} ({u.numel / 1e6:.3g}M params, {len(u.infos)} tensors)" for u in units[:shown]]
+    if len(units) > shown:
+        parts.append(f"... {len(units) - shown} more")
+    return ", ".join(parts)
+
+
 class _MarkBackwardDone(torch.autograd.Function):
     """Identity on the unit's inputs; its backward runs once the gradient w.r.t. the inputs exists, i.e. after
     every operation of the unit that needed its parameters (the approach of PyTorch FSDP2's post-backward)."""
@@ -115,9 +123,10 @@ class ShardingEngine:
             for i, plan in enumerate(plans)
         ]
         self.root = self.units[-1]
-        log.info("%s: %d units over %d ranks; wrap=%r, group size %.3g MiB%s", config.name, len(self.units),
-                 shard_comm.size, config.wrap, group_mb,
-                 " (chosen from the model: ~1/8 of its bytes, 2..25 MiB)" if config.group_mb is None else "")
+        log.info("%s: %d units over %d ranks; wrap=%r, group size %.3g MiB%s; units: %s", config.name,
+                 len(self.units), shard_comm.size, config.wrap, group_mb,
+                 " (chosen from the model: ~1/8 of its bytes, 2..25 MiB, so that several units overlap compute "
+                 "and small layers merge)" if config.group_mb is None else "", _describe_units(self.units))
         self.require_sync = True
         self.in_backward = False
         self.forward_running = False  # between the root's pre- and post-forward: still set next time if it raised
