@@ -96,6 +96,7 @@ class Estimate:
     seconds: float
     tier: int
     fits: bool
+    uncounted: tuple[str, ...] = ()
 
     @property
     def device(self) -> float:
@@ -124,9 +125,10 @@ def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
             wire["tp"] = costs.tensor_parallel_wire_bytes(g, c.tp, pp=c.pp, dtype=dtype)
         if c.pp > 1:
             wire["pp"] = costs.pipeline_wire_bytes(g, c.pp, tp=c.tp if sp else 1, dtype=dtype)
-    # ZeRO-3 gathers a unit (about one layer, 12h^2 parameters) and prefetches the next while computing.
+    # ZeRO-3 gathers a unit (a layer, 12h^2 parameters, as FSDP's transformer wrapping policy cuts them) and
+    # prefetches the next while computing: two units, never more than the model.
     gathers = c.states_key in ("zero3", "full_shard", "hybrid_shard")
-    working = 2 * 12 * hidden ** 2 / c.tp * costs.DTYPE_BYTES[dtype] if gathers else 0.0
+    working = min(2 * 12 * hidden ** 2, psi) / mp * costs.DTYPE_BYTES[dtype] if gathers else 0.0
     # Which links each group crosses: ranks are laid out tp fastest, then dp, then pp (Mesh's order).
     spans = {"dp": c.dp * c.tp, "shard": (c.shard or c.dp) * c.tp, "replicate": c.dp * c.tp, "tp": c.tp,
              "pp": links.world_size}
@@ -138,11 +140,20 @@ def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
         seconds += pcie / (links.pcie_gbps * GB) + states.cpu / (links.cpu_gbps * GB)
     tier = 3 if c.offload else 2 if c.pp > 1 else 1 if c.tp > 1 else 0
     fits = links.memory is None or (states.device + (acts or 0.0) + working) <= links.fit_fraction * links.memory
-    return Estimate(c, states, acts, working, wire, seconds, tier, fits)
+    # Without the activation geometry the tensor- and pipeline-parallel traffic cannot be counted: say so.
+    uncounted = () if g is not None else tuple(a for a, size in (("tp", c.tp), ("pp", c.pp)) if size > 1)
+    return Estimate(c, states, acts, working, wire, seconds, tier, fits, uncounted)
 
 
-def _gb(x: float | None) -> str:
-    return "-" if x is None else f"{x / GB:.1f}"
+def _size(x: float | None) -> str:
+    """Bytes in GB (10^9, the ZeRO paper's unit), or MB below 0.1 GB so that small models show figures too."""
+    if x is None:
+        return "-"
+    return f"{x / GB:.1f} GB" if x >= 0.1 * GB or x == 0 else f"{x / 1e6:.1f} MB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,.0f}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,25 +182,36 @@ class Plan:
     def table(self) -> str:
         """The candidates as a fixed-width table (GB of 10^9 bytes, per rank)."""
         width = max(len("strategy"), *(len(e.candidate.label) for e in self.estimates))
+        # One unit for the whole table: GB (10^9 bytes, the ZeRO paper's), or MB for models under ~0.1 GB.
+        top = max(max(e.device, e.wire_total, e.states.cpu) for e in self.estimates)
+        unit, scale = ("GB", GB) if top >= 0.1 * GB else ("MB", 1e6)
+
+        def f(x: float | None) -> str:
+            return "-" if x is None else f"{x / scale:.1f}"
+
         head = (f"  {'strategy':<{width}}  {'states':>7}  {'activ.':>7}  {'total':>7}  {'cpu':>6}  "
-                f"{'wire/step':>9}  {'comm s':>7}  fits")
+                f"{'wire/step':>9}  {'comm s':>8}  fits      ({unit} per rank)")
         rows = [head]
         for e in self.estimates:
             mark = " <- chosen" if e is self.chosen else ""
-            rows.append(f"  {e.candidate.label:<{width}}  {_gb(e.states.device):>7}  {_gb(e.activations):>7}  "
-                        f"{_gb(e.device):>7}  {_gb(e.states.cpu) if e.states.cpu else '-':>6}  "
-                        f"{_gb(e.wire_total):>9}  {e.seconds:>7.3f}  {'yes' if e.fits else 'no'}{mark}")
+            wire = f(e.wire_total) + ("+" if e.uncounted else "")
+            rows.append(f"  {e.candidate.label:<{width}}  {f(e.states.device):>7}  {f(e.activations):>7}  "
+                        f"{f(e.device):>7}  {f(e.states.cpu) if e.states.cpu else '-':>6}  "
+                        f"{wire:>9}  {e.seconds:>8.3g}  {'yes' if e.fits else 'no'}{mark}")
+        if any(e.uncounted for e in self.estimates):
+            rows.append("  +: plus tensor/pipeline-parallel activation traffic, not counted without seq_len and "
+                        "batch_size")
         return "\n".join(rows)
 
     def assumptions(self) -> str:
         w, links = self.workload, self.links
         k = costs.OPTIMIZER_BYTES[w.optimizer][0 if costs.DTYPE_BYTES[w.dtype] == 2 else 1]
         per_param = 2 * costs.DTYPE_BYTES[w.dtype] + k
-        precision = "mixed precision" if costs.DTYPE_BYTES[w.dtype] == 2 else "fp32"
+        precision = f"{w.dtype} mixed precision" if costs.DTYPE_BYTES[w.dtype] == 2 else "fp32"
         memory = "unknown (every candidate fits)" if links.memory is None else \
-            f"{links.memory / GB:.1f} GB per rank, fits within {links.fit_fraction:.0%} = " \
-            f"{links.fit_fraction * links.memory / GB:.1f} GB"
-        lines = [f"{w.num_params / 1e9:.2f}B parameters, {w.dtype} {precision}, {w.optimizer}: {per_param} bytes per "
+            f"{_size(links.memory)} per rank, fits within {links.fit_fraction:.0%} = " \
+            f"{_size(links.fit_fraction * links.memory)}"
+        lines = [f"{_count(w.num_params)} parameters, {precision}, {w.optimizer}: {per_param} bytes per "
                  f"parameter of model states (ZeRO paper); {links.world_size} ranks, {links.devices_per_node} per "
                  f"node; memory {memory}."]
         g = w.activations
@@ -217,21 +239,21 @@ def _reason(chosen: Estimate, estimates: list[Estimate], links: Links) -> str:
     misfits = [e for e in estimates if not e.fits and (e.tier, e.seconds) < (chosen.tier, chosen.seconds)]
     parts = []
     if misfits and links.memory is not None:
-        shown = ", ".join(f"{e.candidate.label} needs {_gb(e.device)} GB" for e in misfits[:4])
+        shown = ", ".join(f"{e.candidate.label} needs {_size(e.device)}" for e in misfits[:4])
         more = f" and {len(misfits) - 4} more" if len(misfits) > 4 else ""
-        parts.append(f"Faster layouts do not fit in {links.fit_fraction * links.memory / GB:.1f} GB per rank "
+        parts.append(f"Faster layouts do not fit in {_size(links.fit_fraction * links.memory)} per rank "
                      f"({shown}{more}).")
     tier = ["data parallel", "tensor parallel within a node", "a pipeline mesh", "CPU offload"][chosen.tier]
     rivals = [e for e in estimates if e.fits and e.tier == chosen.tier and e is not chosen]
     if rivals:
         best = min(rivals, key=lambda e: e.seconds)
         how = "the same time; the simpler layout is kept" if math.isclose(best.seconds, chosen.seconds) else \
-            f"{best.seconds:.3f} s for the next, {best.candidate.label}"
-        parts.append(f"Of the layouts that fit, it is the fastest of the '{tier}' tier: {_gb(chosen.wire_total)} GB "
-                     f"on the wire per step, about {chosen.seconds:.3f} s of communication ({how}).")
+            f"{best.seconds:.3g} s for the next, {best.candidate.label}"
+        parts.append(f"Of the layouts that fit, it is the fastest of the '{tier}' tier: {_size(chosen.wire_total)} "
+                     f"on the wire per step, about {chosen.seconds:.3g} s of communication ({how}).")
     else:
-        parts.append(f"It is the only '{tier}' layout that fits; {_gb(chosen.device)} GB per rank, "
-                     f"{_gb(chosen.wire_total)} GB on the wire per step.")
+        traffic = "" if chosen.uncounted else f", {_size(chosen.wire_total)} on the wire per step"
+        parts.append(f"It is the only '{tier}' layout that fits: {_size(chosen.device)} per rank{traffic}.")
     if chosen.tier:
         parts.append("Tiers in order: data parallel, tensor parallel within a node, pipeline, CPU offload.")
     return " ".join(parts)
@@ -249,20 +271,24 @@ def smallest_world(work: Workload, links: Links, *, limit: int = 1 << 16, **allo
     return None
 
 
-def plan(work: Workload, links: Links, *, strategy: str = "auto", shard_size: int | None = None,
-         offload: str | None = None, **allowed: object) -> Plan:
-    """Plan `work` on `links`: strategy="auto" chooses (module docstring); any other strategy string is estimated
-    as given. allowed: tensor_parallel, pipeline, offload (bools), max_pp, tp_divides, as `candidates()` takes them.
-    Raises ValueError when strategy="auto" and nothing fits, naming the smallest world size that would."""
+def plan(work: Workload, links: Links, *, strategy: str | Candidate = "auto", shard_size: int | None = None,
+         offload_level: str | None = None, pool: list[Candidate] | None = None, **allowed: object) -> Plan:
+    """Plan `work` on `links`: strategy="auto" chooses (module docstring); any other strategy string (or a
+    Candidate, with `offload_level` for the sharded engine) is estimated as given. pool: the candidates to compare (default `candidates()` with `allowed`:
+    tensor_parallel, pipeline, offload (bools), max_pp, tp_divides). Raises ValueError when strategy="auto" and
+    nothing fits, naming the smallest world size that would."""
     n, node = links.world_size, links.devices_per_node
+    if pool is None:
+        pool = candidates(n, node, **allowed)
     if strategy != "auto":
-        given = parse_strategy(strategy, n, shard_size=shard_size, devices_per_node=node, offload=offload)
+        given = strategy if isinstance(strategy, Candidate) else \
+            parse_strategy(strategy, n, shard_size=shard_size, devices_per_node=node, offload=offload_level)
         chosen = estimate(given, work, links)
-        others = [estimate(c, work, links) for c in candidates(n, node, **allowed) if c != given]
-        note = "" if chosen.fits else (f" Warning: it is estimated at {_gb(chosen.device)} GB per rank, more than "
-                                       f"{links.fit_fraction:.0%} of the {_gb(links.memory)} GB available.")
+        others = [estimate(c, work, links) for c in pool if c != given]
+        note = "" if chosen.fits else (f" Warning: it is estimated at {_size(chosen.device)} per rank, more than "
+                                       f"{links.fit_fraction:.0%} of the {_size(links.memory)} available.")
         return Plan(chosen, (chosen, *others), work, links, f"Named by the caller.{note}", given=True)
-    estimates = [estimate(c, work, links) for c in candidates(n, node, **allowed)]
+    estimates = [estimate(c, work, links) for c in pool]
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         need = min(estimates, key=lambda e: e.device)
@@ -270,9 +296,9 @@ def plan(work: Workload, links: Links, *, strategy: str = "auto", shard_size: in
         where = (f"the smallest world size that would fit is {bigger} ranks ({node} per node)" if bigger else
                  "no world size up to 65536 fits (activations do not shrink with more ranks: lower the batch or "
                  "sequence length, or turn on activation checkpointing)")
-        raise ValueError(f"no strategy fits {work.num_params / 1e9:.2f}B parameters on {n} ranks with memory="
-                         f"{_gb(links.memory)} GB per rank: the smallest, {need.candidate.label}, needs "
-                         f"{_gb(need.device)} GB (within {links.fit_fraction:.0%}); {where}.\n"
+        raise ValueError(f"no strategy fits {_count(work.num_params)} parameters on {n} ranks with "
+                         f"{_size(links.memory)} per rank: the smallest, {need.candidate.label}, needs "
+                         f"{_size(need.device)} (within {links.fit_fraction:.0%}); {where}.\n"
                          f"{Plan(need, tuple(estimates), work, links, '').table()}")
     chosen = min(fitting, key=lambda e: (e.tier, round(e.seconds, 12)))  # min() keeps the first of equals
     return Plan(chosen, tuple(estimates), work, links, _reason(chosen, estimates, links))
