@@ -56,12 +56,21 @@ def test_interleaved_places_stage_s_on_rank_s_mod_p_in_megatron_order():
     assert {a.stage for a in sched.actions[1]} == {1, 3}
 
 
-def test_sends_follow_their_producer_and_receives_come_one_action_early():
+def test_sends_follow_their_producer_and_receives_come_right_before_their_consumer():
+    # Megatron's pairing: the sends of one compute action and the receives of the next form one batch.
     sched = pp.build_schedule("1f1b", 2, 2)
     text = [str(a) for a in sched.actions[1]]
-    assert text == ["1RECV_F0", "1F0", "1RECV_F1", "1B0", "1SEND_B0", "1F1", "1B1", "1SEND_B1"]
+    assert text == ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"]
     text0 = [str(a) for a in sched.actions[0]]
-    assert text0 == ["0F0", "0SEND_F0", "0RECV_B0", "0F1", "0SEND_F1", "0RECV_B1", "0B0", "0B1"]
+    assert text0 == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
+
+
+def test_interleaved_steady_state_exchanges_each_f_b_pair_together():
+    sched = pp.build_schedule("interleaved_1f1b", 2, 4, virtual_stages=2)
+    text = " ".join(str(a) for a in sched.actions[0])
+    # rank 0's first steady pair (0F2, 2B0): both receives before the F, nothing between the F and the B, both sends
+    # after the B, together with the next pair's receives: one batch.
+    assert "2SEND_F1 2RECV_B0 0F2 2B0 0SEND_F2 2SEND_B0 2RECV_B1 0F3 2B1" in text
 
 
 @pytest.mark.parametrize(

@@ -134,3 +134,52 @@ def test_zero_bubble_and_interleaving_never_lose_to_1f1b(p, k):
     assert pp.simulate("zb_h1", p, m).bubble_time < plain.bubble_time
     assert pp.simulate("interleaved_1f1b", p, m, virtual_stages=2).bubble_time < plain.bubble_time
     assert pp.simulate("gpipe", p, m).bubble == pytest.approx(plain.bubble, rel=1e-12)
+
+
+# ---- unbuffered (rendezvous) point-to-point: NCCL's rules ----------------------------------------------------------
+
+_GRID = [(name, p, m, v) for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("zb_h1", [1]), ("interleaved_1f1b", [2, 3]),
+                                         ("forward_only", [1, 2, 3]))
+         for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16) for v in vs]
+
+
+@pytest.mark.parametrize("name", sorted({g[0] for g in _GRID}))
+def test_every_schedule_runs_with_unbuffered_untagged_point_to_point(name):
+    ran = 0
+    for _, p, m, v in (g for g in _GRID if g[0] == name):
+        try:
+            sched = pp.build_schedule(name, p, m, v)
+        except ValueError:  # a shape the schedule does not support (m < p for 1f1b, ...)
+            continue
+        result = pp.simulate(sched, p2p="rendezvous", latency=0.1)
+        assert len(result.timeline.events) == sum(a.is_compute for acts in sched.actions for a in acts)
+        assert result.makespan >= pp.simulate(sched, latency=0.1).makespan - 1e-9  # a rendezvous never speeds up
+        ran += 1
+    assert ran >= 10
+
+
+def test_rendezvous_mode_finds_the_1f1b_deadlock_of_receives_posted_one_action_early():
+    # The pattern: rank 0 posts recv(grad 0) before send(act 1) while rank 1 posts recv(act 1) before
+    # send(grad 0). Buffered sends hide it; NCCL's unbuffered, in-order stream deadlocks.
+    early = Schedule.from_text(["0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1",
+                                "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1"], n_microbatches=2)
+    assert pp.simulate(early).bubble > 0  # fine with buffered sends
+    with pytest.raises(DeadlockError, match=r"unbuffered \(rendezvous\).*rank 0: 0B0 waits for its receive.*"
+                                            r"rank 1: 1F1 waits for its receive") as info:
+        pp.simulate(early, p2p="rendezvous")
+    assert set(info.value.blocked) == {0, 1}
+    assert pp.simulate(pp.build_schedule("1f1b", 2, 2), p2p="rendezvous").bubble > 0
+
+
+def test_rendezvous_mode_checks_that_untagged_messages_match_in_order():
+    # Rank 0 sends microbatch 0 then 1; rank 1 receives 1 first: with tags this works, without it swaps tensors.
+    # (Message #1 of the pair is the metadata that precedes the first activation.)
+    crossed = Schedule.from_text(["0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+                                  "1RECV_F1 1F1 1RECV_F0 1F0 1B0 1SEND_B0 1B1 1SEND_B1"], n_microbatches=2)
+    with pytest.raises(ScheduleError, match=r"matched in posting order \(no tags\), but message #2 is send "
+                                            r"activation of stage 0 microbatch 0 to rank 1 on rank 0 and recv "
+                                            r"activation of stage 0 microbatch 1 from rank 0 on rank 1"):
+        pp.simulate(crossed, p2p="rendezvous")
+    with pytest.raises(ValueError, match=r"p2p='nccl' is not a point-to-point model; allowed \['buffered', "
+                                         r"'rendezvous'\]"):
+        pp.simulate("1f1b", 2, 2, p2p="nccl")

@@ -11,7 +11,8 @@ of one microbatch through one rank's share of the model. The bubble is the idle 
 * ``interleaved_1f1b`` (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM", section 2.2.2): each rank holds v stages (stage s on rank s % p) and runs 1F1B over the
   v*m (stage, microbatch) pairs in Megatron's order, groups of p microbatches per model chunk. The bubble time is
-  divided by v, at the cost of v times more point-to-point messages. Needs m to be a multiple of p.
+  divided by v, at the cost of v times more point-to-point messages. Needs m to be a multiple of p. In the steady
+  state each F and the B after it exchange their messages together, after the B (Megatron's pairing).
 * ``zb_h1`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241): the backward is split into
   I (the input gradient, the paper's "B", on the critical path between ranks) and W (the weight gradients,
   which nothing downstream waits for). 1F1B's order of F and I is kept, and rank r postpones up to r of its W
@@ -23,8 +24,10 @@ of one microbatch through one rank's share of the model. The bubble is the idle 
   It is not in SCHEDULES (the training schedules) but `build_schedule` and the simulator accept it.
 
 `build_schedule` returns the compute order with SEND/RECV actions added by `add_communication`: a SEND right
-after the action that produced the tensor, and a RECV posted one compute action ahead of the one that consumes
-it, so the transfer can overlap the preceding compute.
+after the action that produced the tensor, and a RECV right before the action that consumes it, so that the
+sends of one compute action and the receives of the next form one batch, posted together (`batches.py`; the
+Megatron-LM / torch.distributed.pipelining pairing that keeps NCCL's unbuffered, in-order point-to-point free
+of deadlocks: `simulate(..., p2p="rendezvous")` checks it).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _one_f_one_b(p: int, m: int, v: int) -> list[list[Action]]:
     return lists
 
 
-def _interleaved(p: int, m: int, v: int) -> list[list[Action]]:
+def _interleaved(p: int, m: int, v: int) -> list[list[Action | tuple[Action, Action]]]:
     """Megatron-LM's interleaved 1F1B (its `forward_backward_pipelining_with_interleaving`)."""
     total = m * v
 
@@ -72,8 +75,8 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Action]]:
 
         warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
         acts = [fwd(k) for k in range(warmup)]
-        for k in range(total - warmup):
-            acts += [fwd(warmup + k), bwd(k)]
+        for k in range(total - warmup):  # steady state: each F, B pair communicates as one unit (see below)
+            acts.append((fwd(warmup + k), bwd(k)))
         acts += [bwd(k) for k in range(total - warmup, total)]
         lists.append(acts)
     return lists
@@ -163,11 +166,16 @@ def check_schedule_args(where: str, name: str, n_ranks: int, n_microbatches: int
         )
 
 
-def add_communication(compute: Sequence[Sequence[Action]], n_ranks: int, virtual_stages: int) -> list[list[Action]]:
+def add_communication(compute: Sequence[Sequence[Action | tuple[Action, ...]]], n_ranks: int,
+                      virtual_stages: int) -> list[list[Action]]:
     """Insert SEND/RECV actions into per-rank compute lists (see the module docstring for where they go).
 
     A message is needed wherever consecutive stages live on different ranks; stages on the same rank (only when
-    p = 1) hand tensors over directly.
+    p = 1) hand tensors over directly. An item of a compute list may be a tuple of actions, one *unit*: its
+    receives all come before it and its sends all after it. Interleaved 1F1B's steady state is made of (F, B) units,
+    as in Megatron-LM (`send_forward_backward_recv_forward_backward`): with one batch between F and B instead, a
+    rank's stream can wait on a gradient whose producer waits on an activation queued behind it, so the schedule
+    deadlocks under unbuffered point-to-point for p >= 2 (`simulate(..., p2p="rendezvous")` finds it).
     """
     p, n_stages = n_ranks, n_ranks * virtual_stages
     lists = []
@@ -188,13 +196,16 @@ def add_communication(compute: Sequence[Sequence[Action]], n_ranks: int, virtual
             return []
 
         out: list[Action] = []
-        if acts:
-            out += receives(acts[0])
-        for k, a in enumerate(acts):
-            if k + 1 < len(acts):
-                out += receives(acts[k + 1])  # posted one compute action early: the transfer overlaps action k
-            out.append(a)
-            out += sends(a)
+        for item in acts:
+            # The receives of a unit come right before it, after the sends of the unit before: the two form one
+            # batch (batches.py), posted together as Megatron-LM does, which NCCL's unbuffered, in-order
+            # point-to-point needs (a receive posted one action early crosses the peer's sends and deadlocks).
+            unit = list(item) if isinstance(item, tuple) else [item]
+            for a in unit:
+                out += receives(a)
+            out += unit
+            for a in unit:
+                out += sends(a)
         lists.append(out)
     return lists
 

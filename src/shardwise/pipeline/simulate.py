@@ -28,10 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .actions import Action, Op, Schedule, ScheduleError
+from .rendezvous import run_rendezvous
 from .schedules import build_schedule
 from .timeline import Event, Timeline
 
-__all__ = ["simulate", "check_schedule", "SimResult", "DeadlockError"]
+__all__ = ["simulate", "check_schedule", "SimResult", "DeadlockError", "P2P_MODES"]
+
+#: Point-to-point models of `simulate`: buffered sends (gloo, MPI, the thread backend) or NCCL's rendezvous.
+P2P_MODES = ("buffered", "rendezvous")
 
 F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.INPUT, Op.WEIGHT
 
@@ -183,10 +187,13 @@ def simulate(
     virtual_stages: int = 1,
     weight_share: float = 0.5,
     latency: float = 0.0,
+    p2p: str = "buffered",
 ) -> SimResult:
     """Dry-run `schedule` (a name from SCHEDULES, with n_stages = pipeline ranks p and n_microbatches = m, or a
     Schedule) under the cost model of the module docstring; return its timeline, bubble and peak in-flight count.
 
+    p2p: "buffered" (a SEND never blocks: the rules of `actions.py`) or "rendezvous" (NCCL's rules: unbuffered,
+    untagged, one stream per rank, sends and receives posted in batches; see `rendezvous.py`).
     Raises ScheduleError for a malformed schedule and DeadlockError (a ScheduleError) when it cannot finish.
     """
     if isinstance(schedule, str):
@@ -202,6 +209,8 @@ def simulate(
         raise ValueError(f"simulate: schedule={schedule!r} must be a schedule name or a Schedule")
     if not 0.0 <= weight_share <= 1.0:
         raise ValueError(f"simulate: weight_share={weight_share!r} must be in [0, 1]")
+    if p2p not in P2P_MODES:
+        raise ValueError(f"simulate: p2p={p2p!r} is not a point-to-point model; allowed {list(P2P_MODES)}")
     check_schedule(schedule)
     p, n, v = schedule.n_ranks, schedule.n_stages, schedule.virtual_stages
     t_f = _costs("forward", forward, n, v)
@@ -217,6 +226,19 @@ def simulate(
     inflight = [0] * p
     peak = [0] * p
     events: list[Event] = []
+
+    def run(r: int, a: Action, start: float, end: float) -> None:
+        events.append(Event(r, str(a), start, end))
+        finished[(a.op, a.stage, a.microbatch)] = end
+        if a.op is F:
+            inflight[r] += 1
+            peak[r] = max(peak[r], inflight[r])
+        if a.op in (B, W) or forward_only:  # forward-only: nothing is kept after the F
+            inflight[r] -= 1
+
+    if p2p == "rendezvous":
+        run_rendezvous(schedule, lambda a: cost[a.op](a.stage), latency, run)
+        return _result(schedule, events, peak)
 
     def waiting_for(r: int, a: Action) -> str | None:
         """None if `a` can run now on rank r, else what it waits for."""
@@ -255,14 +277,8 @@ def simulate(
                     msg = _message(a, n)
                     start = max(clock[r], sent.get(msg, 0.0)) if a.op is not W and msg is not None else clock[r]
                     end = start + cost[a.op](a.stage)
-                    events.append(Event(r, str(a), start, end))
-                    finished[(a.op, a.stage, a.microbatch)] = end
+                    run(r, a, start, end)
                     clock[r] = end
-                    if a.op is F:
-                        inflight[r] += 1
-                        peak[r] = max(peak[r], inflight[r])
-                    if a.op in (B, W) or forward_only:  # forward-only: nothing is kept after the F
-                        inflight[r] -= 1
                 ptr[r] += 1
                 progressed = True
         if all(ptr[r] == len(schedule.actions[r]) for r in range(p)):
@@ -275,7 +291,11 @@ def simulate(
                     blocked[r] = f"{a} waits for {waiting_for(r, a)}"
             lines = "; ".join(f"rank {r}: {why}" for r, why in blocked.items())
             raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {lines}", blocked)
+    return _result(schedule, events, peak)
 
+
+def _result(schedule: Schedule, events: list[Event], peak: list[int]) -> SimResult:
+    p = schedule.n_ranks
     timeline = Timeline(events, p)
     busy_total = sum(e.duration for e in events)
     makespan = timeline.makespan
