@@ -39,7 +39,7 @@ __all__ = ["Activity", "Board", "Heartbeat", "PeerNote", "RankWatch"]
 
 _BEAT = "shardwise/beat/{}"
 _VERDICT = "shardwise/verdict/{}"
-_STORE_TIMEOUT_S = 5.0  # a store call of the detector never blocks longer than this
+_STORE_TIMEOUT_S = 5.0  # a store call of the detector never blocks longer than this (_BoundedStore)
 
 
 class Activity:
@@ -86,6 +86,56 @@ def _clone(store: Any) -> Any:
     return clone
 
 
+class _Unreachable(Exception):
+    """A store call of the detector failed or went unanswered: the store's host cannot be reached from this rank."""
+
+
+class _BoundedStore:
+    """The detector's own client of the job's store: every call returns within `limit` seconds or raises _Unreachable.
+
+    torch's TCPStore client bounds the wait for a key, not a request whose answer never comes: across a cut link
+    (tests/test_two_hosts.py: `ip link set ... down` between two hosts) `check()` on a clone with a 2 s timeout was
+    still blocked after 35 s, as TCP keeps retransmitting for minutes. The detector must answer within its own
+    timeout exactly then, so each call runs on a short-lived daemon thread and the caller waits at most `limit`. A
+    call that overruns or fails leaves its connection in an unknown state: it is dropped, and the next call connects
+    afresh (a partition that heals is used again). While an abandoned call is still blocked no new one starts, so a
+    long partition costs one stuck thread, not one per beat.
+    """
+
+    def __init__(self, store: Any, limit: float = _STORE_TIMEOUT_S) -> None:
+        self._origin = store
+        self.limit = float(limit)
+        self._client: Any = _clone(store)
+        self._pending: threading.Thread | None = None  # an abandoned call that has not returned yet
+        self._lock = threading.Lock()  # one call at a time: a store client is not shared between threads
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            if self._pending is not None and self._pending.is_alive():
+                raise _Unreachable(f"an earlier call got no answer from the job's store within {self.limit:g}s")
+            client, box = self._client, {}
+
+            def run() -> None:
+                try:
+                    box["client"] = c = client if client is not None else _clone(self._origin)
+                    box["value"] = getattr(c, method)(*args)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller below
+                    box["error"] = exc
+
+            thread = threading.Thread(target=run, name="shardwise-store-call", daemon=True)
+            thread.start()
+            thread.join(self.limit)
+            if thread.is_alive():
+                self._client, self._pending = None, thread
+                raise _Unreachable(f"no answer from the job's store within {self.limit:g}s")
+            if "error" in box:
+                self._client = None
+                exc = box["error"]
+                raise _Unreachable(str(exc).splitlines()[0][:150] if str(exc) else type(exc).__name__) from exc
+            self._client = box["client"]
+            return box["value"]
+
+
 class Heartbeat:
     """The rank side: a daemon thread publishing this rank's record every `interval` seconds (module docstring).
 
@@ -95,14 +145,13 @@ class Heartbeat:
 
     def __init__(self, store: Any, rank: int, activity: Activity, interval: float = 0.5,
                  *, launcher_pid: int | None = None) -> None:
-        self.store = _clone(store)
+        self.store = _BoundedStore(store)
         self.rank = rank
         self.activity = activity
         self.interval = float(interval)
         self.launcher_pid = launcher_pid
         self.state, self.error = "running", ""
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # one writer of the store clone at a time
         self._thread = threading.Thread(target=self._run, name=f"shardwise-heartbeat{rank}", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -124,11 +173,10 @@ class Heartbeat:
     def _publish(self) -> None:
         record = {"t": time.time(), "pid": os.getpid(), "state": self.state, "error": self.error,
                   **self.activity.snapshot()}
-        with self._lock:
-            try:
-                self.store.set(_BEAT.format(self.rank), json.dumps(record))
-            except Exception:  # noqa: BLE001 - a store that went away must not kill the rank; peers see silence
-                pass
+        try:
+            self.store.call("set", _BEAT.format(self.rank), json.dumps(record))
+        except _Unreachable:  # a store that went away must not kill the rank; peers see silence
+            pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -157,33 +205,34 @@ class Board:
     """
 
     def __init__(self, store: Any, silence: float) -> None:
-        self.store = _clone(store)
+        self.store = _BoundedStore(store)  # serialises its calls: a launcher reads from a watcher thread and marks
         self.silence = float(silence)
-        self._lock = threading.Lock()  # a launcher may read from a watcher thread and mark from its main thread
 
-    def _get(self, key: str) -> bytes | None:
-        with self._lock:
-            try:
-                return self.store.get(key) if self.store.check([key]) else None
-            except Exception:  # noqa: BLE001 - an unreachable store is "unknown", never a second error
-                return None
+    def _get(self, key: str, *, strict: bool = False) -> bytes | None:
+        """The key's value, or None when it is absent; a store that cannot be reached is None too, or, with
+        `strict`, raises _Unreachable (so that `explain` pays the store's timeout once, not once per key)."""
+        try:
+            return self.store.call("get", key) if self.store.call("check", [key]) else None
+        except _Unreachable:  # an unreachable store is "unknown", never a second error
+            if strict:
+                raise
+            return None
 
-    def record(self, rank: int) -> dict[str, Any] | None:
+    def record(self, rank: int, *, strict: bool = False) -> dict[str, Any] | None:
         """The rank's last published record, or None before its first beat."""
-        raw = self._get(_BEAT.format(rank))
+        raw = self._get(_BEAT.format(rank), strict=strict)
         return None if raw is None else json.loads(raw)
 
-    def verdict(self, rank: int) -> str | None:
-        raw = self._get(_VERDICT.format(rank))
+    def verdict(self, rank: int, *, strict: bool = False) -> str | None:
+        raw = self._get(_VERDICT.format(rank), strict=strict)
         return None if raw is None else raw.decode()
 
     def mark(self, rank: int, verdict: str) -> None:
         """The launcher's verdict on a rank ("killed by SIGKILL", ...), read by its peers' `explain`."""
-        with self._lock:
-            try:
-                self.store.set(_VERDICT.format(rank), verdict)
-            except Exception:  # noqa: BLE001
-                pass
+        try:
+            self.store.call("set", _VERDICT.format(rank), verdict)
+        except _Unreachable:
+            pass
 
     def silent_for(self, record: dict[str, Any], now: float | None = None) -> float:
         """Seconds since the record's beat."""
@@ -191,10 +240,10 @@ class Board:
 
     def note(self, rank: int, group: Sequence[int], since: float) -> PeerNote:
         """Judge peer `rank` for a wait in `group` that began at wall time `since` (see the module docstring)."""
-        verdict = self.verdict(rank)
+        verdict = self.verdict(rank, strict=True)
         if verdict is not None:
             return PeerNote(rank, f"rank {rank} {verdict}", True, True)
-        rec = self.record(rank)
+        rec = self.record(rank, strict=True)
         if rec is None:
             return PeerNote(rank, f"rank {rank} never published a heartbeat", False)
         now = time.time()
@@ -232,7 +281,16 @@ class Board:
         """
         end = time.monotonic() + settle
         while True:
-            notes = [self.note(p, group, since) for p in peers]
+            try:
+                notes = [self.note(p, group, since) for p in peers]
+            except _Unreachable as exc:
+                # This rank is cut off from the store's host (a network partition, or that host is down): no peer's
+                # state can be known, so every peer counts as not heard from. One failed store call, not one per
+                # key: each would wait the store's timeout.
+                notes = [PeerNote(p, f"rank {p} not heard from", True) for p in peers]
+                if notes:
+                    notes[0].text = f"the job's store is unreachable from this rank ({exc}); {notes[0].text}"
+                return notes
             if any(n.certain and n.culprit for n in notes) or time.monotonic() >= end:
                 return notes
             time.sleep(poll)

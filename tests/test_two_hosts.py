@@ -1,0 +1,261 @@
+"""Two hosts on one machine: two Linux network namespaces joined by a veth pair, one torchrun "node" in each.
+
+Each namespace has its own network stack (interfaces, addresses, routes, ports), so two torchrun agents in two
+namespaces talk exactly as two machines on one Ethernet segment would: over 198.18.0.1 <-> 198.18.0.2 (RFC 2544's
+benchmarking range, which no real network routes), never over loopback. Node 0's agent hosts the rendezvous store on
+198.18.0.1; gloo's devices bind the veth (GLOO_SOCKET_IFNAME). This is the project's proof that shardwise runs across
+machines, not only across processes (issue 14, item 8):
+
+* parity: ZeRO-3 over 2 nodes x 2 processes, and dp2 x tp2 through `sw.parallelize`, each match one process trained
+  in this test on the same global batch (losses of every step and the final parameters);
+* a cut link: `ip link set <veth> down` once every rank has trained a few steps; every rank must raise a CommError
+  naming the operation and the peers it did not hear from, within the timeout, and nothing may hang.
+
+Needs root and iproute2 (`ip netns`); elsewhere the tests skip with the reason (pytest -ra prints it). Names carry
+this process's pid and a random suffix, so parallel runs never collide; the namespaces (and with them the veth pair)
+and every process started in them are removed afterwards, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from compose_cases import optimizer
+from parity import CONFIG, RTOL, batch
+
+import shardwise as sw
+from shardwise.models import GPT
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "two_hosts_worker.py"
+ADDRS = ("198.18.0.1", "198.18.0.2")  # RFC 2544 benchmarking range (198.18.0.0/15): routed nowhere
+MASTER_PORT = 29500  # a fresh namespace has no listener at all, so a fixed port cannot collide
+PARITY_TIMEOUT = 60.0  # 4 gloo processes share this machine's cores: generous for training, never reached
+CUT_TIMEOUT = 5.0  # sw.init(timeout=...): the collectives' deadline and the failure detector's silence
+DETECTOR_CALL_S = 5.0  # the most one store call of the failure detector may take (comm/heartbeat.py)
+STEPS, MAX_NORM = 3, 0.3  # as in two_hosts_worker.py
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+class TwoHosts:
+    """Two network namespaces ("hosts") joined by a veth pair, 198.18.0.1/24 and 198.18.0.2/24, lo up in each."""
+
+    def __init__(self) -> None:
+        tag = f"sw{os.getpid()}{secrets.token_hex(2)}"  # <= 14 characters: interface names stop at 15
+        self.ns = (f"{tag}a", f"{tag}b")
+        self.veth = (f"{tag}x", f"{tag}y")
+        self.procs: list[subprocess.Popen] = []
+
+    def create(self) -> None:
+        """Make the namespaces and the link; raises CalledProcessError (with ip's message) when it cannot."""
+        for ns in self.ns:
+            _ip("netns", "add", ns)
+        _ip("link", "add", self.veth[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.veth[1],
+            "netns", self.ns[1])
+        for ns, veth, addr in zip(self.ns, self.veth, ADDRS):
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", veth, "up")
+
+    def sent_bytes(self, node: int) -> int:
+        """Bytes node `node` has sent over its end of the link (the kernel's counter)."""
+        shown = _ip("-n", self.ns[node], "-s", "-j", "link", "show", "dev", self.veth[node])
+        return int(json.loads(shown.stdout)[0]["stats64"]["tx"]["bytes"])
+
+    def cut(self) -> None:
+        """Take node 0's end of the link down: from then on no packet crosses between the hosts."""
+        _ip("-n", self.ns[0], "link", "set", self.veth[0], "down")
+
+    def start(self, mode: str, out: Path, timeout: float) -> None:
+        """Start one torchrun node (2 processes) in each namespace, running two_hosts_worker.py."""
+        torchrun = Path(sys.executable).with_name("torchrun")
+        launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+        token = secrets.token_hex(16)
+        for node, (ns, veth) in enumerate(zip(self.ns, self.veth)):
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GLOO_SOCKET_IFNAME")}
+            env.update(GLOO_SOCKET_IFNAME=veth, SHARDWISE_JOB_TOKEN=token, OMP_NUM_THREADS="1",
+                       PYTHONUNBUFFERED="1")
+            cmd = ["ip", "netns", "exec", ns, *launcher, "--nnodes", "2", "--nproc-per-node", "2",
+                   "--node-rank", str(node), "--master-addr", ADDRS[0], "--master-port", str(MASTER_PORT),
+                   "--max-restarts", "0", str(WORKER), mode, str(out), str(timeout)]
+            log = open(out / f"node{node}.log", "wb")  # noqa: SIM115 - closed with the process, in stop()
+            self.procs.append(subprocess.Popen(cmd, env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+            log.close()  # the child holds its own descriptor
+
+    def wait(self, deadline: float) -> list[int | None]:
+        """Exit codes of the nodes once both exited or `deadline` (time.monotonic()) passed (None: still running)."""
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.2)
+        return [p.poll() for p in self.procs]
+
+    def stop(self) -> None:
+        """Kill every process this object started (their process groups) and whatever still runs in the namespaces."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in self.ns:  # a worker that left its session would still be in our namespace: end it by pid
+            listed = _ip("netns", "pids", ns, check=False)
+            for pid in listed.stdout.split() if listed.returncode == 0 else []:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+
+    def close(self) -> None:
+        """Stop the processes, then delete the namespaces; deleting one destroys the veth pair with it."""
+        try:
+            self.stop()
+        finally:
+            for ns in self.ns:
+                _ip("netns", "delete", ns, check=False)
+
+
+def _why_not() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces are Linux-only (this is {sys.platform})"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` command is not installed"
+    if os.geteuid() != 0:
+        return f"creating network namespaces needs root (euid {os.geteuid()})"
+    return None
+
+
+@pytest.fixture
+def hosts():
+    reason = _why_not()
+    if reason is not None:
+        pytest.skip(f"two hosts on one machine: {reason}")
+    two = TwoHosts()
+    try:
+        two.create()
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        two.close()
+        detail = getattr(exc, "stderr", "") or exc
+        pytest.skip(f"two hosts on one machine: cannot create network namespaces here: {str(detail).strip()}")
+    try:
+        yield two
+    finally:
+        two.close()
+
+
+def _logs(out: Path, stacks: bool = False) -> str:
+    """Every node log's tail and every rank's recorded failure, for a failing assertion's message; with `stacks`,
+    the ranks still running first print their threads' stacks there (SIGUSR1: the worker's faulthandler)."""
+    if stacks:
+        for path in out.glob("pid*"):
+            try:
+                os.kill(int(path.read_text()), signal.SIGUSR1)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(1.0)
+    parts = []
+    for path in sorted(out.glob("node*.log")) + sorted(out.glob("failed*.txt")):
+        text = path.read_text(errors="replace")
+        parts.append(f"--- {path.name} ---\n{text[-3000:]}")
+    return "\n".join(parts)
+
+
+def _reference() -> dict:
+    """One process on the whole global batch: the loss of every step and the final parameters."""
+    model = GPT(CONFIG, seed=0)
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_hosts_zero3_and_dp2_tp2_match_one_process(hosts, tmp_path):
+    hosts.start("parity", tmp_path, PARITY_TIMEOUT)
+    codes = hosts.wait(time.monotonic() + 180)
+    assert codes == [0, 0], f"torchrun nodes exited with {codes} (None: still running after 180s)\n{_logs(tmp_path, stacks=True)}"
+    # The job really ran across the link: each host sent at least the model's fp32 parameters to the other (ZeRO-3
+    # all-gathers every parameter in every forward and backward, and the dp groups of dp2 x tp2 span both hosts).
+    want = _reference()
+    model_bytes = sum(v.numel() * v.element_size() for v in want["state"].values())
+    for node in (0, 1):
+        assert hosts.sent_bytes(node) > model_bytes, f"node {node} sent {hosts.sent_bytes(node)} bytes over the veth"
+    for rank in range(4):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for case in ("zero3", "dp2xtp2"):
+            torch.testing.assert_close(torch.tensor(got[case]["losses"]), torch.tensor(want["losses"]),
+                                       rtol=RTOL, atol=1e-6, msg=lambda m: f"rank {rank} {case} losses: {m}")
+            state = got[case]["state"]
+            assert state.keys() == want["state"].keys(), (rank, case)
+            for name, value in want["state"].items():
+                torch.testing.assert_close(state[name], value, rtol=RTOL, atol=1e-5,
+                                           msg=lambda m: f"rank {rank} {case} {name}: {m}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_hosts_cut_link_raises_comm_error_on_every_rank(hosts, tmp_path):
+    hosts.start("cut", tmp_path, CUT_TIMEOUT)
+    deadline = time.monotonic() + 150
+    progress = [tmp_path / f"progress{r}" for r in range(4)]
+    while not all(p.exists() and int(p.read_text() or 0) >= 2 for p in progress):
+        codes = [p.poll() for p in hosts.procs]
+        assert time.monotonic() < deadline and codes == [None, None], (
+            f"the ranks did not all train 2 steps (node exit codes {codes})\n{_logs(tmp_path, stacks=True)}")
+        time.sleep(0.1)
+    hosts.cut()
+    cut_at = time.time()
+    errors = [tmp_path / f"error{r}.json" for r in range(4)]
+    # A rank's wait began at the cut at the latest, so it times out CUT_TIMEOUT later; naming the culprits then costs
+    # at most one store call of the failure detector (a rank cut off from the store's host waits that long for an
+    # answer that never comes). 2 s of slack: 4 processes share this machine's cores.
+    limit = CUT_TIMEOUT + DETECTOR_CALL_S + 2.0
+    while not all(e.exists() for e in errors) and time.time() < cut_at + limit + 10:
+        time.sleep(0.1)
+    missing = [r for r, e in enumerate(errors) if not e.exists()]
+    assert not missing, f"rank(s) {missing} raised nothing within {limit + 10:g}s of the cut\n{_logs(tmp_path, True)}"
+    nodes = ({0, 1}, {2, 3})  # torchrun numbers node k's processes 2k, 2k+1
+    for rank, path in enumerate(errors):
+        err = json.loads(path.read_text())
+        report = f"rank {rank}: {err}"
+        assert err.get("op") and err["rank"] == rank, report
+        assert err["message"].startswith(err["op"] + "("), report  # the message names the operation first
+        assert f"waiting for rank(s) {err['peers']} of group [0, 1, 2, 3]" in err["message"], report
+        assert 0.9 * CUT_TIMEOUT <= err["waited"] <= CUT_TIMEOUT + 1.0, report
+        assert err["t"] - cut_at <= limit, report
+        other = nodes[1 - rank // 2]
+        if rank // 2 == 0:
+            # Node 0 hosts the store: its ranks read the heartbeats, see the other host's ranks fall silent and
+            # blame exactly them, not their neighbour on the same host.
+            assert set(err["peers"]) == other, report
+            assert all(f"rank {r} sent no heartbeat" in err["message"] for r in other), report
+        else:
+            # Node 1 is cut off from the store too: it hears from nobody, and says so.
+            assert set(err["peers"]) == set(range(4)) - {rank}, report
+            assert "the job's store is unreachable from this rank" in err["message"], report
