@@ -6,6 +6,11 @@ wait gets the same timeout handling, turning torch's assorted timeout and connec
 names the operation, this rank and the group's ranks.
 
 gloo has no AVG reduction: AVG is issued as SUM and divided by the group size when the Work completes.
+On CUDA (NCCL) collectives are issued on the communicator's side stream and waited on the device, not the host (see
+streams.py): `Work.wait()` makes the compute stream wait; a deadline is still checked at the next issue, and
+`Work.wait(timeout)` with an explicit timeout (barriers) blocks the host. After a CommError on NCCL the process group
+is aborted, so that neither the watchdog nor process exit waits on kernels that will never finish.
+
 Sub-groups come from `split`, which gathers every rank's (color, key) and creates only this rank's group with
 `new_group(use_local_synchronization=True)`, so a sub-communicator can itself be split without the rest of the
 world taking part. Groups are cached by member list, so splitting the same way twice reuses the process group.
@@ -33,6 +38,7 @@ from .base import (
     tensor_bytes,
 )
 from .heartbeat import RankWatch
+from .streams import CommStreams, PendingWork
 from .thread_backend import ThreadCommunicator, ThreadWorld
 
 __all__ = ["TorchCommunicator"]
@@ -58,14 +64,21 @@ class _TorchWork(Work):
         self.then = then
         self.peers = peers
         self.done = False
+        self.issued = time.monotonic()
 
     def is_completed(self) -> bool:
         return self.done or self.work.is_completed()
 
     def wait(self, timeout: float | None = None) -> None:
+        """On CUDA without `timeout`: order the compute stream after the collective (no host block; the deadline is
+        checked at the communicator's next issue). Otherwise block the host for at most `timeout` (default: the
+        communicator's) seconds."""
         if self.done:
             return
         comm = self.comm
+        if timeout is None and comm._streams.enabled:
+            self._wait_on_stream()
+            return
         limit = comm.timeout if timeout is None else timeout
         activity = comm._watch.activity if comm._watch is not None else None
         if activity is not None:
@@ -87,6 +100,21 @@ class _TorchWork(Work):
             self.then()
         self.done = True
 
+    def _wait_on_stream(self) -> None:
+        comm = self.comm
+        try:
+            comm._streams.wait(self.work)
+        except Exception as exc:  # an error the backend already knows of (an aborted communicator, a failed peer)
+            raise comm._error(self.what, comm.timeout, exc, self.peers, start=self.issued) from exc
+        comm._pending.add(self.work, self.issued + comm.timeout, self)
+        if self.then is not None:
+            self.then()  # queued on the compute stream, after the wait
+        self.done = True
+
+    def overdue_error(self) -> CommError:
+        """The CommError of a stream-waited collective found unfinished after its deadline."""
+        return self.comm._error(self.what, self.comm.timeout, None, self.peers, start=self.issued)
+
 
 class TorchCommunicator(Communicator):
     """A Communicator over a torch.distributed process group (`group=None` is the default world group).
@@ -96,7 +124,8 @@ class TorchCommunicator(Communicator):
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 60.0, _cache: dict | None = None,
-                 _watch: RankWatch | None = None, backend_timeout: float | None = None):
+                 _watch: RankWatch | None = None, backend_timeout: float | None = None,
+                 _streams: CommStreams | None = None):
         if not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs torch.distributed initialised; use shardwise.init()")
         self.group = group
@@ -112,6 +141,9 @@ class TorchCommunicator(Communicator):
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self._cache: dict[tuple[int, ...], dist.ProcessGroup] = {} if _cache is None else _cache
         self._watch = _watch  # this process's heartbeat (None when the job runs none): names culprits in errors
+        self._streams = CommStreams(self.device) if _streams is None else _streams  # enabled on CUDA only
+        self._pending = PendingWork()  # stream-waited collectives not yet seen complete
+        self._aborted = False
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _error(self, what: str, limit: float, exc: BaseException | None, peers: Sequence[int] | None = None,
@@ -133,19 +165,42 @@ class TorchCommunicator(Communicator):
         backend = f" [{self.backend}: {type(exc).__name__}: {cause}]" if exc is not None else ""
         how = (f"timed out after {limit:g}s on rank {self.global_rank}" if timed_out else
                f"failed on rank {self.global_rank} after {waited:.2f}s (limit {limit:g}s)")
-        return CommError(
+        error = CommError(
             f"{what} {how}, waiting for rank(s) {peers} of group {list(self.global_ranks)}{clause}{backend}",
             op=what.split("(")[0],
             rank=self.global_rank,
             peers=peers,
             waited=waited,
         )
+        self._abort()
+        return error
+
+    def _abort(self) -> None:
+        """After a CommError on NCCL: abort the group's NCCL communicators. Kernels of a collective whose peer is gone
+        never finish; without an abort, the next collective, the watchdog and destroy_process_group at exit all wait
+        on them (PyTorch's own recovery does the same, ProcessGroupNCCL::abort). gloo and MPI need none."""
+        if self.backend != "nccl" or self._aborted:
+            return
+        self._aborted = True
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        try:
+            if abort is not None:
+                abort(self.group)
+            else:  # older torch: the process group object itself
+                (self.group or dist.distributed_c10d._get_default_group()).abort()
+        except Exception:  # noqa: BLE001 - the CommError being raised is the news; a failing abort must not hide it
+            pass
 
     def _issue(self, what: str, start: Callable[[], dist.Work], then: Callable[[], None] | None, async_op: bool,
-               peers: Sequence[int] | None = None):
+               peers: Sequence[int] | None = None, tensors: Sequence[torch.Tensor] = ()):
         peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else peers
+        if self._streams.enabled:
+            late = self._pending.overdue()
+            if late is not None:  # a stream-waited collective outlived the timeout: say so before queueing more
+                raise late.overdue_error()
         try:
-            work = start()
+            with self._streams.issue(tensors):
+                work = start()
         except Exception as exc:
             raise self._error(what, self.timeout, exc, peers) from exc
         handle = _TorchWork(self, work, what, then, peers)
@@ -169,7 +224,8 @@ class TorchCommunicator(Communicator):
         native, then = self._native(op, tensor, "all_reduce")
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
-        return self._issue(what, lambda: dist.all_reduce(tensor, native, group=self.group, async_op=True), then, async_op)
+        return self._issue(what, lambda: dist.all_reduce(tensor, native, group=self.group, async_op=True), then, async_op,
+                           tensors=(tensor,))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work | None:
         self._check_gather_shapes("all_gather", output, input)
@@ -178,7 +234,7 @@ class TorchCommunicator(Communicator):
         flat_in = input.reshape(-1)
         what = f"all_gather(numel={input.numel()})"
         start = lambda: _all_gather_flat(output.view(-1), flat_in, group=self.group, async_op=True)  # noqa: E731
-        return self._issue(what, start, None, async_op)
+        return self._issue(what, start, None, async_op, tensors=(output, input))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
@@ -200,7 +256,7 @@ class TorchCommunicator(Communicator):
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
         flat_in = input.reshape(-1)
         start = lambda: _reduce_scatter_flat(output.view(-1), flat_in, native, group=self.group, async_op=True)  # noqa: E731
-        return self._issue(what, start, then, async_op)
+        return self._issue(what, start, then, async_op, tensors=(output, input))
 
     def _reduce_scatter_in_place(self, output: torch.Tensor, input: torch.Tensor, native: dist.ReduceOp,
                                  then: Callable[[], None] | None) -> tuple[Callable[[], dist.Work], Callable[[], None]]:
@@ -219,14 +275,17 @@ class TorchCommunicator(Communicator):
         self.stats.record("broadcast", tensor_bytes(tensor), self.size)
         root = self.global_ranks[src]
         what = f"broadcast(src={src}, numel={tensor.numel()})"
-        return self._issue(what, lambda: dist.broadcast(tensor, root, group=self.group, async_op=True), None, async_op)
+        return self._issue(what, lambda: dist.broadcast(tensor, root, group=self.group, async_op=True), None, async_op,
+                           tensors=(tensor,))
 
     def barrier(self) -> None:
         self.stats.record("barrier", 0, self.size)
         # A one-element all-reduce is a true barrier on every backend (gloo's barrier is one too, but this keeps the
         # timeout handling identical to the other collectives).
+        # An explicit timeout: the host waits, on CUDA too (a barrier that returned before its peers is none).
         flag = torch.zeros(1, device=self.device)
-        self._issue("barrier()", lambda: dist.all_reduce(flag, group=self.group, async_op=True), None, False)
+        work = self._issue("barrier()", lambda: dist.all_reduce(flag, group=self.group, async_op=True), None, True)
+        work.wait(self.timeout)
 
     # ---- point to point ---------------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
