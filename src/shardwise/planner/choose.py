@@ -30,7 +30,8 @@ GB = 1e9
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What is trained: Ψ parameters, the training dtype ("fp32", "bf16", "fp16"), the optimizer (a key of
-    costs.OPTIMIZER_BYTES) and, when known, the activation geometry (this rank's batch per step)."""
+    costs.OPTIMIZER_BYTES) and, when known, the activation geometry (this rank's batch per step) and the hidden
+    size (which sizes ZeRO-3's gathered layers; default: the activations', else costs.default_shape)."""
 
     num_params: float
     dtype: str = "bf16"
@@ -39,6 +40,7 @@ class Workload:
     checkpointing: bool = False
     attention: str = "eager"
     sequence_parallel: bool = False
+    hidden_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_params, bool) or not isinstance(self.num_params, (int, float)) \
@@ -115,7 +117,7 @@ def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
     wire = {k: v for k, v in costs.data_parallel_wire_bytes(psi, c.states_key, c.dp, dtype=dtype, model_parallel=mp,
                                                              shard=c.shard).items() if v}
     g = work.activations
-    hidden = g.hidden_size if g else costs.default_shape(psi)[0]
+    hidden = g.hidden_size if g else work.hidden_size or costs.default_shape(psi)[0]
     acts = None
     if g is not None:
         sp = work.sequence_parallel and c.tp > 1
@@ -149,7 +151,9 @@ def _size(x: float | None) -> str:
     """Bytes in GB (10^9, the ZeRO paper's unit), or MB below 0.1 GB so that small models show figures too."""
     if x is None:
         return "-"
-    return f"{x / GB:.1f} GB" if x >= 0.1 * GB or x == 0 else f"{x / 1e6:.1f} MB"
+    if x >= 0.1 * GB or x == 0:
+        return f"{x / GB:.1f} GB"
+    return f"{x / 1e6:.1f} MB" if x >= 1e5 else f"{x:,.0f} bytes"
 
 
 def _count(n: float) -> str:
@@ -179,8 +183,8 @@ class Plan:
     def candidate(self) -> Candidate:
         return self.chosen.candidate
 
-    def table(self) -> str:
-        """The candidates as a fixed-width table (GB of 10^9 bytes, per rank)."""
+    def table(self, mark: bool = True) -> str:
+        """The candidates as a fixed-width table (GB of 10^9 bytes, per rank); mark: point at the chosen one."""
         width = max(len("strategy"), *(len(e.candidate.label) for e in self.estimates))
         # One unit for the whole table: GB (10^9 bytes, the ZeRO paper's), or MB for models under ~0.1 GB.
         top = max(max(e.device, e.wire_total, e.states.cpu) for e in self.estimates)
@@ -193,11 +197,11 @@ class Plan:
                 f"{'wire/step':>9}  {'comm s':>8}  fits      ({unit} per rank)")
         rows = [head]
         for e in self.estimates:
-            mark = " <- chosen" if e is self.chosen else ""
+            chosen = " <- chosen" if mark and e is self.chosen else ""
             wire = f(e.wire_total) + ("+" if e.uncounted else "")
             rows.append(f"  {e.candidate.label:<{width}}  {f(e.states.device):>7}  {f(e.activations):>7}  "
                         f"{f(e.device):>7}  {f(e.states.cpu) if e.states.cpu else '-':>6}  "
-                        f"{wire:>9}  {e.seconds:>8.3g}  {'yes' if e.fits else 'no'}{mark}")
+                        f"{wire:>9}  {e.seconds:>8.3g}  {'yes' if e.fits else 'no'}{chosen}")
         if any(e.uncounted for e in self.estimates):
             rows.append("  +: plus tensor/pipeline-parallel activation traffic, not counted without seq_len and "
                         "batch_size")
@@ -294,11 +298,12 @@ def plan(work: Workload, links: Links, *, strategy: str | Candidate = "auto", sh
         need = min(estimates, key=lambda e: e.device)
         bigger = smallest_world(work, links, **allowed)
         where = (f"the smallest world size that would fit is {bigger} ranks ({node} per node)" if bigger else
-                 "no world size up to 65536 fits (activations do not shrink with more ranks: lower the batch or "
-                 "sequence length, or turn on activation checkpointing)")
+                 "no world size up to 65536 fits (what a rank holds besides its shard does not shrink with more "
+                 "ranks: activations, ZeRO-3's gathered layers; lower the batch or sequence length, or turn on "
+                 "activation checkpointing)")
         raise ValueError(f"no strategy fits {_count(work.num_params)} parameters on {n} ranks with "
                          f"{_size(links.memory)} per rank: the smallest, {need.candidate.label}, needs "
                          f"{_size(need.device)} (within {links.fit_fraction:.0%}); {where}.\n"
-                         f"{Plan(need, tuple(estimates), work, links, '').table()}")
+                         f"{Plan(need, tuple(estimates), work, links, '').table(mark=False)}")
     chosen = min(fitting, key=lambda e: (e.tier, round(e.seconds, 12)))  # min() keeps the first of equals
     return Plan(chosen, tuple(estimates), work, links, _reason(chosen, estimates, links))
