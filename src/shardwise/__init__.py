@@ -12,6 +12,7 @@ from .checkpoint import CheckpointError, export_full, import_full, load_checkpoi
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .consensus import agree
 from .ddp import DDP, DDPModule
+from .distribute import Distribution, distribute
 from .estimate import MemoryEstimate, estimate_memory
 # `launch` is both a subpackage and its function: this import binds the attribute shardwise.launch to the function.
 from .launch import LaunchEnvironment, LaunchError, detect_environment, get_logger, init, launch
@@ -33,6 +34,7 @@ __all__ = [
     "Coordinates",
     "DDP",
     "DDPModule",
+    "Distribution",
     "FSDP",
     "HybridModel",
     "LaunchEnvironment",
@@ -49,6 +51,7 @@ __all__ = [
     "agree",
     "clip_grad_norm_",
     "detect_environment",
+    "distribute",
     "estimate_memory",
     "export_full",
     "full_state_dict",
