@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 MPI4PY_VERSION := 4.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test soak bench clean
+.PHONY: demo test test-gpu soak bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed $(VENV)/.mpi
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The CUDA paths on a GPU machine (NCCL in a world of one process; skipped with the reason printed elsewhere). Needs a
+# CUDA build of torch in the venv: on a GPU machine install it first, e.g. pip install torch==$(TORCH_VERSION).
+test-gpu: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m gpu -rs $(PYTEST_ARGS)
 
 # Fault injection over many seeds (kill -9, raise, stall of one of 3 gloo ranks: launch must blame that rank).
 # SHARDWISE_SOAK_TRIALS sets the trials per fault (default 10).

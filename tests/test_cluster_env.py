@@ -154,7 +154,7 @@ def fake_nccl_node(monkeypatch):
     for name in list(__import__("os").environ):
         if name.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")) or name in (
                 "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
-                "SHARDWISE_JOB_TOKEN", "TORCHELASTIC_USE_AGENT_STORE"):
+                "SHARDWISE_JOB_TOKEN", "TORCHELASTIC_USE_AGENT_STORE", "SHARDWISE_BACKEND"):
             monkeypatch.delenv(name)
     return rec, state, monkeypatch
 
