@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from compose_cases import optimizer
 from parity import CONFIG, RTOL, batch
 
 import shardwise as sw
+from shardwise.comm import heartbeat
 from shardwise.models import GPT
 
 HERE = Path(__file__).resolve().parent
@@ -259,3 +261,62 @@ def test_two_hosts_cut_link_raises_comm_error_on_every_rank(hosts, tmp_path):
             # Node 1 is cut off from the store too: it hears from nobody, and says so.
             assert set(err["peers"]) == set(range(4)) - {rank}, report
             assert "the job's store is unreachable from this rank" in err["message"], report
+
+
+class _SilentStore:
+    """A store client that never answers until released, as a TCPStore client does across a cut link (its timeout
+    bounds the wait for a key, not a request whose answer never comes); then it answers "no such key"."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.calls = 0
+
+    def clone(self) -> _SilentStore:
+        return self
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def _answer(self, result):
+        self.calls += 1
+        self.released.wait()
+        return result
+
+    def check(self, keys) -> bool:
+        return self._answer(False)
+
+    def set(self, key, value) -> None:
+        return self._answer(None)
+
+
+def test_failure_detector_answers_within_its_store_limit_when_the_store_host_is_cut_off(monkeypatch):
+    """What the cut-link test relies on, without namespaces: reading peers' heartbeats from a store that never
+    answers costs one store call's limit (not one per key, not forever), every peer counts as not heard from, a
+    heartbeat stops in bounded time, and once the store answers again the detector reads it afresh."""
+    limit = 0.3
+    monkeypatch.setattr(heartbeat, "_STORE_TIMEOUT_S", limit)
+    store = _SilentStore()
+    watch = heartbeat.RankWatch(store, 0, interval=0.05, silence=2.0)
+    try:
+        began = time.monotonic()
+        peers, clause = watch.culprits([1, 2, 3], [0, 1, 2, 3], time.time(), early=False, deadline=began)
+        took = time.monotonic() - began
+        assert peers == [1, 2, 3], clause
+        assert clause.startswith("the job's store is unreachable from this rank"), clause
+        assert all(f"rank {r} not heard from" in clause for r in (1, 2, 3)), clause
+        assert took < limit + 0.5, f"explaining took {took:.2f}s with a {limit}s store limit"
+        began = time.monotonic()  # the first call is still blocked: the next one does not queue behind it
+        assert watch.culprits([1], [0, 1], time.time(), early=False, deadline=began)[0] == [1]
+        assert time.monotonic() - began < 0.2
+        calls = store.calls
+        watch.start()
+        time.sleep(0.3)
+        assert store.calls <= calls + 2, "a heartbeat kept piling up calls on a store that does not answer"
+        began = time.monotonic()
+        watch.stop("failed", "CommError: cut off")
+        assert time.monotonic() - began < 0.05 + 2 * limit + 0.5, "stopping the heartbeat waited on the store"
+    finally:
+        store.released.set()
+    time.sleep(0.1)  # the blocked calls return; the next call connects afresh and gets real answers
+    _, clause = watch.culprits([1], [0, 1], time.time(), early=False, deadline=time.monotonic())
+    assert clause == "rank 1 never published a heartbeat", clause

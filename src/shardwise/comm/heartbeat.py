@@ -102,9 +102,9 @@ class _BoundedStore:
     long partition costs one stuck thread, not one per beat.
     """
 
-    def __init__(self, store: Any, limit: float = _STORE_TIMEOUT_S) -> None:
+    def __init__(self, store: Any, limit: float | None = None) -> None:
         self._origin = store
-        self.limit = float(limit)
+        self.limit = float(_STORE_TIMEOUT_S if limit is None else limit)  # read now: tests shorten it
         self._client: Any = _clone(store)
         self._pending: threading.Thread | None = None  # an abandoned call that has not returned yet
         self._lock = threading.Lock()  # one call at a time: a store client is not shared between threads
