@@ -63,16 +63,19 @@ def check_collectives(comm) -> dict:
 
 
 def check_point_to_point(comm) -> None:
-    """A ring exchange with isend/irecv (no deadlock when everyone sends first) and blocking send/recv pairs."""
+    """A ring exchange posted as one batch_isend_irecv (separate isend/irecv deadlock under NCCL's unbuffered,
+    in-order point-to-point, which strict mode models) and blocking send/recv pairs."""
+    from shardwise.comm.base import P2POp
+
     rank, size = comm.rank, comm.size
     if size == 1:
         return
     right, left = (rank + 1) % size, (rank - 1) % size
     got = torch.empty(4)
-    send = comm.isend(_value(rank, 4), right, tag=3)
-    recv = comm.irecv(got, left, tag=3)
-    send.wait()
-    recv.wait()
+    works = comm.batch_isend_irecv([P2POp.send(_value(rank, 4), right), P2POp.recv(got, left)])
+    assert len(works) == 2
+    for work in works:
+        work.wait()
     torch.testing.assert_close(got, _value(left, 4))
     # Blocking pairs between 0 and 1: 0 sends then receives, 1 receives then sends.
     if rank in (0, 1):

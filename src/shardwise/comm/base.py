@@ -29,7 +29,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["ReduceOp", "CommError", "Work", "CompletedWork", "OpCount", "CommStats", "Communicator", "wire_bytes", "is_communicator"]
+__all__ = ["ReduceOp", "CommError", "Work", "CompletedWork", "OpCount", "CommStats", "Communicator", "wire_bytes",
+           "is_communicator", "P2PKind", "P2POp", "AnySourceWork"]
 
 
 class ReduceOp(enum.Enum):
@@ -79,6 +80,40 @@ class CompletedWork(Work):
 
     def is_completed(self) -> bool:
         return True
+
+
+class AnySourceWork(Work):
+    """Handle of a receive-from-any-source (`Communicator.irecv_any`): `source()` waits and returns the sender."""
+
+    @abc.abstractmethod
+    def source(self, timeout: float | None = None) -> int:
+        """Wait for the message; return the rank (of this group) that sent it."""
+
+
+class P2PKind(enum.Enum):
+    """Direction of one operation of `Communicator.batch_isend_irecv`."""
+
+    SEND = "send"
+    RECV = "recv"
+
+
+@dataclasses.dataclass(frozen=True)
+class P2POp:
+    """One send or receive of a `batch_isend_irecv` group (torch.distributed.P2POp without a process group):
+    `tensor` goes to (SEND) or comes from (RECV) rank `peer` of the communicator. Build with P2POp.send / .recv."""
+
+    kind: P2PKind
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+    @classmethod
+    def send(cls, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2POp:
+        return cls(P2PKind.SEND, tensor, dst, tag)
+
+    @classmethod
+    def recv(cls, tensor: torch.Tensor, src: int, tag: int = 0) -> P2POp:
+        return cls(P2PKind.RECV, tensor, src, tag)
 
 
 def wire_bytes(op: str, payload_bytes: int, group_size: int) -> int:
@@ -285,6 +320,30 @@ class Communicator(abc.ABC):
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         self.irecv(tensor, src, tag).wait()
 
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
+        """Post a group of sends and receives together; one Work per op, in order.
+
+        This is how a step that both sends and receives must post them (NCCL's rule, kept by Megatron-LM and
+        torch.distributed.pipelining): NCCL runs a pair's point-to-point on one stream, unbuffered and in issue
+        order, so two ranks posting independent isend/irecv in crossed orders deadlock, while a group progresses all
+        its parts at once. Messages between two ranks match in posting order (do not rely on tags: NCCL ignores
+        them). Torch backends call `torch.distributed.batch_isend_irecv`; the strict thread backend fuses the group
+        the same way; this default posts each op (right for MPI and buffered backends, whose operations progress
+        independently)."""
+        self._check_p2p_ops(ops)
+        return [self.isend(o.tensor, o.peer, o.tag) if o.kind is P2PKind.SEND else self.irecv(o.tensor, o.peer, o.tag)
+                for o in ops]
+
+    def irecv_any(self, tensor: torch.Tensor, tag: int | None = None) -> AnySourceWork:
+        """Start receiving into `tensor` from whichever rank sends first (MPI_ANY_SOURCE): for protocols with
+        unordered arrivals, such as a parameter server. `tag`: only messages with this tag (None: any tag where the
+        backend can; torch backends match tag 0). NCCL has no receive-from-any-source: its backend raises."""
+        raise NotImplementedError(f"irecv_any: the {self.backend!r} backend has no receive-from-any-source")
+
+    def recv_any(self, tensor: torch.Tensor, tag: int | None = None) -> int:
+        """Receive into `tensor` from whichever rank sends first; return the sender's rank (see `irecv_any`)."""
+        return self.irecv_any(tensor, tag).source()
+
     # ---- groups ------------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
@@ -299,6 +358,12 @@ class Communicator(abc.ABC):
         """Release backend resources (a no-op for most backends)."""
 
     # ---- shared helpers ----------------------------------------------------------------------------------------
+    def _check_p2p_ops(self, ops: Sequence[P2POp]) -> None:
+        if not isinstance(ops, (list, tuple)) or not all(isinstance(o, P2POp) for o in ops):
+            raise ValueError(f"batch_isend_irecv: ops={ops!r} must be a list of P2POp (P2POp.send / P2POp.recv)")
+        for o in ops:
+            self._check_peer("batch_isend_irecv", o.peer, "peer")
+
     def _check_peer(self, op: str, peer: int, what: str) -> None:
         if not isinstance(peer, int) or not 0 <= peer < self.size:
             raise ValueError(f"{op}: {what}={peer!r} is not a rank of this group; allowed 0..{self.size - 1}")

@@ -23,16 +23,19 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .base import (
+    AnySourceWork,
     Communicator,
     CommError,
     CommStats,
     CompletedWork,
+    P2PKind,
+    P2POp,
     ReduceOp,
     Work,
     check_color,
@@ -40,6 +43,8 @@ from .base import (
     check_reduce_op,
     tensor_bytes,
 )
+from .collective_order import check_device, mismatch_message
+from .strict_stream import StrictState, StrictWork, strict_default
 
 __all__ = ["ThreadWorld", "ThreadCommunicator"]
 
@@ -70,17 +75,24 @@ class _Slot:
 class ThreadWorld:
     """The shared state of `size` thread ranks. `communicators()` returns one world Communicator per rank."""
 
-    def __init__(self, size: int, timeout: float = 60.0) -> None:
+    def __init__(self, size: int, timeout: float = 60.0, *, strict: bool | None = None,
+                 device: torch.device | str = "cpu") -> None:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"ThreadWorld: size={size!r} must be a positive int")
         if not timeout > 0:
             raise ValueError(f"ThreadWorld: timeout={timeout!r} must be a positive number of seconds")
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError(f"ThreadWorld: strict={strict!r} must be True, False or None (None: SHARDWISE_STRICT)")
         self.size = size
         self.timeout = float(timeout)
+        self.device = torch.device(device)
+        #: NCCL's rules (strict_stream.py) or buffered, tagged point-to-point; None reads SHARDWISE_STRICT
+        self.strict: StrictState | None = StrictState(self) if (strict_default() if strict is None else strict) else None
         self.cond = threading.Condition()
         self.abort_reason: str | None = None
         self.abort_rank: int | None = None
-        self.mailboxes: dict[tuple[int, int, int, int], collections.deque[torch.Tensor]] = {}
+        self.mailboxes: dict[tuple[int, int, int, int], collections.deque[tuple[int, torch.Tensor]]] = {}
+        self.message_order = itertools.count()  # arrival order of buffered messages (receive-from-any takes the first)
         self._group_ids = itertools.count()
         self.world_group = self.new_group(tuple(range(size)))
 
@@ -98,22 +110,38 @@ class ThreadWorld:
             self.cond.notify_all()
 
     def wait_until(self, ready: Callable[[], bool], timeout: float, describe: Callable[[], CommError],
-                   what: str = "") -> None:
+                   what: str = "", *, rank: int | None = None, blocked: Callable[[], str] | None = None) -> None:
         """Wait (holding no lock on return) until ready() is true; raise describe() on timeout, or a CommError
-        saying why the world was aborted (`what`: the operation, for that message)."""
+        saying why the world was aborted (`what`: the operation, for that message). In strict mode a waiting
+        `rank` is registered with what it is `blocked` on, so that a world where every rank waits in vain is
+        reported as a deadlock at once (strict_stream.py)."""
         deadline = (start := time.monotonic()) + timeout
+        strict = self.strict if rank is not None else None
         with self.cond:
-            while not ready():
-                if self.abort_reason is not None:
-                    err = describe()
-                    peers = err.peers if self.abort_rank is None else (self.abort_rank,)
-                    waited = time.monotonic() - start
-                    raise CommError(f"{what or err.op} on rank {err.rank} stopped after {waited:.2f}s (aborted: "
-                                    f"{self.abort_reason})", op=err.op, rank=err.rank, peers=peers, waited=waited)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise describe()
-                self.cond.wait(remaining)
+            try:
+                while not ready():
+                    if self.abort_reason is not None:
+                        err = describe()
+                        peers = err.peers if self.abort_rank is None else (self.abort_rank,)
+                        waited = time.monotonic() - start
+                        raise CommError(f"{what or err.op} on rank {err.rank} stopped after {waited:.2f}s (aborted: "
+                                        f"{self.abort_reason})", op=err.op, rank=err.rank, peers=peers, waited=waited)
+                    if strict is not None:
+                        strict.waiting[rank] = (ready, what, blocked or (lambda: "?"))
+                        report = strict.deadlock_report()
+                        if report is not None:
+                            err = describe()
+                            reason = f"deadlock, every rank waits and none can go on (strict mode): {report}"
+                            self.abort(reason)
+                            raise CommError(f"{what} on rank {rank}: {reason}", op=err.op, rank=rank,
+                                            peers=err.peers, waited=time.monotonic() - start)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise describe()
+                    self.cond.wait(remaining)
+            finally:
+                if strict is not None:
+                    strict.waiting.pop(rank, None)
 
 
 def _combine(tensors: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
@@ -202,7 +230,7 @@ class _RecvWork(Work):
         def take() -> bool:  # runs under the world lock, so two receives never race for one message
             queue = box.get(self.key)
             if queue:
-                taken.append(queue.popleft())
+                taken.append(queue.popleft()[1])
             return bool(taken)
 
         comm.world.wait_until(take, limit, timed_out, f"recv(src={self.src}, tag={self.tag})")
@@ -221,6 +249,56 @@ class _RecvWork(Work):
         self.done = True
 
 
+class _AnyRecvWork(AnySourceWork):
+    """A buffered receive from any source: takes the earliest arrived message to this rank (matching `tag`)."""
+
+    def __init__(self, comm: ThreadCommunicator, tensor: torch.Tensor, tag: int | None) -> None:
+        self.comm, self.tensor, self.tag = comm, tensor, tag
+        self.src: int | None = None
+
+    def is_completed(self) -> bool:
+        return self.src is not None
+
+    def source(self, timeout: float | None = None) -> int:
+        self.wait(timeout)
+        return self.src
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.src is not None:
+            return
+        comm = self.comm
+        limit = comm.timeout if timeout is None else timeout
+        taken: list[tuple[int, torch.Tensor]] = []
+
+        def take() -> bool:  # under the world lock
+            best = None
+            for key, queue in comm.world.mailboxes.items():
+                group, _, dst, tag = key
+                if queue and group == comm.group.id and dst == comm.rank and self.tag in (None, tag):
+                    if best is None or queue[0][0] < best[1][0][0]:
+                        best = (key, queue)
+            if best is not None:
+                taken.append((best[0][1], best[1].popleft()[1]))
+            return bool(taken)
+
+        def timed_out() -> CommError:
+            others = [g for g in comm.global_ranks if g != comm.global_rank]
+            return CommError(f"recv_any(tag={self.tag}) timed out after {limit:g}s on rank {comm.global_rank}"
+                             f"{comm._group_label()}: no rank sent a message", op="recv", rank=comm.global_rank,
+                             peers=others, waited=limit)
+
+        comm.world.wait_until(take, limit, timed_out, f"recv_any(tag={self.tag})")
+        src, message = taken[0]
+        if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:
+            raise CommError(f"recv_any on rank {comm.global_rank}: the message from rank {comm.global_ranks[src]} is "
+                            f"{tuple(message.shape)} {message.dtype} but the receive buffer is "
+                            f"{tuple(self.tensor.shape)} {self.tensor.dtype}", op="recv", rank=comm.global_rank,
+                            peers=[comm.global_ranks[src]])
+        with torch.no_grad():
+            self.tensor.copy_(message)
+        self.src = src
+
+
 class ThreadCommunicator(Communicator):
     """One thread rank's Communicator over a group of a ThreadWorld (see the module docstring)."""
 
@@ -234,6 +312,7 @@ class ThreadCommunicator(Communicator):
         self.global_ranks = group.members
         self.global_rank = group.members[rank]
         self.timeout = group.world.timeout
+        self.device = group.world.device
         self.stats = CommStats()
         self._next_seq = 0
 
@@ -245,7 +324,7 @@ class ThreadCommunicator(Communicator):
     # ---- the rendezvous ---------------------------------------------------------------------------------------
     def _collective(
         self, op: str, signature: str, arg: Any, finish: Callable[[dict[int, Any]], dict[int, Any] | None]
-    ) -> _SlotWork:
+    ) -> _SlotWork | StrictWork:
         """Deposit `arg` in this call's slot; the last rank to arrive runs `finish(args_by_rank)` for everybody."""
         seq = self._next_seq
         self._next_seq += 1
@@ -255,11 +334,21 @@ class ThreadCommunicator(Communicator):
             if slot is None:
                 slot = group.slots[seq] = _Slot(op, self.size)
             call = f"{op}{signature}"
+            strict = world.strict
+            if strict is not None:
+                strict.history(group.id).add(self.rank, seq, call)
             if slot.error is None and any(other != call for other in slot.signatures.values()):
-                ranks = {self.global_ranks[r]: c for r, c in sorted({**slot.signatures, self.rank: call}.items())}
-                slot.error = f"mismatched collectives at call #{seq}{self._group_label()}: {ranks}"
+                calls = {**slot.signatures, self.rank: call}
+                if strict is not None:
+                    slot.error = mismatch_message(seq, self._group_label(), calls, strict.history(group.id),
+                                                  dict(enumerate(self.global_ranks)))
+                else:
+                    ranks = {self.global_ranks[r]: c for r, c in sorted(calls.items())}
+                    slot.error = f"mismatched collectives at call #{seq}{self._group_label()}: {ranks}"
                 world.cond.notify_all()
             slot.signatures[self.rank] = call
+            if strict is not None:  # deposited when it reaches the head of this rank's stream
+                return strict.post_collective(self, seq, slot, arg, finish, call)
             slot.args[self.rank] = arg
             complete = len(slot.args) == self.size and slot.error is None
             if complete:
@@ -279,8 +368,13 @@ class ThreadCommunicator(Communicator):
                     world.cond.notify_all()
         return _SlotWork(self, slot, f"{op}{signature}")
 
+    def _on_device(self, op: str, *tensors: torch.Tensor) -> None:
+        if self.world.strict is not None:
+            for t in tensors:
+                check_device(op, "the tensor", t, self.device)
+
     @staticmethod
-    def _finish_or_wait(work: _SlotWork, async_op: bool) -> Work | None:
+    def _finish_or_wait(work: Work, async_op: bool) -> Work | None:
         if async_op:
             return work
         work.wait()
@@ -289,6 +383,7 @@ class ThreadCommunicator(Communicator):
     # ---- collectives ------------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work | None:
         op = check_reduce_op("all_reduce", op, tensor)
+        self._on_device("all_reduce", tensor)
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         if self.size == 1:
             return CompletedWork() if async_op else None
@@ -305,6 +400,7 @@ class ThreadCommunicator(Communicator):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work | None:
         self._check_gather_shapes("all_gather", output, input)
         check_contiguous("all_gather", "output", output)
+        self._on_device("all_gather", output, input)
         self.stats.record("all_gather", tensor_bytes(output), self.size)
         if self.size == 1:
             with torch.no_grad():
@@ -329,6 +425,7 @@ class ThreadCommunicator(Communicator):
     ) -> Work | None:
         self._check_gather_shapes("reduce_scatter", input, output)
         op = check_reduce_op("reduce_scatter", op, input)
+        self._on_device("reduce_scatter", output, input)
         self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
         if self.size == 1:
             with torch.no_grad():
@@ -347,6 +444,7 @@ class ThreadCommunicator(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         self._check_peer("broadcast", src, "src")
+        self._on_device("broadcast", tensor)
         self.stats.record("broadcast", tensor_bytes(tensor), self.size)
         if self.size == 1:
             return CompletedWork() if async_op else None
@@ -369,17 +467,53 @@ class ThreadCommunicator(Communicator):
     # ---- point to point ---------------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         self._check_peer("send", dst, "dst")
+        self._on_device("send", tensor)
         self.stats.record("send", tensor_bytes(tensor), self.size)
+        if self.world.strict is not None:  # unbuffered: completes when the matching receive runs
+            with self.world.cond:
+                return self.world.strict.post_batch(self, [(True, tensor, dst, tag)])[0]
         key = (self.group.id, self.rank, dst, tag)
         with self.world.cond:
-            self.world.mailboxes.setdefault(key, collections.deque()).append(tensor.detach().clone())
+            queue = self.world.mailboxes.setdefault(key, collections.deque())
+            queue.append((next(self.world.message_order), tensor.detach().clone()))
             self.world.cond.notify_all()
         return CompletedWork()
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         self._check_peer("recv", src, "src")
+        self._on_device("recv", tensor)
         self.stats.record("recv", tensor_bytes(tensor), self.size)
+        if self.world.strict is not None:
+            with self.world.cond:
+                return self.world.strict.post_batch(self, [(False, tensor, src, tag)])[0]
         return _RecvWork(self, tensor, src, tag)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
+        """Strict mode: one fused batch on this rank's stream (strict_stream.py); otherwise buffered, one by one."""
+        if self.world.strict is None:
+            return super().batch_isend_irecv(ops)
+        self._check_p2p_ops(ops)
+        for o in ops:
+            send = o.kind is P2PKind.SEND
+            self._on_device("batch_isend_irecv", o.tensor)
+            self.stats.record("send" if send else "recv", tensor_bytes(o.tensor), self.size)
+        if not ops:
+            return []
+        with self.world.cond:
+            return self.world.strict.post_batch(self, [(o.kind is P2PKind.SEND, o.tensor, o.peer, o.tag)
+                                                       for o in ops])
+
+    def irecv_any(self, tensor: torch.Tensor, tag: int | None = None) -> AnySourceWork:
+        """Receive from whichever rank's message comes first (strict mode: the earliest posted send to this rank
+        whose batch has started; otherwise the earliest buffered message); `tag` None matches any tag."""
+        if tag is not None and not isinstance(tag, int):
+            raise ValueError(f"recv_any: tag={tag!r} must be an int or None (any tag)")
+        self._on_device("recv_any", tensor)
+        self.stats.record("recv", tensor_bytes(tensor), self.size)
+        if self.world.strict is not None:
+            with self.world.cond:
+                return self.world.strict.post_batch(self, [(False, tensor, None, tag)])[0]
+        return _AnyRecvWork(self, tensor, tag)
 
     # ---- groups -----------------------------------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> ThreadCommunicator | None:
