@@ -8,6 +8,7 @@
 See README.md and docs/ for the user guide.
 """
 
+from .async_sgd import DiLoCo, LocalSGD
 from .checkpoint import CheckpointError, export_full, import_full, load_checkpoint, save_checkpoint
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .consensus import agree
@@ -34,11 +35,13 @@ __all__ = [
     "Coordinates",
     "DDP",
     "DDPModule",
+    "DiLoCo",
     "Distribution",
     "FSDP",
     "HybridModel",
     "LaunchEnvironment",
     "LaunchError",
+    "LocalSGD",
     "MemoryEstimate",
     "MemoryStats",
     "MixedPrecision",

@@ -1,0 +1,44 @@
+"""DiLoCo: local SGD whose outer optimizer is SGD with Nesterov momentum (Douillard et al., arXiv 2311.08105).
+
+The paper trains each worker with AdamW for H = 500 inner steps and steps the averaged outer gradient with SGD,
+lr 0.7, momentum 0.9, Nesterov: at matching perplexity it communicates ~500x less than data parallel. `DiLoCo` is
+`LocalSGD` with that outer optimizer built for you; the inner optimizer stays the user's (AdamW in the paper).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+from .local_sgd import LocalSGD, Reduce
+
+__all__ = ["DiLoCo"]
+
+
+def DiLoCo(
+    module: nn.Module,
+    comm: Communicator,
+    *,
+    sync_every: int = 500,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    nesterov: bool = True,
+    reduce: Reduce | None = None,
+) -> nn.Module:
+    """`LocalSGD(module, comm, sync_every=H, outer_optimizer=SGD(lr=outer_lr, momentum=outer_momentum,
+    nesterov=nesterov))`. Defaults are the paper's. `nesterov` is ignored when outer_momentum is 0 (plain outer
+    SGD): outer_lr=1, outer_momentum=0 is plain parameter averaging."""
+    for name, value, low in (("outer_lr", outer_lr, "> 0"), ("outer_momentum", outer_momentum, "in [0, 1)")):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            value > 0 if name == "outer_lr" else 0 <= value < 1)
+        if not ok:
+            raise ValueError(f"DiLoCo: {name}={value!r} must be a number {low}")
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"DiLoCo: nesterov={nesterov!r} must be True or False")
+    use_nesterov = nesterov and outer_momentum > 0
+
+    def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=use_nesterov)
+
+    return LocalSGD(module, comm, sync_every=sync_every, outer_optimizer=outer, reduce=reduce)

@@ -1,0 +1,230 @@
+"""Local SGD and DiLoCo: every worker takes H optimizer steps on its own, then the workers meet once.
+
+Mechanism (Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019; Douillard et al., "DiLoCo:
+Distributed Low-Communication Training of Language Models", arXiv 2311.08105)
+------------------------------------------------------------------------------------------------------------
+* At wrap time rank 0's parameters and buffers are broadcast, so every replica starts equal, and (with an outer
+  optimizer) a copy of them is kept: the *anchor*, the global parameters of the last synchronisation.
+* Between synchronisations each worker trains alone: `loss.backward(); opt.step()` with its own inner optimizer
+  (any torch.optim, built over `model.parameters()` after wrapping, exactly as for a single process). Nothing is
+  communicated: no gradient hook, no collective.
+* Every `sync_every`-th call of `model.step()` (after `opt.step()`) synchronises, a collective over `comm`:
+  - without an outer optimizer (plain local SGD, "model averaging"): the parameters are averaged;
+  - with one (DiLoCo): the *outer gradient* `anchor - local` (how far this worker moved, sign as a gradient) is
+    averaged over the workers, written to the anchors' `.grad`, and the outer optimizer steps the anchors; every
+    worker then continues from the new anchor. DiLoCo's outer optimizer is SGD with Nesterov momentum (lr 0.7,
+    momentum 0.9); an outer SGD with lr 1 and no momentum is exactly plain averaging.
+  Both send one coalesced all-reduce per dtype (parameters, then floating-point buffers such as BatchNorm
+  statistics, which are averaged as values): 2(N-1)/N x model bytes per rank, once every H steps instead of
+  every step (H x fewer bytes than DDP).
+* The inner optimizer's state (Adam moments) is each worker's own and is never synchronised, as in DiLoCo.
+* `reduce=` is the extension point for compressed outer gradients: a callable `reduce(comm, flat)` that must
+  leave the average over `comm` of every rank's flat tensor in `flat` (the default is `comm.all_reduce(flat,
+  AVG)`); a compressor (sw.compression, when it exists) plugs in there without changing this file.
+
+With an inner SGD without momentum and H = 1, plain averaging (or an outer SGD with lr 1 and no momentum) is the
+same update as DDP: the mean of `p - lr g_i` is `p - lr mean(g_i)`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._mixin import MovesRefused, mix_in
+from ..agreement import check_agreement, describe_parameters
+from ..comm.base import Communicator, ReduceOp
+from ..comm.coalesced import broadcast_coalesced
+from ..placement import to_comm_device
+from .checks import check_comm, check_positive_int, check_whole_model
+from .flat import group_by_dtype, pack, unpack
+
+__all__ = ["LocalSGD", "LocalSGDModule", "OuterOptimizerFactory", "Reduce"]
+
+log = logging.getLogger("shardwise.async_sgd")
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+Reduce = Callable[[Communicator, torch.Tensor], None]
+
+
+def _average(comm: Communicator, flat: torch.Tensor) -> None:
+    comm.all_reduce(flat, ReduceOp.AVG)
+
+
+class _State:
+    """Per-model local SGD state: what is averaged, the anchors and the outer optimizer, the step counters."""
+
+    def __init__(self, module: nn.Module, comm: Communicator, sync_every: int,
+                 outer_optimizer: OuterOptimizerFactory | None, reduce: Reduce) -> None:
+        self.comm = comm
+        self.sync_every = sync_every
+        self.reduce = reduce
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buffers = [b for b in module.buffers() if b.is_floating_point()]
+        # Parameters and floating buffers travel together: one all-reduce per dtype.
+        self.groups = group_by_dtype([*self.params, *self.buffers])
+        self.anchors: list[torch.Tensor] = []
+        self.outer: torch.optim.Optimizer | None = None
+        if outer_optimizer is not None:
+            self.anchors = [p.detach().clone() for p in self.params]
+            self.outer = outer_optimizer(self.anchors)
+            if not isinstance(self.outer, torch.optim.Optimizer):
+                raise ValueError(f"LocalSGD: outer_optimizer must return a torch.optim.Optimizer over the tensors it "
+                                 f"is given, got {type(self.outer).__name__}")
+        self.inner_steps = 0
+        self.syncs = 0
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        n_params = len(self.params)
+        for group in self.groups:
+            # Parameters send their outer gradient (anchor - local) with an outer optimizer, else their value.
+            parts = []
+            for i in group:
+                if i >= n_params:
+                    parts.append(self.buffers[i - n_params])
+                elif self.outer is not None:
+                    parts.append(self.anchors[i] - self.params[i])
+                else:
+                    parts.append(self.params[i])
+            flat = pack(parts)
+            self.reduce(self.comm, flat)
+            targets = []
+            for i in group:
+                if i >= n_params:
+                    targets.append(self.buffers[i - n_params])
+                elif self.outer is not None:
+                    anchor = self.anchors[i]
+                    if anchor.grad is None:
+                        anchor.grad = torch.empty_like(anchor)
+                    targets.append(anchor.grad)
+                else:
+                    targets.append(self.params[i])
+            unpack(flat, targets)
+        if self.outer is not None:
+            self.outer.step()
+            for p, anchor in zip(self.params, self.anchors):
+                p.copy_(anchor)
+        self.syncs += 1
+
+
+class LocalSGDModule(MovesRefused):
+    """Mixed into a module's class by `LocalSGD`: adds `step()`, `sync()` and the outer state's (de)serialisation."""
+
+    _local_sgd: _State
+
+    def step(self) -> bool:
+        """Count one inner step; every `sync_every`-th call synchronises the workers (collective) and returns True.
+
+        Call it once per iteration, right after the inner `optimizer.step()`, on every rank."""
+        state = self._local_sgd
+        state.inner_steps += 1
+        if state.inner_steps % state.sync_every == 0:
+            state.sync()
+            return True
+        return False
+
+    def sync(self) -> None:
+        """Synchronise now (collective), e.g. before an evaluation or the end of training; the count restarts."""
+        self._local_sgd.sync()
+
+    @property
+    def sync_every(self) -> int:
+        return self._local_sgd.sync_every
+
+    @property
+    def inner_steps(self) -> int:
+        """Calls of `step()` so far (including those restored by `load_outer_state_dict`)."""
+        return self._local_sgd.inner_steps
+
+    @property
+    def syncs(self) -> int:
+        """Synchronisations so far."""
+        return self._local_sgd.syncs
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The outer optimizer (over the anchors), or None for plain averaging."""
+        return self._local_sgd.outer
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        """The state local SGD adds to the model and the inner optimizer: step counters, anchors (by parameter
+        name) and the outer optimizer's state_dict. Equal on every rank. Tensors and plain values only, so
+        `torch.save` / `torch.load(..., weights_only=True)` round-trip it without unpickling code."""
+        state = self._local_sgd
+        return {"sync_every": state.sync_every, "inner_steps": state.inner_steps, "syncs": state.syncs,
+                "anchors": {n: a.detach().clone() for n, a in zip(state.names, state.anchors)},
+                "outer_optimizer": None if state.outer is None else state.outer.state_dict()}
+
+    @torch.no_grad()
+    def load_outer_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore `outer_state_dict()`'s output (after loading the model and inner optimizer). ValueError when it
+        was saved with or without an outer optimizer unlike this wrapper, or for other parameters."""
+        state = self._local_sgd
+        has_outer = saved.get("outer_optimizer") is not None
+        if has_outer != (state.outer is not None):
+            raise ValueError(f"load_outer_state_dict: the state was saved {'with' if has_outer else 'without'} an "
+                             f"outer optimizer but this LocalSGD has {'one' if state.outer is not None else 'none'}")
+        anchors = saved.get("anchors", {})
+        if state.outer is not None:
+            if sorted(anchors) != sorted(state.names):
+                missing = sorted(set(state.names) - set(anchors))
+                extra = sorted(set(anchors) - set(state.names))
+                raise ValueError(f"load_outer_state_dict: anchors do not match the model's trainable parameters "
+                                 f"(missing {missing[:5]}, unexpected {extra[:5]})")
+            for name, anchor in zip(state.names, state.anchors):
+                anchor.copy_(anchors[name])
+            state.outer.load_state_dict(saved["outer_optimizer"])
+        state.inner_steps = int(saved["inner_steps"])
+        state.syncs = int(saved["syncs"])
+
+
+def LocalSGD(
+    module: nn.Module,
+    comm: Communicator,
+    *,
+    sync_every: int,
+    outer_optimizer: OuterOptimizerFactory | None = None,
+    reduce: Reduce | None = None,
+) -> nn.Module:
+    """Train `module` with local SGD over `comm` and return it (the same object, parameter names unchanged).
+
+    sync_every: H, the inner steps between synchronisations (1 = every step).
+    outer_optimizer: None for plain parameter averaging, or a callable building a torch.optim optimizer over the
+        list of anchor tensors it is given (DiLoCo: `lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9,
+        nesterov=True)`, which `sw.DiLoCo` builds for you).
+    reduce: `reduce(comm, flat)` leaves the average over `comm` of every rank's `flat` in place (default: one
+        all-reduce AVG); the extension point for a compressed outer all-reduce.
+    Loop: `loss.backward(); opt.step(); opt.zero_grad(); model.step()` with any torch.optim inner optimizer built
+    over `model.parameters()` after wrapping. See the module docstring for what a synchronisation does.
+    """
+    comm = check_comm(comm, "LocalSGD")
+    check_whole_model(module, comm, "LocalSGD")
+    if isinstance(module, LocalSGDModule):
+        raise ValueError("LocalSGD: the module is already wrapped by LocalSGD; wrap the plain module once")
+    sync_every = check_positive_int(sync_every, "sync_every", "LocalSGD")
+    if outer_optimizer is not None and not callable(outer_optimizer):
+        raise ValueError(f"LocalSGD: outer_optimizer={outer_optimizer!r} must be None (plain averaging) or a callable "
+                         f"taking a list of tensors and returning a torch.optim.Optimizer")
+    if reduce is not None and not callable(reduce):
+        raise ValueError(f"LocalSGD: reduce={reduce!r} must be None or a callable reduce(comm, flat_tensor)")
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError("LocalSGD: the module has no trainable parameter (requires_grad=True): nothing to average")
+    to_comm_device(module, comm, "LocalSGD")
+    check_agreement(comm, "LocalSGD", {"parameters": describe_parameters(module), "options": {
+        "sync_every": sync_every, "outer_optimizer": outer_optimizer is not None}})
+    if comm.size > 1:
+        with torch.no_grad():
+            broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
+    state = _State(module, comm, sync_every, outer_optimizer, reduce or _average)
+    mix_in(module, LocalSGDModule, "LocalSGD")
+    module._local_sgd = state
+    log.debug("LocalSGD over %d ranks: sync every %d steps, outer optimizer %s", comm.size, sync_every,
+              type(state.outer).__name__ if state.outer is not None else "none (averaging)")
+    return module
+
