@@ -128,7 +128,10 @@ class Unit:
         else:
             # From the user's own values, not from the (possibly bf16-rounded) full buffer: master weights must be
             # exactly what the user wrapped.
-            self.master = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.master_device)
+            # Offloaded from a GPU: page-locked, so the host-to-device copies of each gather can be asynchronous.
+            pinned = self.master_device != self.device and self.device.type == "cuda"
+            self.master = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.master_device,
+                                      pin_memory=pinned)
             offset = 0
             with torch.no_grad():
                 for p in plan.params:
@@ -216,7 +219,9 @@ class Unit:
                 self.compute_shard.copy_(self.master.detach(), non_blocking=True)
                 self.compute_version = self._master_version()
             return self.compute_shard
-        source = self.master.detach().to(self.device, self.param_dtype)
+        # From pinned host memory the copy is queued on the stream and does not block the host; the master only
+        # changes in the optimizer step, which runs after the blocking device-to-host gradient copies.
+        source = self.master.detach().to(self.device, self.param_dtype, non_blocking=True)
         if self.master_is_view:
             source = source.clone()  # never gather from a slice of the very buffer being written
         return source
