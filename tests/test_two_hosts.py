@@ -6,10 +6,12 @@ benchmarking range, which no real network routes), never over loopback. Node 0's
 198.18.0.1; gloo's devices bind the veth (GLOO_SOCKET_IFNAME). This is the project's proof that shardwise runs across
 machines, not only across processes (issue 14, item 8):
 
-* parity: ZeRO-3 over 2 nodes x 2 processes, and dp2 x tp2 through `sw.parallelize`, each match one process trained
-  in this test on the same global batch (losses of every step and the final parameters);
-* a cut link: `ip link set <veth> down` once every rank has trained a few steps; every rank must raise a CommError
-  naming the operation and the peers it did not hear from, within the timeout, and nothing may hang.
+* parity, launched by torchrun: ZeRO-3 over 2 nodes x 2 processes, and dp2 x tp2 through `sw.parallelize`, each match
+  one process trained in this test on the same global batch (losses of every step and the final parameters);
+* a cut link, launched by `shardwise run` (the two launchers between them, each in one run): `ip link set <veth>
+  down` once every rank has trained a few steps; every rank must raise a CommError naming the operation and the
+  peers it did not hear from, within the timeout, and nothing may hang. (The same assertions hold under torchrun:
+  `TwoHosts.start(..., launcher="torchrun")`.)
 
 Needs root and iproute2 (`ip netns`); elsewhere the tests skip with the reason (pytest -ra prints it). Names carry
 this process's pid and a random suffix, so parallel runs never collide; the namespaces (and with them the veth pair)
@@ -81,19 +83,27 @@ class TwoHosts:
         """Take node 0's end of the link down: from then on no packet crosses between the hosts."""
         _ip("-n", self.ns[0], "link", "set", self.veth[0], "down")
 
-    def start(self, mode: str, out: Path, timeout: float) -> None:
-        """Start one torchrun node (2 processes) in each namespace, running two_hosts_worker.py."""
-        torchrun = Path(sys.executable).with_name("torchrun")
-        launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    def start(self, mode: str, out: Path, timeout: float, launcher: str = "torchrun") -> None:
+        """Start one node (2 processes) in each namespace running two_hosts_worker.py, with torchrun or with
+        `shardwise run` (whose supervisor on node 0 hosts the store, as torchrun's agent does)."""
+        if launcher == "torchrun":
+            torchrun = Path(sys.executable).with_name("torchrun")
+            start = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+            start += ["--max-restarts", "0", "--nproc-per-node", "2"]
+        elif launcher == "shardwise":
+            start = [sys.executable, "-m", "shardwise", "run", "--backend", "gloo", "--timeout", str(timeout),
+                     "--nproc", "2"]
+        else:
+            raise ValueError(f"launcher={launcher!r}; allowed 'torchrun' or 'shardwise'")
         token = secrets.token_hex(16)
         for node, (ns, veth) in enumerate(zip(self.ns, self.veth)):
             env = {k: v for k, v in os.environ.items()
                    if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GLOO_SOCKET_IFNAME")}
             env.update(GLOO_SOCKET_IFNAME=veth, SHARDWISE_JOB_TOKEN=token, OMP_NUM_THREADS="1",
                        PYTHONUNBUFFERED="1")
-            cmd = ["ip", "netns", "exec", ns, *launcher, "--nnodes", "2", "--nproc-per-node", "2",
-                   "--node-rank", str(node), "--master-addr", ADDRS[0], "--master-port", str(MASTER_PORT),
-                   "--max-restarts", "0", str(WORKER), mode, str(out), str(timeout)]
+            cmd = ["ip", "netns", "exec", ns, *start, "--nnodes", "2", "--node-rank", str(node),
+                   "--master-addr", ADDRS[0], "--master-port", str(MASTER_PORT), str(WORKER), mode, str(out),
+                   str(timeout)]
             log = open(out / f"node{node}.log", "wb")  # noqa: SIM115 - closed with the process, in stop()
             self.procs.append(subprocess.Popen(cmd, env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True))
@@ -198,8 +208,8 @@ def _reference() -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_two_hosts_zero3_and_dp2_tp2_match_one_process(hosts, tmp_path):
-    hosts.start("parity", tmp_path, PARITY_TIMEOUT)
+def test_two_hosts_torchrun_zero3_and_dp2_tp2_match_one_process(hosts, tmp_path):
+    hosts.start("parity", tmp_path, PARITY_TIMEOUT, launcher="torchrun")
     codes = hosts.wait(time.monotonic() + 180)
     assert codes == [0, 0], f"torchrun nodes exited with {codes} (None: still running after 180s)\n{_logs(tmp_path, stacks=True)}"
     # The job really ran across the link: each host sent at least the model's fp32 parameters to the other (ZeRO-3
@@ -222,8 +232,8 @@ def test_two_hosts_zero3_and_dp2_tp2_match_one_process(hosts, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_two_hosts_cut_link_raises_comm_error_on_every_rank(hosts, tmp_path):
-    hosts.start("cut", tmp_path, CUT_TIMEOUT)
+def test_two_hosts_shardwise_run_cut_link_raises_comm_error_on_every_rank(hosts, tmp_path):
+    hosts.start("cut", tmp_path, CUT_TIMEOUT, launcher="shardwise")
     deadline = time.monotonic() + 150
     progress = [tmp_path / f"progress{r}" for r in range(4)]
     while not all(p.exists() and int(p.read_text() or 0) >= 2 for p in progress):

@@ -1,10 +1,11 @@
-"""One rank of the two-host test (tests/test_two_hosts.py), started by torchrun inside a network namespace.
+"""One rank of the two-host test (tests/test_two_hosts.py), started inside a network namespace by torchrun or by
+`shardwise run` (both set GROUP_RANK and LOCAL_WORLD_SIZE, which the cut variant reads):
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank K --master-addr 198.18.0.1 --master-port P \
         tests/two_hosts_worker.py {parity|cut} OUT_DIR TIMEOUT
 
-The rank joins the job with `sw.init(backend="gloo", timeout=TIMEOUT)`: torchrun's agent on node 0 hosts the store
-on 198.18.0.1, gloo talks over the veth that GLOO_SOCKET_IFNAME names (the test sets it), and every key of the job
+The rank joins the job with `sw.init(backend="gloo", timeout=TIMEOUT)`: the launcher on node 0 hosts the store on
+198.18.0.1, gloo talks over the veth that GLOO_SOCKET_IFNAME names (the test sets it), and every key of the job
 lives under SHARDWISE_JOB_TOKEN. What it writes to OUT_DIR is all the test reads (files, written atomically):
 
 * parity: the demo GPT (tiny preset) trained STEPS steps with ZeRO-3 over the four ranks, then with dp2 x tp2
