@@ -23,7 +23,7 @@ from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
 from .whole import (MemoryStats, ShardedGradScaler, clip_grad_norm_, full_state_dict, load_full_state_dict,
                     memory_stats)
 
-from . import layout, pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
+from . import compression, layout, pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
 
 __version__ = "0.1.0"
 
@@ -53,6 +53,7 @@ __all__ = [
     "ZeRO",
     "agree",
     "clip_grad_norm_",
+    "compression",
     "detect_environment",
     "distribute",
     "estimate_memory",

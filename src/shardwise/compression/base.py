@@ -1,0 +1,232 @@
+"""The Compressor interface: compress -> payload, reduce it over a communicator, decompress into the average.
+
+A data-parallel strategy hands each gradient bucket (a flat buffer, and the shapes of the tensors that tile it) to
+`Compressor.reduce(key, flat, comm, shapes)`. On return of the Work's `wait()` the buffer holds what every rank
+agrees on as the averaged gradient: the average, over ranks, of each rank's *compressed* contribution. Compression
+is lossy, so each lossy method keeps an **error-feedback memory** per bucket on each rank (Seide et al. 2014;
+Karimireddy et al., "Error Feedback Fixes SignSGD", 2019; Stich et al. 2018): what a rank did not transmit this
+step is added to its next gradient, so the sum of transmitted updates tracks the sum of true gradients and the
+error does not accumulate into a drift.
+
+Mechanism, as the generic `reduce` runs it (PowerSGD overrides it: it needs two rounds):
+1. `compress(key, flat, shapes, world)` reads the bucket (plus the memory), updates the memory and returns a `Payload`:
+   the tensors to put on the wire and whether they are summed (`all_reduce`) or concatenated (`all_gather`).
+2. the payload's collectives are issued asynchronously over `comm` (so backward keeps computing meanwhile);
+3. `Work.wait()` waits for them and calls `decompress(payload, received, flat, world)`, which writes the average.
+
+State is per rank (each rank's residual is its own) and per bucket `key`. A compressor given to a strategy is a
+configuration: the strategy calls `fresh()` to get this rank's own instance with empty state, so one object built
+before `sw.launch` serves every thread rank without sharing memory between them. `state_dict()` /
+`load_state_dict()` carry the state as a flat {name: tensor} dict (safetensors-ready) so that a resumed run
+continues exactly.
+
+Every method states its bytes on the wire per step as a formula, `wire_bytes(shapes, world)`, built from the ring
+cost of each collective it issues (`comm.base.wire_bytes`), which the tests compare with `CommStats`.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import dataclasses
+import math
+import zlib
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from ..comm.base import Communicator, ReduceOp, Work
+
+__all__ = ["Compressor", "Payload", "PendingWork", "tile", "check_ratio", "shared_generator", "Shapes"]
+
+Shapes = Sequence[torch.Size | Sequence[int]] | int
+
+
+@dataclasses.dataclass
+class Payload:
+    """What one rank puts on the wire for one bucket.
+
+    tensors: the tensors sent, each in its own collective. collective: "all_reduce" (summed over ranks, in place)
+    or "all_gather" (every rank's tensor concatenated, in rank order). context: whatever decompress needs besides
+    the received tensors (indices, shapes), never sent.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    collective: Literal["all_reduce", "all_gather"]
+    context: Any = None
+
+
+class PendingWork(Work):
+    """A Work made of collectives already issued and a `finish` step run once, in `wait()`, after them."""
+
+    def __init__(self, works: Sequence[Work | None], finish: Callable[[], None]) -> None:
+        self.works = [w for w in works if w is not None]
+        self.finish = finish
+        self.done = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.done:
+            return
+        for work in self.works:
+            work.wait(timeout)
+        self.finish()
+        self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def tile(shapes: Shapes | None, numel: int) -> list[tuple[int, torch.Size]]:
+    """(offset, shape) of each tensor tiling a flat buffer of `numel` elements, in order. A bucket's tail not covered
+    by `shapes` (padding of a sharded unit) is one more 1-D tensor; no shapes means one 1-D tensor."""
+    if shapes is None or isinstance(shapes, int):
+        return [(0, torch.Size([numel]))] if numel else []
+    out, offset = [], 0
+    for shape in shapes:
+        shape = torch.Size(shape)
+        out.append((offset, shape))
+        offset += shape.numel()
+    if offset > numel:
+        raise ValueError(f"compression: the shapes cover {offset} elements but the buffer has only {numel}")
+    if offset < numel:
+        out.append((offset, torch.Size([numel - offset])))
+    return out
+
+
+def check_ratio(method: str, ratio: float) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"{method}: ratio={ratio!r} must be a number in (0, 1]: the fraction of elements sent")
+    return float(ratio)
+
+
+def shared_generator(seed: int, key: str, step: int = 0) -> torch.Generator:
+    """A CPU generator every rank seeds identically for (seed, bucket key, step): random choices that must agree
+    across ranks (RandomK's indices, PowerSGD's initial Q) without sending them."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode()) * 7919 + step) % (2**63 - 1))
+    return g
+
+
+def nbytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8)
+
+
+class Compressor(abc.ABC):
+    """See the module docstring. Subclasses implement `compress`, `decompress` and `wire_bytes`; lossy ones keep
+    their residual in `self.memory[key]` (one flat tensor per bucket), which `state_dict` saves."""
+
+    name: str = "compressor"
+
+    def __init__(self) -> None:
+        self.memory: dict[str, torch.Tensor] = {}  # error feedback: per bucket, what was not sent yet
+        self.iterations: dict[str, int] = {}  # reductions done per bucket (PowerSGD's start_iter, RandomK's seed)
+
+    # ---- configuration ----------------------------------------------------------------------------------------
+    def fresh(self) -> Compressor:
+        """A copy of this configuration with empty state: what a strategy keeps for one rank."""
+        clone = copy.copy(self)
+        Compressor.__init__(clone)
+        clone._reset_extra_state()
+        return clone
+
+    def _reset_extra_state(self) -> None:
+        """Subclasses holding more state than memory/iterations clear it here."""
+
+    def config(self) -> dict[str, Any]:
+        """The options, as plain values (what ranks compare at wrap time and logs show)."""
+        return {"method": self.name}
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "method")
+        return f"{type(self).__name__}({options})"
+
+    # ---- the three steps --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def compress(self, key: str, flat: torch.Tensor, shapes: Shapes | None, world: int) -> Payload:
+        """This rank's payload for bucket `key` reduced over `world` ranks; updates the error-feedback memory."""
+
+    @abc.abstractmethod
+    def decompress(self, payload: Payload, received: Sequence[torch.Tensor], out: torch.Tensor, world: int) -> None:
+        """Write the average over `world` ranks of their compressed contributions into `out` (the bucket)."""
+
+    @abc.abstractmethod
+    def wire_bytes(self, shapes: Shapes, world: int, element_size: int = 4) -> int:
+        """Per-rank ring bytes one reduction of a bucket of `shapes` (or a flat count) puts on the wire."""
+
+    def reduce(self, key: Hashable, flat: torch.Tensor, comm: Communicator, shapes: Shapes | None = None) -> Work:
+        """Start the compressed average of `flat` over `comm`; after `wait()` it holds the result in place."""
+        if not flat.is_floating_point() or not flat.is_contiguous() or flat.dim() != 1:
+            raise ValueError(f"{self.name}: the bucket must be a flat contiguous floating-point tensor, got "
+                             f"shape {tuple(flat.shape)} {flat.dtype}")
+        key = str(key)
+        self.iterations[key] = self.iterations.get(key, 0) + 1
+        payload = self.compress(key, flat, shapes, comm.size)
+        works, received = [], []
+        for t in payload.tensors:
+            if payload.collective == "all_reduce":
+                works.append(comm.all_reduce(t, ReduceOp.SUM, async_op=True))
+                received.append(t)
+            else:
+                gathered = torch.empty(t.numel() * comm.size, dtype=t.dtype, device=t.device)
+                works.append(comm.all_gather(gathered, t.reshape(-1), async_op=True))
+                received.append(gathered)
+        return PendingWork(works, lambda: self.decompress(payload, received, flat, comm.size))
+
+    # ---- error feedback ---------------------------------------------------------------------------------------
+    def _with_memory(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """A new tensor: the bucket plus what this rank has not sent of earlier steps."""
+        residual = self.memory.get(key)
+        if residual is None:
+            return flat.detach().clone()
+        if residual.shape != flat.shape:
+            raise ValueError(f"{self.name}: bucket {key!r} has {flat.numel()} elements but its error-feedback memory "
+                             f"{residual.numel()}: the model's buckets changed after a resume")
+        return flat.detach() + residual
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state as {name: tensor}: 'memory/<bucket>', 'iterations/<bucket>', and subclasses' own."""
+        state = {f"memory/{k}": v.detach().clone() for k, v in self.memory.items()}
+        state.update({f"iterations/{k}": torch.tensor(v, dtype=torch.int64) for k, v in self.iterations.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` returned (on this rank: the residuals are per rank)."""
+        self.memory, self.iterations = {}, {}
+        self._reset_extra_state()
+        for name, value in state.items():
+            kind, _, key = name.partition("/")
+            if kind == "memory":
+                self.memory[key] = value.detach().clone()
+            elif kind == "iterations":
+                self.iterations[key] = int(value)
+            elif not self._load_extra(kind, key, value):
+                raise ValueError(f"{self.name}.load_state_dict: unknown entry {name!r}; allowed memory/<bucket>, "
+                                 f"iterations/<bucket>{self._extra_kinds()}")
+
+    def _load_extra(self, kind: str, key: str, value: torch.Tensor) -> bool:
+        return False
+
+    def _extra_kinds(self) -> str:
+        return ""
+
+
+def ring_all_reduce(numel: int, element_size: int, world: int) -> int:
+    """Per-rank ring bytes of one all-reduce of `numel` elements (CommStats' formula, floor per call)."""
+    from ..comm.base import wire_bytes
+
+    return wire_bytes("all_reduce", numel * element_size, world) if numel else 0
+
+
+def ring_all_gather(numel_per_rank: int, element_size: int, world: int) -> int:
+    """Per-rank ring bytes of one all-gather of `numel_per_rank` elements from each rank."""
+    from ..comm.base import wire_bytes
+
+    return wire_bytes("all_gather", numel_per_rank * element_size * world, world) if numel_per_rank else 0
+
+
+def total_numel(shapes: Shapes) -> int:
+    if isinstance(shapes, int):
+        return shapes
+    return sum(math.prod(s) for s in shapes)
