@@ -31,10 +31,12 @@ if TYPE_CHECKING:
     from shardwise.demo import DemoOptions
 
 __all__ = ["main", "build_parser", "max_ranks", "STRATEGIES", "SCHEDULES", "PRESETS", "DEMO_DEFAULTS",
-           "MAX_RANKS", "GLOO_RANKS_PER_CPU"]
+           "MAX_RANKS", "GLOO_RANKS_PER_CPU", "BENCH_ROWS", "STRATEGY_ALIASES"]
 
 #: Data-parallel strategies `shardwise demo` offers: `sw.parallelize`'s dp_strategy values (hybrid.DP_STRATEGIES).
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard")
+#: Other names the demo accepts for a strategy (demo.STRATEGY_ALIASES): Lightning's "fsdp" is full sharding.
+STRATEGY_ALIASES = {"fsdp": "fsdp:full_shard"}
 #: Pipeline schedules the demo offers (zb_h1 is left out: parallelize allows it with DDP only).
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 #: GPT presets (the keys of models.gpt.PRESETS), sorted.
@@ -120,6 +122,19 @@ class _Version(argparse.Action):
 
 
 # ---- demo -----------------------------------------------------------------------------------------------------------
+def _demo_strategies(text: str) -> tuple[str, ...]:
+    allowed = STRATEGIES + tuple(STRATEGY_ALIASES)
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in names if v not in allowed]
+    if unknown or len(names) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r} must name at least two strategies"
+                                         f"{f', not {unknown}' if unknown else ''}; allowed: {', '.join(allowed)}")
+    resolved = [STRATEGY_ALIASES.get(v, v) for v in names]
+    if len(set(resolved)) != len(resolved):
+        raise argparse.ArgumentTypeError(f"{text!r} names a strategy twice (fsdp is fsdp:full_shard)")
+    return names
+
+
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     defaults = DEMO_DEFAULTS
     p = subparsers.add_parser(
@@ -133,8 +148,16 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=_positive_int, default=None,
                    help=f"number of ranks (default: dp x tp x pp; 2 for plain DDP); at most {MAX_RANKS} thread "
                    f"ranks, or {GLOO_RANKS_PER_CPU} gloo processes per CPU core ({max_ranks('gloo')} here)")
-    p.add_argument("--strategy", choices=STRATEGIES, default=defaults["strategy"],
-                   help="data-parallel strategy over the dp axis (default: %(default)s)")
+    p.add_argument("--strategy", choices=STRATEGIES + tuple(STRATEGY_ALIASES), default=defaults["strategy"],
+                   help="data-parallel strategy over the dp axis; fsdp means fsdp:full_shard (default: %(default)s)")
+    p.add_argument("--compare", type=_demo_strategies, default=None, metavar="S1,S2,...",
+                   help="train once per strategy (comma list of --strategy values), then draw their loss against "
+                   "time on one plot and their memory per rank on one bar chart")
+    p.add_argument("--early-stop", type=_positive_int, default=None, metavar="PATIENCE",
+                   help="hold out the last 10%% of the corpus, evaluate every --eval-every steps, and stop every "
+                   "rank together (sw.agree) after PATIENCE evaluations without improvement")
+    p.add_argument("--eval-every", type=_positive_int, default=10,
+                   help="steps between validation evaluations with --early-stop (default: %(default)s)")
     p.add_argument("--dp", type=_positive_int, default=None,
                    help="data-parallel size (default: nproc // (tp x pp); without --nproc, 2 for plain DDP, else 1)")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
@@ -224,12 +247,20 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     try:
         options = DemoOptions(
-            nproc=args.nproc, strategy=args.strategy, steps=args.steps, data=args.data, preset=args.preset,
+            nproc=args.nproc, strategy=args.compare[0] if args.compare else args.strategy, steps=args.steps, data=args.data, preset=args.preset,
             batch_size=args.batch_size, lr=args.lr, seed=args.seed, out=args.out, backend=args.backend,
             progress=not args.no_progress, dp=args.dp, tp=args.tp, pp=args.pp, dp_shard=args.dp_shard,
             schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
             sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
+            early_stop=args.early_stop, eval_every=args.eval_every,
         )
+        if args.compare:  # every strategy's options, checked before any rank starts
+            import dataclasses
+
+            variants = [dataclasses.replace(options, strategy=name, nproc=args.nproc, dp=args.dp,
+                                            microbatches=args.microbatches,
+                                            dp_shard=args.dp_shard if name == "fsdp:hybrid_shard" else None)
+                        for name in args.compare]
     except ValueError as exc:  # a combination of valid values that does not fit: a usage error, before any rank
         parser.error(str(exc).removeprefix("demo: "))
     reason = _probe_data(options) if options.data is not None else None
@@ -239,7 +270,12 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if reason:
         return _fail("demo", f"cannot write the run directory under {options.out}: {reason}")
     try:
-        run_demo(options)
+        if args.compare:
+            from shardwise.demo_compare import run_compare
+
+            run_compare(variants)
+        else:
+            run_demo(options)
     except LaunchError as exc:
         return _fail("demo", str(exc))
     except OSError as exc:  # writing the run directory after training (a disk that filled up, a folder removed)
@@ -445,8 +481,78 @@ def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench ----------------------------------------------------------------------------------------------------------
+#: The rows `shardwise bench` can run, in table order (shardwise.benchmarks.peers.ORDER).
+BENCH_ROWS = ("local", "sw_ddp", "torch_ddp", "sw_zero1", "ds_zero1", "sw_zero2", "ds_zero2", "sw_zero3", "fsdp2",
+              "ds_zero3")
+
+
+def _bench_rows(text: str) -> tuple[str, ...]:
+    rows = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in rows if v not in BENCH_ROWS]
+    if unknown or not rows:
+        raise argparse.ArgumentTypeError(f"{text!r} names {unknown or 'no rows'}; allowed (comma list): "
+                                         f"{', '.join(BENCH_ROWS)}")
+    if len(set(rows)) != len(rows):
+        raise argparse.ArgumentTypeError(f"{text!r} names a row twice")
+    return rows
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="shardwise DDP / ZeRO-1/2/3 beside PyTorch DDP, FSDP2 and DeepSpeed: step time, memory, bytes per step",
+        description="Train the same GPT with shardwise's data-parallel strategies and their peers (PyTorch DDP and "
+        "FSDP2, DeepSpeed ZeRO 1-3 where it imports; missing peers are listed with their install line) and the "
+        "no-communication floor, alternating in the same gloo processes; then each row alone for its memory. "
+        "Writes results.md (a markdown table: step time, tokens/s, wire bytes per rank against the formula, model "
+        "states against the ZeRO estimate, peak RSS), results.jsonl and step_time.png / memory.png / bytes.png "
+        "(matplotlib: pip install 'shardwise[bench]') into OUT.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="the 'small' preset, 4 sequences per rank, 2 + 3 x 3 steps per row (a few minutes on 2 cores)")
+    p.add_argument("--out", default=None, help="run directory, new or empty (default: runs/bench-<YYYYmmdd-HHMMSS>)")
+    p.add_argument("--impls", type=_bench_rows, default=None,
+                   help=f"comma list of rows (default: all): {', '.join(BENCH_ROWS)}")
+    p.add_argument("--nproc", type=_positive_int, default=2, help="gloo processes (default: %(default)s)")
+    p.add_argument("--preset", choices=PRESETS, default=None, help="GPT size (default: bench; small with --quick)")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="sequences per rank per step (default: 8; 4 with --quick)")
+    p.add_argument("--rounds", type=_positive_int, default=None, help="alternating rounds (default: 5; 3 with --quick)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="measured steps per row per round (default: 4; 3 with --quick)")
+    p.add_argument("--no-memory", action="store_true", help="skip the separate memory run of each row")
+    p.set_defaults(handler=functools.partial(_run_bench, p))
+
+
+def _run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.nproc > max_ranks("gloo"):
+        parser.error(f"argument --nproc: {args.nproc} processes exceeds the limit of {max_ranks('gloo')} "
+                     f"({GLOO_RANKS_PER_CPU} per CPU core x {_cpus()} cores)")
+    if args.out is not None:
+        out = Path(args.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            return _fail("bench", f"cannot write the run directory {args.out}: it exists and is not an empty "
+                         f"directory")
+        reason = _probe_out(str(out.parent))
+        if reason:
+            return _fail("bench", f"cannot write the run directory {args.out}: {reason}")
+    from shardwise.benchmarks import BenchConfig, run_bench  # torch: only now that the command line is good
+    from shardwise.launch import LaunchError
+
+    chosen = {"impls": args.impls, "nproc": args.nproc, "preset": args.preset, "batch_size": args.batch_size,
+              "rounds": args.rounds, "steps": args.steps, "memory_steps": 0 if args.no_memory else None}
+    overrides = {k: v for k, v in chosen.items() if v is not None}
+    config = BenchConfig.quick(**overrides) if args.quick else BenchConfig(**overrides)
+    try:
+        run_bench(config, args.out)
+    except LaunchError as exc:
+        return _fail("bench", str(exc))
+    return 0
+
+
 # ---- the parser -----------------------------------------------------------------------------------------------------
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_run, _add_plan)
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_demo, _add_run, _add_plan, _add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

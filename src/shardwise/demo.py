@@ -41,18 +41,23 @@ from typing import Any
 import torch
 from shardwise_cli import SCHEDULES  # the command line's vocabulary, spelled where it needs no torch
 
+from .benchmarks.formulas import estimate_key, formula_text, wire_bytes_formula
 from .comm.base import Communicator, ReduceOp
 from .ddp import DDP
-from .demo_hybrid import StepLog, axis_rows, check_mesh_options, dp_size, lr_at, mesh_fields, train_mesh_rank
+from .demo_hybrid import (EarlyStop, StepLog, axis_rows, check_mesh_options, dp_size, lr_at, mesh_fields,
+                          split_corpus, train_mesh_rank)
+from .estimate import estimate_memory
 from .hybrid import DP_STRATEGIES
 from .launch import launch
 from .models.gpt import GPT, GPTConfig
 from .whole.memory import memory_stats, peak_rss_bytes
 
-__all__ = ["STRATEGIES", "SCHEDULES", "DemoOptions", "DemoSummary", "StepLog", "run_demo", "train_rank", "lr_at"]
+__all__ = ["STRATEGIES", "STRATEGY_ALIASES", "SCHEDULES", "DemoOptions", "DemoSummary", "StepLog", "run_demo", "train_rank", "lr_at"]
 
 #: Data-parallel strategies the demo can train with (`sw.parallelize`'s dp_strategy values).
 STRATEGIES = DP_STRATEGIES
+#: Other names of a strategy the demo accepts (Lightning's "fsdp" is full sharding).
+STRATEGY_ALIASES = {"fsdp": "fsdp:full_shard"}
 # Seconds a collective may wait. Generous because a 2-core machine shared with other jobs can stall a rank for
 # many seconds (spawn, torch import, corpus read); a rank that dies is still reported at once by launch().
 COMM_TIMEOUT_S = 300.0
@@ -80,6 +85,9 @@ class DemoOptions:
     schedule: pipeline schedule (SCHEDULES); virtual_stages: stages per pp rank (interleaved_1f1b needs >= 2).
     microbatches: per step (None: 2 x pp); must divide batch_size. sequence_parallel: needs tp > 1.
     activation_checkpointing: recompute the blocks in backward.
+    early_stop: patience, in evaluations without improvement, after which every rank stops (None: train all
+    steps); the last 10% of the corpus is then held out. eval_every: steps between evaluations; eval_batches:
+    held-out batches per evaluation; min_delta: how much lower than the best a validation loss must be to count.
     Resolved fields (nproc, dp, backend, microbatches) hold their values after construction; an
     inconsistent combination raises ValueError naming the numbers.
     """
@@ -105,19 +113,28 @@ class DemoOptions:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
+    early_stop: int | None = None
+    eval_every: int = 10
+    eval_batches: int = 4
+    min_delta: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.strategy in STRATEGY_ALIASES:
+            object.__setattr__(self, "strategy", STRATEGY_ALIASES[self.strategy])
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"demo: strategy={self.strategy!r} is not supported; allowed {STRATEGIES}")
+            raise ValueError(f"demo: strategy={self.strategy!r} is not supported; allowed "
+                             f"{STRATEGIES + tuple(STRATEGY_ALIASES)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"demo: schedule={self.schedule!r} is not supported; allowed {SCHEDULES}")
-        for name in ("steps", "batch_size", "tp", "pp", "virtual_stages"):
+        for name in ("steps", "batch_size", "tp", "pp", "virtual_stages", "eval_every", "eval_batches"):
             _check_int(name, getattr(self, name))
-        for name in ("nproc", "dp", "microbatches", "dp_shard"):
+        for name in ("nproc", "dp", "microbatches", "dp_shard", "early_stop"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
         if not self.lr > 0:
             raise ValueError(f"demo: lr={self.lr!r} must be a positive number")
+        if not self.min_delta >= 0:
+            raise ValueError(f"demo: min_delta={self.min_delta!r} must be a number >= 0")
         resolve = functools.partial(object.__setattr__, self)  # frozen: resolved once, here
         resolve("dp", dp_size(self.nproc, self.dp, self.tp, self.pp))
         resolve("nproc", self.dp * self.tp * self.pp)
@@ -155,12 +172,18 @@ class DemoSummary:
     median_step_ms: median wall time of a whole iteration (batch, forward, backward, step, loss all-reduce) on
     rank 0; tokens_per_s is tokens_per_step (batch_size x seq_len x dp) over that median.
     wire_bytes_per_step: measured per-rank wire bytes of each step (all axes summed; DDP: its all-reduce), as the
-    distinct values over all ranks and steps. formula_wire_bytes: 2(N-1)/N x grad_bytes, and wire_bytes_match,
-    for the pure-DDP run only (else None). mesh: {dp, tp, pp} sizes; wire_bytes_per_axis: the same distinct values
-    per axis; ops_per_axis: rank 0's last step per axis, `CommStats.as_dict()` ({op: {calls, bytes, wire_bytes}}).
-    ranks: per rank, its mesh coords, wire_bytes_per_axis, peak_rss (bytes of the whole process; on the thread
-    backend every rank shares one process) and memory (memory_stats().as_dict(): params, grads, optimizer,
-    model_states bytes).
+    distinct values over all ranks and steps. formula_wire_bytes: the strategy's textbook bytes per rank per step
+    (`formula`: "2(N-1)/N x G" for DDP, ZeRO-1/2 and shard_grad_op, "3(N-1)/N x G" for ZeRO-3 / full_shard; see
+    benchmarks.formulas) for a purely data-parallel run (tp = pp = 1; else None); wire_bytes_match: whether the
+    steady steps meet it (DDP to the byte; sharded strategies within 10%, under it for ZeRO-3 whose root unit
+    stays gathered into backward). estimate_model_states: `estimate_memory` of the strategy (fp32 AdamW) for a
+    purely data-parallel run. steps_run: steps trained (fewer than options.steps after an early stop);
+    validation: [step, loss] of each evaluation; stopped_at: the step after which the ranks stopped, or None.
+    mesh: {dp, tp, pp} sizes; wire_bytes_per_axis: the same distinct values per axis; ops_per_axis: rank 0's last
+    step per axis, `CommStats.as_dict()` ({op: {calls, bytes, wire_bytes}}). mesh_run: the run went through
+    sw.parallelize (anything but plain DDP). ranks: per rank, its mesh coords, wire_bytes_per_axis, peak_rss (bytes
+    of the whole process; on the thread backend every rank shares one process) and memory
+    (memory_stats().as_dict(): params, grads, optimizer, model_states bytes).
     """
 
     run_dir: str
@@ -182,6 +205,12 @@ class DemoSummary:
     mesh: dict[str, int]
     wire_bytes_per_axis: dict[str, list[int]]
     ops_per_axis: dict[str, dict[str, dict[str, int]]]
+    mesh_run: bool = False
+    formula: str | None = None
+    estimate_model_states: int | None = None
+    steps_run: int = 0
+    validation: list[list[float]] = dataclasses.field(default_factory=list)
+    stopped_at: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,9 +231,10 @@ def train_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     model = DDP(model, comm)
     opt = torch.optim.AdamW(model.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    corpus = ByteCorpus(options.data)
+    corpus, held = split_corpus(ByteCorpus(options.data), options)
     sampler = ShardedSampler(corpus, options.batch_size, config.seq_len, rank=comm.rank, world_size=comm.size,
                              seed=options.seed)
+    stopper = EarlyStop(options, held, comm, comm, comm.rank, config.seq_len, lambda x, y: model(x, y))
     log = StepLog(options, comm.rank, options.batch_size * config.seq_len * comm.size)
     wire: list[int] = []
     calls = 0
@@ -226,6 +256,8 @@ def train_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
         calls = max(calls, step_stats.calls("all_reduce"))
         ops = step_stats.as_dict()
         log.record(step, global_loss.item(), lr, seconds, wire_bytes=wire[-1])
+        if stopper.should_stop(step, model):
+            break
     return {
         "rank": comm.rank,
         "grad_bytes": grad_bytes,
@@ -237,12 +269,15 @@ def train_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
         "peak_rss": peak_rss_bytes(),
         "memory": memory_stats(model, opt).as_dict(),
         "metrics": log.close(),
+        "validation": stopper.history,
+        "stopped_at": stopper.stopped_at,
     }
 
 
 # ---- the parent -----------------------------------------------------------------------------------------------------
-def run_demo(options: DemoOptions) -> DemoSummary:
-    """Launch the ranks, print the summary table, write the run directory; return the summary."""
+def run_demo(options: DemoOptions, run_dir: Path | None = None) -> DemoSummary:
+    """Launch the ranks, print the summary table, write the run directory (`run_dir`, else a new
+    <out>/<YYYYmmdd-HHMMSS>); return the summary."""
     config = GPTConfig.preset(options.preset)
     with torch.device("meta"):  # counts parameters without allocating or drawing them
         num_params = GPT(config).num_parameters()
@@ -262,7 +297,10 @@ def run_demo(options: DemoOptions) -> DemoSummary:
                      timeout=COMM_TIMEOUT_S)
     wall = time.perf_counter() - started
     summary = _summarise(options, results, num_params, tokens_per_step, wall)
-    run_dir = _make_run_dir(Path(options.out))
+    if run_dir is None:
+        run_dir = _make_run_dir(Path(options.out))
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
     summary.run_dir = str(run_dir)
     _write_outputs(run_dir, summary, results[0]["metrics"], options.label)
     print(format_summary(summary))
@@ -279,12 +317,21 @@ def _summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: 
     measured = sorted({w for r in results for w in r["wire_bytes"]})
     formula: int | None = None
     match: bool | None = None
+    estimate: int | None = None
     if not options.uses_mesh:
         formula = ring_all_reduce_bytes(grad_bytes, options.nproc)
         # DDP reduces bucket by bucket and CommStats rounds each bucket's 2(N-1)/N share down to a whole byte, so
         # with N not a power of two the sum may sit up to one byte per call below the formula.
         calls = max(r["all_reduce_calls"] for r in results)
         match = all(0 <= formula - w <= calls for w in measured)
+    elif options.tp * options.pp == 1:  # purely data parallel: the strategy's own formula applies
+        formula = wire_bytes_formula(options.strategy, grad_bytes, options.dp, options.dp_shard, options.microbatches)
+        steady = [r["wire_bytes"][-1] for r in results]  # ZeRO-1/2 gather the updated parameters from step 2 on
+        match = all(0.9 * formula <= w <= 1.02 * formula for w in steady)
+    if options.tp * options.pp == 1:
+        shards = options.dp_shard if options.strategy == "fsdp:hybrid_shard" else options.dp
+        estimate = int(estimate_memory(num_params, estimate_key(options.strategy), shards,
+                                       mixed_precision=False).total)
     return DemoSummary(
         run_dir="",
         options=dataclasses.asdict(options),
@@ -302,6 +349,12 @@ def _summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: 
         wire_bytes_match=match,
         wall_s=wall,
         **mesh_fields(options, results),
+        mesh_run=options.uses_mesh,
+        formula=formula_text(options.strategy, options.microbatches or 1) if formula is not None else None,
+        estimate_model_states=estimate,
+        steps_run=len(losses),
+        validation=results[0]["validation"],
+        stopped_at=results[0]["stopped_at"],
     )
 
 
@@ -355,7 +408,12 @@ def format_summary(s: DemoSummary) -> str:
         ("median step time", f"{s.median_step_ms:,.1f} ms"),
         ("throughput", f"{s.tokens_per_s:,.0f} tokens/s  ({s.tokens_per_step:,} tokens/step)"),
     ]
-    if s.formula_wire_bytes is not None:
+    if s.stopped_at is not None or s.validation:
+        last = f"{s.validation[-1][1]:.3f} at step {int(s.validation[-1][0])}" if s.validation else "none"
+        stop = (f"stopped early after step {s.stopped_at} (patience {s.options['early_stop']})"
+                if s.stopped_at is not None else f"trained all {s.steps_run} steps")
+        rows.append(("validation loss", f"{last}; best {min(v[1] for v in s.validation):.3f}; {stop}"))
+    if not s.mesh_run:
         rows += [
             ("all-reduce wire bytes/step", f"measured {measured} per rank"),
             ("  formula 2(N-1)/N x grads", f"{s.formula_wire_bytes:,}  (grads {s.grad_bytes:,} B)  "
@@ -363,14 +421,20 @@ def format_summary(s: DemoSummary) -> str:
         ]
     else:
         rows += axis_rows(s)
+        if s.formula_wire_bytes is not None:
+            steady = max(s.wire_bytes_per_step)
+            rows.append((f"  formula {s.formula}", f"{s.formula_wire_bytes:,}  (G = grads {s.grad_bytes:,} B); "
+                         f"measured/formula {steady / s.formula_wire_bytes:.3f}  "
+                         f"{'MATCH' if s.wire_bytes_match else 'MISMATCH'}"))
     shared = s.options["backend"] == "thread"
     for r in s.ranks:
         m = r["memory"]
         rss = _mib(r["peak_rss"]) + (" (shared process)" if shared else "")
-        where = f" (dp {r['coords']['dp']}, tp {r['coords']['tp']}, pp {r['coords']['pp']})" \
-            if s.formula_wire_bytes is None else ""
-        rows.append((f"rank {r['rank']}{where} memory", f"peak RSS {rss}; model states {_mib(m['model_states'])} "
-                                                 f"(params {_mib(m['params'])}, grads {_mib(m['grads'])}, "
+        where = f" (dp {r['coords']['dp']}, tp {r['coords']['tp']}, pp {r['coords']['pp']})" if s.mesh_run else ""
+        against = (f" vs estimate {_mib(s.estimate_model_states)} ({m['model_states'] / s.estimate_model_states:.3f})"
+                   if s.estimate_model_states else "")
+        rows.append((f"rank {r['rank']}{where} memory", f"peak RSS {rss}; model states {_mib(m['model_states'])}"
+                                                 f"{against} (params {_mib(m['params'])}, grads {_mib(m['grads'])}, "
                                                  f"optimizer {_mib(m['optimizer'])})"))
     rows.append(("wall time", f"{s.wall_s:.1f} s"))
     width = max(len(k) for k, _ in rows)

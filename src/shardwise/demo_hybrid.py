@@ -42,9 +42,10 @@ from torch import nn
 
 from . import layout
 from .comm.base import Communicator, CommStats, ReduceOp
+from .consensus import agree
 from .hybrid import parallelize
 from .mesh import AXES, Mesh
-from .models.gpt import GPT, GPTConfig
+from .models.gpt import GPT, GPTConfig, lm_loss
 from .pipeline.schedules import check_schedule_args
 from .whole.clip import clip_grad_norm_
 from .whole.memory import memory_stats, peak_rss_bytes
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from .demo import DemoOptions, DemoSummary
 
 __all__ = ["train_mesh_rank", "axis_groups", "dp_size", "check_mesh_options", "mesh_fields", "axis_rows", "lr_at",
-           "StepLog"]
+           "StepLog", "EarlyStop", "split_corpus"]
 
 
 def dp_size(nproc: int | None, dp: int | None, tp: int, pp: int) -> int:
@@ -142,6 +143,73 @@ class StepLog:
         return self.metrics if self.lead else None
 
 
+#: The share of the corpus held out for validation when early stopping is on (its last bytes).
+VALIDATION_FRACTION = 0.1
+
+
+def split_corpus(corpus: Any, options: DemoOptions) -> tuple[Any, Any]:
+    """(train, validation): without early stopping the whole corpus and None; with it, the first 90% to train on
+    and the last 10% held out (copies of the corpus whose `tokens` are the two slices), so validation windows
+    never overlap training ones."""
+    if options.early_stop is None:
+        return corpus, None
+    import copy
+
+    cut = int(len(corpus) * (1 - VALIDATION_FRACTION))
+    train, held = copy.copy(corpus), copy.copy(corpus)
+    train.tokens, held.tokens = corpus.tokens[:cut], corpus.tokens[cut:]
+    return train, held
+
+
+class EarlyStop:
+    """Patience on a validation loss, decided by every rank together.
+
+    Every `options.eval_every` steps the model is evaluated (eval mode, no gradients) on the same
+    `options.eval_batches` held-out batches (this dp rank's rows of each), the mean is averaged over the dp group
+    (`dp_comm`), and an evaluation that does not beat the best so far by more than `min_delta` counts as bad;
+    after `options.early_stop` bad evaluations in a row the rank votes to stop. The vote goes through
+    `sw.agree(..., comm, how="all")` over the world: every rank leaves the loop at the same step (a rank that
+    stopped alone would leave its peers waiting in their next collective), and `history` keeps [step, loss].
+    `evaluate(x, y)` returns the loss of one batch (the plain model's forward, or the 3-D model's predict + loss).
+    """
+
+    def __init__(self, options: DemoOptions, held: Any, comm: Communicator, dp_comm: Communicator, dp_rank: int,
+                 seq_len: int, evaluate: Any) -> None:
+        self.options, self.comm, self.dp_comm, self.evaluate = options, comm, dp_comm, evaluate
+        self.batches = [held.batch(i, options.batch_size, seq_len, seed=options.seed, rank=dp_rank,
+                                   world_size=options.dp) for i in range(options.eval_batches)] if held else []
+        self.best = math.inf
+        self.bad = 0
+        self.history: list[list[float]] = []
+        self.stopped_at: int | None = None
+
+    @torch.no_grad()
+    def validation_loss(self, model: nn.Module) -> float:
+        model.eval()
+        try:
+            total = torch.stack([self.evaluate(x, y).detach().float() for x, y in self.batches]).mean().reshape(1)
+        finally:
+            model.train()
+        self.dp_comm.all_reduce(total, ReduceOp.AVG)
+        return float(total.item())
+
+    def should_stop(self, step: int, model: nn.Module) -> bool:
+        """After step `step`: evaluate when due, and return True (on every rank alike) when patience ran out."""
+        patience = self.options.early_stop
+        if patience is None or (step + 1) % self.options.eval_every:
+            return False
+        loss = self.validation_loss(model)
+        self.history.append([step, loss])
+        if loss < self.best - self.options.min_delta:
+            self.best, self.bad = loss, 0
+        else:
+            self.bad += 1
+        if agree(self.bad >= patience, self.comm, how="all"):
+            self.stopped_at = step
+            return True
+        return False
+
+
 # ---- the mesh rank body ---------------------------------------------------------------------------------------------
 def axis_groups(model: nn.Module, mesh: Mesh) -> dict[str, list[Communicator]]:
     """Per mesh axis, the communicators (each once) that carry its traffic: the axis itself when it has more than
@@ -182,13 +250,17 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
     if comm.rank == 0:
         print(model.describe(), flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    sampler = ShardedSampler(ByteCorpus(options.data), options.batch_size, config.seq_len, rank=mesh.coords.dp,
+    corpus, held = split_corpus(ByteCorpus(options.data), options)
+    sampler = ShardedSampler(corpus, options.batch_size, config.seq_len, rank=mesh.coords.dp,
                              world_size=options.dp, seed=options.seed)
+    stopper = EarlyStop(options, held, comm, mesh.dp, mesh.coords.dp, config.seq_len,
+                        lambda x, y: lm_loss(model.predict(x), y))
     groups = axis_groups(model, mesh)
     log = StepLog(options, comm.rank, options.batch_size * config.seq_len * options.dp)
     wire: list[int] = []
     per_axis: dict[str, list[int]] = {a: [] for a in AXES}
     ops: dict[str, dict[str, dict[str, int]]] = {}
+    held: dict[str, int] = {}
     for step in range(options.steps):
         lr = log.set_lr(opt, step)
         start = time.perf_counter()
@@ -198,6 +270,8 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
             loss = model.step(x, y)
             clip_grad_norm_(model, 1.0)
             opt.step()
+            if step == 0:  # model states are at their peak now (gradients and optimizer state both held)
+                held = memory_stats(model, opt).as_dict()
             opt.zero_grad()
         global_loss = loss.detach().clone()
         mesh.dp.all_reduce(global_loss, ReduceOp.AVG)
@@ -209,6 +283,8 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
         wire.append(sum(per_axis[a][-1] for a in AXES))
         log.record(step, global_loss.item(), lr, seconds, wire_bytes=wire[-1],
                    **{f"wire_bytes_{a}": per_axis[a][-1] for a in AXES})
+        if stopper.should_stop(step, model):
+            break
     return {
         "rank": comm.rank,
         "coords": dataclasses.asdict(mesh.coords),
@@ -217,8 +293,10 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
         "wire_bytes_per_axis": per_axis,
         "ops_per_axis": ops,
         "peak_rss": peak_rss_bytes(),
-        "memory": memory_stats(model, opt).as_dict(),
+        "memory": {**held, "peak_rss": peak_rss_bytes()},
         "metrics": log.close(),
+        "validation": stopper.history,
+        "stopped_at": stopper.stopped_at,
     }
 
 
