@@ -118,10 +118,10 @@ def test_nothing_fits_names_the_smallest_world_size():
     with pytest.raises(ValueError, match="smallest world size that would fit is") as info:
         plan(work, Links(4, 4, 24 * GB), offload=False)
     n = int(str(info.value).split("fit is ")[1].split()[0])
-    # computed from the formulas: the smallest n with some layout within 90% of 24 GB, not one fewer
-    assert plan(work, Links(n, 4, 24 * GB), offload=False).chosen.fits
+    # computed from the formulas: the smallest whole number of 4-rank nodes with a layout within 90% of 24 GB
+    assert n % 4 == 0 and plan(work, Links(n, 4, 24 * GB), offload=False).chosen.fits
     with pytest.raises(ValueError):
-        plan(work, Links(n - 1, 4, 24 * GB), offload=False)
+        plan(work, Links(n - 4, 4, 24 * GB), offload=False)
 
 
 def test_candidates_apply_to_the_world():

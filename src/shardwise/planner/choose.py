@@ -264,12 +264,16 @@ def _reason(chosen: Estimate, estimates: list[Estimate], links: Links) -> str:
 
 
 def smallest_world(work: Workload, links: Links, *, limit: int = 1 << 16, **allowed: bool) -> int | None:
-    """The smallest world size > links.world_size (same ranks per node) on which some candidate fits, or None up to
-    `limit` (activations do not shrink with more data-parallel ranks)."""
+    """The smallest world size > links.world_size (same ranks per node; whole nodes once past one node) on which
+    some candidate fits, or None up to `limit` (activations do not shrink with more data-parallel ranks)."""
+    node = links.devices_per_node
     n = links.world_size + 1
     while n <= limit:
+        if n > node and n % node:
+            n += node - n % node
+            continue
         trial = dataclasses.replace(links, world_size=n)
-        if any(estimate(c, work, trial).fits for c in candidates(n, links.devices_per_node, **allowed)):
+        if any(estimate(c, work, trial).fits for c in candidates(n, node, **allowed)):
             return n
         n += 1 if n < 64 else max(1, n // 64)  # fine steps first, then ~1.5% steps (world sizes come rounded)
     return None
