@@ -23,7 +23,7 @@ from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
 from .whole import (MemoryStats, ShardedGradScaler, clip_grad_norm_, full_state_dict, load_full_state_dict,
                     memory_stats)
 
-from . import compression, layout, pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
+from . import compression, elastic, layout, pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
 
 __version__ = "0.1.0"
 
@@ -56,6 +56,7 @@ __all__ = [
     "compression",
     "detect_environment",
     "distribute",
+    "elastic",
     "estimate_memory",
     "export_full",
     "full_state_dict",
