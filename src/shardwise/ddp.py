@@ -15,6 +15,11 @@ Mechanism
   collective order identical on every rank even when hooks fire in a different order.
 * A callback queued on the autograd engine runs when backward ends: it launches what is left, waits for every
   bucket, and only then does `loss.backward()` return, with every `.grad` holding the global average.
+* `compression=`: each bucket is reduced by a `sw.compression` Compressor instead of the fp32 all-reduce (FP16,
+  BF16, TopK, RandomK, PowerSGD, OneBit; see docs/compression.md): launched at the same moment, so its first round
+  overlaps backward as the plain all-reduce does; what remains (PowerSGD's second round, decompression) runs when
+  the bucket is waited for. Each rank holds its own copy (`model.compressor`) with its error-feedback memory per
+  bucket; save it with `model.compressor.state_dict()`.
 * `no_sync()` skips communication: gradients accumulate locally and are averaged on the first backward outside it.
 * Unused parameters: by default a trainable parameter that got no gradient is an error naming it (it would leave
   its bucket waiting forever on the other ranks). With `find_unused_parameters=True` each forward walks the autograd
@@ -39,6 +44,7 @@ from ._mixin import MovesRefused, mix_in
 from .agreement import agree_on_recovery, check_agreement, describe_parameters
 from .comm.base import Communicator, ReduceOp, Work, is_communicator
 from .comm.coalesced import broadcast_coalesced
+from .compression.base import Compressor
 from .optimizer_guard import register_wrapped
 from .placement import to_comm_device
 
@@ -73,8 +79,9 @@ class _Reducer:
     """Per-model DDP state: buckets, hooks, and the bookkeeping of the backward pass in flight."""
 
     def __init__(self, module: nn.Module, comm: Communicator, bucket_mb: float, first_bucket_mb: float,
-                 find_unused_parameters: bool, broadcast_buffers: bool) -> None:
+                 find_unused_parameters: bool, broadcast_buffers: bool, compression: Compressor | None = None) -> None:
         self.comm = comm
+        self.compressor = compression.fresh() if compression is not None else None  # this rank's own state
         self.find_unused = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
@@ -186,7 +193,11 @@ class _Reducer:
     def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             bucket = self.buckets[self.next_bucket]
-            bucket.work = self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
+            if self.compressor is not None:
+                bucket.work = self.compressor.reduce(bucket.index, bucket.buffer, self.comm,
+                                                     [p.shape for p in bucket.params])
+            else:
+                bucket.work = self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
             self.next_bucket += 1
 
     def _finish_backward(self) -> None:
@@ -278,6 +289,11 @@ class DDPModule(MovesRefused):
         pipeline calls it once per step, after its last microbatch."""
         self._ddp.sync_now()
 
+    @property
+    def compressor(self) -> Compressor | None:
+        """This rank's gradient compressor (with its error-feedback state), or None: `state_dict()` saves it."""
+        return self._ddp.compressor
+
     def ddp_buckets(self) -> list[dict[str, Any]]:
         """The bucket layout: for each bucket in launch order, its parameter names and bytes."""
         names = self._ddp.names
@@ -292,6 +308,7 @@ def DDP(
     first_bucket_mb: float = 1,
     find_unused_parameters: bool = False,
     broadcast_buffers: bool = True,
+    compression: Compressor | None = None,
 ) -> nn.Module:
     """Make `module` data parallel over `comm` and return it (the same object, its parameter names unchanged).
 
@@ -299,6 +316,8 @@ def DDP(
         smaller means earlier overlap. first_bucket_mb: size of the first bucket (the last layers' gradients).
     find_unused_parameters: allow parameters that get no gradient in some iterations (see the module docstring).
     broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward.
+    compression: a `sw.compression` method (e.g. `sw.compression.PowerSGD(rank=4)`) that reduces each bucket
+        instead of the fp32 all-reduce; None (default) keeps the exact average.
     Train it with any torch.optim optimizer over `module.parameters()`; use `module.no_sync()` to accumulate.
     """
     if not isinstance(module, nn.Module):
@@ -309,6 +328,9 @@ def DDP(
     for name, value in (("find_unused_parameters", find_unused_parameters), ("broadcast_buffers", broadcast_buffers)):
         if not isinstance(value, bool):
             raise ValueError(f"DDP: {name}={value!r} must be True or False")
+    if compression is not None and not isinstance(compression, Compressor):
+        raise ValueError(f"DDP: compression={compression!r} must be None or a sw.compression method (FP16(), BF16(), "
+                         f"TopK(ratio), RandomK(ratio), PowerSGD(rank), OneBit())")
     layout.check_not_data_parallel(module, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -316,11 +338,13 @@ def DDP(
     to_comm_device(module, comm, "DDP")  # NCCL broadcasts and reduces CUDA tensors: the model goes to comm.device
     check_agreement(comm, "DDP", {"parameters": describe_parameters(module), "options": {
         "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "find_unused_parameters": find_unused_parameters,
-        "broadcast_buffers": broadcast_buffers}})
+        "broadcast_buffers": broadcast_buffers,
+        "compression": None if compression is None else compression.config()}})
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
     before = layout.placements(module)
-    reducer = _Reducer(module, comm, bucket_mb, first_bucket_mb, find_unused_parameters, broadcast_buffers)
+    reducer = _Reducer(module, comm, bucket_mb, first_bucket_mb, find_unused_parameters, broadcast_buffers,
+                       compression)
     mix_in(module, DDPModule, "DDP")
     module._ddp = reducer
     layout.declare(module, layout.Parallelized(
