@@ -91,8 +91,13 @@ class ThreadWorld:
         self.cond = threading.Condition()
         self.abort_reason: str | None = None
         self.abort_rank: int | None = None
-        self.mailboxes: dict[tuple[int, int, int, int], collections.deque[tuple[int, torch.Tensor]]] = {}
-        self.message_order = itertools.count()  # arrival order of buffered messages (receive-from-any takes the first)
+        # Buffered point-to-point: per (group, src, dst, tag) the n-th message sent waits in mailboxes[key][n] for
+        # the n-th receive posted (matching in posting order, as MPI); `message_order` is the arrival order
+        # (receive-from-any takes the earliest).
+        self.mailboxes: dict[tuple[int, int, int, int], dict[int, tuple[int, torch.Tensor]]] = {}
+        self.sent: collections.Counter[tuple[int, int, int, int]] = collections.Counter()
+        self.claimed: collections.Counter[tuple[int, int, int, int]] = collections.Counter()
+        self.message_order = itertools.count()
         self._group_ids = itertools.count()
         self.world_group = self.new_group(tuple(range(size)))
 
@@ -203,6 +208,9 @@ class _RecvWork(Work):
         self.key = (comm.group.id, src, comm.rank, tag)
         self.tag = tag
         self.done = False
+        with comm.world.cond:  # the n-th receive posted on this pair gets the n-th message
+            self.index = comm.world.claimed[self.key]
+            comm.world.claimed[self.key] += 1
 
     def is_completed(self) -> bool:
         return self.done
@@ -229,8 +237,8 @@ class _RecvWork(Work):
 
         def take() -> bool:  # runs under the world lock, so two receives never race for one message
             queue = box.get(self.key)
-            if queue:
-                taken.append(queue.popleft()[1])
+            if queue and self.index in queue:
+                taken.append(queue.pop(self.index)[1])
             return bool(taken)
 
         comm.world.wait_until(take, limit, timed_out, f"recv(src={self.src}, tag={self.tag})")
@@ -271,14 +279,17 @@ class _AnyRecvWork(AnySourceWork):
         taken: list[tuple[int, torch.Tensor]] = []
 
         def take() -> bool:  # under the world lock
-            best = None
-            for key, queue in comm.world.mailboxes.items():
+            world, best = comm.world, None
+            for key, queue in world.mailboxes.items():  # the next unclaimed message of each pair to this rank
                 group, _, dst, tag = key
-                if queue and group == comm.group.id and dst == comm.rank and self.tag in (None, tag):
-                    if best is None or queue[0][0] < best[1][0][0]:
-                        best = (key, queue)
+                first = queue.get(world.claimed[key])
+                if first is not None and group == comm.group.id and dst == comm.rank and self.tag in (None, tag):
+                    if best is None or first[0] < best[1][0]:
+                        best = (key, first)
             if best is not None:
-                taken.append((best[0][1], best[1].popleft()[1]))
+                key = best[0]
+                taken.append((key[1], world.mailboxes[key].pop(world.claimed[key])[1]))
+                world.claimed[key] += 1
             return bool(taken)
 
         def timed_out() -> CommError:
@@ -474,8 +485,9 @@ class ThreadCommunicator(Communicator):
                 return self.world.strict.post_batch(self, [(True, tensor, dst, tag)])[0]
         key = (self.group.id, self.rank, dst, tag)
         with self.world.cond:
-            queue = self.world.mailboxes.setdefault(key, collections.deque())
-            queue.append((next(self.world.message_order), tensor.detach().clone()))
+            n = self.world.sent[key]
+            self.world.sent[key] += 1
+            self.world.mailboxes.setdefault(key, {})[n] = (next(self.world.message_order), tensor.detach().clone())
             self.world.cond.notify_all()
         return CompletedWork()
 

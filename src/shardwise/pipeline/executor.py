@@ -54,6 +54,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 from .actions import Action, Op, Schedule
+from .batches import host_steps
 from .messages import Messenger, Spec, spec_of
 from .predict import check_destination, deliver
 from .schedules import FORWARD_SCHEDULES, SCHEDULES, build_schedule, check_schedule_args
@@ -181,7 +182,7 @@ class Pipeline(nn.Module):
         m = self.n_microbatches
         st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False)
         self.tied.all_reduce_grads()
-        loss = torch.zeros(1)
+        loss = torch.zeros(1, device=self.comm.device)  # broadcast: on the communicator's device
         if st.losses:
             loss.copy_(torch.stack(st.losses).sum() / m)
         self.comm.broadcast(loss, src=self._last_rank)
@@ -219,13 +220,13 @@ class Pipeline(nn.Module):
             None if forward_only else self._split(where, "targets", targets, self.n_stages - 1 in self.local_stages, m),
         )
         try:
-            for action in actions:
-                if action.is_compute:
-                    start, end = self._compute(action)
+            for step in host_steps(actions):
+                if isinstance(step, Action):
+                    start, end = self._compute(step)
                     if self.record_timeline:
-                        st.events.append(Event(self.comm.rank, str(action), start, end))
+                        st.events.append(Event(self.comm.rank, str(step), start, end))
                 else:
-                    self._communicate(action)
+                    self._communicate(step)
             st.messenger.finish()
             leftovers = [k for d in (st.inputs, st.outputs, st.grads, st.weight) for k in d]
             if leftovers:
@@ -245,16 +246,23 @@ class Pipeline(nn.Module):
         parts = split(where, name, batch, m)  # checked on every rank, so a bad batch fails everywhere alike
         return parts if needed else None
 
-    def _communicate(self, a: Action) -> None:
-        st, s, mb = self._st, a.stage, a.microbatch
-        if a.op is Op.RECV_F:
-            st.messenger.post_activation(s, mb)
-        elif a.op is Op.RECV_B:
-            st.messenger.post_gradients(s, mb, st.out_spec.get(s))
-        elif a.op is Op.SEND_F:  # forward-only: nothing needs the output once it is sent
-            st.messenger.send_activation(st.outputs.pop((s, mb)) if st.forward_only else st.outputs[(s, mb)], s, mb)
-        else:  # SEND_B
-            st.messenger.send_gradients(st.grads.pop((s, mb)), s, mb)
+    def _communicate(self, batch: tuple[Action, ...]) -> None:
+        """Post one batch of SEND/RECV actions together (batches.py: NCCL's pairing, no reliance on tags)."""
+        st = self._st
+        for a in batch:
+            s, mb = a.stage, a.microbatch
+            if a.op is Op.RECV_F:
+                st.messenger.expect_activation(s, mb)
+            elif a.op is Op.RECV_B:
+                if s not in st.out_spec:
+                    raise RuntimeError(f"Pipeline: rank {self.comm.rank} posts {a} before stage {s}'s forward ran")
+                st.messenger.expect_gradients(s, mb, st.out_spec[s])
+            elif a.op is Op.SEND_F:  # forward-only: nothing needs the output once it is sent
+                st.messenger.send_activation(st.outputs.pop((s, mb)) if st.forward_only else st.outputs[(s, mb)], s,
+                                             mb)
+            else:  # SEND_B
+                st.messenger.send_gradients(st.grads.pop((s, mb)), s, mb)
+        st.messenger.post()
 
     def _stage_input(self, s: int, mb: int) -> Any:
         """Stage s's input for microbatch mb; the leaves that carry a gradient become leaves requiring grad."""

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..comm.base import Communicator, Work
+from ..comm.base import Communicator, P2POp, Work
 from .structure import DICT, SINGLE, flatten, key_text, unflatten
 
 __all__ = ["Leaf", "Spec", "Messenger", "spec_of", "encode", "body_length", "decode", "WORDS", "MAX_LEAVES"]
@@ -117,11 +117,12 @@ def _record(where: str, spec: Spec, leaf: Leaf) -> list[int]:
     return [2 * _DTYPES.index(leaf.dtype) + leaf.grad, len(leaf.shape), *leaf.shape, *padding]
 
 
-def encode(spec: Spec, where: str) -> list[torch.Tensor]:
-    """[header] for a single tensor, else [header, body] (see the module docstring). `where` names the producer
-    (e.g. "stage 2") in the ValueError raised for a leaf that cannot be sent or too many leaves."""
+def encode(spec: Spec, where: str, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """[header] for a single tensor, else [header, body] (see the module docstring), on `device` (the
+    communicator's). `where` names the producer (e.g. "stage 2") in the ValueError raised for a leaf that cannot be
+    sent or too many leaves."""
     if spec.container == SINGLE and spec.leaves[0].dtype is not None:
-        return [torch.tensor(_record(where, spec, spec.leaves[0]), dtype=torch.int64)]
+        return [torch.tensor(_record(where, spec, spec.leaves[0]), dtype=torch.int64, device=device)]
     if len(spec.leaves) > MAX_LEAVES:
         raise ValueError(f"Pipeline: {where} output has {len(spec.leaves)} leaves; at most {MAX_LEAVES} can be sent "
                          f"between ranks")
@@ -132,7 +133,7 @@ def encode(spec: Spec, where: str) -> list[torch.Tensor]:
             body += [len(raw), *raw]
         body += _record(where, spec, leaf)
     header = [-1 - spec.container, len(spec.leaves), len(body)] + [0] * (WORDS - 3)
-    return [torch.tensor(header, dtype=torch.int64), torch.tensor(body, dtype=torch.int64)]
+    return [torch.tensor(header, dtype=torch.int64, device=device), torch.tensor(body, dtype=torch.int64, device=device)]
 
 
 def body_length(header: torch.Tensor) -> int:
@@ -169,155 +170,168 @@ def decode(header: torch.Tensor, body: torch.Tensor | None = None) -> Spec:
 class Messenger:
     """The point-to-point messages of one run of a schedule on one rank (see the module docstring).
 
-    Sends are isends waited for in `finish` (completed ones are dropped earlier); receives are posted by the
-    schedule's RECV actions and waited for by the compute action that consumes them. A receive posted before its
-    shapes are known (the metadata has not arrived, or this stage has not produced the output whose gradient it
-    is) is posted when it is consumed instead.
+    The executor hands it each batch of SEND/RECV actions (`batches.host_steps`: the sends of one compute action
+    and the receives of the next) through `send_*` / `expect_*` calls followed by one `post()`, which posts them
+    with `comm.batch_isend_irecv`, so that NCCL's unbuffered, in-order point-to-point cannot deadlock. Messages
+    between two ranks match in posting order (no tags): both sides post the same sequence, because they derive it
+    from the same schedule and the same Spec. Receives whose shapes come with the metadata of this batch are
+    posted in a second batch once the metadata is here (the sender posts it right before the data, in its one
+    batch). Receives are waited for by the compute action that consumes them (`take_*`), sends in `finish`
+    (completed ones are dropped earlier). Every buffer is allocated on `comm.device`.
     """
 
     def __init__(self, comm: Communicator, rank_of: Callable[[int], int], n_microbatches: int) -> None:
         self.comm, self.rank_of, self.m = comm, rank_of, n_microbatches
+        self.device = comm.device
         self.in_spec: dict[int, Spec] = {}  # stage -> the Spec of its input, from the metadata
         self._sent_spec: dict[int, Spec] = {}  # receiving stage -> the Spec sent to it
-        self._meta: dict[int, tuple[torch.Tensor, Work]] = {}
-        self._recvs: dict[tuple[int, int, int], list[tuple[int, torch.Tensor, Work]] | None] = {}
+        self._recvs: dict[tuple[int, int, int], list[tuple[int, torch.Tensor, Work]]] = {}
         self._sends: list[tuple[Work, torch.Tensor]] = []
-        self._flags: dict[int, list[int]] = {}  # stage -> its output leaves whose gradient comes back
-        self._flag_recv: dict[int, tuple[torch.Tensor, Work]] = {}
+        self._flags: dict[int, list[bool]] = {}  # stage -> per grad-carrying output leaf: does its gradient count
         self._sent_flags: dict[int, list[bool]] = {}  # stage -> flags sent for its input leaves
+        self._ops: list[P2POp] = []  # the batch being built: sends and receives of known shape
+        self._keys: list[tuple[int, int, int, int] | None] = []  # per op: (kind, stage, mb, leaf) of a receive
+        self._meta: list[tuple[int, torch.Tensor]] = []  # (stage, header buffer) of this batch's metadata
+        self._shaped_later: list[tuple[int, int]] = []  # (stage, microbatch) activations posted once it is here
+        self._flag_bufs: dict[int, torch.Tensor] = {}
 
     def tag(self, kind: int, stage: int, microbatch: int, leaf: int = 0) -> int:
+        """A distinct tag per message (buffered backends only: matching relies on posting order, not on tags)."""
         return ((stage * (self.m + 1) + microbatch) * MAX_LEAVES + leaf) * 4 + kind
 
-    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self._sends.append((self.comm.isend(tensor, dst, tag), tensor))
-        if len(self._sends) > 8:  # keep the list short; a sent buffer may be freed once its send completed
-            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._ops.append(P2POp.send(tensor, dst))
+        self._keys.append(None)
 
-    # ---- activations (forward) -------------------------------------------------------------------------------------
+    def _recv(self, buf: torch.Tensor, src: int, key: tuple[int, int, int, int]) -> None:
+        self._ops.append(P2POp.recv(buf, src))
+        self._keys.append(key)
+
+    # ---- building a batch ------------------------------------------------------------------------------------------
     def send_activation(self, value: Any, s: int, mb: int) -> None:
-        """Send stage s's output for microbatch mb to the rank of stage s + 1 (with the Spec the first time)."""
+        """SEND_F: stage s's output for microbatch mb to the rank of stage s + 1 (its Spec first, once per run)."""
         spec, dst = spec_of(value), self.rank_of(s + 1)
         first = self._sent_spec.get(s + 1)
         if first is None:
-            for kind, t in zip((_META, _BODY), encode(spec, f"stage {s}")):
-                self._isend(t, dst, self.tag(kind, s + 1, self.m))
+            for t in encode(spec, f"stage {s}", self.device):
+                self._send(t, dst)
             self._sent_spec[s + 1] = spec
         elif spec != first:
             raise ValueError(f"Pipeline: stage {s} returned {spec} for microbatch {mb} but {first} for the first "
                              f"microbatch; every microbatch of a step must give the same structure, dtypes and shapes")
         leaves = flatten(value)[2]
         for i in spec.tensor_indices:
-            self._isend(leaves[i].detach().contiguous(), dst, self.tag(_ACT, s + 1, mb, i))
+            self._send(leaves[i].detach().contiguous(), dst)
 
-    def post_activation(self, s: int, mb: int) -> None:
-        """Post the receive of stage s's input for microbatch mb (RECV_F)."""
-        if s not in self.in_spec:
-            if s not in self._meta:
-                header = torch.zeros(WORDS, dtype=torch.int64)
-                self._meta[s] = (header, self.comm.irecv(header, self.rank_of(s - 1), self.tag(_META, s, self.m)))
-            if self._meta[s][1].is_completed():
-                self._meta_done(s)
-        spec = self.in_spec.get(s)
-        self._recvs[(_ACT, s, mb)] = None if spec is None else self._post(spec, spec.tensor_indices, _ACT, s, mb, s - 1)
+    def expect_activation(self, s: int, mb: int) -> None:
+        """RECV_F: stage s's input for microbatch mb (after its metadata, the first time in the run)."""
+        if s in self.in_spec:
+            self._post_leaves(self.in_spec[s], self.in_spec[s].tensor_indices, _ACT, s, mb, s - 1)
+            return
+        if all(stage != s for stage, _ in self._meta):
+            header = torch.zeros(WORDS, dtype=torch.int64, device=self.device)
+            self._recv(header, self.rank_of(s - 1), (_META, s, 0, 0))
+            self._meta.append((s, header))
+        self._shaped_later.append((s, mb))
 
+    def send_gradients(self, grads: list[torch.Tensor | None], s: int, mb: int) -> None:
+        """SEND_B: the gradients of stage s's input leaves that carry one (`in_spec[s].grad_indices` order, None for an
+        unused leaf) to the rank of stage s - 1.
+
+        A structured input first sends, once per step, one flag per such leaf (1: the leaf was used), so the sender
+        leaves unused outputs out of its backward exactly as one process would (their parameters keep no gradient).
+        Every leaf is sent (zeros when unused), so the receiver knows the messages before any arrives.
+        """
+        spec, dst = self.in_spec[s], self.rank_of(s - 1)
+        flags = [True] * len(spec.grad_indices)
+        if spec.container != SINGLE and spec.grad_indices:
+            if (flags := self._sent_flags.get(s)) is None:
+                flags = self._sent_flags[s] = [g is not None for g in grads]
+                self._send(torch.tensor(flags, dtype=torch.int64, device=self.device), dst)
+        for i, g, flag in zip(spec.grad_indices, grads, flags, strict=True):
+            leaf = spec.leaves[i]
+            if not flag and g is not None:
+                raise ValueError(f"Pipeline: stage {s} input{key_text(spec.container, leaf.key)} got a gradient "
+                                 f"for microbatch {mb} but none for the first microbatch of the step; every "
+                                 f"microbatch must use the same inputs")
+            g = torch.zeros(leaf.shape, dtype=leaf.dtype, device=self.device) if g is None else g
+            self._send(g.contiguous(), dst)
+
+    def expect_gradients(self, s: int, mb: int, spec: Spec) -> None:
+        """RECV_B: the gradients of stage s's output leaves (`spec`), preceded once per step by the flags of a
+        structured output."""
+        if spec.container != SINGLE and spec.grad_indices and s not in self._flags and s not in self._flag_bufs:
+            buf = torch.zeros(len(spec.grad_indices), dtype=torch.int64, device=self.device)
+            self._flag_bufs[s] = buf
+            self._recv(buf, self.rank_of(s + 1), (_GRAD, s, self.m, 0))
+        self._post_leaves(spec, spec.grad_indices, _GRAD, s, mb, s + 1)
+
+    def _post_leaves(self, spec: Spec, indices: list[int], kind: int, s: int, mb: int, peer: int) -> None:
+        for i in indices:
+            leaf = spec.leaves[i]
+            self._recv(torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device), self.rank_of(peer),
+                       (kind, s, mb, i))
+
+    # ---- posting ---------------------------------------------------------------------------------------------------
+    def post(self) -> None:
+        """Post the batch built since the last post; where it received metadata, wait for it and post the shaped
+        receives it announced in a second batch (the sender sent everything in its one batch)."""
+        self._post_ops()
+        if not self._meta:
+            return
+        meta, self._meta = self._meta, []
+        later, self._shaped_later = self._shaped_later, []
+        for s, header in meta:
+            self._take((_META, s, 0))
+            body = None
+            if n := body_length(header):
+                body = torch.zeros(n, dtype=torch.int64, device=self.device)
+                self.comm.batch_isend_irecv([P2POp.recv(body, self.rank_of(s - 1))])[0].wait()
+            self.in_spec[s] = decode(header, body)
+        for s, mb in later:
+            self._post_leaves(self.in_spec[s], self.in_spec[s].tensor_indices, _ACT, s, mb, s - 1)
+        self._post_ops()
+
+    def _post_ops(self) -> None:
+        if not self._ops:
+            return
+        ops, keys, self._ops, self._keys = self._ops, self._keys, [], []
+        for op, key, work in zip(ops, keys, self.comm.batch_isend_irecv(ops), strict=True):
+            if key is None:
+                self._sends.append((work, op.tensor))
+            else:
+                self._recvs.setdefault(key[:3], []).append((key[3], op.tensor, work))
+        if len(self._sends) > 8:  # keep the list short; a sent buffer may be freed once its send completed
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+
+    def _take(self, key: tuple[int, int, int]) -> list[tuple[int, torch.Tensor]]:
+        if key not in self._recvs:
+            raise RuntimeError(f"Pipeline: rank {self.comm.rank} consumes message {key} that no RECV posted")
+        posted = self._recvs.pop(key)
+        for _, _, work in posted:
+            work.wait()
+        return [(i, buf) for i, buf, _ in posted]
+
+    # ---- consuming -------------------------------------------------------------------------------------------------
     def take_activation(self, s: int, mb: int) -> Any:
         """Wait for stage s's input of microbatch mb; return it rebuilt (None leaves included)."""
-        key = (_ACT, s, mb)
-        self._check_posted(key)
-        if self._recvs[key] is None:
-            if s not in self.in_spec:
-                self._meta_done(s)
-            spec = self.in_spec[s]
-            self._recvs[key] = self._post(spec, spec.tensor_indices, _ACT, s, mb, s - 1)
+        got = self._take((_ACT, s, mb)) if self.in_spec[s].tensor_indices else []
         spec = self.in_spec[s]
         leaves: list[Any] = [None] * len(spec.leaves)
-        for i, buf, work in self._recvs.pop(key):
-            work.wait()
+        for i, buf in got:
             leaves[i] = buf
         return unflatten(spec.container, spec.keys, leaves)
 
-    def _meta_done(self, s: int) -> None:
-        header, work = self._meta.pop(s)
-        work.wait()
-        body = None
-        if n := body_length(header):
-            body = torch.zeros(n, dtype=torch.int64)
-            self.comm.recv(body, self.rank_of(s - 1), self.tag(_BODY, s, self.m))  # sent with the header
-        self.in_spec[s] = decode(header, body)
-
-    # ---- gradients (backward) --------------------------------------------------------------------------------------
-    def _carried(self, s: int, spec: Spec, wait: bool) -> list[int] | None:
-        """The leaves of stage s's output whose gradient comes back: every grad-carrying one for a single tensor,
-        else those flagged by the consumer's first gradient message of the step (None while it is not here)."""
-        if spec.container == SINGLE or not spec.grad_indices:
-            return spec.grad_indices
-        if s not in self._flags:
-            if s not in self._flag_recv:
-                buf = torch.zeros(len(spec.grad_indices), dtype=torch.int64)
-                self._flag_recv[s] = (buf, self.comm.irecv(buf, self.rank_of(s + 1), self.tag(_GRAD, s, self.m)))
-            buf, work = self._flag_recv[s]
-            if not wait and not work.is_completed():
-                return None
-            work.wait()
-            del self._flag_recv[s]
-            self._flags[s] = [i for i, flag in zip(spec.grad_indices, buf.tolist()) if flag]
-        return self._flags[s]
-
-    def post_gradients(self, s: int, mb: int, spec: Spec | None) -> None:
-        """Post the receives of the gradients of stage s's output (RECV_B); `spec` is that output's, if known yet."""
-        carried = None if spec is None else self._carried(s, spec, wait=False)
-        self._recvs[(_GRAD, s, mb)] = None if carried is None else self._post(spec, carried, _GRAD, s, mb, s + 1)
-
     def take_gradients(self, s: int, mb: int, spec: Spec) -> list[torch.Tensor | None]:
-        """Wait for the gradients of stage s's output leaves, one per `spec.grad_indices` (None: no gradient)."""
-        key = (_GRAD, s, mb)
-        self._check_posted(key)
-        if self._recvs[key] is None:
-            self._recvs[key] = self._post(spec, self._carried(s, spec, wait=True), _GRAD, s, mb, s + 1)
-        got = {}
-        for i, buf, work in self._recvs.pop(key):
-            work.wait()
-            got[i] = buf
-        return [got.get(i) for i in spec.grad_indices]
-
-    def send_gradients(self, grads: list[torch.Tensor | None], s: int, mb: int) -> None:
-        """Send the gradients of stage s's input leaves that carry one (`in_spec[s].grad_indices` order, None for an
-        unused leaf) to the rank of stage s - 1 (SEND_B).
-
-        A structured input first sends, once per step, one flag per such leaf (1: a gradient follows, 0: the leaf
-        was unused), so the sender leaves unused outputs out of its backward exactly as one process would (their
-        parameters keep no gradient). A single tensor sends zeros when unused (no flags, one message per microbatch).
-        """
-        spec, dst = self.in_spec[s], self.rank_of(s - 1)
-        if spec.container == SINGLE or not spec.grad_indices:
-            flags = [True] * len(spec.grad_indices)
-        elif (flags := self._sent_flags.get(s)) is None:
-            flags = self._sent_flags[s] = [g is not None for g in grads]
-            self._isend(torch.tensor(flags, dtype=torch.int64), dst, self.tag(_GRAD, s - 1, self.m))
-        for i, g, flag in zip(spec.grad_indices, grads, flags, strict=True):
-            leaf = spec.leaves[i]
-            if not flag:
-                if g is not None:
-                    raise ValueError(f"Pipeline: stage {s} input{key_text(spec.container, leaf.key)} got a gradient "
-                                     f"for microbatch {mb} but none for the first microbatch of the step; every "
-                                     f"microbatch must use the same inputs")
-                continue
-            g = torch.zeros(leaf.shape, dtype=leaf.dtype) if g is None else g
-            self._isend(g.contiguous(), dst, self.tag(_GRAD, s - 1, mb, i))
-
-    # ---- both ------------------------------------------------------------------------------------------------------
-    def _post(self, spec: Spec, indices: list[int], kind: int, s: int, mb: int, peer: int):
-        posted = []
-        for i in indices:
-            leaf = spec.leaves[i]
-            buf = torch.empty(leaf.shape, dtype=leaf.dtype)
-            posted.append((i, buf, self.comm.irecv(buf, self.rank_of(peer), self.tag(kind, s, mb, i))))
-        return posted
-
-    def _check_posted(self, key: tuple[int, int, int]) -> None:
-        if key not in self._recvs:
-            raise RuntimeError(f"Pipeline: rank {self.comm.rank} consumes message {key} that no RECV posted")
+        """Wait for the gradients of stage s's output leaves, one per `spec.grad_indices` (None: the consumer did
+        not use that leaf, so it carries no gradient)."""
+        if s in self._flag_bufs:
+            buf = self._flag_bufs.pop(s)
+            self._take((_GRAD, s, self.m))
+            self._flags[s] = [bool(f) for f in buf.tolist()]
+        got = dict(self._take((_GRAD, s, mb))) if spec.grad_indices else {}
+        flags = self._flags.get(s, [True] * len(spec.grad_indices))
+        return [got[i] if flag else None for i, flag in zip(spec.grad_indices, flags)]
 
     def finish(self) -> None:
         """Wait for every send of the run."""

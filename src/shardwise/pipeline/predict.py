@@ -70,9 +70,9 @@ def deliver(comm: Communicator, produce: Callable[[], Any], src: int, dst: int |
     if comm.rank == src:
         try:
             value = produce()
-            messages = encode(spec_of(value), "the last stage")
+            messages = encode(spec_of(value), "the last stage", comm.device)
         except ValueError:
-            move(torch.tensor([_ERROR] + [0] * (WORDS - 1), dtype=torch.int64), _HEADER)
+            move(torch.tensor([_ERROR] + [0] * (WORDS - 1), dtype=torch.int64, device=comm.device), _HEADER)
             raise
         for kind, t in zip((_HEADER, _BODY), messages):
             move(t, kind)
@@ -80,17 +80,17 @@ def deliver(comm: Communicator, produce: Callable[[], Any], src: int, dst: int |
         for i in spec_of(value).tensor_indices:
             move(leaves[i].contiguous(), _LEAF, i)
         return value if dst is None else None
-    header = torch.zeros(WORDS, dtype=torch.int64)
+    header = torch.zeros(WORDS, dtype=torch.int64, device=comm.device)
     move(header, _HEADER)
     if (error := _failed(header, src)) is not None:
         raise error
     body = None
     if n := body_length(header):
-        body = torch.zeros(n, dtype=torch.int64)
+        body = torch.zeros(n, dtype=torch.int64, device=comm.device)
         move(body, _BODY)
     spec = decode(header, body)
     leaves: list[Any] = [None] * len(spec.leaves)
     for i in spec.tensor_indices:
-        leaves[i] = torch.empty(spec.leaves[i].shape, dtype=spec.leaves[i].dtype)
+        leaves[i] = torch.empty(spec.leaves[i].shape, dtype=spec.leaves[i].dtype, device=comm.device)
         move(leaves[i], _LEAF, i)
     return unflatten(spec.container, spec.keys, leaves)

@@ -121,14 +121,17 @@ def run_rendezvous(schedule: Schedule, cost: Callable[[Action], float], latency:
                 if meta_wait[r] is None:
                     # Part one: every send (a first activation's metadata just before it) and the metadata of a
                     # first activation received; part two, once that metadata is here: that activation itself.
-                    first = {id(a) for a, _ in metadata_stages(step, seen[r])}
+                    firsts = metadata_stages(step, seen[r])
+                    first = {id(a) for a, _ in firsts}
+                    described = {stage for a, stage in firsts if a.op is Op.RECV_F}  # shapes known after part one
                     part1, part2 = [], []
                     for a in step:
                         direction, stage, mb, peer = message_of(a, p)
                         is_send = a.op in (Op.SEND_F, Op.SEND_B)
                         if id(a) in first:
                             part1.append((is_send, peer, ("meta", stage + 1)))
-                        (part2 if id(a) in first and not is_send else part1).append((is_send, peer, (direction, stage, mb)))
+                        later = a.op is Op.RECV_F and a.stage in described
+                        (part2 if later else part1).append((is_send, peer, (direction, stage, mb)))
                     label = " ".join(str(a) for a in step)
                     batch = post(r, f"batch {label}", part1)
                     if part2:
