@@ -196,3 +196,27 @@ def test_distribute_with_no_argument_trains_under_torchrun(tmp_path):
     losses = [eval(line.split("losses=")[1]) for line in lines]
     assert losses[0][-1] < losses[0][0]  # it trains
     assert "sw.distribute over 2 ranks" in proc.stderr and "Chosen: " in proc.stderr  # rank 0 logged the plan
+
+
+# shard_grad_op's estimate is its peak inside a step (parameters gathered from forward through backward, as ZeRO-2);
+# between steps, where memory_stats looks, its parameters are sharded as ZeRO-3's.
+AT_REST = [("ddp", "ddp"), ("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "zero3"), ("fsdp", "fsdp"),
+           ("fsdp:shard_grad_op", "zero3")]
+
+
+@pytest.mark.parametrize("strategy, formula", AT_REST, ids=[s for s, _ in AT_REST])
+def test_memory_stats_of_the_demo_model_within_5_percent_of_the_estimate(strategy, formula):
+    """What a rank holds after a step (parameters, gradients, AdamW state) against sw.estimate_memory's formula."""
+    world, config = 4, GPTConfig.preset("small")  # the demo's model
+
+    def body(comm):
+        model = sw.distribute(GPT(config, seed=0), comm, strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, config.vocab_size, (2, config.seq_len))
+        model(x, x).backward()
+        opt.step()  # AdamW's state exists from the first step; the gradients are still held
+        return sw.memory_stats(model, opt).model_states
+
+    want = sw.estimate_memory(GPT(config, seed=0), formula, world, mixed_precision=False).total
+    for rank, got in enumerate(sw.launch(body, world, backend="thread", timeout=120)):
+        assert got == pytest.approx(want, rel=0.05), f"{strategy} rank {rank}: {got} bytes, estimate {want:.0f}"
