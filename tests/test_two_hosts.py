@@ -246,8 +246,8 @@ def test_two_hosts_shardwise_run_cut_link_raises_comm_error_on_every_rank(hosts,
     errors = [tmp_path / f"error{r}.json" for r in range(4)]
     # A rank's wait began at the cut at the latest, so it times out CUT_TIMEOUT later; naming the culprits then costs
     # at most one store call of the failure detector (a rank cut off from the store's host waits that long for an
-    # answer that never comes). 2 s of slack: 4 processes share this machine's cores.
-    limit = CUT_TIMEOUT + DETECTOR_CALL_S + 2.0
+    # answer that never comes). 3 s of slack: 4 processes share this machine's cores.
+    limit = CUT_TIMEOUT + DETECTOR_CALL_S + 3.0
     while not all(e.exists() for e in errors) and time.time() < cut_at + limit + 10:
         time.sleep(0.1)
     missing = [r for r, e in enumerate(errors) if not e.exists()]
@@ -330,3 +330,48 @@ def test_failure_detector_answers_within_its_store_limit_when_the_store_host_is_
     time.sleep(0.1)  # the blocked calls return; the next call connects afresh and gets real answers
     _, clause = watch.culprits([1], [0, 1], time.time(), early=False, deadline=time.monotonic())
     assert clause == "rank 1 never published a heartbeat", clause
+
+
+class _BeatingStore:
+    """A store holding heartbeat records made at read time: rank 1 beats on; rank 2 stopped beating `gone` seconds
+    before the wait began, as a rank across a link cut just then; both were last seen in the same all_reduce."""
+
+    def __init__(self, stopped_at: float) -> None:
+        self.stopped_at = stopped_at
+
+    def clone(self) -> _BeatingStore:
+        return self
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def _record(self, rank: int) -> bytes:
+        t = time.time() if rank == 1 else self.stopped_at
+        doing = ["all_reduce(op=SUM, numel=1)", [0, 1, 2], self.stopped_at - 0.01]
+        return json.dumps({"t": t, "pid": 1, "state": "running", "error": "", "doing": doing,
+                           "idle_since": 0.0, "last": None, "failed": None}).encode()
+
+    def check(self, keys) -> bool:
+        return all(k.startswith("shardwise/beat/") for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self._record(int(key.rsplit("/", 1)[1]))
+
+    def set(self, key, value) -> None:
+        pass
+
+
+def test_failure_detector_names_a_peer_whose_beats_stopped_just_before_the_wait():
+    """A wait that times out `silence` seconds after it began finds the beat of a peer cut off just before it a little
+    younger than `silence`; the detector waits for that peer to cross the line (not for a peer that beats on) and
+    names it, instead of naming every peer as if nobody stood out."""
+    silence = 2.0
+    began = time.time()
+    store = _BeatingStore(stopped_at=began - 0.1)
+    watch = heartbeat.RankWatch(store, 0, interval=0.1, silence=silence)
+    time.sleep(silence - 0.3)  # the wait "times out" with rank 2 quiet for silence - 0.2 s
+    start = time.monotonic()
+    peers, clause = watch.culprits([1, 2], [0, 1, 2], began, early=False, deadline=start)
+    assert peers == [2], clause
+    assert clause.startswith("rank 2 sent no heartbeat for 2."), clause
+    assert time.monotonic() - start < 1.0

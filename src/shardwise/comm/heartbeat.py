@@ -187,12 +187,13 @@ class Heartbeat:
 
 class PeerNote:
     """What `Board.explain` says about one peer: `text` (a clause for the error), whether it is a `culprit`, and
-    whether that is `certain` (a verdict, silence, a final record) rather than a reading of a live record."""
+    whether that is `certain` (a verdict, silence, a final record) rather than a reading of a live record; for such
+    a reading, `quiet` is the age of the record's beat in seconds."""
 
-    __slots__ = ("rank", "text", "culprit", "certain")
+    __slots__ = ("rank", "text", "culprit", "certain", "quiet")
 
-    def __init__(self, rank: int, text: str, culprit: bool, certain: bool = False) -> None:
-        self.rank, self.text, self.culprit, self.certain = rank, text, culprit, certain
+    def __init__(self, rank: int, text: str, culprit: bool, certain: bool = False, quiet: float | None = None) -> None:
+        self.rank, self.text, self.culprit, self.certain, self.quiet = rank, text, culprit, certain, quiet
 
     def __repr__(self) -> str:
         return f"PeerNote({self.rank}, {self.text!r}, culprit={self.culprit}, certain={self.certain})"
@@ -260,17 +261,17 @@ class Board:
         members = sorted(group)
         failed = rec.get("failed")
         if failed is not None and sorted(failed[1]) == members and failed[2] >= since:
-            return PeerNote(rank, f"rank {rank} failed in {failed[0]} too", False)
+            return PeerNote(rank, f"rank {rank} failed in {failed[0]} too", False, quiet=quiet)
         doing = rec.get("doing")
         if doing is not None:
             what, its_group, entered = doing
             if sorted(its_group) == members:
-                return PeerNote(rank, f"rank {rank} waits in {what} too", False)
+                return PeerNote(rank, f"rank {rank} waits in {what} too", False, quiet=quiet)
             return PeerNote(rank, f"rank {rank} waits in {what} of group {its_group} since {now - entered:.1f}s ago",
-                            True)
+                            True, quiet=quiet)
         last = f"; its last finished operation: {rec['last'][0]}" if rec.get("last") else ""
         return PeerNote(rank, f"rank {rank} is outside communication for {now - rec['idle_since']:.1f}s (stalled "
-                              f"or still computing{last})", True)
+                              f"or still computing{last})", True, quiet=quiet)
 
     def explain(self, peers: Sequence[int], group: Sequence[int], since: float, *, settle: float = 0.0,
                 poll: float = 0.05) -> list[PeerNote]:
@@ -325,6 +326,16 @@ class RankWatch:
         """
         settle = min(max(0.0, deadline - time.monotonic()), self.board.silence + self.heartbeat.interval) if early else 0
         notes = self.board.explain(peers, group, since, settle=settle)
+        # A peer whose beats stopped just before this wait began (a cut link, a host gone) has not yet been quiet for
+        # `silence` seconds when the wait times out, so its stale record still reads "waits in ... too". Wait until
+        # every such peer is judged, silent or beating again (at most `silence` + a beat), so that every peer cut off
+        # is named, not only those whose last beat happened to be older.
+        stale = 4 * self.heartbeat.interval
+        end = time.monotonic() + self.board.silence + self.heartbeat.interval
+        while (any(not n.certain and n.quiet is not None and n.quiet > stale for n in notes)
+               and time.monotonic() < end):
+            time.sleep(0.05)
+            notes = self.board.explain(peers, group, since)
         certain = [n for n in notes if n.culprit and n.certain]
         blamed = certain or [n for n in notes if n.culprit]
         ranks = [n.rank for n in blamed] or list(peers)
