@@ -2,6 +2,7 @@
 
 from .base import CommError, CommStats, Communicator, CompletedWork, OpCount, ReduceOp, Work, wire_bytes
 from .thread_backend import ThreadCommunicator, ThreadWorld
+from .throttled import Throttled
 
 __all__ = [
     "CommError",
@@ -12,6 +13,7 @@ __all__ = [
     "ReduceOp",
     "ThreadCommunicator",
     "ThreadWorld",
+    "Throttled",
     "Work",
     "wire_bytes",
 ]
