@@ -8,7 +8,7 @@
 See README.md and docs/ for the user guide.
 """
 
-from .async_sgd import DiLoCo, LocalSGD
+from .async_sgd import AsyncSGD, DiLoCo, LocalSGD
 from .checkpoint import CheckpointError, export_full, import_full, load_checkpoint, save_checkpoint
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .consensus import agree
@@ -28,6 +28,7 @@ from . import compression, elastic, layout, pipeline, tensor_parallel  # or `fro
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSGD",
     "CheckpointError",
     "CommError",
     "CommStats",

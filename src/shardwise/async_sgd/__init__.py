@@ -3,5 +3,9 @@ and a parameter server with bounded staleness. See docs/async.md."""
 
 from .diloco import DiLoCo
 from .local_sgd import LocalSGD, LocalSGDModule
+from .parameter_server import AsyncSGD, AsyncSGDModule
+from .server import Applied, ServerReport, assign_shards
+from .straggler import Straggler
 
-__all__ = ["DiLoCo", "LocalSGD", "LocalSGDModule"]
+__all__ = ["Applied", "AsyncSGD", "AsyncSGDModule", "DiLoCo", "LocalSGD", "LocalSGDModule", "ServerReport",
+           "Straggler", "assign_shards"]

@@ -1,0 +1,243 @@
+"""Parameter server (sw.AsyncSGD): s = 0 equals synchronous training, bounded staleness holds, failures, bad input."""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+
+import pytest
+import torch
+from parity import CONFIG, assert_state_close, batch, make_optimizer
+
+import shardwise as sw
+from shardwise.async_sgd import AsyncSGD, Straggler, assign_shards
+from shardwise.data import ByteCorpus
+from shardwise.models import GPT
+
+CORPUS = ByteCorpus(max_bytes=300_000)
+LOCAL_BATCH = 4
+
+
+def state_of(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def worker_batch(step: int, worker: int, n_workers: int):
+    return CORPUS.batch(step, LOCAL_BATCH, CONFIG.seq_len, rank=worker, world_size=n_workers)
+
+
+def reference(steps: int, n_workers: int) -> dict[str, torch.Tensor]:
+    """One process on the global batch (every worker's slice), AdamW: synchronous SGD on the same data."""
+    model = GPT(CONFIG, seed=0)
+    opt = make_optimizer(model.parameters())
+    for step in range(steps):
+        parts = [worker_batch(step, w, n_workers) for w in range(n_workers)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return state_of(model)
+
+
+def run_ps(comm, steps, n_servers, staleness, slow=None, factor=1.0, lr_scaling=None, seen=None):
+    """Train the tiny GPT with a parameter server; servers return their report and shard, workers their state."""
+    model = AsyncSGD(GPT(CONFIG, seed=0), comm, optimizer=make_optimizer, n_servers=n_servers, staleness=staleness,
+                     lr_scaling=lr_scaling)
+    if model.is_server:
+        report = model.serve()
+        return {"report": report, "shard": model.server_state_dict()}
+    straggler = Straggler(factor if model.worker_rank == slow else 1.0)
+    losses = []
+    for step in range(steps):
+        x, y = worker_batch(step, model.worker_rank, model.n_workers)
+        with straggler:
+            loss = model(x, y)
+            loss.backward()
+        model.step()
+        model.zero_grad()
+        losses.append(float(loss.detach()))
+    model.finish()
+    return {"state": state_of(model), "losses": losses}
+
+
+@pytest.mark.parametrize("world, n_servers", [(3, 1), (4, 2)])
+def test_staleness_zero_equals_synchronous_training(world, n_servers):
+    steps = 4
+    n_workers = world - n_servers
+    want = reference(steps, n_workers)
+    results = sw.launch(run_ps, world, steps, n_servers, 0, 1, 2.0)  # a straggler changes nothing at s = 0
+    for r in results[:n_workers]:
+        assert_state_close(r["state"], want)
+    shards = {}
+    for r in results[n_workers:]:
+        report = r["report"]
+        assert report.updates == steps and report.lost == [] and sorted(report.finished) == list(range(n_workers))
+        assert report.staleness == [0] * (steps * n_workers)
+        shards.update(r["shard"]["params"])
+    names = [n for n, _ in GPT(CONFIG, seed=0).named_parameters()]  # a tied weight once
+    assert sorted(shards) == sorted(names)  # the servers' shards cover the model, each tensor once
+    assert_state_close(shards, {n: want[n] for n in names})
+
+
+def test_bounded_staleness_holds_and_infinity_runs_ahead():
+    """3 workers, worker 2 sleeps 4x its compute: with s = 1 nobody is ever more than one step ahead of it; with
+    s = inf the fast workers run ahead and their gradients are applied stale."""
+    steps = 8
+    bounded = sw.launch(run_ps, 4, steps, 1, 1, 2, 4.0)[3]["report"]
+    assert max(a.ahead for a in bounded.applied) == 1  # the gate was reached, and held
+    assert bounded.updates == 3 * steps
+    free = sw.launch(run_ps, 4, steps, 1, math.inf, 2, 4.0)[3]["report"]
+    assert max(a.ahead for a in free.applied) > 1
+    assert max(free.staleness) > 2
+    assert free.updates == 3 * steps
+
+
+def test_asynchronous_training_lowers_the_loss():
+    results = sw.launch(run_ps, 3, 12, 1, 2)
+    for r in results[:2]:
+        assert sum(r["losses"][-3:]) / 3 < r["losses"][0] - 0.1, r["losses"]
+
+
+def test_lr_scaling_sees_each_gradients_staleness():
+    seen: list[int] = []
+
+    def scale(tau: int) -> float:
+        seen.append(tau)
+        return 1.0 / (1 + tau)
+
+    report = sw.launch(run_ps, 3, 5, 1, math.inf, None, 1.0, scale)[2]["report"]
+    assert seen == report.staleness and len(seen) == 10
+
+
+def test_server_state_round_trips():
+    def body(comm):
+        model = AsyncSGD(GPT(CONFIG, seed=0), comm, optimizer=make_optimizer, n_servers=1, staleness=0)
+        if not model.is_server:
+            for step in range(2):
+                x, y = worker_batch(step, model.worker_rank, model.n_workers)
+                model(x, y).backward()
+                model.step()
+                model.zero_grad()
+            model.finish()
+            return None
+        model.serve()
+        buf = io.BytesIO()
+        torch.save(model.server_state_dict(), buf)
+        return buf.getvalue()
+
+    saved = sw.launch(body, 2)[1]
+    state = torch.load(io.BytesIO(saved), weights_only=True)
+    assert state["version"] == 2 and state["optimizer"]["state"]  # AdamW moments are server state
+
+    def restore(comm):
+        model = AsyncSGD(GPT(CONFIG, seed=0), comm, optimizer=make_optimizer, n_servers=1)
+        if model.is_server:
+            model.load_server_state_dict(state)
+            again = model.server_state_dict()
+            model.serve()
+            return again
+        model.finish()
+        return None
+
+    again = sw.launch(restore, 2)[1]
+    assert again["version"] == 2
+    assert_state_close(again["params"], state["params"])
+    torch.testing.assert_close(again["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+
+
+def _dead_server(comm):
+    model = AsyncSGD(GPT(CONFIG, seed=0), comm, optimizer=make_optimizer, n_servers=1)
+    if model.is_server:
+        return "gone"  # never serves: a server that died after wrapping
+    x, y = worker_batch(0, model.worker_rank, model.n_workers)
+    model(x, y).backward()
+    start = time.monotonic()
+    try:
+        model.step()
+    except sw.CommError as exc:
+        return str(exc), exc.peers, time.monotonic() - start
+    return None
+
+
+def test_a_dead_server_is_named_within_the_timeout():
+    results = sw.launch(_dead_server, 3, timeout=1.5)
+    for message, peers, waited in results[:2]:
+        assert "parameter server rank 2 did not answer" in message and peers == (2,)
+        assert waited < 5
+
+
+def test_shards_are_balanced_by_size():
+    assert assign_shards([10, 1, 7, 3], 2) == [[0, 1], [2, 3]]  # 10 | 7, +3 -> 10 | 10, +1 on the tie: lowest
+    assert assign_shards([5, 5, 5], 3) == [[0], [1], [2]]
+    shards = assign_shards([p.numel() for p in GPT(CONFIG, seed=0).parameters()], 3)
+    assert sorted(i for s in shards for i in s) == list(range(len(list(GPT(CONFIG, seed=0).parameters()))))
+
+
+def _bad(comm, kwargs):
+    kwargs = dict({"optimizer": make_optimizer}, **kwargs)
+    try:
+        AsyncSGD(GPT(CONFIG, seed=0), comm, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"n_servers": 0}, "n_servers=0 must be an int in 1..1"),
+    ({"n_servers": 2}, "n_servers=2 must be an int in 1..1"),
+    ({"n_servers": True}, "n_servers=True"),
+    ({"staleness": -1}, "staleness=-1 must be an int >= 0"),
+    ({"staleness": 1.5}, "staleness=1.5 must be an int >= 0"),
+    ({"staleness": "inf"}, "or math.inf"),
+    ({"lr_scaling": "linear"}, "lr_scaling='linear' must be None, 'staleness'"),
+    ({"optimizer": "adam"}, "optimizer='adam' must be a callable"),
+])
+def test_bad_options_are_named(kwargs, words):
+    for message in sw.launch(_bad, 2, kwargs):
+        assert message is not None and words in message, message
+
+
+def test_one_rank_and_wrong_roles_are_refused():
+    with pytest.raises(ValueError, match="needs at least 2"):
+        AsyncSGD(GPT(CONFIG, seed=0), sw.init(), optimizer=make_optimizer)
+
+    def roles(comm):
+        model = AsyncSGD(GPT(CONFIG, seed=0), comm, optimizer=make_optimizer)
+        try:
+            model.serve() if not model.is_server else model.step()
+        except ValueError as exc:
+            message = str(exc)
+        if model.is_worker:
+            model.finish()
+        else:
+            model.serve()
+        return message
+
+    worker_msg, server_msg = sw.launch(roles, 2)
+    assert "serve() is for server ranks; rank 0 is a worker" in worker_msg
+    assert "step() is for worker ranks; rank 1 is a server" in server_msg
+
+
+@pytest.mark.parametrize("kind", ["tensor_parallel", "zero3"])
+def test_partitioned_models_are_refused(kind):
+    def body(comm):
+        model = GPT(CONFIG, seed=0)
+        model = sw.tensor_parallel.parallelize(model, comm) if kind == "tensor_parallel" else sw.ZeRO(model, comm,
+                                                                                                     stage=3)
+        try:
+            AsyncSGD(model, comm, optimizer=make_optimizer)
+        except ValueError as exc:
+            return str(exc)
+
+    for message in sw.launch(body, 2):
+        assert message and "sharded across ranks" in message and "allowed: a plain module" in message
+
+
+def test_straggler_sleeps_in_proportion():
+    slow = Straggler(3.0)
+    with slow:
+        time.sleep(0.05)
+    assert slow.slept == pytest.approx(2 * slow.computed, rel=0.01)
+    with pytest.raises(ValueError, match="factor=0.5 must be a number >= 1"):
+        Straggler(0.5)
