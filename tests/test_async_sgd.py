@@ -241,3 +241,61 @@ def test_straggler_sleeps_in_proportion():
     assert slow.slept == pytest.approx(2 * slow.computed, rel=0.01)
     with pytest.raises(ValueError, match="factor=0.5 must be a number >= 1"):
         Straggler(0.5)
+
+
+# ---- gloo processes under shardwise's supervisor: a worker that dies does not stop the others -------------------
+
+_KILLED_WORKER_SCRIPT = """
+import json, os, signal, sys
+import torch
+import shardwise as sw
+from shardwise.async_sgd import AsyncSGD
+from shardwise.data import ByteCorpus
+from shardwise.models import GPT, GPTConfig
+
+out, steps, victim = sys.argv[1], 10, 1
+config = GPTConfig.preset("tiny")
+corpus = ByteCorpus(max_bytes=100_000)
+comm = sw.init(timeout=60)
+model = AsyncSGD(GPT(config, seed=0), comm, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), n_servers=1,
+                 staleness=2)
+if model.is_server:
+    report = model.serve()
+    result = {"updates": report.updates, "finished": sorted(report.finished), "lost": report.lost}
+else:
+    losses = []
+    for step in range(steps):
+        if model.worker_rank == victim and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # dies mid-training, without a word to anyone
+        x, y = corpus.batch(step, 4, config.seq_len, rank=model.worker_rank, world_size=model.n_workers)
+        loss = model(x, y)
+        loss.backward()
+        model.step()
+        model.zero_grad()
+        losses.append(float(loss.detach()))
+    model.finish()
+    result = {"losses": losses}
+with open(os.path.join(out, f"rank{comm.rank}.json"), "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_gloo_worker_killed_training_continues_on_the_others(tmp_path):
+    import json
+
+    from shardwise.launch.supervise import RunConfig, keep_survivors, run
+
+    script = tmp_path / "ps.py"
+    script.write_text(_KILLED_WORKER_SCRIPT)
+    result = run(RunConfig(str(script), (str(tmp_path),), nproc=4, timeout=60), keep_survivors)
+    assert [f.rank for f in result.failures] == [1], result.report()
+    server = json.loads((tmp_path / "rank3.json").read_text())
+    assert server["lost"] == [1] and server["finished"] == [0, 2]
+    # The survivors' 2 x 10 pushes and the victim's 3 were all applied.
+    assert server["updates"] == 2 * 10 + 3
+    for rank in (0, 2):
+        losses = json.loads((tmp_path / f"rank{rank}.json").read_text())["losses"]
+        assert len(losses) == 10 and losses[-1] < losses[0]
+    assert not (tmp_path / "rank1.json").exists()
