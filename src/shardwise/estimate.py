@@ -21,8 +21,8 @@ from .planner.model_facts import model_facts
 __all__ = ["MemoryEstimate", "estimate_memory", "STRATEGIES"]
 
 #: strategy names estimate_memory accepts: costs.SHARDED's keys and the strategy strings of sw.distribute.
-STRATEGIES = {**{k: k for k in costs.SHARDED if k != "hybrid_shard"}, "fsdp": "full_shard",
-              "fsdp:full_shard": "full_shard", "fsdp:shard_grad_op": "shard_grad_op", "fsdp:no_shard": "no_shard"}
+STRATEGIES = {**{k: k for k in costs.SHARDED}, "fsdp": "full_shard", "fsdp:full_shard": "full_shard",
+              "fsdp:shard_grad_op": "shard_grad_op", "fsdp:no_shard": "no_shard", "fsdp:hybrid_shard": "hybrid_shard"}
 #: optimizer -> bytes of state per parameter beyond the parameter itself, (mixed precision, fp32)
 OPTIMIZER_BYTES = costs.OPTIMIZER_BYTES
 
@@ -97,7 +97,8 @@ def estimate_memory(
     model_or_num_params: a module (its unique parameters are counted; a GPT's or HuggingFace config gives the
         geometry) or a parameter count Ψ (int or float: 7e9).
     strategy: one of STRATEGIES ("ddp", "zero1", "zero2", "zero3", "fsdp:shard_grad_op", ...), the data-parallel
-        strategy over world_size / (tp x pp) ranks.
+        strategy over world_size / (tp x pp) ranks; for "hybrid_shard", world_size is the shard group's size (the
+        states are sharded over it and replicated across groups).
     optimizer: one of OPTIMIZER_BYTES ("none": weights and gradients only). mixed_precision: 16-bit parameters and
         gradients with an fp32 master copy in the optimizer state (True), or everything in fp32 (False).
     seq_len, batch_size: give both to add activations (batch_size: sequences per data-parallel rank per step);
@@ -120,7 +121,7 @@ def estimate_memory(
     if cpu_offload not in costs.OFFLOAD_LEVELS:
         raise ValueError(f"estimate_memory: cpu_offload={cpu_offload!r} is not known; allowed {costs.OFFLOAD_LEVELS}")
     key = STRATEGIES[strategy]
-    if cpu_offload == "full" and key not in ("zero3", "full_shard"):
+    if cpu_offload == "full" and key not in ("zero3", "full_shard", "hybrid_shard"):
         raise ValueError(f"estimate_memory: cpu_offload='full' needs parameters sharded (zero3 / fsdp:full_shard); "
                          f"got strategy={strategy!r}")
     if attention not in costs.ATTENTION:
