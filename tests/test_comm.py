@@ -10,6 +10,7 @@ from comm_checks import check_collectives, check_point_to_point, check_split, sk
 
 import shardwise as sw
 from shardwise.comm import CommError, CommStats, ReduceOp, ThreadWorld, wire_bytes
+from shardwise.comm.base import P2POp
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -183,3 +184,38 @@ def test_gloo_rank_that_never_joins_raises_comm_error():
         sw.launch(skip_one_collective, 2, backend="gloo", timeout=3)
     assert time.monotonic() - start < 30
     assert info.value.rank == 0 and "CommError" in str(info.value)
+
+
+def _parameter_server(comm):
+    """Rank 0 serves whichever worker pushes first (recv_any), answering each; workers push in reverse rank order."""
+    if comm.rank == 0:
+        seen = []
+        for _ in range(comm.size - 1):
+            buf = torch.empty(2)
+            src = comm.recv_any(buf)
+            assert buf.tolist() == [float(src)] * 2
+            seen.append(src)
+            comm.send(buf * 10, src)
+        return seen
+    time.sleep(0.3 * (comm.size - comm.rank))
+    comm.send(torch.full((2,), float(comm.rank)), 0)
+    reply = torch.empty(2)
+    comm.recv(reply, 0)
+    return reply.tolist()
+
+
+@pytest.mark.multiprocess
+def test_gloo_recv_any_takes_messages_in_arrival_order():
+    out = sw.launch(_parameter_server, 3, backend="gloo", timeout=30)
+    assert out[0] == [2, 1] and out[1] == [10.0, 10.0] and out[2] == [20.0, 20.0]
+
+
+def test_thread_recv_any_and_batch_isend_irecv_validate_their_arguments():
+    comm = ThreadWorld(2).communicators()[0]
+    with pytest.raises(ValueError, match=r"batch_isend_irecv: ops=.* must be a list of P2POp"):
+        comm.batch_isend_irecv([("send", torch.ones(1), 1)])
+    with pytest.raises(ValueError, match=r"batch_isend_irecv: peer=5 is not a rank of this group; allowed 0..1"):
+        comm.batch_isend_irecv([P2POp.send(torch.ones(1), 5)])
+    with pytest.raises(ValueError, match=r"recv_any: tag='x' must be an int or None"):
+        comm.irecv_any(torch.ones(1), tag="x")
+    assert comm.batch_isend_irecv([]) == []

@@ -26,10 +26,13 @@ import torch
 import torch.distributed as dist
 
 from .base import (
+    AnySourceWork,
     Communicator,
     CommError,
     CommStats,
     CompletedWork,
+    P2PKind,
+    P2POp,
     ReduceOp,
     Work,
     check_color,
@@ -114,6 +117,23 @@ class _TorchWork(Work):
     def overdue_error(self) -> CommError:
         """The CommError of a stream-waited collective found unfinished after its deadline."""
         return self.comm._error(self.what, self.comm.timeout, None, self.peers, start=self.issued)
+
+
+class _AnySourceTorchWork(AnySourceWork):
+    """A receive from any source: the process group's work knows the sender (`_source_rank`, a rank of the group)."""
+
+    def __init__(self, inner: _TorchWork) -> None:
+        self.inner = inner
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.inner.wait(timeout if timeout is not None else self.inner.comm.timeout)  # a host wait: we need the rank
+
+    def source(self, timeout: float | None = None) -> int:
+        self.wait(timeout)
+        return int(self.inner.work._source_rank())
 
 
 class TorchCommunicator(Communicator):
@@ -301,6 +321,46 @@ class TorchCommunicator(Communicator):
         peer = self.global_ranks[src]
         start = lambda: dist.irecv(tensor, peer, self.group, tag)  # noqa: E731
         return self._issue(f"recv(src={src}, tag={tag})", start, None, True, [peer])
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
+        """torch.distributed.batch_isend_irecv: on NCCL one group (ncclGroupStart/End) whose sends and receives
+        progress together, so a step that sends and receives cannot deadlock on the pair's one stream; messages
+        between two ranks match in posting order (NCCL ignores tags). One Work per op, in order."""
+        self._check_p2p_ops(ops)
+        if not ops:
+            return []
+        p2p, parts = [], []
+        for o in ops:
+            send = o.kind is P2PKind.SEND
+            self.stats.record("send" if send else "recv", tensor_bytes(o.tensor), self.size)
+            p2p.append(dist.P2POp(dist.isend if send else dist.irecv, o.tensor, self.global_ranks[o.peer],
+                                  self.group, o.tag))
+            parts.append(f"{'send(dst' if send else 'recv(src'}={o.peer})")
+        peers = sorted({self.global_ranks[o.peer] for o in ops})
+        what = f"batch_isend_irecv({', '.join(parts)})"
+        works: list[dist.Work] = []
+
+        def start() -> dist.Work:
+            works.extend(dist.batch_isend_irecv(p2p))
+            return works[-1]
+
+        self._issue(what, start, None, True, peers, tensors=[o.tensor for o in ops])
+        return [_TorchWork(self, w, what, None, peers) for w in works]
+
+    def irecv_any(self, tensor: torch.Tensor, tag: int | None = None) -> AnySourceWork:
+        """gloo's receive from any source (`irecv` with src=None); `tag` None means tag 0 (gloo matches tags).
+        NCCL has no receive-from-any-source: raises ValueError (use a fixed order of receives, or gloo / MPI for
+        a parameter server)."""
+        if self.backend == "nccl":
+            raise ValueError("recv_any: NCCL has no receive-from-any-source; post receives from known ranks in a "
+                             "fixed order, or run the protocol on a gloo / MPI communicator")
+        if tag is not None and not isinstance(tag, int):
+            raise ValueError(f"recv_any: tag={tag!r} must be an int or None")
+        self.stats.record("recv", tensor_bytes(tensor), self.size)
+        others = [r for r in self.global_ranks if r != self.global_rank]
+        what = f"recv_any(tag={tag})"
+        work = self._issue(what, lambda: dist.irecv(tensor, None, self.group, tag or 0), None, True, others)
+        return _AnySourceTorchWork(work)
 
     # ---- groups -----------------------------------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
