@@ -1,14 +1,15 @@
 """Gradient compression for data-parallel reductions: `sw.DDP(model, comm, compression=sw.compression.PowerSGD(4))`.
 
 Methods (one file each): FP16 / BF16 (cast.py), TopK (topk.py), RandomK (randomk.py), PowerSGD (powersgd.py),
-OneBit (onebit.py); the interface they share is base.Compressor. See docs/compression.md for when to use which.
+OneBit (onebit.py); OneBitAdam (onebit_adam.py), an optimizer exchanging 1-bit momentum; the interface they share is base.Compressor. See docs/compression.md for when to use which.
 """
 
 from .base import Compressor, Payload
 from .cast import BF16, FP16
 from .onebit import OneBit
+from .onebit_adam import OneBitAdam
 from .powersgd import PowerSGD
 from .randomk import RandomK
 from .topk import TopK
 
-__all__ = ["BF16", "Compressor", "FP16", "OneBit", "Payload", "PowerSGD", "RandomK", "TopK"]
+__all__ = ["BF16", "Compressor", "FP16", "OneBit", "OneBitAdam", "Payload", "PowerSGD", "RandomK", "TopK"]

@@ -31,6 +31,8 @@ from ..optimizer_guard import mark_replaced, register_wrapped
 from ..placement import to_comm_device
 from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
+from ..compression.base import Compressor
+from ..compression.support import check_supported
 from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
 from .engine import ShardingConfig, ShardingEngine
 from .offload import offload_level
@@ -79,6 +81,11 @@ class ShardedModule(MovesRefused):
             {"unit": u.name, "params": u.numel, "tensors": len(u.infos), "padded": u.padded, "shard": u.shard_size}
             for u in self._sharding.units
         ]
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """This rank's gradient compressor (its error-feedback state: `state_dict()`), or None."""
+        return self._sharding.compressor
 
 
 def _check_common(module: nn.Module, comm: Any, mixed_precision: Any, cpu_offload: Any, group_mb: Any,
@@ -162,6 +169,7 @@ def ZeRO(
     prefetch: bool = True,
     replicated_params: tuple[nn.Parameter, ...] = (),
     max_inflight_reductions: int = 2,
+    compression: Compressor | None = None,
 ) -> nn.Module:
     """ZeRO data parallelism (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
     Models", SC 2020) over `comm`; returns the same module.
@@ -181,6 +189,8 @@ def ZeRO(
         (e.g. a weight tied across pipeline stages, whose copies are summed before the data-parallel average).
     max_inflight_reductions: gradient reduce-scatters in flight during backward; one more finishes the oldest and
         frees its flat buffer, bounding unsharded gradient memory (memory_stats().grad_buffer_peak).
+    compression: a `sw.compression` method (stage 1/2: TopK, RandomK, PowerSGD, OneBit) replacing each unit's
+        reduce-scatter by a compressed all-reduce, after which each rank keeps its shard (docs/compression.md).
     After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
     empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
     """
@@ -188,10 +198,12 @@ def ZeRO(
         raise ValueError(f"ZeRO: stage={stage!r} is not supported; allowed 1, 2 or 3")
     mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
                        {"prefetch": prefetch})
+    check_supported(compression, f"zero{stage}", reduce_dtype=mp.reduce_dtype)
     config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, wrap=wrap,
                             cpu_offload=offload_level(cpu_offload), group_mb=group_mb, prefetch=prefetch,
                             activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
-                            max_inflight_reductions=_check_inflight(max_inflight_reductions))
+                            max_inflight_reductions=_check_inflight(max_inflight_reductions),
+                            compression=compression)
     return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params))
 
 
@@ -209,6 +221,7 @@ def FSDP(
     prefetch: bool = True,
     replicated_params: tuple[nn.Parameter, ...] = (),
     max_inflight_reductions: int = 2,
+    compression: Compressor | None = None,
 ) -> nn.Module:
     """Fully sharded data parallelism (Zhao et al., "PyTorch FSDP", VLDB 2023) with PyTorch's strategy names.
 
@@ -217,6 +230,8 @@ def FSDP(
         through backward), "no_shard" (= DDP), "hybrid_shard" (full_shard inside groups of `shard_size`
         consecutive ranks, replicated across the groups: gradients are reduce-scattered in the group, then
         all-reduced across groups).
+    compression: a `sw.compression` method for no_shard (any) and the replicate axis of hybrid_shard (PowerSGD
+        only with shard_size=1); refused with full_shard / shard_grad_op (docs/compression.md).
     The other options are those of `ZeRO`.
     """
     comm = comm_or_mesh.dp if isinstance(comm_or_mesh, Mesh) else comm_or_mesh
@@ -235,10 +250,13 @@ def FSDP(
     mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
                        {"prefetch": prefetch})
     replicated_params = _check_replicated(module, replicated_params)
+    check_supported(compression, sharding, reduce_dtype=mp.reduce_dtype, shard_size=shard_size or 1,
+                    replicas=comm.size // shard_size if sharding == "hybrid_shard" else None)
     config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, wrap=wrap,
                             cpu_offload=offload_level(cpu_offload), group_mb=group_mb, prefetch=prefetch,
                             activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
-                            max_inflight_reductions=_check_inflight(max_inflight_reductions))
+                            max_inflight_reductions=_check_inflight(max_inflight_reductions),
+                            compression=compression)
     if sharding == "no_shard":
         return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard", replicated_params)
     if sharding == "hybrid_shard":

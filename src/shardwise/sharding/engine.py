@@ -56,6 +56,8 @@ class ShardingConfig:
     max_inflight_reductions: reduce-scatters allowed in flight during backward; launching one more finishes the
         oldest (its shard goes to .grad and its flat buffer is freed), so ZeRO-2/3 never hold a whole unsharded
         gradient: at most this many units' buffers plus the one accumulating (FSDP2 keeps one in flight).
+    compression: a `sw.compression` method for the data-parallel gradient reduction (which strategies accept which
+        method: compression/support.py), or None.
     """
 
     name: str
@@ -69,6 +71,7 @@ class ShardingConfig:
     prefetch: bool = True
     activation_checkpointing: int = 0
     max_inflight_reductions: int = 2
+    compression: Any = None
 
 
 def _describe_units(units: list[Unit], shown: int = 6) -> str:
@@ -116,10 +119,13 @@ class ShardingEngine:
         self.memory = GatheredMemory()
         self.grad_memory = GatheredMemory()  # flat (unsharded) gradient buffers alive, and their peak
         self._inflight: collections.deque[Unit] = collections.deque()
+        # This rank's own compressor (its error-feedback memory is per rank, one entry per unit).
+        self.compressor = config.compression.fresh() if config.compression is not None else None
         self.units = [
             Unit(plan, i, names, shard_comm, replicate_comm, keep_full=config.keep_full,
                  keep_grad_buffer=config.keep_grad_buffer, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                 offload=config.cpu_offload, memory=self.memory, grad_memory=self.grad_memory)
+                 offload=config.cpu_offload, memory=self.memory, grad_memory=self.grad_memory,
+                 compressor=self.compressor)
             for i, plan in enumerate(plans)
         ]
         self.root = self.units[-1]

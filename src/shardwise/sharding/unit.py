@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator, ReduceOp, Work
+from ..compression.base import Compressor
 from .policy import UnitPlan
 
 __all__ = ["Unit", "ParamInfo", "GatheredMemory"]
@@ -86,6 +87,7 @@ class Unit:
         offload: str,
         memory: GatheredMemory,
         grad_memory: GatheredMemory | None = None,
+        compressor: Compressor | None = None,
     ) -> None:
         self.name = plan.name
         self.memory = memory
@@ -97,6 +99,10 @@ class Unit:
         self.replicate_comm = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 else None
         self.keep_full = keep_full
         self.keep_grad_buffer = keep_grad_buffer
+        # Gradient compression (sw.compression): of the replicate all-reduce, or (ZeRO-1/2) of the whole unit's
+        # gradient by a compressed all-reduce instead of the reduce-scatter, after which this rank keeps its shard.
+        self.compressor = compressor
+        self.compressed_whole = False
         # A root unit may own nothing (every parameter is in some unit): it then only carries the root hooks.
         first = plan.params[0] if plan.params else torch.empty(0)
         self.device = first.device
@@ -287,10 +293,20 @@ class Unit:
         if self.shard_comm.size == 1 and self.replicate_comm is not None:
             # No sharding (DDP-like): skip the trivial reduce-scatter, all-reduce over the replicas right away.
             self.reduced_shard.copy_(self.grad_buffer)
-            self.reduce_work = self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG, async_op=True)
+            if self.compressor is not None:
+                self.reduce_work = self.compressor.reduce(self.index, self.reduced_shard, self.replicate_comm,
+                                                          [info.shape for info in self.infos])
+            else:
+                self.reduce_work = self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG, async_op=True)
             self.replicated = True
             return
         self.replicated = False
+        self.compressed_whole = self.compressor is not None and self.replicate_comm is None
+        if self.compressed_whole:
+            assert self.compressor is not None
+            self.reduce_work = self.compressor.reduce(self.index, self.grad_buffer, self.shard_comm,
+                                                      [info.shape for info in self.infos])
+            return
         # The flat buffer is scratch from here on (zeroed or freed before it accumulates again): a backend may
         # reduce in it in place (gloo then skips cloning it).
         self.reduce_work = self.shard_comm.reduce_scatter(self.reduced_shard, self.grad_buffer, ReduceOp.AVG,
@@ -303,8 +319,14 @@ class Unit:
         assert self.reduced_shard is not None
         self.reduce_work.wait()
         self.reduce_work = None
+        if self.compressed_whole:  # the compressed all-reduce left the average in the whole buffer: take our shard
+            self.reduced_shard.copy_(self.grad_buffer[self.shard_range[0] : self.shard_range[1]])
         if self.replicate_comm is not None and not self.replicated:
-            self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG)
+            if self.compressor is not None:
+                pieces = [torch.Size([info.shard_hi - info.shard_lo]) for info in self.infos]  # per-tensor scales
+                self.compressor.reduce(self.index, self.reduced_shard, self.replicate_comm, pieces).wait()
+            else:
+                self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG)
         start = self.shard_range[0]
         reduced = self.reduced_shard
         if self.keep_grad_buffer and self.grad_buffer is not None:

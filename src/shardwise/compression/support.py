@@ -1,0 +1,67 @@
+"""Which compression method each data-parallel strategy accepts: one table, checked at wrap time (docs mirror it).
+
+| strategy                          | FP16 / BF16         | TopK / RandomK / OneBit | PowerSGD |
+|-----------------------------------|---------------------|-------------------------|----------|
+| DDP, FSDP no_shard                | yes                 | yes                     | yes      |
+| ZeRO-1, ZeRO-2                    | no: use MixedPrecision(reduce_dtype=...) | yes (*) | yes (*) |
+| FSDP hybrid_shard (replicate axis)| yes                 | yes                     | only with shard_size=1 |
+| ZeRO-3, full_shard, shard_grad_op | no                  | no                      | no       |
+
+(*) ZeRO-1/2 replace each unit's reduce-scatter by the compressed all-reduce of the unit's gradient, then keep
+this rank's shard; the error-feedback memory is as large as the unit's gradient (ZeRO-2 gives back its gradient
+sharding for it). A 16-bit cast would move as many bytes as the fp32 reduce-scatter it replaces, while
+`MixedPrecision(reduce_dtype=torch.bfloat16)` reduce-scatters in 16 bits: half. Stage 3 shards parameters to save
+memory that a full-size residual would spend again, so it is refused. hybrid_shard compresses the all-reduce of
+each rank's shard across the replica groups: a shard is a 1-D slice of several parameters, which PowerSGD cannot
+view as matrices (shard_size=1 keeps whole units). A 16-bit method together with a `reduce_dtype` would cast twice:
+refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor
+from .cast import _Cast
+from .powersgd import PowerSGD
+
+__all__ = ["check_supported"]
+
+_ALLOWED = "None or a sw.compression method (FP16(), BF16(), TopK(ratio), RandomK(ratio), PowerSGD(rank), OneBit())"
+
+
+def check_supported(compression: object, strategy: str, *, reduce_dtype: torch.dtype | None = None,
+                    shard_size: int = 1, replicas: int | None = None) -> Compressor | None:
+    """Raise ValueError naming the method, the strategy and what is allowed, unless the table above allows it.
+
+    strategy: "ddp", "zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard".
+    shard_size: ranks per shard group (hybrid_shard), replicas: how many groups (None: not known yet),
+    reduce_dtype: MixedPrecision's.
+    """
+    if compression is None:
+        return None
+    if not isinstance(compression, Compressor):
+        raise ValueError(f"{strategy}: compression={compression!r} must be {_ALLOWED}")
+    method = type(compression).__name__
+    if isinstance(compression, _Cast) and reduce_dtype is not None:
+        raise ValueError(f"{strategy}: compression={method}() and MixedPrecision(reduce_dtype={reduce_dtype}) cannot "
+                         f"both be set (both choose the dtype of the gradient reduction); keep one of them")
+    if strategy in ("zero3", "full_shard", "shard_grad_op"):
+        raise ValueError(f"{strategy}: gradient compression is not supported with sharded parameters (its "
+                         f"error-feedback memory would be as large as the gradients stage 3 shards); compression is "
+                         f"allowed with DDP, ZeRO stage 1/2, FSDP no_shard, and the replicate axis of hybrid_shard")
+    if strategy in ("zero1", "zero2") and isinstance(compression, _Cast):
+        raise ValueError(f"{strategy}: compression={method}() would move as many bytes as the fp32 reduce-scatter it "
+                         f"replaces; use mixed_precision=MixedPrecision(reduce_dtype=torch.{str(compression.dtype)[6:]})"
+                         f", which reduce-scatters in 16 bits (allowed here: TopK, RandomK, PowerSGD, OneBit)")
+    if strategy == "hybrid_shard" and shard_size > 1 and isinstance(compression, PowerSGD):
+        raise ValueError(f"hybrid_shard: compression=PowerSGD needs whole matrices, but with shard_size={shard_size} "
+                         f"the replicate axis carries 1-D shards; use FP16, BF16, TopK, RandomK or OneBit there, or "
+                         f"shard_size=1 / no_shard / ZeRO-1/2 for PowerSGD")
+    if strategy == "hybrid_shard" and replicas == 1:
+        raise ValueError(f"hybrid_shard: compression={method} compresses the all-reduce across replica groups, but "
+                         f"shard_size={shard_size} leaves one group (no replicate axis); use shard_size < the world "
+                         f"size, or compression with ZeRO stage 1/2")
+    if strategy not in ("ddp", "zero1", "zero2", "no_shard", "hybrid_shard"):
+        raise ValueError(f"compression: unknown strategy {strategy!r}")
+    return compression

@@ -1,0 +1,106 @@
+"""Compression in the sharding engine: ZeRO-1/2 (a compressed all-reduce of each unit, then this rank's shard), FSDP
+no_shard and the replicate axis of hybrid_shard. Full-rank PowerSGD equals the uncompressed strategy; FP16 on the
+replicate axis trains within 0.5%; fewer bytes; every unsupported (method x strategy) cell is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import batch, frozen_model
+from sharding_cases import wrap
+
+import shardwise as sw
+from shardwise.compression import BF16, FP16, OneBit, PowerSGD, RandomK, TopK
+
+STEPS = 6
+FULL_RANK = PowerSGD(rank=1024, start_iter=0, min_compression_rate=0)
+
+
+def train(comm, name, compression=None, steps=STEPS, **options):
+    """(full state, losses, per-step world CommStats of forward + backward, compressor state) under `name`."""
+    model = wrap(frozen_model(), comm, name, compression=compression, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # SGD: see test_compression_ddp.py
+    losses, measured = [], []
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.size)
+        with comm.stats.measure() as m:
+            loss = model(x, y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        avg = loss.detach().clone()
+        comm.all_reduce(avg, sw.ReduceOp.AVG)
+        losses.append(float(avg))
+        measured.append(m)
+    state = model.compressor.state_dict() if model.compressor is not None else {}
+    return sw.full_state_dict(model), losses, measured, state
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "no_shard", "hybrid_shard1"])
+def test_full_rank_powersgd_equals_the_uncompressed_strategy(name):
+    want, want_losses, *_ = sw.launch(train, 2, name)[0]
+    for got, losses, _, state in sw.launch(train, 2, name, FULL_RANK):
+        assert any(k.startswith("memory/") for k in state)  # it did compress
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("method", [FP16(), OneBit(), TopK(0.1)], ids=repr)
+def test_the_replicate_axis_of_hybrid_shard_is_compressed(method):
+    """4 ranks, shard groups of 2: the reduce-scatter inside a group stays exact, the all-reduce of each shard
+    across the 2 groups is compressed."""
+    _, want_losses, *_ = sw.launch(train, 4, "hybrid_shard")[0]
+    results = sw.launch(train, 4, "hybrid_shard", method)
+    _, losses, _, state = results[0]
+    assert losses[-1] < losses[0] * 0.95
+    if isinstance(method, FP16):
+        for got, want in zip(losses, want_losses):
+            assert abs(got - want) <= 0.005 * want
+    else:
+        assert losses != pytest.approx(want_losses, rel=1e-6)  # lossy: not the exact average
+        assert state and not torch.equal(*(r[3][next(iter(state))] for r in results[:2]))  # per-rank residuals
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_zero_with_powersgd_all_reduces_fewer_bytes_than_its_reduce_scatter(name):
+    _, _, plain, _ = sw.launch(train, 2, name, None, 2)[0]
+    _, losses, compressed, _ = sw.launch(train, 2, name, PowerSGD(rank=2, start_iter=0), 2)[0]
+    assert "reduce_scatter" in plain[-1].ops
+    assert "reduce_scatter" not in compressed[-1].ops  # replaced by the compressed all-reduce
+    assert compressed[-1].wire_bytes("all_reduce") * 3 < plain[-1].wire_bytes("reduce_scatter")
+
+
+@pytest.mark.parametrize("name, method, match", [
+    ("zero3", TopK(0.1), r"zero3: gradient compression is not supported with sharded parameters.*allowed with DDP, "
+                         r"ZeRO stage 1/2, FSDP no_shard, and the replicate axis of hybrid_shard"),
+    ("full_shard", PowerSGD(rank=2), r"full_shard: gradient compression is not supported"),
+    ("shard_grad_op", OneBit(), r"shard_grad_op: gradient compression is not supported"),
+    ("zero2", FP16(), r"zero2: compression=FP16\(\) would move as many bytes.*MixedPrecision\(reduce_dtype=torch.float16\)"),
+    ("zero1", BF16(), r"MixedPrecision\(reduce_dtype=torch.bfloat16\).*allowed here: TopK, RandomK, PowerSGD, OneBit"),
+    ("hybrid_shard", PowerSGD(rank=2), r"hybrid_shard: compression=PowerSGD needs whole matrices.*shard_size=2"),
+    ("no_shard", "topk", r"compression='topk' must be None or a sw.compression method"),
+    ("hybrid_shard4", OneBit(), r"shard_size=4 leaves one group \(no replicate axis\)"),
+])
+def test_unsupported_cells_are_refused_naming_what_is_allowed(name, method, match):
+    def body(comm):
+        wrap(frozen_model(), comm, name, compression=method)
+
+    with pytest.raises(sw.LaunchError, match=match):
+        sw.launch(body, 4 if name.startswith("hybrid_shard") else 2)
+
+
+@pytest.mark.parametrize("method", [BF16(), FP16()], ids=repr)
+def test_a_16_bit_method_with_a_reduce_dtype_is_refused(method):
+    def body(comm):
+        wrap(frozen_model(), comm, "no_shard", compression=method,
+             mixed_precision=sw.MixedPrecision(reduce_dtype=torch.bfloat16))
+
+    with pytest.raises(sw.LaunchError, match=r"compression=\w+\(\) and MixedPrecision\(reduce_dtype=torch.bfloat16\) "
+                                             r"cannot both be set"):
+        sw.launch(body, 2)
+
+
+def test_randomk_on_no_shard_trains():
+    _, losses, *_ = sw.launch(train, 2, "no_shard", RandomK(0.25))[0]
+    assert losses[-1] < losses[0]
