@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .base import Communicator, CommError, CommStats, ReduceOp, Work, check_color, check_contiguous, tensor_bytes
+from .base import (AnySourceWork, Communicator, CommError, CommStats, ReduceOp, Work, check_color, check_contiguous,
+                   tensor_bytes)
 
 try:
     from mpi4py import MPI
@@ -87,6 +89,43 @@ class _MPIWork(Work):
         limit = self.comm.timeout if timeout is None else float(timeout)
         self.comm._wait(self.requests, self.what, self.peers, limit, self.seq)
         self._finish()
+
+
+class _MPIAnySource(AnySourceWork):
+    """A receive from any source: probes (MPI_Iprobe with MPI_ANY_SOURCE) until a message is there, then receives it
+    from its sender with the backend's deadline-bounded irecv, so the sender is known and no wait is unbounded."""
+
+    def __init__(self, comm: MPICommunicator, tensor: torch.Tensor, tag: int | None) -> None:
+        self.comm, self.tensor, self.tag = comm, tensor, tag
+        self.src: int | None = None
+        self.inner: Work | None = None
+
+    def _probe(self) -> bool:
+        if self.inner is None:
+            status = MPI.Status()
+            tag = MPI.ANY_TAG if self.tag is None else self.tag
+            if not self.comm.mpi_comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+                return False
+            self.src = status.Get_source()
+            self.inner = self.comm.irecv(self.tensor, self.src, status.Get_tag())
+        return True
+
+    def is_completed(self) -> bool:
+        return self._probe() and self.inner.is_completed()
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self.comm.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
+        while not self._probe():
+            if time.monotonic() > deadline:
+                raise self.comm._fail(f"recv_any(tag={self.tag}) timed out after {limit:g}s", "recv_any",
+                                      self.comm._peers())
+            time.sleep(0.0005)
+        self.inner.wait(max(deadline - time.monotonic(), 0.001))
+
+    def source(self, timeout: float | None = None) -> int:
+        self.wait(timeout)
+        return self.src
 
 
 # ---- the communicator -------------------------------------------------------------------------------------------------
@@ -251,6 +290,12 @@ class MPICommunicator(Communicator):
         start = lambda: [self.mpi_comm.Irecv(buf, source=src, tag=tag)]  # noqa: E731
         then = finisher(tensor, recv, 1)
         return self._issue(what, start, [self.global_ranks[src]], then, (recv, buf), True)  # type: ignore[return-value]
+
+    def irecv_any(self, tensor: torch.Tensor, tag: int | None = None) -> AnySourceWork:
+        """Receive from whichever rank's message arrives first (MPI_ANY_SOURCE; `tag` None: MPI_ANY_TAG)."""
+        if tag is not None:
+            self._check_tag("recv_any", tag)
+        return _MPIAnySource(self, tensor, tag)
 
     # ---- groups -----------------------------------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:
