@@ -23,6 +23,7 @@ contract, so every strategy that declares placements is covered.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from typing import Any
 
@@ -93,7 +94,6 @@ def redistribute(comm: Communicator, snap: Snapshot | None, model: nn.Module, op
                         f"keep a neighbour's copy (redundancy=True)", lost)
     local = {(name, tuple(tuple(b) for b in box)): data for name, box, data, _ in pieces}
     device = comm_device(comm)
-    full: dict[str, torch.Tensor] = {}
 
     def dense(name: str) -> torch.Tensor:
         """The whole of tensor `name`, each box broadcast from its holder."""
@@ -174,7 +174,6 @@ def jsonable_state(value: Any) -> Any:
 
 
 def _is_json(v: Any) -> bool:
-    import json
     try:
         json.dumps(v)
         return True
