@@ -104,3 +104,39 @@ def test_a_16_bit_method_with_a_reduce_dtype_is_refused(method):
 def test_randomk_on_no_shard_trains():
     _, losses, *_ = sw.launch(train, 2, "no_shard", RandomK(0.25))[0]
     assert losses[-1] < losses[0]
+
+
+# ---- the dp axis of sw.parallelize ----------------------------------------------------------------------------
+def train_3d(comm, dp_strategy, compression, steps=4):
+    from shardwise.models import GPT
+
+    mesh = sw.Mesh(comm, dp=2, tp=1, pp=2)
+    model = sw.parallelize(GPT(frozen_model().config, seed=0), mesh, dp_strategy=dp_strategy, n_microbatches=2,
+                           compression=compression)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, mesh.coords.dp, 2)
+        losses.append(float(model.step(x, y)))
+        opt.step()
+        opt.zero_grad()
+    return sw.full_state_dict(model), losses
+
+
+@pytest.mark.parametrize("dp_strategy", ["ddp", "zero2"])
+def test_parallelize_compresses_the_dp_axis(dp_strategy):
+    """dp=2 x pp=2: full-rank PowerSGD on the dp axis equals the uncompressed run; OneBit trains but differs."""
+    want, want_losses = sw.launch(train_3d, 4, dp_strategy, None)[0]
+    got, losses = sw.launch(train_3d, 4, dp_strategy, FULL_RANK)[0]
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    _, onebit_losses = sw.launch(train_3d, 4, dp_strategy, OneBit())[0]
+    assert onebit_losses != pytest.approx(want_losses, rel=1e-6) and onebit_losses[-1] < onebit_losses[0]
+
+
+def test_parallelize_refuses_an_unsupported_dp_cell():
+    def body(comm):
+        sw.parallelize(frozen_model(), sw.Mesh(comm, dp=2, tp=1, pp=1), dp_strategy="zero3", compression=TopK(0.1))
+
+    with pytest.raises(sw.LaunchError, match="zero3: gradient compression is not supported with sharded parameters"):
+        sw.launch(body, 2)

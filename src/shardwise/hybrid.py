@@ -39,6 +39,7 @@ from . import layout
 from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
+from .compression.support import check_supported
 from .ddp import DDP
 from .mesh import Mesh
 from .placement import to_comm_device
@@ -63,6 +64,7 @@ class _Plan:
     activation_checkpointing: int
     mixed_precision: MixedPrecision | None = None
     cpu_offload: str = "none"
+    compression: Any = None  # a sw.compression method for the dp axis (compression/support.py's table)
 
 
 def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
@@ -93,6 +95,10 @@ def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
     if plan.cpu_offload != "none" and plan.dp_strategy == "ddp":
         raise ValueError(f"parallelize: cpu_offload={plan.cpu_offload!r} needs a sharded dp_strategy (zero1/2/3 or "
                          f"fsdp:*), whose engine keeps the master shards that offload moves to the host; DDP has none")
+    strategy = plan.dp_strategy.split(":", 1)[-1]  # "ddp", "zero1".."zero3", or FSDP's sharding name
+    check_supported(plan.compression, strategy,
+                    reduce_dtype=plan.mixed_precision.reduce_dtype if plan.mixed_precision is not None else None,
+                    shard_size=plan.dp_shard or 1, replicas=dp // plan.dp_shard if plan.dp_shard else None)
     if plan.sequence_parallel and mesh.sizes["tp"] == 1:
         raise ValueError("parallelize: sequence_parallel=True needs tp > 1")
     if plan.pp_schedule == "zb_h1" and plan.dp_strategy != "ddp":
@@ -125,14 +131,15 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[n
 
 def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
     if plan.dp_strategy == "ddp":
-        return DDP(stage, mesh.dp)
+        return DDP(stage, mesh.dp, compression=plan.compression)
     mp = plan.mixed_precision
     if plan.dp_strategy.startswith("zero"):
-        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), mixed_precision=mp, cpu_offload=plan.cpu_offload)
+        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), mixed_precision=mp, cpu_offload=plan.cpu_offload,
+                    compression=plan.compression)
     sharding = plan.dp_strategy.split(":", 1)[1]
     shard_size = plan.dp_shard if sharding == "hybrid_shard" else None
     return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, mixed_precision=mp,
-                cpu_offload=plan.cpu_offload)
+                cpu_offload=plan.cpu_offload, compression=plan.compression)
 
 
 class HybridModel(nn.Module):
@@ -242,6 +249,7 @@ def parallelize(
     activation_checkpointing: bool | int = False,
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: bool | str = False,
+    compression: Any = None,
 ) -> HybridModel:
     """Data x tensor x pipeline parallelism over `mesh`, in the documented order (see the module docstring).
 
@@ -261,6 +269,9 @@ def parallelize(
         fp32 master shards are kept. With float16 use `sw.ShardedGradScaler(model)`.
     cpu_offload: for a sharded dp_strategy, the engine's offload level ("optimizer", "full" = True, False; see
         `sw.ZeRO`): each stage's master shards, gradients and optimizer state live on the host.
+    compression: a `sw.compression` method for the dp axis's gradient reduction (each stage keeps its own state):
+        with ddp, zero1/2, fsdp:hybrid_shard (its replicate axis); refused with zero3 and the other fsdp strategies
+        (docs/compression.md has the table).
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
@@ -269,7 +280,7 @@ def parallelize(
         n_microbatches = 2 * mesh.sizes["pp"]
     plan = _Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
-                 offload_level(cpu_offload))
+                 offload_level(cpu_offload), compression)
     _check(mesh, plan, model)
     to_comm_device(model, mesh.world, "parallelize")  # every axis of the mesh shares the world's device
     if mesh.sizes["tp"] > 1:
