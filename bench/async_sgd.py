@@ -1,0 +1,200 @@
+"""Benchmark: what asynchrony buys with one slow rank. Synchronous DDP against the parameter server (s = 0, 2, 8,
+inf), local SGD (H = 8, 32) and DiLoCo (H = 32), on gloo processes, one of the workers slowed `--factor` x.
+
+Every mode trains the same GPT (same seed, AdamW for DDP / local SGD / the servers, AdamW inner for DiLoCo) on
+`--workers` workers for `--seconds` of wall time; worker `--workers - 1` is a straggler (`sw.async_sgd.Straggler`:
+it sleeps (factor - 1) x its compute time, a slower machine that takes no CPU from the others). The parameter
+server adds one server rank. Collective modes decide together when to stop (`sw.agree` at each synchronisation), the
+parameter server's workers each on their own clock.
+
+Per mode: samples per second (all workers' samples / wall time), bytes per sample (every rank's wire bytes after
+wrapping: ring all-reduce cost, point-to-point payloads), and the training loss at equal samples seen: every
+worker's (time, loss) events are merged in time order, samples accumulate, and the loss is the mean over the last
+20% of the first S samples, S the smallest total any mode reached. `--rounds` rounds run the modes in rotating
+order; the figures are medians over rounds. stdout carries JSON lines only (one per mode per round, then a summary
+line per mode); `--plot` writes loss against time (and samples) for the last round.
+
+    .venv/bin/python bench/async_sgd.py --seconds 60 --rounds 3 --preset small --plot async.png   # the real figures
+    .venv/bin/python bench/async_sgd.py --seconds 4 --rounds 1 --modes ddp,ps:8,diloco:32          # a smoke run
+On a 2-core host 4-5 processes are oversubscribed: absolute speeds are low and noisy, the ratios are what counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+
+import shardwise as sw
+from shardwise.async_sgd import AsyncSGD, DiLoCo, LocalSGD, Straggler
+from shardwise.models.gpt import GPT
+
+from _common import bench_corpus, comma_list, emit, gpt_config, loadavg, median, rotations
+
+DEFAULT_MODES = "ddp,ps:0,ps:2,ps:8,ps:inf,local:8,local:32,diloco:32"
+
+
+def parse_mode(mode: str) -> tuple[str, float]:
+    kind, _, value = mode.partition(":")
+    if kind == "ddp" and not value:
+        return kind, 0
+    if kind in ("ps", "local", "diloco") and value:
+        return kind, math.inf if value == "inf" else int(value)
+    raise ValueError(f"--modes: {mode!r} is not one of ddp, ps:<s|inf>, local:<H>, diloco:<H>")
+
+
+def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of one mode: train until the time is up; return this rank's events and wire bytes."""
+    kind, value = parse_mode(mode)
+    torch.manual_seed(0)
+    config = gpt_config(args.preset, args.seq_len)
+    corpus = bench_corpus()
+    model = GPT(config, seed=0)
+    lr = args.lr
+    if kind == "ddp":
+        model = sw.DDP(model, comm)
+    elif kind == "local":
+        model = LocalSGD(model, comm, sync_every=int(value))
+    elif kind == "diloco":
+        model = DiLoCo(model, comm, sync_every=int(value))
+    else:
+        model = AsyncSGD(model, comm, optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr), n_servers=1,
+                         staleness=value)
+    opt = None if kind == "ps" else torch.optim.AdamW(model.parameters(), lr=lr)
+    before = comm.stats.snapshot()
+    if kind == "ps" and model.is_server:
+        report = model.serve()
+        return {"events": [], "wire_bytes": comm.stats.since(before).wire_bytes(),
+                "staleness_max": max(report.staleness, default=0),
+                "staleness_mean": sum(report.staleness) / max(1, len(report.staleness))}
+    worker = model.worker_rank if kind == "ps" else comm.rank
+    n_workers = model.n_workers if kind == "ps" else comm.size
+    slow = Straggler(args.factor if worker == n_workers - 1 else 1.0)
+    events = []
+    start = time.perf_counter()
+    step = 0
+    while True:
+        x, y = corpus.batch(step, args.batch_size, config.seq_len, rank=worker, world_size=n_workers)
+        with slow:
+            loss = model(x, y)
+            loss.backward()
+        if kind == "ps":
+            model.step()
+            model.zero_grad()
+        else:
+            opt.step()
+            opt.zero_grad()
+            synced = model.step() if kind in ("local", "diloco") else True
+        step += 1
+        events.append((time.perf_counter() - start, float(loss.detach())))
+        over = time.perf_counter() - start > args.seconds
+        if kind == "ps":
+            if over:
+                model.finish()
+                break
+        elif synced and sw.agree(over, comm, how="any"):
+            break
+    return {"events": events, "wire_bytes": comm.stats.since(before).wire_bytes(), "seconds": events[-1][0]}
+
+
+def summarise(mode: str, ranks: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    events = sorted(e for r in ranks for e in r["events"])
+    samples = len(events) * batch
+    seconds = max(r.get("seconds", 0.0) for r in ranks)
+    row = {"mode": mode, "samples": samples, "seconds": round(seconds, 2),
+           "samples_per_s": round(samples / seconds, 2) if seconds else None,
+           "bytes_per_sample": round(sum(r["wire_bytes"] for r in ranks) / max(1, samples)),
+           "curve": [(round(t, 3), loss) for t, loss in events]}
+    server = [r for r in ranks if "staleness_max" in r]
+    if server:
+        row["staleness_max"] = server[0]["staleness_max"]
+        row["staleness_mean"] = round(server[0]["staleness_mean"], 2)
+    return row
+
+
+def loss_at(curve: list[tuple[float, float]], n_events: int) -> float:
+    """Mean loss over the last 20% of the first `n_events` events (in time order)."""
+    window = curve[:n_events][-max(1, n_events // 5):]
+    return sum(loss for _, loss in window) / len(window)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default=DEFAULT_MODES)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the last worker")
+    parser.add_argument("--seconds", type=float, default=30.0, help="wall time of each mode")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=4, help="per worker")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--plot", default=None, help="write loss against time and samples (PNG) here")
+    args = parser.parse_args()
+    modes = comma_list(args.modes)
+    for m in modes:
+        parse_mode(m)
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for order in rotations(modes, args.rounds):
+        for mode in order:
+            world = args.workers + (1 if mode.startswith("ps:") else 0)
+            ranks = sw.launch(run_mode, world, mode, args, backend="gloo", timeout=args.timeout, threads_per_rank=1)
+            row = summarise(mode, ranks, args.batch_size)
+            rows[mode].append(row)
+            emit({k: v for k, v in row.items() if k != "curve"} | {"loadavg": loadavg()})
+            print(f"{mode:>10}: {row['samples_per_s']} samples/s, {row['bytes_per_sample']} B/sample", file=sys.stderr)
+    # Loss at equal samples seen: the smallest number of events any run reached, per round.
+    for r in range(args.rounds):
+        n = min(len(rows[m][r]["curve"]) for m in modes)
+        for m in modes:
+            rows[m][r]["loss_at_equal_samples"] = loss_at(rows[m][r]["curve"], n)
+    ddp = rows.get("ddp")
+    for m in modes:
+        summary = {"summary": m, "rounds": args.rounds,
+                   "samples_per_s": median([x["samples_per_s"] for x in rows[m]]),
+                   "bytes_per_sample": median([x["bytes_per_sample"] for x in rows[m]]),
+                   "loss_at_equal_samples": round(median([x["loss_at_equal_samples"] for x in rows[m]]), 4)}
+        if ddp:
+            summary["speed_vs_ddp"] = round(summary["samples_per_s"] / median([x["samples_per_s"] for x in ddp]), 2)
+            ddp_bytes = median([x["bytes_per_sample"] for x in ddp])
+            summary["bytes_fewer_than_ddp"] = round(ddp_bytes / summary["bytes_per_sample"], 1) \
+                if summary["bytes_per_sample"] else None
+            summary["loss_vs_ddp"] = round(summary["loss_at_equal_samples"] /
+                                           median([x["loss_at_equal_samples"] for x in ddp]), 3)
+        emit(summary)
+    if args.plot:
+        plot(rows, modes, args)
+
+
+def plot(rows: dict[str, list[dict[str, Any]]], modes: list[str], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for m in modes:
+        curve = rows[m][-1]["curve"]
+        k = max(1, len(curve) // 50)  # smooth: mean of k consecutive events
+        pts = [(curve[i + k - 1][0], sum(l for _, l in curve[i:i + k]) / k, (i + k) * args.batch_size)
+               for i in range(0, len(curve) - k + 1, k)]
+        by_time.plot([p[0] for p in pts], [p[1] for p in pts], label=m)
+        by_samples.plot([p[2] for p in pts], [p[1] for p in pts], label=m)
+    by_time.set_xlabel("seconds")
+    by_samples.set_xlabel("samples seen (all workers)")
+    for ax in (by_time, by_samples):
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{args.workers} workers, one {args.factor:g}x slower ({args.preset} GPT, gloo)")
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"plot written to {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
