@@ -1,0 +1,232 @@
+"""Benchmark: gradient compression on the demo GPT, 2 gloo processes: bytes per step, step time on loopback and on
+simulated slow links (sw.comm.Throttled at 1 Gbit/s and 100 Mbit/s), loss after N steps against uncompressed,
+beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataParallel in the same run.
+
+Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16`, `topk` (ratio --topk-ratio), `randomk`, `powersgd`
+(rank --rank, start_iter --start-iter), `onebit`, `onebit_adam` (warm-up --freeze-step; Adam instead of AdamW's
+decay), `torch_ddp`, `torch_fp16_hook`, `torch_powersgd_hook` (same rank and start iteration).
+Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW) in the SAME
+processes. Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; the row reports the mean
+of the last 10 against `none`'s. Timing phase, per link: after --warmup steps, --rounds rounds of --steps steps of
+every row, the order rotating every round (bench/_common.alternate); per step the slowest rank; the median.
+A slow link wraps each rank's Communicator in Throttled (latency --latency-ms per operation + wire bytes /
+bandwidth); torch's rows get the same delay added to each bucket's future (bytes from the same formulas), one link
+per process, so both sides pay for the same bytes. Under a real slow link (tc netem) run with --links loopback.
+stdout: JSON lines (one per row and link, one loss line per row, a header with the load average); stderr: a table.
+
+    .venv/bin/python bench/compression.py                                  # the real figures (long: ~1 h on 2 cores)
+    .venv/bin/python bench/compression.py --preset tiny --loss-steps 6 --steps 2 --rounds 1 --warmup 1  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import shardwise as sw
+from shardwise.comm import Throttled
+from shardwise.compression import BF16, FP16, OneBit, OneBitAdam, PowerSGD, RandomK, TopK
+from shardwise.comm.base import wire_bytes
+from shardwise.models.gpt import GPT
+
+from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
+
+OURS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "onebit_adam")
+TORCH = ("torch_ddp", "torch_fp16_hook", "torch_powersgd_hook")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    preset: str
+    batch_size: int
+    loss_steps: int
+    steps: int
+    rounds: int
+    warmup: int
+    links: tuple[str, ...]
+    rows: tuple[str, ...]
+    rank: int
+    start_iter: int
+    topk_ratio: float
+    freeze_step: int
+    latency_ms: float
+    lr: float = 1e-3
+    seed: int = 0
+
+
+class _Link:
+    """Throttled's timing model for torch's rows: one link per process, bytes / bandwidth after each bucket."""
+
+    def __init__(self, gbps: float | None, latency_ms: float) -> None:
+        self.gbps, self.latency_ms, self.free_at = gbps, latency_ms, 0.0
+
+    def delay(self, nbytes: int) -> float:
+        if self.gbps is None:
+            return 0.0
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + self.latency_ms / 1e3 + nbytes * 8 / (self.gbps * 1e9)
+        return self.free_at - time.perf_counter()
+
+
+def _torch_hook(kind: str, cfg: Config, link: _Link, world: int):
+    state = (powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.rank,
+                                         start_powerSGD_iter=max(2, cfg.start_iter)) if kind == "powersgd" else None)
+    formula = PowerSGD(rank=cfg.rank, start_iter=0)
+    calls = {"n": 0}
+
+    def hook(hook_state, bucket):  # no annotations: torch checks them, and this module's are strings
+        shapes = [p.shape for p in bucket.parameters()]
+        numel = bucket.buffer().numel()
+        if kind == "allreduce":  # torch's own DDP all-reduce, given the link's delay on a slow link
+            fut, nbytes = default_hooks.allreduce_hook(None, bucket), wire_bytes("all_reduce", numel * 4, world)
+        elif kind == "fp16":
+            fut, nbytes = default_hooks.fp16_compress_hook(None, bucket), wire_bytes("all_reduce", numel * 2, world)
+        else:
+            compressing = state.iter >= state.start_powerSGD_iter
+            fut = powerSGD_hook.powerSGD_hook(state, bucket)
+            nbytes = formula.wire_bytes(shapes, world) if compressing else wire_bytes("all_reduce", numel * 4, world)
+        calls["n"] += 1
+        seconds = link.delay(nbytes)
+        if seconds <= 0:
+            return fut
+
+        def late(f: torch.futures.Future) -> torch.Tensor:
+            time.sleep(max(0.0, seconds))
+            return f.value()[0] if isinstance(f.value(), list) else f.value()
+
+        return fut.then(late)
+
+    return hook
+
+
+class _Row:
+    def __init__(self, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, comm: Any = None) -> None:
+        self.name, self.model, self.opt, self.comm = name, model, opt, comm
+        self.step_no = 0
+        self.times: list[float] = []
+        self.bytes: list[int] = []
+
+
+def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: _Link) -> _Row:
+    model = GPT(gpt_config(cfg.preset), seed=cfg.seed)
+    if name in TORCH:
+        ddp = TorchDDP(model)
+        kind = {"torch_ddp": "allreduce", "torch_fp16_hook": "fp16", "torch_powersgd_hook": "powersgd"}[name]
+        if name != "torch_ddp" or link.gbps is not None:  # loopback torch_ddp: torch's built-in reducer, no hook
+            ddp.register_comm_hook(None, _torch_hook(kind, cfg, link, comm.size))
+        return _Row(name, ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr))
+    if name == "onebit_adam":
+        # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).
+        return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, freeze_step=cfg.freeze_step),
+                    link_comm)
+    method = {"none": None, "fp16": FP16(), "bf16": BF16(), "topk": TopK(cfg.topk_ratio),
+              "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
+              "onebit": OneBit()}[name]
+    ddp = sw.DDP(model, link_comm, compression=method)
+    return _Row(name, ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr), link_comm)
+
+
+def _step(row: _Row, corpus: Any, cfg: Config, rank: int, world: int, seq_len: int) -> float:
+    x, y = corpus.batch(row.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
+    row.step_no += 1
+    before = row.comm.stats.snapshot() if row.comm is not None else None
+    t0 = time.perf_counter()
+    loss = row.model(x, y)
+    loss.backward()
+    row.opt.step()
+    row.opt.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - t0
+    if before is not None:
+        row.bytes.append(row.comm.stats.since(before).wire_bytes())
+    row.times.append(elapsed)
+    return float(loss.detach())
+
+
+def _rank_main(comm: sw.Communicator, cfg: Config) -> dict[str, Any]:
+    rank, world = comm.rank, comm.size
+    corpus = bench_corpus()
+    seq_len = gpt_config(cfg.preset).seq_len
+    out: dict[str, Any] = {"loss": {}, "bytes": {}, "times": {}}
+    # Loss phase (loopback): each row trains --loss-steps steps; every rank records the rank-averaged loss.
+    for name in cfg.rows:
+        row = _build(name, comm, cfg, comm, _Link(None, 0))
+        curve = []
+        for _ in range(cfg.loss_steps):
+            loss = torch.tensor([_step(row, corpus, cfg, rank, world, seq_len)])
+            comm.all_reduce(loss, sw.ReduceOp.AVG)
+            curve.append(round(float(loss), 5))
+        out["loss"][name] = curve
+        out["bytes"][name] = row.bytes[-1] if row.bytes else None
+    # Timing phase: per link, fresh rows, alternating rounds.
+    for link_name in cfg.links:
+        gbps = None if link_name == "loopback" else float(link_name)
+        link = _Link(gbps, cfg.latency_ms)
+        link_comm = comm if gbps is None else Throttled(comm, bandwidth_gbps=gbps, latency_ms=cfg.latency_ms)
+        rows = [_build(name, comm, cfg, link_comm, link) for name in cfg.rows]
+        for row in rows:
+            for _ in range(cfg.warmup):
+                _step(row, corpus, cfg, rank, world, seq_len)
+            row.times.clear()
+        alternate(rows, cfg.rounds, cfg.steps, lambda r: _step(r, corpus, cfg, rank, world, seq_len), comm.barrier)
+        out["times"][link_name] = {r.name: r.times for r in rows}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--loss-steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--links", default="loopback,1,0.1", help="loopback and/or Gbit/s of Throttled links")
+    p.add_argument("--rows", default=",".join(OURS + TORCH))
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--start-iter", type=int, default=10)
+    p.add_argument("--topk-ratio", type=float, default=0.01)
+    p.add_argument("--freeze-step", type=int, default=40)
+    p.add_argument("--latency-ms", type=float, default=0.1)
+    p.add_argument("--nproc", type=int, default=2)
+    a = p.parse_args(argv)
+    rows = tuple(comma_list(a.rows))
+    unknown = [r for r in rows if r not in OURS + TORCH]
+    if unknown:
+        p.error(f"--rows: unknown {unknown}; allowed {list(OURS + TORCH)}")
+    cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, tuple(comma_list(a.links)), rows,
+                 a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms)
+    emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
+    results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
+    losses = results[0]["loss"]
+    base = median(losses["none"][-10:]) if "none" in losses else None
+    for name in rows:
+        tail = median(losses[name][-10:])
+        emit({"row": name, "loss_last10_median": round(tail, 5),
+              "vs_none": None if base is None else round(tail / base - 1, 4),
+              "wire_bytes_per_step": results[0]["bytes"][name], "loss_curve": losses[name]})
+    print(f"{'row':22s} {'bytes/step':>12s} {'loss':>8s} {'vs none':>8s} " +
+          " ".join(f"{link + ' ms':>14s}" for link in cfg.links), file=sys.stderr)
+    for name in rows:
+        cells = []
+        for link in cfg.links:
+            per_step = max_over_ranks([r["times"][link][name] for r in results])
+            ms = round(median(per_step) * 1e3, 2)
+            emit({"row": name, "link": link, "median_ms": ms, "steps": len(per_step)})
+            cells.append(f"{ms:14.1f}")
+        tail = median(losses[name][-10:])
+        rel = "" if base is None else f"{100 * (tail / base - 1):+7.2f}%"
+        print(f"{name:22s} {str(results[0]['bytes'][name]):>12s} {tail:8.4f} {rel:>8s} " + " ".join(cells),
+              file=sys.stderr)
+    emit({"loadavg_after": loadavg()})
+
+
+if __name__ == "__main__":
+    main()
