@@ -249,3 +249,49 @@ def test_a_silent_peer_is_a_comm_error_naming_the_receive_not_a_hang():
     # Pipeline construction agrees on the schedule with its peers first: the silent peer is caught there.
     with pytest.raises(sw.LaunchError, match=r"rank 0 failed: CommError: all_gather.* timed out after 1s.*\[1\]"):
         sw.launch(body, 2, timeout=1)
+
+
+# ---- placement: every buffer the pipeline allocates for communication is on comm.device ------------------------------
+class _Recorder:
+    """A pipeline communicator of one rank of a world of two that declares the meta device and records the devices
+    of every tensor handed to it (nothing is delivered: placement only)."""
+
+    def __init__(self, rank: int = 0, size: int = 2) -> None:
+        self.rank, self.size, self.device = rank, size, torch.device("meta")
+        self.seen: list[tuple[str, torch.device]] = []
+
+    def batch_isend_irecv(self, ops):
+        from shardwise.comm.base import CompletedWork, P2PKind
+
+        self.seen += [("send" if o.kind is P2PKind.SEND else "recv", o.tensor.device) for o in ops]
+        return [CompletedWork() for _ in ops]
+
+    def broadcast(self, tensor, src=0, *, async_op=False):
+        self.seen.append(("broadcast", tensor.device))
+
+
+def test_metadata_flags_and_receive_buffers_are_allocated_on_comm_device():
+    from shardwise.pipeline.messages import Messenger, spec_of
+
+    comm = _Recorder()
+    sender = Messenger(comm, lambda s: s % 2, 2)
+    out = (torch.randn(2, 3, device="meta", requires_grad=True), torch.ones(2, dtype=torch.int64, device="meta"))
+    sender.send_activation(out, 0, 0)  # header + body (metadata), then the leaves
+    sender.post()
+    receiver = Messenger(comm, lambda s: s % 2, 2)
+    receiver.in_spec[1] = spec_of(out)
+    receiver.expect_activation(1, 1)  # shapes known: receive buffers allocated here
+    receiver.send_gradients([None], 1, 0)  # a structured input: flags, then zeros for the unused leaf
+    receiver.expect_gradients(0, 0, spec_of(out))  # flags buffer + gradient buffers
+    receiver.post()
+    kinds = [k for k, _ in comm.seen]
+    assert kinds.count("send") >= 5 and kinds.count("recv") >= 3
+    assert {d for _, d in comm.seen} == {torch.device("meta")}, comm.seen
+
+
+def test_the_broadcast_loss_is_allocated_on_comm_device():
+    comm = _Recorder(rank=0, size=1)
+    pipe = pp.Pipeline([torch.nn.Linear(3, 3)], comm, schedule="gpipe", n_microbatches=1,
+                       loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    pipe.step(torch.randn(2, 3), torch.randn(2, 3))
+    assert comm.seen == [("broadcast", torch.device("meta"))]
