@@ -159,9 +159,11 @@ def test_shrink_then_grow_matches_one_process(strategy, options):
         assert size == 4 and position == STEPS
         for name, value in expected.items():
             torch.testing.assert_close(sd[name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
-        if rank < 3:  # a survivor: resized twice, each time from the survivors, at the step the failure hit
+        if rank < 3:  # a survivor: resized twice, each time from the survivors' memory
             assert [f["source"] for f in facts] == ["survivors", "survivors"]
-            assert [f["step"] for f in facts] == [3, 5]
+            # back to the commit of step 3, or of step 2 when the kill cut the commit of step 3 short on some
+            # survivor (its neighbour exchange is a collective): at most the failed step and one before it redone
+            assert facts[0]["step"] in (2, 3) and facts[1]["step"] == 5
 
 
 def test_zero3_without_redundancy_is_lost_and_comes_back_from_the_checkpoint(tmp_path):

@@ -114,11 +114,15 @@ class ElasticState:
 
     # ---- the three tiers ---------------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Copy the current state into memory (collective with redundancy: the ring exchange)."""
+        """Copy the current state into memory (collective with redundancy: the ring exchange).
+
+        A commit counts only once complete: when a peer dies during the exchange, neither the snapshot nor a partial
+        neighbour copy is kept, so every survivor still agrees on the previous commit, which it holds in full."""
         snap = capture(self.step, self.model, self.optimizer, self.lr_scheduler, self.sampler)
+        backup = exchange_with_neighbour(self.comm, snap.pieces()) if self.redundancy else None
         self.commits.append(snap)
-        if self.redundancy:
-            self.backups.append((self.step, exchange_with_neighbour(self.comm, snap.pieces())))
+        if backup is not None:
+            self.backups.append((self.step, backup))
 
     def rollback(self) -> int:
         """Return to the last commit on the same world (model, optimizer, scheduler, sampler, RNG); returns its step."""
