@@ -8,7 +8,8 @@ in backward), hybrid_shard 3(S-1)/S x G inside its shard groups of S plus an all
 R = N/S groups. This module maps strategy strings to the planner's names and writes the formula as text, and
 counts M microbatches per step (gradient accumulation, or a pipeline's microbatches): the gradients are still
 reduced once per step, but ZeRO-3 / full_shard / hybrid_shard gather every unit in forward and backward of each
-microbatch, 2M gathers instead of 2: (2M+1)(N-1)/N x G.
+microbatch, 2M gathers instead of 2: (2M+1)(N-1)/N x G; shard_grad_op keeps the gathered parameters from forward
+through backward, so gathers once per microbatch: (M+1)(N-1)/N x G.
 shardwise's ZeRO-3 keeps the root unit gathered from forward into backward (as FSDP2 does), so it measures a little
 under its formula; padding to a multiple of N can add a few bytes.
 """
@@ -52,6 +53,8 @@ def wire_bytes_formula(strategy: str, grad_bytes: int, world_size: int, shard_si
     if key in ("zero3", "full_shard", "hybrid_shard") and microbatches > 1:
         group = shard_size if key == "hybrid_shard" else world_size
         extra = 2 * (microbatches - 1) * (group - 1) / group * grad_bytes  # the gathers of the other microbatches
+    elif key == "shard_grad_op" and microbatches > 1:
+        extra = (microbatches - 1) * (world_size - 1) / world_size * grad_bytes
     return round(sum(by_group.values()) + extra)
 
 
@@ -64,4 +67,6 @@ def formula_text(strategy: str, microbatches: int = 1) -> str:
         inner = "(S-1)/S" if key == "hybrid_shard" else "(N-1)/N"
         rest = " + 2(R-1)/R x G/S" if key == "hybrid_shard" else ""
         return f"(2M+1){inner} x G{rest}, M={microbatches}"
+    if key == "shard_grad_op" and microbatches > 1:
+        return f"(M+1)(N-1)/N x G, M={microbatches}"
     return _TEXT[key]

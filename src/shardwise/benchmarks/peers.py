@@ -99,13 +99,16 @@ def missing(name: str) -> str | None:
 
 
 class Runner:
-    """One model under test on this rank: `step(x, y)` trains one step and returns the loss; `held_bytes()` the
-    model-state bytes (params + grads + optimizer state) this rank holds, or None where they cannot be read."""
+    """One model under test on this rank: `step(x, y)` trains one step and returns the loss; with `track_memory`,
+    `held_bytes()` is the most model-state bytes (params + grads + optimizer state) this rank held right after an
+    optimizer step (before zero_grad frees the gradients), or None where they cannot be read (DeepSpeed)."""
 
     def __init__(self, name: str, model: torch.nn.Module, opt: Any, engine: Any = None,
                  held: Callable[[], int | None] | None = None) -> None:
         self.name, self.model, self.opt, self.engine = name, model, opt, engine
         self._held = held
+        self.track_memory = False  # set by the memory run: read the model states after every optimizer step
+        self.peak_held: int | None = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.engine is not None:  # DeepSpeed: the engine owns backward, the optimizer step and zero_grad
@@ -116,13 +119,14 @@ class Runner:
             loss = self.model(x, y)
             loss.backward()
             self.opt.step()
-            # Keep the gradient tensors (zeroed): what a rank holds between steps is then what it held at the peak,
-            # as DDP's buckets and the sharding engine's flat gradients stay allocated.
-            self.opt.zero_grad(set_to_none=False)
+            if self.track_memory and self._held is not None:  # the peak: gradients and optimizer state both held
+                self.peak_held = max(self.peak_held or 0, self._held())
+            self.opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     def held_bytes(self) -> int | None:
-        return self._held() if self._held is not None else None
+        """The most model-state bytes seen right after an optimizer step (with track_memory), else None."""
+        return self.peak_held
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,7 @@ def memory_rank(comm: Communicator, cfg: BenchConfig, name: str) -> dict[str, An
     model = GPT(gpt_config(cfg.preset, cfg.seq_len), seed=cfg.seed)
     before = peak_rss_bytes()
     runner = build(name, comm, model, cfg.lr, cfg.batch_size)
+    runner.track_memory = True
     for step in range(cfg.memory_steps):
         runner.step(*corpus.batch(step, cfg.batch_size, seq_len, seed=cfg.seed, rank=comm.rank,
                                   world_size=comm.size))
