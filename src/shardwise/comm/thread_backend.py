@@ -6,7 +6,12 @@ collectives by order). A rank deposits its tensors in the slot and gets a Work. 
 result for everybody, always combining contributions in rank order so results are deterministic whatever the
 thread timing, writes each rank's output tensor, and wakes the waiters. An asynchronous call therefore really
 overlaps: a rank may compute while its slot waits for the others. Point-to-point messages go through per
-(group, src, dst, tag) mailboxes; a send copies the tensor and returns at once (a buffered send).
+(group, src, dst, tag) mailboxes; a send copies the tensor and returns at once (a buffered send; thread_mailbox.py).
+
+Strict mode (`ThreadWorld(n, strict=True)`, or SHARDWISE_STRICT=1, the test suite's default) models NCCL instead:
+each rank's operations on a communicator run in order on one stream, point-to-point is unbuffered and untagged,
+collectives must come in one order, tensors must be on comm.device, and a deadlock is reported at once
+(strict_stream.py, strict_p2p.py, collective_order.py). This module delegates to them.
 
 Failure handling. Every wait has a deadline (the communicator's timeout); on expiry it raises CommError naming the
 operation, this rank and the ranks that never arrived. Ranks that call different collectives at the same position
@@ -45,6 +50,7 @@ from .base import (
 )
 from .collective_order import check_device, mismatch_message
 from .strict_stream import StrictState, StrictWork, strict_default
+from .thread_mailbox import AnyRecvWork, RecvWork
 
 __all__ = ["ThreadWorld", "ThreadCommunicator"]
 
@@ -198,116 +204,6 @@ class _SlotWork(Work):
     def result(self) -> Any:
         self.wait()
         return self.slot.results.get(self.comm.rank)
-
-
-class _RecvWork(Work):
-    def __init__(self, comm: ThreadCommunicator, tensor: torch.Tensor, src: int, tag: int) -> None:
-        self.comm = comm
-        self.tensor = tensor
-        self.src = src
-        self.key = (comm.group.id, src, comm.rank, tag)
-        self.tag = tag
-        self.done = False
-        with comm.world.cond:  # the n-th receive posted on this pair gets the n-th message
-            self.index = comm.world.claimed[self.key]
-            comm.world.claimed[self.key] += 1
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self.done:
-            return
-        comm = self.comm
-        limit = comm.timeout if timeout is None else timeout
-        box = comm.world.mailboxes
-
-        def timed_out() -> CommError:
-            src = comm.global_ranks[self.src]
-            return CommError(
-                f"recv(src={self.src}, tag={self.tag}) timed out after {limit:g}s on rank {comm.global_rank}"
-                f"{comm._group_label()}: rank {src} never sent a matching message",
-                op="recv",
-                rank=comm.global_rank,
-                peers=[src],
-                waited=limit,
-            )
-
-        taken: list[torch.Tensor] = []
-
-        def take() -> bool:  # runs under the world lock, so two receives never race for one message
-            queue = box.get(self.key)
-            if queue and self.index in queue:
-                taken.append(queue.pop(self.index)[1])
-            return bool(taken)
-
-        comm.world.wait_until(take, limit, timed_out, f"recv(src={self.src}, tag={self.tag})")
-        message = taken[0]
-        if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:
-            raise CommError(
-                f"recv(src={self.src}, tag={self.tag}) on rank {comm.global_rank}: the message is "
-                f"{tuple(message.shape)} {message.dtype} but the receive buffer is "
-                f"{tuple(self.tensor.shape)} {self.tensor.dtype}",
-                op="recv",
-                rank=comm.global_rank,
-                peers=[comm.global_ranks[self.src]],
-            )
-        with torch.no_grad():
-            self.tensor.copy_(message)
-        self.done = True
-
-
-class _AnyRecvWork(AnySourceWork):
-    """A buffered receive from any source: takes the earliest arrived message to this rank (matching `tag`)."""
-
-    def __init__(self, comm: ThreadCommunicator, tensor: torch.Tensor, tag: int | None) -> None:
-        self.comm, self.tensor, self.tag = comm, tensor, tag
-        self.src: int | None = None
-
-    def is_completed(self) -> bool:
-        return self.src is not None
-
-    def source(self, timeout: float | None = None) -> int:
-        self.wait(timeout)
-        return self.src
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self.src is not None:
-            return
-        comm = self.comm
-        limit = comm.timeout if timeout is None else timeout
-        taken: list[tuple[int, torch.Tensor]] = []
-
-        def take() -> bool:  # under the world lock
-            world, best = comm.world, None
-            for key, queue in world.mailboxes.items():  # the next unclaimed message of each pair to this rank
-                group, _, dst, tag = key
-                first = queue.get(world.claimed[key])
-                if first is not None and group == comm.group.id and dst == comm.rank and self.tag in (None, tag):
-                    if best is None or first[0] < best[1][0]:
-                        best = (key, first)
-            if best is not None:
-                key = best[0]
-                taken.append((key[1], world.mailboxes[key].pop(world.claimed[key])[1]))
-                world.claimed[key] += 1
-            return bool(taken)
-
-        def timed_out() -> CommError:
-            others = [g for g in comm.global_ranks if g != comm.global_rank]
-            return CommError(f"recv_any(tag={self.tag}) timed out after {limit:g}s on rank {comm.global_rank}"
-                             f"{comm._group_label()}: no rank sent a message", op="recv", rank=comm.global_rank,
-                             peers=others, waited=limit)
-
-        comm.world.wait_until(take, limit, timed_out, f"recv_any(tag={self.tag})")
-        src, message = taken[0]
-        if message.shape != self.tensor.shape or message.dtype != self.tensor.dtype:
-            raise CommError(f"recv_any on rank {comm.global_rank}: the message from rank {comm.global_ranks[src]} is "
-                            f"{tuple(message.shape)} {message.dtype} but the receive buffer is "
-                            f"{tuple(self.tensor.shape)} {self.tensor.dtype}", op="recv", rank=comm.global_rank,
-                            peers=[comm.global_ranks[src]])
-        with torch.no_grad():
-            self.tensor.copy_(message)
-        self.src = src
 
 
 class ThreadCommunicator(Communicator):
@@ -498,7 +394,7 @@ class ThreadCommunicator(Communicator):
         if self.world.strict is not None:
             with self.world.cond:
                 return self.world.strict.post_batch(self, [(False, tensor, src, tag)])[0]
-        return _RecvWork(self, tensor, src, tag)
+        return RecvWork(self, tensor, src, tag)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         """Strict mode: one fused batch on this rank's stream (strict_stream.py); otherwise buffered, one by one."""
@@ -525,7 +421,7 @@ class ThreadCommunicator(Communicator):
         if self.world.strict is not None:
             with self.world.cond:
                 return self.world.strict.post_batch(self, [(False, tensor, None, tag)])[0]
-        return _AnyRecvWork(self, tensor, tag)
+        return AnyRecvWork(self, tensor, tag)
 
     # ---- groups -----------------------------------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> ThreadCommunicator | None:

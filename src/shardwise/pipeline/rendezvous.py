@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 from .actions import Action, Op, Schedule, ScheduleError
 from .batches import consumed_message, host_steps, message_of, metadata_stages
-from .timeline import Event
 
 __all__ = ["run_rendezvous"]
 
