@@ -39,6 +39,7 @@ from .planner import Candidate, Links, Plan, Workload, candidates, model_facts, 
 from .planner.costs import OPTIMIZER_BYTES
 from .planner.machine import probe
 from .sharding import FSDP, MixedPrecision, ZeRO
+from .sharding.offload import offload_level
 from .estimate import activation_geometry
 
 __all__ = ["distribute", "Distribution", "OPTIONS"]
@@ -197,8 +198,10 @@ def _decide(world: Communicator, mesh: Mesh | None, model: nn.Module, strategy: 
 
 
 def _offload_level(value: object) -> str | None:
-    """The planner's offload level for the wrappers' cpu_offload value (True: the optimizer state and master copy)."""
-    return "optimizer" if value is True else value or None  # type: ignore[return-value]
+    """The planner's offload level for the wrappers' cpu_offload value, normalised as the engine does (True is
+    "full"; an unknown value raises naming the levels); None for no offload."""
+    level = offload_level(value)
+    return None if level == "none" else level
 
 
 def _pick(options: dict[str, Any], family: str) -> dict[str, Any]:

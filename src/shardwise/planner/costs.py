@@ -108,7 +108,9 @@ def model_states(psi: float, strategy: str, dp: int, *, dtype: str = "bf16", opt
     if offload == "optimizer":
         return ModelStates(params, grads, 0.0, cpu=state)
     if offload == "full":
-        return ModelStates(0.0, 0.0, 0.0, cpu=params + grads + state)
+        # ZeRO-1/2 compute with whole parameters, which stay on the device whatever the level (sharding.offload).
+        kept = 0.0 if shard_p else params
+        return ModelStates(kept, 0.0, 0.0, cpu=params - kept + grads + state)
     raise ValueError(f"offload={offload!r} is not known; allowed {OFFLOAD_LEVELS}")
 
 
