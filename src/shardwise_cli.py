@@ -148,8 +148,13 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=_positive_int, default=None,
                    help=f"number of ranks (default: dp x tp x pp; 2 for plain DDP); at most {MAX_RANKS} thread "
                    f"ranks, or {GLOO_RANKS_PER_CPU} gloo processes per CPU core ({max_ranks('gloo')} here)")
-    p.add_argument("--strategy", choices=STRATEGIES + tuple(STRATEGY_ALIASES), default=defaults["strategy"],
-                   help="data-parallel strategy over the dp axis; fsdp means fsdp:full_shard (default: %(default)s)")
+    p.add_argument("--strategy", choices=STRATEGIES + tuple(STRATEGY_ALIASES) + ("auto",),
+                   default=defaults["strategy"],
+                   help="data-parallel strategy over the dp axis; fsdp means fsdp:full_shard; auto lets the planner "
+                   "choose the fastest that fits in --memory-gb per rank (default: this machine's RAM / ranks) and "
+                   "prints why (default: %(default)s)")
+    p.add_argument("--memory-gb", type=_positive_float, default=None,
+                   help="memory per rank the planner may use with --strategy auto (default: available RAM / ranks)")
     p.add_argument("--compare", type=_demo_strategies, default=None, metavar="S1,S2,...",
                    help="train once per strategy (comma list of --strategy values), then draw their loss against "
                    "time on one plot and their memory per rank on one bar chart")
@@ -252,7 +257,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             progress=not args.no_progress, dp=args.dp, tp=args.tp, pp=args.pp, dp_shard=args.dp_shard,
             schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
             sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
-            early_stop=args.early_stop, eval_every=args.eval_every,
+            early_stop=args.early_stop, eval_every=args.eval_every, memory_gb=args.memory_gb,
         )
         if args.compare:  # every strategy's options, checked before any rank starts
             import dataclasses

@@ -78,7 +78,7 @@ def test_a_command_is_required(capsys):
 
 
 def test_options_validate_when_built_directly():
-    with pytest.raises(ValueError, match=r"strategy='zero4' is not supported; allowed \('ddp', 'zero1', .*'fsdp'\)"):
+    with pytest.raises(ValueError, match=r"strategy='zero4' is not supported; allowed \('ddp', 'zero1', .*'fsdp', 'auto'\)"):
         DemoOptions(strategy="zero4")
     assert DemoOptions(strategy="fsdp").strategy == "fsdp:full_shard"  # Lightning's name for full sharding
     with pytest.raises(ValueError, match="nproc=0"):

@@ -76,3 +76,36 @@ def test_bad_compare_and_early_stop_are_usage_errors(argv, needle, capsys):
         main(["demo", *argv])
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def _states_gb(strategy: str) -> float:
+    """The planner's model states per rank for the tiny GPT on 2 ranks (fp32 AdamW), in GB."""
+    from shardwise.planner import Links, Workload, plan
+
+    work = Workload(_tiny_params(),
+                    dtype="fp32", optimizer="adamw")
+    return plan(work, Links(2, 2), strategy=strategy).chosen.device / 1024**3
+
+
+def _tiny_params() -> int:
+    import torch
+
+    from shardwise.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig.preset("tiny")).num_parameters()
+
+
+def test_auto_picks_a_strategy_that_fits_and_says_why(corpus_file, tmp_path, capsys):
+    # Memory per rank between ZeRO-3's and DDP's estimates: DDP cannot be chosen, a sharded strategy must be.
+    budget = (_states_gb("zero3") + _states_gb("ddp")) / 2 / 0.9
+    assert main(["demo", *FAST, "--steps", "2", "--data", corpus_file, "--out", str(tmp_path),
+                 "--strategy", "auto", "--memory-gb", repr(budget)]) == 0
+    out = capsys.readouterr().out
+    assert "--strategy auto: the planner chose " in out and "Chosen: " in out
+    chosen = out.split("the planner chose ")[1].split()[0]
+    assert chosen != "ddp" and f"{chosen:<20}" in out  # the candidates' table names it
+    summary = json.loads(next(tmp_path.rglob("summary.json")).read_text())
+    assert summary["options"]["strategy"] == chosen
+    # With room for everything, the planner keeps the simplest: DDP.
+    assert DemoOptions(strategy="auto", preset="tiny", nproc=2, memory_gb=64.0).strategy == "ddp"

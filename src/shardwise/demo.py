@@ -44,6 +44,7 @@ from shardwise_cli import SCHEDULES  # the command line's vocabulary, spelled wh
 from .benchmarks.formulas import estimate_key, formula_text, wire_bytes_formula
 from .comm.base import Communicator, ReduceOp
 from .ddp import DDP
+from .demo_auto import choose_strategy
 from .demo_hybrid import (EarlyStop, StepLog, axis_rows, check_mesh_options, dp_size, lr_at, mesh_fields,
                           split_corpus, train_mesh_rank)
 from .estimate import estimate_memory
@@ -117,13 +118,24 @@ class DemoOptions:
     eval_every: int = 10
     eval_batches: int = 4
     min_delta: float = 0.0
+    memory_gb: float | None = None
+    planned: str | None = None  # the planner's explanation when strategy was "auto" (resolved here)
 
     def __post_init__(self) -> None:
         if self.strategy in STRATEGY_ALIASES:
             object.__setattr__(self, "strategy", STRATEGY_ALIASES[self.strategy])
+        if self.memory_gb is not None and not (isinstance(self.memory_gb, (int, float)) and self.memory_gb > 0):
+            raise ValueError(f"demo: memory_gb={self.memory_gb!r} must be a positive number of GB per rank")
+        if self.strategy == "auto":  # the planner chooses, once, before any rank starts (demo_auto)
+            for name in ("tp", "pp"):
+                _check_int(name, getattr(self, name))
+            dp = dp_size(self.nproc, self.dp, self.tp, self.pp)
+            strategy, why = choose_strategy(self.preset, dp, self.tp, self.pp, self.memory_gb)
+            object.__setattr__(self, "strategy", strategy)
+            object.__setattr__(self, "planned", why)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"demo: strategy={self.strategy!r} is not supported; allowed "
-                             f"{STRATEGIES + tuple(STRATEGY_ALIASES)}")
+                             f"{STRATEGIES + tuple(STRATEGY_ALIASES) + ('auto',)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"demo: schedule={self.schedule!r} is not supported; allowed {SCHEDULES}")
         for name in ("steps", "batch_size", "tp", "pp", "virtual_stages", "eval_every", "eval_batches"):
@@ -288,6 +300,8 @@ def run_demo(options: DemoOptions, run_dir: Path | None = None) -> DemoSummary:
         body = train_mesh_rank
         over = (f"dp {options.dp} x tp {options.tp} x pp {options.pp} = {over}, schedule {options.schedule} with "
                 f"{options.microbatches} microbatches")
+    if options.planned:
+        print(f"--strategy auto: the planner chose {options.strategy}\n{options.planned}", flush=True)
     print(f"shardwise demo: GPT {options.preset!r} ({num_params / 1e6:.2f}M params), {options.strategy} over "
           f"{over}, {options.dp} x {options.batch_size} x {config.seq_len} = "
           f"{tokens_per_step:,} tokens/step, {options.steps} steps, lr {options.lr:g}", flush=True)
