@@ -5,7 +5,6 @@ their formulas; bad options are usage errors before torch work starts."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -4,7 +4,6 @@ activations, --model, and usage errors before torch is needed."""
 from __future__ import annotations
 
 import re
-import sys
 import textwrap
 
 import pytest

@@ -36,7 +36,6 @@ import torch
 from compose_cases import optimizer
 from parity import CONFIG, RTOL, batch
 
-import shardwise as sw
 from shardwise.comm import heartbeat
 from shardwise.models import GPT
 

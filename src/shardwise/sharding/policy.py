@@ -19,7 +19,6 @@ weights) is moved to the root unit so it is gathered once and its gradient summe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 from torch import nn
