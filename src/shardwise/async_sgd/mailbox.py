@@ -7,6 +7,11 @@ its worker and handing complete messages to a queue: the classic one-handler-per
 van), correct on any backend whose point-to-point operations may be issued from several threads (gloo; MPI with
 MPI_THREAD_MULTIPLE).
 
+Process backends (gloo, MPI) use the listeners even where they have `irecv_any`: a receive from any source cannot
+say whose connection closed, so a killed worker would only show as silence after the full timeout (while the other
+workers, held at the staleness gate by the dead one, time out too); a receive from one source fails at once,
+naming it. The thread backend, where a rank cannot die alone, uses `irecv_any`.
+
 Either way a worker that dies or stays silent past the timeout is reported, not waited for: the listener's
 receive raises CommError (gloo sees the connection close, or the timeout passes), and `next()` returns it as a
 `Gone` event for that worker. With `irecv_any` the inbox cannot tell which silent worker is the dead one, so the
@@ -59,6 +64,8 @@ class Inbox:
         self.buffer = torch.empty(numel, dtype=torch.uint8, device=comm.device)
         self.listeners: queue.Queue | None = None  # set when the fallback is in use
         self.closed: set[int] = set()
+        if getattr(comm, "backend", "thread") != "thread":
+            self._start_listeners()
 
     def close(self, source: int) -> None:
         """No more messages are expected from `source` (it said it finished, or it is gone)."""
