@@ -19,7 +19,7 @@ Mechanism
   BF16, TopK, RandomK, PowerSGD, OneBit; see docs/compression.md): launched at the same moment, so its first round
   overlaps backward as the plain all-reduce does; what remains (PowerSGD's second round, decompression) runs when
   the bucket is waited for. Each rank holds its own copy (`model.compressor`) with its error-feedback memory per
-  bucket; save it with `model.compressor.state_dict()`.
+  bucket, which `sw.save_checkpoint` saves per rank (declared as the layout's extra state).
 * `no_sync()` skips communication: gradients accumulate locally and are averaged on the first backward outside it.
 * Unused parameters: by default a trainable parameter that got no gradient is an error naming it (it would leave
   its bucket waiting forever on the other ranks). With `find_unused_parameters=True` each forward walks the autograd
@@ -352,7 +352,10 @@ def DDP(
         {name: dataclasses.replace(pl, replicated_over=(*pl.replicated_over, comm)) for name, pl in before.items()},
         no_sync=module.no_sync, world=comm,
         memory=lambda: layout.MemoryView(grads=tuple(b.buffer for b in reducer.buckets)),
-        options={"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb}))
+        options={"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb},
+        # The compressor's residuals are per rank and per bucket: valid only under the same bucket layout.
+        extra_state=() if reducer.compressor is None else (reducer.compressor.extra_state(
+            comm, buckets=[b.buffer.numel() for b in reducer.buckets]),)))
     register_wrapped(module)
     log.debug("DDP over %d ranks: %d buckets %s", comm.size, len(reducer.buckets), [b.nbytes for b in reducer.buckets])
     return module

@@ -40,7 +40,7 @@ from torch import nn
 
 from .comm.base import Communicator
 
-__all__ = ["Box", "Placement", "Parallelized", "MemoryView", "strategies", "placements", "declare",
+__all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extra_states", "strategies", "placements", "declare",
            "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "full_box", "reduction_groups",
            "counts_here", "record_comms", "is_partitioned", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers"]
 
@@ -181,6 +181,36 @@ class MemoryView:
     host_params: tuple[torch.Tensor, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExtraState:
+    """State a strategy keeps besides parameters, buffers and optimizer state, which a checkpoint saves and restores
+    with the model (docs/checkpoints.md, "Strategy state"): gradient compressors' error-feedback residuals and
+    PowerSGD's Q, local SGD's anchors and outer optimizer.
+
+    name: unique among the model's extra states ("compressor", "local_sgd"): the checkpoint's key for it.
+    scope: "per_rank", each rank's own (residuals): saved by every rank, reloaded only onto the same world size and
+        rank layout; or "replicated", equal on every rank of the model: saved once, reloaded on any world size.
+    state_dict: () -> {key: tensor or JSON value}, flat, this rank's state; the tensors are copied when saved.
+    load_state_dict: (such a dict) -> None, installing it; for per_rank state, {} resets it to a fresh start.
+    check: (such a dict) -> None, raising ValueError naming what does not fit, without changing anything; a load
+        calls it on every rank before any rank commits (None: every dict `state_dict` could return fits).
+    config: JSON-able options the state is only valid under (the compressor's configuration, the bucket sizes):
+        a load refuses state saved under other ones. group: the ranks the state is per rank in (its collectives').
+    """
+
+    name: str
+    scope: str
+    state_dict: Callable[[], dict[str, Any]]
+    load_state_dict: Callable[[dict[str, Any]], None]
+    check: Callable[[dict[str, Any]], None] | None = None
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    group: Communicator | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in ("per_rank", "replicated"):
+            raise ValueError(f"ExtraState {self.name!r}: scope={self.scope!r}; allowed: 'per_rank', 'replicated'")
+
+
 @dataclasses.dataclass(eq=False)
 class Parallelized:
     """One applied strategy. name: "ddp", "zero3", "fsdp:hybrid_shard", "tensor_parallel", "pipeline", ...
@@ -194,6 +224,7 @@ class Parallelized:
     world: a communicator spanning every rank of the model when the strategy knows one (a Mesh's world).
     partitioned_over: a group across which ranks hold *different parameters* (pipeline stages).
     options: what the strategy was asked for, for describe() / the planner (JSON-able values).
+    extra_state: state it holds besides parameters and optimizer, for checkpoints (see ExtraState).
     """
 
     name: str
@@ -205,11 +236,24 @@ class Parallelized:
     partitioned_over: Communicator | None = None
     buffer_names: dict[str, str] | None = None  # local buffer name -> original name (pipeline stages)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    extra_state: tuple[ExtraState, ...] = ()
 
 
 def strategies(model: nn.Module) -> list[Parallelized]:
     """The strategies applied to `model`, innermost (first applied) first; [] for a plain module."""
     return list(model.__dict__.get(_ATTR, ()))
+
+
+def extra_states(model: nn.Module) -> dict[str, ExtraState]:
+    """Every strategy's extra state (see ExtraState), by name, innermost strategy first; ValueError on a clash."""
+    out: dict[str, ExtraState] = {}
+    for record in strategies(model):
+        for state in record.extra_state:
+            if state.name in out:
+                raise ValueError(f"two strategies of the model declare extra state named {state.name!r} "
+                                 f"({' + '.join(r.name for r in strategies(model))}); names must be unique")
+            out[state.name] = state
+    return out
 
 
 def is_wrapped(model: nn.Module, *names: str) -> bool:

@@ -14,7 +14,8 @@ holds, only the saved slices intersecting it (reader.py). The load runs in four 
 3. Agree: one all_gather of a small JSON record over the model's communicator: each rank's error (or none) and the
    checkpoint tensors nobody consumed, so that a pipeline stage does not call the other stages' tensors unexpected.
 4. Commit, only if every rank succeeded and (strict) nothing was unexpected: copy the staged tensors into place,
-   set the optimizer's hyperparameters, install its state, restore the RNG states: in-memory copies only.
+   set the optimizer's hyperparameters, install its state, hand each declared strategy state its checked dict
+   (strategy_state.py), restore the RNG states: in-memory copies only.
 A failure before step 4 on any rank leaves every rank's model and optimizer untouched; the failing rank raises its
 own error, the others a CheckpointError naming it.
 
@@ -42,8 +43,9 @@ from ..comm.base import Communicator
 from ..comm.objects import all_gather_json
 from .optim_load import stage_optimizer
 from .reader import Reader, fill_held
-from .save import model_comm
+from .save import model_comm, strategy_name
 from .storage import METADATA, CheckpointError, CheckpointMismatch, resolve_checkpoint
+from .strategy_state import PREFIX, declared_states, stage_strategy_state
 from .validate import read_metadata, rng_states, tensor_dtype
 
 __all__ = ["load_checkpoint", "read_metadata", "read_tensors"]
@@ -66,6 +68,8 @@ class Staged:
         self.problems: dict[str, str] = {}  # checkpoint name (or "optimizer", "param_groups") -> what is wrong
         self.consumed: set[str] = set()
         self.optim_checked = optimizer is not None  # False: optim/* tensors are neither loaded nor unexpected
+        self.strategy_loads: list[tuple[layout.ExtraState, dict[str, Any]]] = []  # (declared state, staged dict)
+        self.consumed_states: set[str] = set()
 
     def match(self, name: str, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any] | None:
         """The checkpoint's entry for `name` if it has the model's shape and dtype, else None (problem recorded)."""
@@ -83,7 +87,7 @@ class Staged:
         return None if name in self.problems else entry
 
     def stage(self, path: str | os.PathLike, comm: Communicator, verify: bool, restore_rng: bool,
-              stack: contextlib.ExitStack) -> None:
+              stack: contextlib.ExitStack, reset_strategy_state: bool = False) -> None:
         root, self.directory = resolve_checkpoint(path)
         self.metadata = read_metadata(self.directory, root)
         reader = Reader(root, self.directory, self.metadata, verify, stack)
@@ -102,6 +106,7 @@ class Staged:
                 self.copies.append((b, staged))
         if self.optimizer is not None:
             stage_optimizer(self, reader)
+        stage_strategy_state(self, reader, comm, strategy_name(self.model), reset_strategy_state)
         rng = self.metadata.get("rng", {})
         if restore_rng and self.metadata["world_size"] == comm.size and str(comm.rank) in rng:
             self._stage_rng(reader, rng[str(comm.rank)], comm.rank)
@@ -126,18 +131,23 @@ class Staged:
     def unexpected_here(self, partitioned: bool) -> dict[str, Any]:
         """This rank's part of the agreement record: the checkpoint tensors it did not consume, or (pipeline stages,
         which each consume a part) the ones it did, the shorter list."""
+        states = {"states": sorted(declared_states(self.model, self.optimizer))}
         if partitioned:
-            return {"consumed": sorted(self.consumed), "optim": self.optim_checked}
-        return {"unexpected": sorted(self._unconsumed(self.consumed, self.optim_checked))}
+            return {"consumed": sorted(self.consumed), "optim": self.optim_checked, **states}
+        return {"unexpected": sorted(self._unconsumed(self.consumed, self.optim_checked)), **states}
 
     def _unconsumed(self, consumed: set[str], optim: bool) -> set[str]:
         return {n for n in self.metadata["tensors"] if n not in consumed and (optim or not n.startswith("optim/"))}
 
-    def unexpected(self, records: list[dict[str, Any]]) -> list[str]:
-        """Checkpoint tensors that no rank consumed (the same list on every rank)."""
+    def unexpected(self, records: list[dict[str, Any]], reset_strategy_state: bool = False) -> list[str]:
+        """Checkpoint tensors that no rank consumed, and strategy states no rank declares (the same list on every
+        rank); with reset_strategy_state, saved per-rank states are ignored."""
         sets = [set(r["unexpected"]) if "unexpected" in r else self._unconsumed(set(r["consumed"]), r["optim"])
                 for r in records]
-        return sorted(set.intersection(*sets))
+        declared = set().union(*(r["states"] for r in records))
+        saved = {n for n, s in self.metadata.get("strategy_state", {}).items()
+                 if not (reset_strategy_state and s["scope"] == "per_rank")}
+        return sorted(set.intersection(*sets)) + [f"{PREFIX}{n}" for n in sorted(saved - declared)]
 
     def commit(self) -> None:
         with torch.no_grad():
@@ -148,6 +158,8 @@ class Staged:
                 group.update(values)
             for p, state in self.optim_state:
                 self.optimizer.state[p] = state
+        for state, values in self.strategy_loads:  # checked at staging (strategy_state.py): nothing left to refuse
+            state.load_state_dict(values)
         if self.rng is not None:
             python, numpy_state, states = self.rng
             for name, state in states.items():
@@ -173,6 +185,7 @@ def load_checkpoint(
     strict: bool = True,
     verify: bool = True,
     restore_rng: bool = True,
+    reset_strategy_state: bool = False,
 ) -> dict[str, Any]:
     """Load the checkpoint at `path` (a checkpoint directory, or a root whose `latest` names one) into `model` and
     `optimizer`, whatever strategies, layout and world size saved it; collective over the model's ranks (`comm`).
@@ -186,6 +199,10 @@ def load_checkpoint(
         logged as a warning.
     verify: check every file read against its sha256. restore_rng: restore this rank's torch / Python / NumPy
         RNG states when the world size is the one that saved (on another world size they do not map, and are left).
+    Strategy state (`layout.ExtraState`: a compressor's per-rank residuals, local SGD's anchors) is loaded with the
+    rest: replicated state on any world size, per-rank state only onto the saving world size and layout, under
+    the saved configuration. reset_strategy_state: start every per-rank state fresh instead (and ignore the saved
+    one): the way to resume compressed training on another world size.
     Transactional: nothing changes on any rank unless every rank validated and read everything it needs.
     """
     comm = model_comm(model, comm)
@@ -194,7 +211,10 @@ def load_checkpoint(
     partitioned = layout.is_partitioned(model)
     with contextlib.ExitStack() as stack:
         try:
-            staged.stage(path, comm, verify, restore_rng, stack)
+            if not isinstance(reset_strategy_state, bool):
+                raise ValueError(f"load_checkpoint: reset_strategy_state={reset_strategy_state!r} must be True or "
+                                 f"False")
+            staged.stage(path, comm, verify, restore_rng, stack, reset_strategy_state)
             if strict and staged.problems:
                 raise CheckpointMismatch(f"load_checkpoint: {staged.directory} does not fit (strict=True; strict=False "
                                          f"loads what fits): {_listing(list(staged.problems.values()))}")
@@ -211,15 +231,16 @@ def load_checkpoint(
         raise CheckpointError(f"load_checkpoint: rank {failed[0]} failed to load {staged.directory}: "
                               f"{records[failed[0]]['error']} (ranks that failed: {failed}); nothing was loaded on "
                               f"rank {comm.rank}")
-    unexpected = staged.unexpected(records)
+    unexpected = staged.unexpected(records, reset_strategy_state)
     if unexpected and strict:
-        raise CheckpointMismatch(f"load_checkpoint: {staged.directory} holds tensors that the model (or its "
+        raise CheckpointMismatch(f"load_checkpoint: {staged.directory} holds tensors (or strategy state) that the model (or its "
                                  f"optimizer) does not have (strict=True; strict=False ignores them): "
                                  f"{_listing(unexpected)}")
     staged.commit()
     extra = dict(staged.metadata.get("extra", {}), step=staged.metadata["step"])
     if not strict:
         skipped = dict(staged.problems, **{name: "not held by the model's optimizer" if name.startswith("optim/")
+                                          else "no strategy of the model declares it" if name.startswith(PREFIX)
                                           else "not in the model" for name in unexpected})
         if skipped:
             log.warning("load_checkpoint: %s: skipped %d: %s", staged.directory, len(skipped),

@@ -3,9 +3,10 @@
 Steps (see storage.py for the layout):
 1. Rank 0 picks the step and a temporary directory name and broadcasts them (the only collectives besides step 2
    and the final barrier).
-2. Every rank lists its pieces (pieces.py); the lists are exchanged and each distinct piece gets exactly one writer,
-   the holder with the fewest bytes assigned so far, so replicated state (DDP, hybrid replicas) is written once
-   and the writing is spread over the ranks.
+2. Every rank lists its pieces (pieces.py) and the strategy state it declares (strategy_state.py); the lists are
+   exchanged and each distinct piece gets exactly one writer, the holder with the fewest bytes assigned so far, so
+   replicated state (DDP, hybrid replicas) is written once and the writing is spread over the ranks; per-rank
+   strategy state (a compressor's residuals) is written by every rank.
 3. Each rank copies its assigned pieces to host memory, serialises them with safetensors, writes its file durably
    and then an index file listing its pieces and the file's sha256.
 4. Rank 0 waits for every index, writes metadata.json, renames the directory into place, then moves `latest`
@@ -38,6 +39,7 @@ from ..comm.base import Communicator
 from ..comm.objects import all_gather_json, broadcast_json
 from .barrier import DEFAULT_IO_TIMEOUT, io_barrier
 from .pieces import local_pieces, optimizer_names
+from .strategy_state import declared_states, merge_indexes, save_problems, snapshot
 from .storage import (
     FORMAT,
     METADATA,
@@ -143,6 +145,8 @@ def save_checkpoint(
     async_save: write on a background thread; call `.wait()` on the returned handle before the next save.
     extra: JSON-serialisable values stored in the metadata and returned by `load_checkpoint` (e.g. the data
         position: `data=sampler.state_dict()`).
+    The state strategies declare besides parameters and optimizer (`layout.ExtraState`: a compressor's residuals
+    per rank, local SGD's anchors; see strategy_state.py) is saved with them.
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"save_checkpoint: step={step!r} must be a non-negative int or None")
@@ -203,12 +207,27 @@ def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Mo
     tmp.mkdir(exist_ok=True)
 
     pieces = local_pieces(model, optimizer)
-    writers = _assign_writers(all_gather_json(comm, [p.describe() for p in pieces]))
+    states = declared_states(model, optimizer)
+    # What is wrong with this rank's strategy state travels with its pieces: every rank then raises, none waits.
+    gathered = all_gather_json(comm, {"pieces": [p.describe() for p in pieces], "problems": save_problems(states, comm),
+                                      "replicated": sorted(n for n, s in states.items() if s.scope == "replicated")})
+    problems = [f"rank {r}: {p}" for r, g in enumerate(gathered) for p in g["problems"]]
+    if problems:
+        raise ValueError(f"save_checkpoint: {'; '.join(problems[:10])}")
+    writers = _assign_writers([g["pieces"] for g in gathered])
     mine = [p for p in pieces if writers[_piece_id(p.describe())] == comm.rank]
+    # A replicated state is written once, by the lowest rank declaring it; a per-rank one by every rank.
+    first = {}
+    for r, g in reversed(list(enumerate(gathered))):
+        first.update({name: r for name in g["replicated"]})
+    state_tensors, state_index = snapshot(
+        states, {n for n, s in states.items() if s.scope == "per_rank" or first[n] == comm.rank}, comm.rank,
+        shard_file_name(comm.rank, comm.size))
     # The snapshot: host copies, taken now, so training may change the live tensors right after we return.
     tensors = {p.key: p.tensor.detach().to("cpu", copy=True).contiguous() for p in mine}
     rng_tensors, rng_json = _rng_state()
     tensors.update({f"{k}@{comm.rank}": v.clone() for k, v in rng_tensors.items()})
+    tensors.update(state_tensors)
     file_name = shard_file_name(comm.rank, comm.size)
     index = {
         "rank": comm.rank,
@@ -217,6 +236,7 @@ def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Mo
         "rng": {"json": rng_json, "tensors": {k: f"{k}@{comm.rank}" for k in rng_tensors}},
         "optim_scalars": _optimizer_scalars(model, optimizer),
         "param_groups": _param_groups(model, optimizer),
+        "strategy_state": state_index,
     }
     header = None
     if comm.rank == 0:
@@ -268,8 +288,10 @@ def _finish(root: Path, tmp: Path, final: Path, header: dict[str, Any], world: i
     rng: dict[str, Any] = {}
     optim_scalars: dict[str, Any] = {}
     param_groups: list[dict[str, Any]] = []
+    strategy_state: dict[str, Any] = {}
     for name in names:
         index = json.loads(name.read_text())
+        merge_indexes(strategy_state, index["rank"], index["strategy_state"])
         files[index["file"]] = {"sha256": index["sha256"], "bytes": index["bytes"]}
         rng[str(index["rank"])] = dict(index["rng"], file=index["file"])
         for key, values in index["optim_scalars"].items():
@@ -280,7 +302,7 @@ def _finish(root: Path, tmp: Path, final: Path, header: dict[str, Any], world: i
                                                    "follows_param": p["follows_param"], "pieces": []})
             entry["pieces"].append({"file": index["file"], "key": p["key"], "box": p["box"]})
     metadata = dict(header, files=files, tensors=tensors, rng=rng, optim_scalars=optim_scalars,
-                    param_groups=param_groups)
+                    param_groups=param_groups, strategy_state=strategy_state)
     write_bytes_durably(tmp / METADATA, json.dumps(metadata, indent=1).encode())
     for name in names:
         name.unlink()

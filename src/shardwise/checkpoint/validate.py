@@ -5,7 +5,7 @@ name against the shard pattern with its size and sha256, every tensor's dtype ag
 (a name like "zeros" is refused: it is looked up in that list, never as an attribute of torch), every shape and
 box as non-negative ints inside the tensor, and every tensor's size against the bytes of the files said to hold it
 (a valid checkpoint stores every element, so a 10^12-element shape in a file of a few kB is refused before
-anything is allocated). `rng_states` checks one rank's RNG entry by loading it into fresh generators, never the
+anything is allocated). The "strategy_state" section (strategy_state.py) is checked the same way. `rng_states` checks one rank's RNG entry by loading it into fresh generators, never the
 process's own. Every error is a CheckpointError naming the file and the key or tensor.
 """
 
@@ -73,7 +73,7 @@ def _need(mapping: dict[str, Any], key: str, kind: type | tuple[type, ...], wher
 
 
 _OPTIONAL = {"extra": dict, "rng": dict, "optim_scalars": dict, "param_groups": list, "strategy": str,
-             "optimizer": (str, type(None))}
+             "optimizer": (str, type(None)), "strategy_state": dict}
 
 
 def validate_metadata(metadata: dict[str, Any], path: Path) -> None:
@@ -97,6 +97,8 @@ def validate_metadata(metadata: dict[str, Any], path: Path) -> None:
             raise CheckpointError(f"{where}: files[{name!r}]: 'bytes' must be a non-negative int")
     for name, entry in tensors.items():
         _validate_tensor(name, entry, files, where)
+    for name, entry in metadata.get("strategy_state", {}).items():
+        _validate_strategy_state(name, entry, files, where)
 
 
 def _validate_tensor(name: str, entry: Any, files: dict[str, Any], where: str) -> None:
@@ -141,6 +143,43 @@ def _validate_tensor(name: str, entry: Any, files: dict[str, Any], where: str) -
                               f"the {stored} bytes of the files holding it")
     if "follows_param" in entry and not isinstance(entry["follows_param"], bool):
         raise CheckpointError(f"{where}: {what}'follows_param' must be true or false")
+
+
+def _validate_strategy_state(name: str, entry: Any, files: dict[str, Any], where: str) -> None:
+    """One declared strategy state (strategy_state.py): its scope, configuration and, per saved copy, the file
+    holding its tensors, each tensor's key, shape and dtype (bounded by the file's bytes), its plain values."""
+    what = f"strategy state {name!r}: "
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: {what}must be an object")
+    scope = _need(entry, "scope", str, where, what)
+    if scope not in ("per_rank", "replicated"):
+        raise CheckpointError(f"{where}: {what}scope {scope!r} is not 'per_rank' or 'replicated'")
+    _need(entry, "config", dict, where, what)
+    copies = _need(entry, "copies", dict, where, what)
+    if scope == "replicated" and len(copies) != 1:
+        raise CheckpointError(f"{where}: {what}a replicated state has one saved copy, not {len(copies)}")
+    for rank, copy in copies.items():
+        at = f"{what}copy of rank {rank}: "
+        if not (isinstance(rank, str) and rank.isdigit()) or not isinstance(copy, dict):
+            raise CheckpointError(f"{where}: {at}must be an object under a rank number")
+        file = _need(copy, "file", str, where, at)
+        if file not in files:
+            raise CheckpointError(f"{where}: {at}refers to {file!r}, which 'files' does not list")
+        for key in ("group_size", "group_rank"):
+            if key not in copy or not (copy[key] is None or _is_int(copy[key])):
+                raise CheckpointError(f"{where}: {at}{key!r} must be a non-negative int or null")
+        _need(copy, "values", dict, where, at)
+        for key, tensor in _need(copy, "tensors", dict, where, at).items():
+            if not isinstance(tensor, dict):
+                raise CheckpointError(f"{where}: {at}tensor {key!r} must be an object")
+            _need(tensor, "key", str, where, f"{at}tensor {key!r}: ")
+            shape = _need(tensor, "shape", list, where, f"{at}tensor {key!r}: ")
+            if len(shape) > _MAX_DIMS or not all(_is_int(n) for n in shape):
+                raise CheckpointError(f"{where}: {at}tensor {key!r}: shape {shape!r} must be non-negative ints")
+            dtype = tensor_dtype(_need(tensor, "dtype", str, where, f"{at}tensor {key!r}: "), f"{where}: {at}{key!r}")
+            if math.prod(shape) * torch.empty((), dtype=dtype).element_size() > files[file]["bytes"]:
+                raise CheckpointError(f"{where}: {at}tensor {key!r} of shape {shape} does not fit in {file} "
+                                      f"({files[file]['bytes']} bytes)")
 
 
 def rng_states(saved: Any, where: str, rank: int) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, str], str]:

@@ -191,8 +191,29 @@ class Compressor(abc.ABC):
         state.update({f"iterations/{k}": torch.tensor(v, dtype=torch.int64) for k, v in self.iterations.items()})
         return state
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """ValueError naming the first entry of `state` that `load_state_dict` could not take; changes nothing."""
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.name}.load_state_dict: the state must be a dict, got {type(state).__name__}")
+        allowed = f"allowed memory/<bucket>, iterations/<bucket>{self._extra_kinds()}"
+        for name, value in state.items():
+            kind, _, key = str(name).partition("/")
+            if kind not in ("memory", "iterations", *self._extra_kind_names()) or not key:
+                raise ValueError(f"{self.name}.load_state_dict: unknown entry {name!r}; {allowed}")
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{self.name}.load_state_dict: entry {name!r} must be a tensor, got "
+                                 f"{type(value).__name__}")
+            if kind == "iterations" and (value.numel() != 1 or value.is_floating_point() or int(value) < 0):
+                raise ValueError(f"{self.name}.load_state_dict: entry {name!r} must be one non-negative integer, "
+                                 f"got {value.numel()} elements of {value.dtype}")
+            if kind != "iterations" and (value.dim() != 1 or not value.is_floating_point()):
+                raise ValueError(f"{self.name}.load_state_dict: entry {name!r} must be a 1-D floating-point "
+                                 f"tensor, got shape {tuple(value.shape)} {value.dtype}")
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore what `state_dict` returned (on this rank: the residuals are per rank)."""
+        """Restore what `state_dict` returned (on this rank: the residuals are per rank); {} resets the state.
+        All or nothing: the whole dict is checked first."""
+        self.check_state_dict(state)
         self.memory, self.iterations = {}, {}
         self._reset_extra_state()
         for name, value in state.items():
@@ -201,15 +222,26 @@ class Compressor(abc.ABC):
                 self.memory[key] = value.detach().clone()
             elif kind == "iterations":
                 self.iterations[key] = int(value)
-            elif not self._load_extra(kind, key, value):
-                raise ValueError(f"{self.name}.load_state_dict: unknown entry {name!r}; allowed memory/<bucket>, "
-                                 f"iterations/<bucket>{self._extra_kinds()}")
+            else:
+                self._load_extra(kind, key, value)
+
+    def extra_state(self, group: Communicator, **config: Any) -> Any:
+        """This rank's state declared for checkpoints (a `layout.ExtraState`, per rank: the residuals are each
+        rank's own), valid under this method's configuration and the strategy's `config` (its bucket sizes)."""
+        from ..layout import ExtraState
+
+        return ExtraState("compressor", "per_rank", self.state_dict, self.load_state_dict, self.check_state_dict,
+                          config={"compressor": self.config(), **config}, group=group)
 
     def _load_extra(self, kind: str, key: str, value: torch.Tensor) -> bool:
         return False
 
     def _extra_kinds(self) -> str:
-        return ""
+        return "".join(f", {kind}/<bucket>" for kind in self._extra_kind_names())
+
+    def _extra_kind_names(self) -> tuple[str, ...]:
+        """The kinds of entries a subclass adds to the state dict (PowerSGD: "q")."""
+        return ()
 
 
 def ring_all_reduce(numel: int, element_size: int, world: int) -> int:

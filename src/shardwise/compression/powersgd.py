@@ -208,8 +208,8 @@ class PowerSGD(Compressor):
             return True
         return False
 
-    def _extra_kinds(self) -> str:
-        return ", q/<bucket>"
+    def _extra_kind_names(self) -> tuple[str, ...]:
+        return ("q",)
 
 
 def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:

@@ -151,7 +151,10 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     comms = (shard,) if replicate is None else (shard, replicate)
     layout.declare(module, layout.Parallelized(
         record_name, comms, sharded_placements(engine, before), no_sync=module.no_sync, world=comm,
-        memory=lambda: engine_memory(engine), options={"sharding": config.name}))
+        memory=lambda: engine_memory(engine), options={"sharding": config.name},
+        extra_state=() if engine.compressor is None else (engine.compressor.extra_state(
+            comm, sharding=config.name, units=len(engine.units), shard=shard.size,
+            replicate=None if replicate is None else replicate.size),)))
     register_wrapped(module)
     return module
 

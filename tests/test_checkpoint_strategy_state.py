@@ -1,0 +1,223 @@
+"""Strategy state in checkpoints (layout.ExtraState, checkpoint/strategy_state.py): a compressor's per-rank residuals
+and PowerSGD's Q are saved with the model, so a run resumed from a checkpoint is bit-identical to the uninterrupted
+run; the state reloads only onto the saving layout (or is reset on request); a damaged copy refuses the whole load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from parity import batch, frozen_model
+
+import shardwise as sw
+from shardwise import layout
+from shardwise.checkpoint import CheckpointError, CheckpointMismatch
+from shardwise.compression import PowerSGD, TopK
+
+BEFORE, AFTER = 4, 3  # steps before the save and after the resume
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def ddp(comm, compression):
+    return sw.DDP(frozen_model(), comm, bucket_mb=0.05, first_bucket_mb=0.01, compression=compression)
+
+
+def steps(model, opt, comm, start, count):
+    for step in range(start, start + count):
+        x, y = batch(step, comm.rank, comm.size)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(model):
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            {k: v.clone() for k, v in model.compressor.state_dict().items()})
+
+
+def same(a, b):
+    """Bit-identical parameter and compressor states (names, then every tensor exactly)."""
+    return all(a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i]) for i in range(2))
+
+
+METHODS = [PowerSGD(rank=2, start_iter=1, min_compression_rate=1.0), TopK(0.05)]
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_resume_from_checkpoint_is_bit_identical(method, tmp_path):
+    def uninterrupted(comm):
+        model = ddp(comm, method)
+        opt = sgd(model.parameters())
+        steps(model, opt, comm, 0, BEFORE + AFTER)
+        return snapshot(model)
+
+    def interrupted(comm, reset):
+        model = ddp(comm, method)
+        opt = sgd(model.parameters())
+        steps(model, opt, comm, 0, BEFORE)
+        residual = model.compressor.state_dict()
+        assert any(k.startswith("memory/") and v.abs().sum() > 0 for k, v in residual.items())  # something to lose
+        sw.save_checkpoint(tmp_path / f"run-{reset}", model, opt, step=BEFORE)
+        fresh = ddp(comm, method)
+        fresh_opt = sgd(fresh.parameters())
+        sw.load_checkpoint(tmp_path / f"run-{reset}", fresh, fresh_opt, reset_strategy_state=reset)
+        restored = fresh.compressor.state_dict()
+        if not reset:
+            assert restored.keys() == residual.keys() and all(torch.equal(restored[k], residual[k]) for k in residual)
+        steps(fresh, fresh_opt, comm, BEFORE, AFTER)
+        return snapshot(fresh)
+
+    reference = sw.launch(uninterrupted, 2)
+    resumed = sw.launch(interrupted, 2, False)
+    for rank in range(2):
+        assert same(resumed[rank], reference[rank]), f"rank {rank}: the resumed run differs from the uninterrupted one"
+    # The residuals are each rank's own: they differ between ranks, so they were saved per rank.
+    memory = [r[1] for r in reference]
+    assert any(not torch.equal(memory[0][k], memory[1][k]) for k in memory[0] if k.startswith("memory/"))
+    # The check can fail: the same resume with the residuals (and Q) thrown away is another run.
+    reset = sw.launch(interrupted, 2, True)
+    assert not same(reset[0], reference[0])
+
+
+def test_saved_layout_is_recorded_per_rank(tmp_path):
+    def body(comm):
+        model = ddp(comm, METHODS[0])
+        opt = sgd(model.parameters())
+        steps(model, opt, comm, 0, 2)
+        sw.save_checkpoint(tmp_path, model, opt, step=2)
+
+    sw.launch(body, 2)
+    metadata = json.loads((tmp_path / "step-00000002" / "metadata.json").read_text())
+    saved = metadata["strategy_state"]["compressor"]
+    assert saved["scope"] == "per_rank" and saved["config"]["compressor"]["method"] == "powersgd"
+    assert sorted(saved["copies"]) == ["0", "1"]
+    assert {c["file"] for c in saved["copies"].values()} == {"shard-00000-of-00002.safetensors",
+                                                             "shard-00001-of-00002.safetensors"}
+    assert all(c["group_size"] == 2 for c in saved["copies"].values())
+
+
+def _saved(tmp_path, world=2, method=None):
+    def body(comm):
+        model = ddp(comm, method or METHODS[0])
+        opt = sgd(model.parameters())
+        steps(model, opt, comm, 0, 3)
+        sw.save_checkpoint(tmp_path, model, opt, step=3)
+
+    sw.launch(body, world)
+    return tmp_path / "step-00000003"
+
+
+def _load_and_report(path, world, method=None, **options):
+    """Each rank: (error text or None, whether its parameters, optimizer and compressor are untouched)."""
+
+    def body(comm):
+        model = ddp(comm, method or METHODS[0])
+        opt = sgd(model.parameters())
+        steps(model, opt, comm, 10, 2)  # some state of its own, which a refused load must leave alone
+        before = (snapshot(model), {k: v.clone() for k, v in opt.state_dict()["state"][0].items()})
+        try:
+            sw.load_checkpoint(path, model, opt, **options)
+            error = None
+        except (CheckpointError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        after = (snapshot(model), opt.state_dict()["state"][0])
+        untouched = same(before[0], after[0]) and all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+        return error, untouched
+
+    return sw.launch(body, world)
+
+
+def test_resize_refuses_per_rank_state_naming_it(tmp_path):
+    path = _saved(tmp_path, world=2)
+    results = _load_and_report(path, 1)
+    error, untouched = results[0]
+    assert error is not None and "CheckpointMismatch" in error and "'compressor'" in error
+    assert "saved by 2 ranks" in error and "reset_strategy_state=True" in error
+    assert untouched
+
+
+def test_resize_with_reset_loads_the_model_and_starts_fresh(tmp_path):
+    path = _saved(tmp_path, world=2)
+
+    def body(comm):
+        model = ddp(comm, METHODS[0])
+        opt = sgd(model.parameters())
+        steps(model, opt, comm, 10, 2)
+        sw.load_checkpoint(path, model, opt, reset_strategy_state=True)
+        return model.compressor.state_dict(), sw.full_state_dict(model)
+
+    state, params = sw.launch(body, 1)[0]
+    assert state == {}
+    saved = sw.checkpoint.read_tensors(path)
+    assert all(torch.equal(params[k], saved[f"param/{k}"]) for k in params if f"param/{k}" in saved)
+
+
+def test_other_compressor_configuration_is_refused(tmp_path):
+    path = _saved(tmp_path, world=2)
+    (error, untouched), _ = _load_and_report(path, 2, method=PowerSGD(rank=3, start_iter=1, min_compression_rate=1.0))
+    assert "another configuration" in error and "rank" in error and untouched
+
+
+def test_state_missing_from_the_checkpoint_and_unexpected_state(tmp_path):
+    def plain(comm):
+        model = ddp(comm, None)
+        opt = sgd(model.parameters())
+        steps(model, opt, comm, 0, 1)
+        sw.save_checkpoint(tmp_path / "plain", model, opt, step=1)
+
+    sw.launch(plain, 2)
+    (error, untouched), _ = _load_and_report(tmp_path / "plain", 2)
+    assert "'compressor' (per_rank) is not in the checkpoint" in error and untouched
+
+    path = _saved(tmp_path / "compressed", world=2)
+
+    def into_plain(comm, strict):
+        model = ddp(comm, None)
+        opt = sgd(model.parameters())
+        try:
+            return sw.load_checkpoint(path, model, opt, strict=strict).get("skipped")
+        except CheckpointMismatch as exc:
+            return str(exc)
+
+    assert "strategy/compressor" in sw.launch(into_plain, 2, True)[0]
+    assert "strategy/compressor" in sw.launch(into_plain, 2, False)[0]
+
+
+def _corrupt(path, how):
+    metadata_path = path / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    copy = metadata["strategy_state"]["compressor"]["copies"]["1"]
+    if how == "missing_tensor":  # the metadata names a tensor the file does not hold
+        first = next(iter(copy["tensors"].values()))
+        first["key"] = first["key"] + "-gone"
+    elif how == "wrong_shape":
+        first = next(iter(copy["tensors"].values()))
+        first["shape"] = [1]
+    elif how == "unknown_entry":  # a state the compressor cannot take (its check refuses it before any commit)
+        copy["values"]["bogus/0"] = 1
+    elif how == "bytes":  # the shard file holding rank 1's residuals, damaged on disk
+        shard = path / copy["file"]
+        data = bytearray(shard.read_bytes())
+        data[-5] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    metadata_path.write_text(json.dumps(metadata))
+
+
+@pytest.mark.parametrize("how", ["missing_tensor", "wrong_shape", "unknown_entry", "bytes"])
+def test_a_damaged_copy_refuses_the_whole_load(how, tmp_path):
+    path = _saved(tmp_path, world=2)
+    _corrupt(path, how)
+    results = _load_and_report(path, 2)
+    assert all(error is not None for error, _ in results), results
+    if how != "bytes":  # (rank 0 reads rank 1's damaged file too: it holds parameter pieces rank 1 wrote)
+        assert "rank 1 failed" in results[0][0]  # rank 0 read nothing wrong, and still loaded nothing
+    assert all(untouched for _, untouched in results)
+
+
+def test_extra_state_declaration_is_validated():
+    with pytest.raises(ValueError, match="scope='global'"):
+        layout.ExtraState("x", "global", dict, lambda s: None)
