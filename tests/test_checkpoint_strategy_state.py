@@ -221,3 +221,74 @@ def test_a_damaged_copy_refuses_the_whole_load(how, tmp_path):
 def test_extra_state_declaration_is_validated():
     with pytest.raises(ValueError, match="scope='global'"):
         layout.ExtraState("x", "global", dict, lambda s: None)
+
+
+H = 2  # inner steps per synchronisation
+
+
+def diloco(comm):
+    model = sw.DiLoCo(frozen_model(), comm, sync_every=H)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)  # no inner state: each worker's would be its own
+
+
+def outer_state(model):
+    saved = model.outer_state_dict()
+    momentum = saved["outer_optimizer"]["state"]
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            {**saved["anchors"], **{f"m{i}": s["momentum_buffer"] for i, s in momentum.items()}})
+
+
+def local_steps(model, opt, comm, start, count):
+    for step in range(start, start + count):
+        x, y = batch(step, comm.rank, comm.size)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        model.step()
+
+
+def test_diloco_resumes_bit_identically_from_a_checkpoint(tmp_path):
+    def uninterrupted(comm):
+        model, opt = diloco(comm)
+        local_steps(model, opt, comm, 0, 3 * H)
+        return outer_state(model)
+
+    def interrupted(comm):
+        model, opt = diloco(comm)
+        local_steps(model, opt, comm, 0, 2 * H)  # saved right after a synchronisation: the replicas are equal
+        with pytest.raises(ValueError, match="pass comm="):
+            sw.save_checkpoint(tmp_path, model, opt, step=2 * H)  # the model alone does not know local SGD's ranks
+        sw.save_checkpoint(tmp_path, model, opt, step=2 * H, comm=comm)
+        at_save = outer_state(model)
+        fresh, fresh_opt = diloco(comm)
+        sw.load_checkpoint(tmp_path, fresh, fresh_opt, comm=comm)
+        assert fresh.inner_steps == 2 * H and fresh.syncs == 2
+        local_steps(fresh, fresh_opt, comm, 2 * H, H)
+        return outer_state(fresh), at_save
+
+    reference = sw.launch(uninterrupted, 2)
+    resumed = sw.launch(interrupted, 2)
+    for rank in range(2):
+        assert same(resumed[rank][0], reference[rank]), f"rank {rank}: the resumed DiLoCo run differs"
+    metadata = json.loads((tmp_path / f"step-{2 * H:08d}" / "metadata.json").read_text())
+    saved = metadata["strategy_state"]["local_sgd"]
+    assert saved["scope"] == "replicated" and list(saved["copies"]) == ["0"]  # written once
+
+    def on_one_rank(comm):  # replicated state maps onto any world size
+        model, opt = diloco(comm)
+        sw.load_checkpoint(tmp_path, model, opt, comm=comm)
+        return outer_state(model)
+
+    assert same(sw.launch(on_one_rank, 1)[0], resumed[0][1])  # parameters, anchors and outer momentum as saved
+
+
+def test_local_sgd_state_into_plain_averaging_is_refused(tmp_path):
+    def body(comm):
+        model, opt = diloco(comm)
+        local_steps(model, opt, comm, 0, H)
+        sw.save_checkpoint(tmp_path, model, opt, step=H, comm=comm)
+        plain = sw.LocalSGD(frozen_model(), comm, sync_every=H)
+        with pytest.raises(CheckpointMismatch, match="'local_sgd' was saved under another configuration"):
+            sw.load_checkpoint(tmp_path, plain, sgd(plain.parameters()), comm=comm)
+
+    sw.launch(body, 2)

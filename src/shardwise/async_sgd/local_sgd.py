@@ -41,6 +41,7 @@ from ..comm.base import Communicator, ReduceOp
 from ..comm.coalesced import broadcast_coalesced
 from ..placement import to_comm_device
 from .checks import check_comm, check_positive_int, check_whole_model
+from .extra_state import declare_local_sgd
 from .flat import group_by_dtype, pack, unpack
 
 __all__ = ["LocalSGD", "LocalSGDModule", "OuterOptimizerFactory", "Reduce"]
@@ -224,6 +225,8 @@ def LocalSGD(
     state = _State(module, comm, sync_every, outer_optimizer, reduce or _average)
     mix_in(module, LocalSGDModule, "LocalSGD")
     module._local_sgd = state
+    # Declared to the layout contract: its outer state travels in sw.save_checkpoint (extra_state.py).
+    declare_local_sgd(module, comm, {"sync_every": sync_every, "outer_optimizer": state.outer is not None})
     log.debug("LocalSGD over %d ranks: sync every %d steps, outer optimizer %s", comm.size, sync_every,
               type(state.outer).__name__ if state.outer is not None else "none (averaging)")
     return module

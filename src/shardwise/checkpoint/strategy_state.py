@@ -135,7 +135,11 @@ def _config_difference(saved: Any, mine: dict[str, Any]) -> str:
 def stage_strategy_state(staged: Staged, reader: Reader, comm: Communicator, strategy: str, reset: bool) -> None:
     """Find, read and check this rank's declared states (see the module docstring); problems go to `staged`."""
     saved_all = staged.metadata.get("strategy_state", {})
-    for name, state in declared_states(staged.model, staged.optimizer).items():
+    states = declared_states(staged.model, staged.optimizer)
+    problems = save_problems(states, comm)
+    if problems:  # a load over a communicator the state does not live in (local SGD without comm=)
+        raise ValueError(f"load_checkpoint: {'; '.join(problems)}")
+    for name, state in states.items():
         what = f"{PREFIX}{name}"
         if state.scope == "per_rank" and reset:
             staged.strategy_loads.append((state, {}))
