@@ -292,3 +292,30 @@ def test_local_sgd_state_into_plain_averaging_is_refused(tmp_path):
             sw.load_checkpoint(tmp_path, plain, sgd(plain.parameters()), comm=comm)
 
     sw.launch(body, 2)
+
+
+def test_onebit_adam_resumes_bit_identically_from_a_checkpoint(tmp_path):
+    from shardwise.compression import OneBitAdam
+
+    def build(comm):
+        model = frozen_model()
+        return model, OneBitAdam(model.parameters(), comm, lr=1e-3, eps=1e-6, freeze_step=2)
+
+    def run(comm, save):
+        model, opt = build(comm)
+        steps(model, opt, comm, 0, 4)  # past the warm-up: frozen variance, residuals in the compressor
+        if save:
+            sw.save_checkpoint(tmp_path, model, opt, step=4, comm=comm)
+            model, opt = build(comm)
+            sw.load_checkpoint(tmp_path, model, opt, comm=comm)
+            assert opt.steps == 4 and opt.frozen
+        steps(model, opt, comm, 4, 2)
+        return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                {k: v.clone() for k, v in opt.compressor.state_dict().items()})
+
+    reference, resumed = sw.launch(run, 2, False), sw.launch(run, 2, True)
+    for rank in range(2):
+        assert same(resumed[rank], reference[rank]), f"rank {rank}: the resumed 1-bit Adam run differs"
+    metadata = json.loads((tmp_path / "step-00000004" / "metadata.json").read_text())
+    assert {n: s["scope"] for n, s in metadata["strategy_state"].items()} == {
+        "onebit_adam": "replicated", "onebit_adam_compressor": "per_rank"}

@@ -18,11 +18,13 @@ The paper's two-stage (worker + server error) exchange is replaced by OneBit's a
 error-feedback guarantee; (N-1)/8 bytes per element per rank instead of ~2/8: see onebit.py).
 
 State: the Adam moments (per parameter, in `state_dict()["state"]`, as torch's Adam keeps them) and the
-compressor's error feedback (`state_dict()["compressor"]`), so a resumed run continues exactly.
+compressor's error feedback (`state_dict()["compressor"]`), so a resumed run continues exactly; `sw.save_checkpoint`
+saves the step count and the per-rank error feedback too (`extra_state()`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -119,6 +121,24 @@ class OneBitAdam(torch.optim.Optimizer):
     def frozen(self) -> bool:
         """Whether the variance is frozen (the compression stage has begun)."""
         return self.steps >= self.freeze_step
+
+    def extra_state(self) -> tuple[Any, ...]:
+        """What `sw.save_checkpoint` saves besides the per-parameter moments (layout.ExtraState records): the step
+        count, equal on every rank ("onebit_adam", replicated, valid under the same freeze_step), and the momentum
+        compressor's error feedback, each rank's own ("onebit_adam_compressor", per rank)."""
+        from ..layout import ExtraState
+
+        def check(state: dict[str, Any]) -> None:
+            steps = state.get("steps")
+            if set(state) != {"steps"} or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                raise ValueError(f"OneBitAdam: the state must be {{'steps': a non-negative int}}, got {state!r}")
+
+        def load(state: dict[str, Any]) -> None:
+            self.steps = int(state["steps"])
+
+        return (ExtraState("onebit_adam", "replicated", lambda: {"steps": self.steps}, load, check,
+                           config={"freeze_step": self.freeze_step}, group=self.comm),
+                dataclasses.replace(self.compressor.extra_state(self.comm), name="onebit_adam_compressor"))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
