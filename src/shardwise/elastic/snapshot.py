@@ -100,14 +100,18 @@ def optimizer_owners(model: nn.Module, optimizer: torch.optim.Optimizer | None,
 def capture(step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, sampler: Any,
             extra: dict[str, Any] | None = None) -> Snapshot:
     """Clone this rank's state (see the module docstring). No communication."""
-    placements = list(layout.placements(model).values())
-    params = [pl.param.detach().clone() for pl in placements]
+    live = list(layout.placements(model).values())
+    params = [pl.param.detach().clone() for pl in live]
+    # The commit keeps each placement's geometry, not its live parameter: a parameter carries the strategy's hooks,
+    # which hold the works of a failed step, and through them the failed process group, whose sockets must close
+    # when the membership layer frees it (comm/membership.py).
+    placements = [dataclasses.replace(pl, param=torch.empty_like(pl.param, device="meta")) for pl in live]
     buffers = {name: b.detach().clone() for name, b in layout.buffers(model).items()}
     opt_state = None
     if optimizer is not None:
         opt_state = copy.deepcopy(optimizer.state_dict())  # deepcopy clones the tensors
     return Snapshot(step=step, placements=placements, params=params, buffers=buffers, optimizer=opt_state,
-                    owner_of_index=optimizer_owners(model, optimizer, placements),
+                    owner_of_index=optimizer_owners(model, optimizer, live),
                     scheduler=None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
                     sampler=None if sampler is None else sampler.state_dict(), rng=_rng(),
                     extra=copy.deepcopy(extra or {}))

@@ -190,6 +190,12 @@ class ElasticState:
                  result["source"])
         return result
 
+    def release(self) -> None:
+        """Drop the references to the model, optimizer and scheduler of a world that failed (the commits stay):
+        their hooks hold the failed step's works, and the membership layer can free the old world only once nothing
+        holds them. Call `resize` next."""
+        self.model = self.optimizer = self.lr_scheduler = self.comm = None
+
     @classmethod
     def joining(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator, *,
                 lr_scheduler: Any = None, sampler: Any = None, **options: Any) -> ElasticState:

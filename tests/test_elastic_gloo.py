@@ -1,0 +1,171 @@
+"""Elastic training on gloo processes (issue 17's acceptance): 4 workers train the demo GPT (tiny preset) with DDP
+or ZeRO-2 through sw.elastic.run; one is SIGKILLed at a seeded step, the 3 survivors continue in process (a new
+membership epoch, a fresh gloo world, the state resharded from their commits), a new worker joins and the 4 finish.
+The final parameters equal one process trained on the same global batches in the same sample order; every step is
+applied exactly once. Below min_workers the survivors stop with a clear error within the configured wait.
+
+Each worker is tests/elastic_worker.py; this test hosts the job's store (as `shardwise run` does) and starts the
+joiner once the survivors' epoch is published. One trial per strategy here, 5 each under `make soak`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardwise as sw
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "elastic_worker.py"
+_spec = importlib.util.spec_from_file_location("elastic_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+
+def _reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, the same model, optimizer, global batch and sample order, never interrupted."""
+    torch.manual_seed(0)
+    model = worker.build_model()
+    opt = worker.make_optimizer(model.parameters())
+    tokens = worker.data()
+    sampler = sw.elastic.Sampler(worker.N, global_batch=worker.G, seed=worker.SEED)
+    for _ in range(steps):
+        idx = sampler.global_batch_indices()
+        model(tokens[idx, :-1], tokens[idx, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+        sampler.advance()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class _Job:
+    """The job's store (hosted here, as `shardwise run` hosts it) and its worker processes."""
+
+    def __init__(self, out: Path, min_workers: int, max_workers: int, **env: str) -> None:
+        from shardwise.comm import rendezvous
+
+        self.out = out
+        self.store = rendezvous.host_store("127.0.0.1", 0, 10.0)
+        self.env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+                    "SHARDWISE_ELASTIC": f"{min_workers}:{max_workers}", "WORLD_SIZE": str(max_workers),
+                    "OMP_NUM_THREADS": "1", "ELASTIC_TIMEOUT": "4", "ELASTIC_SILENCE": "1.5", **env}
+        self.env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), self.env.get("PYTHONPATH", "")])
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, launch_rank: int, *args: object) -> None:
+        self.procs.append(subprocess.Popen(
+            [sys.executable, str(WORKER), str(self.out), *map(str, args)], env={**self.env, "RANK": str(launch_rank)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+
+    def epoch(self) -> int | None:
+        return int(self.store.get("elastic/epoch")) if self.store.check(["elastic/epoch"]) else None
+
+    def wait_epoch(self, epoch: int, limit: float) -> None:
+        deadline = time.monotonic() + limit
+        while (self.epoch() or 0) < epoch:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"epoch {epoch} not reached within {limit:g}s; outputs:\n{self.outputs()}")
+            time.sleep(0.05)
+
+    def finish(self, limit: float) -> list[int]:
+        deadline = time.monotonic() + limit
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
+
+    def outputs(self) -> str:
+        texts = []
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            texts.append(f"--- worker {i} (exit {p.returncode}) ---\n{p.stdout.read()[-3000:]}")
+        return "\n".join(texts)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def _trial(tmp_path: Path, strategy: str, seed: int) -> None:
+    rng = random.Random(seed)
+    kill_rank, kill_step = rng.randrange(4), rng.randrange(2, 4)
+    join_step, steps = kill_step + 2, kill_step + 4
+    args = (strategy, steps, kill_rank, kill_step, join_step)
+    job = _Job(tmp_path, 3, 4)
+    try:
+        for r in range(4):
+            job.start(r, *args)
+        job.wait_epoch(1, 60)  # the survivors' epoch: now a newcomer joins (it must not slip into epoch 1)
+        job.start(4, *args)
+        codes = job.finish(90)
+        assert codes == [0 if r != kill_rank else -9 for r in range(4)] + [0], job.outputs()
+    finally:
+        job.close()
+    killed = json.loads((tmp_path / "killed.json").read_text())
+    runs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("timeline-*.json"))]
+    assert len(runs) == 4 and all(r["world"] == 4 and r["step"] == steps for r in runs)
+    assert all(r["samples"] == steps * worker.G for r in runs)  # the sampler's committed position: every sample once
+    survivor = next(r["timeline"] for r in runs if r["timeline"][0]["source"] == "new")
+    epochs = [e for e in survivor if "epoch" in e]
+    assert [(e["world"], e["source"]) for e in epochs] == [(4, "new"), (3, "survivors"), (4, "survivors")]
+    assert epochs[1]["step"] == kill_step  # every survivor committed the step before the kill: it is redone once
+    on3 = next(e for e in survivor if "loss" in e and e["world"] == 3)
+    assert on3["t"] - killed["t"] < 30, f"the survivors' first step on 3 came {on3['t'] - killed['t']:.1f}s after the kill"
+    assert [e["step"] for e in survivor if "loss" in e] == list(range(1, steps + 1))  # each step applied once
+    assert [e["world"] for e in survivor if "loss" in e].count(3) == join_step - kill_step + 1
+    newcomer = next(r["timeline"] for r in runs if r["timeline"][0]["source"] == "joined")
+    assert newcomer[0]["step"] == join_step + 1
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    want = _reference(steps)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_kill_one_then_join_equals_one_process(tmp_path, strategy):
+    _trial(tmp_path, strategy, seed=11)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("seed", range(5))
+def test_kill_one_then_join_soak(tmp_path, strategy, seed):
+    _trial(tmp_path, strategy, seed=100 + seed)
+
+
+def test_below_min_workers_stops_with_a_clear_error(tmp_path):
+    """min_workers=4: after a kill the 3 survivors wait `wait_timeout` (3 s) for a joiner, then each raises
+    MembershipError naming the counts and exits; nobody is left waiting."""
+    job = _Job(tmp_path, 4, 4, ELASTIC_WAIT="3")
+    try:
+        for r in range(4):
+            job.start(r, "ddp", 6, 1, 2, -1)
+        codes = job.finish(60)
+        killed_at = json.loads((tmp_path / "killed.json").read_text())["t"]
+        stopped = time.time() - killed_at
+        out = job.outputs()
+    finally:
+        job.close()
+    assert codes == [1, -9, 1, 1], out
+    assert out.count("MembershipError: elastic: only 3 worker(s) alive for epoch 1") == 3, out
+    assert "fewer than min_workers=4, after waiting 3s" in out
+    # wait_timeout (3 s) + the detector's silence (1.5 s) + the collective timeout (4 s) + process exit
+    assert stopped < 20, f"the survivors stopped {stopped:.1f}s after the kill"
