@@ -5,8 +5,8 @@ loses a worker (SIGKILL at a chosen step) and gains one. Run as a script, by the
 
 Environment: MASTER_ADDR / MASTER_PORT / SHARDWISE_ELASTIC=MIN:MAX (what `shardwise run --min --max` sets), RANK
 (the launch rank: the one equal to KILL_LAUNCH_RANK kills itself with SIGKILL at the start of KILL_STEP's first
-try). A world of 3 waits at JOIN_STEP until a joiner has registered (the test starts it once 3 train), so that the
-run goes 4 -> 3 -> 4 whatever the machine's speed. Writes OUT/timeline-<member>.json, and OUT/final.pt (rank 0's
+try). A world of 3 reaching JOIN_STEP lets the joiner (ELASTIC_JOINER=1, started with the others) register and waits
+until it has, so that the run goes 4 -> 3 -> 4 whatever the machine's speed. Writes OUT/timeline-<member>.json, and OUT/final.pt (rank 0's
 full state dict) at the end. Every worker prints one line per epoch.
 """
 
@@ -49,6 +49,9 @@ def main() -> None:
     membership = sw.elastic.Membership.from_env(timeout=float(os.environ.get("ELASTIC_TIMEOUT", "20")), silence=silence,
                                                 wait_timeout=float(os.environ.get("ELASTIC_WAIT", "20")))
 
+    if os.environ.get("ELASTIC_JOINER"):  # started early (its imports overlap the others' training), it registers
+        _wait_for_key(membership, "test/join_now")  # only once the 3 survivors reached the join step
+
     def build(comm):
         net = build_model()
         model = sw.DDP(net, comm) if strategy == "ddp" else sw.ZeRO(net, comm, stage=int(strategy[-1]))
@@ -60,7 +63,8 @@ def main() -> None:
                 json.dump({"t": time.time(), "step": ctx.step}, f)
             os.kill(os.getpid(), signal.SIGKILL)
         if ctx.comm.size == 3 and ctx.step == join_step:
-            _wait_for_joiner(membership)
+            membership.store.set("test/join_now", "1")
+            _wait_for_key(membership, "join/count")
         idx = ctx.sampler.rank_indices()
         loss = ctx.model(tokens[idx, :-1], tokens[idx, 1:])
         loss.backward()
@@ -81,10 +85,10 @@ def main() -> None:
     membership.close()
 
 
-def _wait_for_joiner(membership) -> None:
-    """Test choreography: hold the 3-worker world at the join step until a joiner registered (at most 60 s)."""
+def _wait_for_key(membership, key: str) -> None:
+    """Test choreography through the job's store (at most 60 s)."""
     deadline = time.monotonic() + 60
-    while int(membership.store.add("join/count", 0)) == 0 and time.monotonic() < deadline:
+    while not membership.store.check([key]) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
