@@ -333,6 +333,14 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
                    "(default: %(default)s)")
     p.add_argument("--grace", type=_positive_float, default=3.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default: %(default)s)")
+    p.add_argument("--min", dest="min_workers", type=_positive_int, default=None,
+                   help="elastic job: the fewest workers it runs with (with --max; survivors of a failure keep "
+                   "running and joiners are admitted; the script uses sw.elastic, see docs/elastic.md)")
+    p.add_argument("--max", dest="max_workers", type=_positive_int, default=None,
+                   help="elastic job: the most workers it runs with")
+    p.add_argument("--join", action="store_true",
+                   help="add these --nproc workers to a running elastic job at --master-addr/--master-port (its "
+                   "SHARDWISE_JOB_TOKEN in the environment)")
     p.add_argument("script", type=_script, help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(handler=functools.partial(_run_run, p))
@@ -350,16 +358,24 @@ def _run_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.nnodes > 1 and args.backend == "mpi":
         parser.error("argument --backend: mpi runs on one node here (mpirun places ranks on hosts itself: "
                      "mpirun -H ...); use gloo or nccl with one `shardwise run` per node")
+    if (args.min_workers is None) != (args.max_workers is None):
+        parser.error("arguments --min/--max: give both (an elastic job's bounds) or neither")
+    if args.min_workers is not None and args.min_workers > args.max_workers:
+        parser.error(f"argument --min: {args.min_workers} must be <= --max {args.max_workers}")
+    if args.join and (args.min_workers is None or args.master_port is None):
+        parser.error("argument --join: needs --min/--max and the running job's --master-port")
     import torch  # only now that the command line is known to be good
 
-    from shardwise.launch.supervise import RunConfig, run
+    from shardwise.launch.supervise import RunConfig, keep_survivors, run, tear_down
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     try:
         config = RunConfig(args.script, tuple(args.script_args), nproc=args.nproc, backend=backend,
                            nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                           master_port=args.master_port or 0, timeout=args.timeout, grace=args.grace)
-        result = run(config)
+                           master_port=args.master_port or 0, timeout=args.timeout, grace=args.grace,
+                           elastic=None if args.min_workers is None else (args.min_workers, args.max_workers),
+                           join=args.join)
+        result = run(config, keep_survivors if config.elastic is not None else tear_down)
     except (ValueError, RuntimeError) as exc:  # a configuration that does not fit, no mpirun on PATH
         return _fail("run", str(exc).removeprefix("run: "))
     text = result.report()

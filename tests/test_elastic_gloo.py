@@ -161,3 +161,23 @@ def test_below_min_workers_stops_with_a_clear_error(tmp_path):
     assert "fewer than min_workers=4, after waiting 3s" in out
     # wait_timeout (3 s) + the detector's silence (1.5 s) + the collective timeout (4 s) + process exit
     assert stopped < 20, f"the survivors stopped {stopped:.1f}s after the kill"
+
+
+def test_shardwise_run_min_max_keeps_the_survivors(tmp_path):
+    """`shardwise run --min 3 --max 4 -n 4`: the supervisor hosts the store and lets the survivors of a SIGKILL run
+    to the end on 3 (keep_survivors); the job still exits non-zero, naming the killed worker."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ELASTIC_TIMEOUT": "4", "ELASTIC_SILENCE": "1.5"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+    steps = 5
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "run", "--min", "3", "--max", "4", "-n", "4",
+                           "--timeout", "10", str(WORKER), str(tmp_path), "ddp", str(steps), "1", "2", "-1"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "rank 1" in out and "SIGKILL" in out, out
+    assert "add workers with SHARDWISE_JOB_TOKEN=" in out, out
+    runs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("timeline-*.json"))]
+    assert len(runs) == 3 and all(r["world"] == 3 and r["step"] == steps for r in runs), out
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    want = _reference(steps)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -83,6 +83,8 @@ class RunConfig:
     timeout: float = 60.0
     grace: float = 3.0
     settle: float = 1.0
+    elastic: tuple[int, int] | None = None
+    join: bool = False
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -106,6 +108,16 @@ class RunConfig:
         for name in ("timeout", "grace", "settle"):
             if not getattr(self, name) > 0:
                 raise bad(f"{name}={getattr(self, name)!r} must be a positive number of seconds")
+        if self.elastic is not None:
+            lo, hi = self.elastic
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise bad(f"elastic={self.elastic!r} must be (min_workers, max_workers) with 1 <= min <= max")
+            if self.backend == "mpi" or self.nnodes > 1:
+                raise bad("elastic jobs (--min/--max) run with backend gloo or nccl and one `shardwise run` per "
+                          "group of workers (--join adds workers), not --nnodes or mpi")
+        if self.join and (self.elastic is None or self.master_port == 0):
+            raise bad("join=True adds workers to a running elastic job: give elastic=(min, max) and the job's "
+                      "master_addr / master_port")
         if not os.path.isfile(self.script):
             raise bad(f"script {self.script!r} is not a file")
 
@@ -250,8 +262,12 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
     from ..comm import rendezvous
     from ..comm.heartbeat import Board
 
-    token = os.environ.get(rendezvous.JOB_TOKEN_ENV) or (rendezvous.new_job_token() if config.nnodes == 1 else None)
-    if config.node_rank == 0:
+    token = os.environ.get(rendezvous.JOB_TOKEN_ENV)
+    if config.join and not token:
+        raise ValueError(f"run: joining a running job needs its token in {rendezvous.JOB_TOKEN_ENV} (the first "
+                         f"`shardwise run` of the job prints it)")
+    token = token or (rendezvous.new_job_token() if config.nnodes == 1 else None)
+    if config.node_rank == 0 and not config.join:
         host = config.master_addr if config.nnodes > 1 else config.master_addr or "127.0.0.1"
         store = rendezvous.host_store(host, config.master_port, config.timeout)
     else:
@@ -268,6 +284,15 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
     print(f"shardwise run: {config.nproc} rank(s) of {config.script} ({config.backend}; ranks "
           f"{config.first_rank}..{config.first_rank + config.nproc - 1} of {config.world_size}; store at "
           f"{config.master_addr}:{port})", file=out, flush=True)
+    if config.elastic is not None:
+        # The workers form their worlds themselves (comm/membership.py reads SHARDWISE_ELASTIC); a worker added later
+        # presents the job's token.
+        env["SHARDWISE_ELASTIC"] = f"{config.elastic[0]}:{config.elastic[1]}"
+        if not config.join:
+            print(f"shardwise run: elastic job ({config.elastic[0]}..{config.elastic[1]} workers); add workers with "
+                  f"{rendezvous.JOB_TOKEN_ENV}={token} shardwise run --join --min {config.elastic[0]} --max "
+                  f"{config.elastic[1]} --master-addr {config.master_addr} --master-port {port} -n 1 "
+                  f"{config.script}", file=out, flush=True)
     procs: dict[int, subprocess.Popen] = {}
     try:
         for local in range(config.nproc):
