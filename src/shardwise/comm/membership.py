@@ -25,11 +25,12 @@ into another key space and is never seen. Every key below lives under `elastic/`
   process: the survivors are not restarted. What works with gloo after a peer was SIGKILLed (torch 2.13, measured):
   the ranks next to the dead peer fail at once ("connection reset"), but a rank waiting for a live peer that failed
   keeps waiting its whole timeout, and neither `ProcessGroupGloo.abort()` nor `shutdown()` interrupts that wait.
-  Freeing the failed group does: `destroy_process_group()` once nothing else holds the group (its works are
-  dropped, `gc.collect()`), which closes its sockets, so the waiting peers fail within a fraction of a second
-  ("connection closed by peer") and the failure cascades through the world; then `init_process_group` over the
-  next prefix works in the same process. A peer that froze without dying is found by its heartbeat's silence, but
-  a wait already blocked on it ends only at the collective `timeout`: keep that short for elastic jobs.
+  `destroy_process_group()` then `init_process_group` over the next prefix works in the same process. In a
+  standalone script, freeing the failed group (`destroy_process_group()` once nothing holds its works,
+  `gc.collect()`) closes its sockets and the waiting peers fail within 0.4 s ("connection closed by peer"); inside
+  a training job something still holds the group (not found yet), so a rank whose wait did not fail at once leaves
+  it at the collective `timeout`, as does a wait on a peer that froze without dying (its heartbeat's silence names
+  it): keep that timeout short for elastic jobs.
 
 Anchors: torchelastic's dynamic rendezvous (c10d store, rounds, last call, min/max nodes; every worker restarts),
 torchft's per-step quorum (healthy replicas keep going), Horovod elastic's host discovery.
