@@ -13,10 +13,13 @@ every process started in them are removed at the end, whatever happens.
 The training. Rank r runs in namespace r with RANK / WORLD_SIZE / MASTER_ADDR=198.18.0.1 and GLOO_SOCKET_IFNAME set
 to its veth, and joins with `sw.init(backend="gloo")`: every byte between the ranks crosses the shaped link. Rows,
 each its own copy of the same seeded GPT with AdamW, the same per-rank batches:
-  none                 sw.DDP, fp32 all-reduce of every bucket
+  none                 sw.DDP, fp32 all-reduce of every bucket (default buckets: 1 MiB first, then 25 MiB)
   powersgd             sw.DDP(compression=sw.compression.PowerSGD(rank=--rank, start_iter=--start-iter))
-  torch_powersgd_hook  torch DistributedDataParallel + powerSGD_hook (same rank and start iteration)
-  torch_ddp            torch DistributedDataParallel, its built-in all-reduce
+  powersgd_1bucket     the same in one bucket (no overlap with backward: like for like with torch's hook row)
+  torch_powersgd_hook  torch DistributedDataParallel + powerSGD_hook (same rank and start iteration), one bucket:
+                       with two buckets in flight on gloo the hook's chained all-reduces can be enqueued in
+                       different orders on the two ranks (a collective mismatch, seen on this link)
+  torch_ddp            torch DistributedDataParallel, its built-in all-reduce, default buckets
 Each row first takes --warmup steps (past both PowerSGDs' uncompressed start iterations), then --rounds rounds of
 --steps steps of every row, the order rotating every round (bench/_common.alternate). A step is forward + backward +
 optimizer step; per step the slowest rank counts; rows report the median and deciles, the bytes the kernel counted
@@ -49,7 +52,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ADDRS = ("198.18.0.1", "198.18.0.2")  # RFC 2544 benchmarking range (198.18.0.0/15): routed nowhere
-ROWS = ("none", "powersgd", "torch_powersgd_hook", "torch_ddp")
+ROWS = ("none", "powersgd", "powersgd_1bucket", "torch_powersgd_hook", "torch_ddp")
+ONE_BUCKET_MB = 1024  # larger than the model: one bucket
 CHECK_PORT = 29400  # fresh namespaces have no listener: fixed ports cannot collide
 MASTER_PORT = 29500
 
@@ -190,10 +194,17 @@ def _worker(out: Path, cfg: Config, veth: str, timeout: float) -> None:
             model = GPT(gpt, seed=cfg.seed)
             self.ours = not name.startswith("torch")
             if self.ours:
-                method = PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter) if name == "powersgd" else None
-                self.model = sw.DDP(model, comm, compression=method)
-            else:
+                method = PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter) if name != "none" else None
+                buckets = ({"bucket_mb": ONE_BUCKET_MB, "first_bucket_mb": ONE_BUCKET_MB}
+                           if name == "powersgd_1bucket" else {})
+                self.model = sw.DDP(model, comm, compression=method, **buckets)
+            elif name == "torch_ddp":
                 self.model = TorchDDP(model)
+            else:
+                # One bucket: the hook issues its second all-reduce from the callback of the first, on gloo's
+                # completion thread, so with two buckets in flight the ranks can enqueue bucket 0's Q all-reduce
+                # and bucket 1's P all-reduce in different orders: a collective mismatch (seen on this link).
+                self.model = TorchDDP(model, bucket_cap_mb=ONE_BUCKET_MB)
                 if name == "torch_powersgd_hook":
                     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.rank,
                                                         start_powerSGD_iter=cfg.start_iter)
@@ -244,7 +255,7 @@ def _report(cfg: Config, results: list[dict[str, Any]]) -> None:
         print(f"{name:22s} {stats['median_ms']:10.1f} {stats['p10_ms']:8.1f} {stats['p90_ms']:8.1f} {kernel:14d} "
               f"{'' if wire is None else wire:>12}", file=sys.stderr)
     for a, b, goal in (("none", "powersgd", ">= 3"), ("torch_powersgd_hook", "powersgd", ">= 1"),
-                       ("torch_ddp", "none", "~1")):
+                       ("torch_powersgd_hook", "powersgd_1bucket", ">= 1"), ("torch_ddp", "none", "~1")):
         if a in per_step and b in per_step:
             ratio = median(per_step[a]) / median(per_step[b])
             rounds = per_round_ratios(per_step[a], per_step[b], cfg.steps, cfg.rounds)

@@ -322,3 +322,24 @@ def test_onebit_adam_resumes_bit_identically_from_a_checkpoint(tmp_path):
     metadata = json.loads((tmp_path / "step-00000004" / "metadata.json").read_text())
     assert {n: s["scope"] for n, s in metadata["strategy_state"].items()} == {
         "onebit_adam": "replicated", "onebit_adam_compressor": "per_rank"}
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("scope", "global", "scope 'global' is not 'per_rank' or 'replicated'"),
+    ("file", "../../etc/passwd", "which 'files' does not list"),
+    ("shape", [10**9], "does not fit in shard-00001-of-00002.safetensors"),
+])
+def test_malformed_strategy_state_metadata_is_refused_naming_it(field, value, match, tmp_path):
+    path = _saved(tmp_path, world=2)
+    metadata = json.loads((path / "metadata.json").read_text())
+    saved = metadata["strategy_state"]["compressor"]
+    copy = saved["copies"]["1"]
+    if field == "scope":
+        saved["scope"] = value
+    elif field == "file":
+        copy["file"] = value
+    else:
+        next(iter(copy["tensors"].values()))["shape"] = value
+    (path / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError, match=match):
+        sw.checkpoint.read_metadata(path)

@@ -69,7 +69,6 @@ class Staged:
         self.consumed: set[str] = set()
         self.optim_checked = optimizer is not None  # False: optim/* tensors are neither loaded nor unexpected
         self.strategy_loads: list[tuple[layout.ExtraState, dict[str, Any]]] = []  # (declared state, staged dict)
-        self.consumed_states: set[str] = set()
 
     def match(self, name: str, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any] | None:
         """The checkpoint's entry for `name` if it has the model's shape and dtype, else None (problem recorded)."""

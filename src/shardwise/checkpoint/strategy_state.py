@@ -149,7 +149,6 @@ def stage_strategy_state(staged: Staged, reader: Reader, comm: Communicator, str
         if saved is None:
             staged.problems[what] = f"strategy state {name!r} ({state.scope}) is not in the checkpoint{hint}"
             continue
-        staged.consumed_states.add(name)
         if saved["scope"] != state.scope:
             staged.problems[what] = (f"strategy state {name!r} is {state.scope} in the model but {saved['scope']} "
                                      f"in the checkpoint")
