@@ -327,9 +327,10 @@ class _ProbeComm:
                            lambda a: self.inner.all_gather(output, input, async_op=a), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Any = shardwise.ReduceOp.SUM, *,
-                       async_op: bool = False) -> Any:
+                       async_op: bool = False, scratch_input: bool = False) -> Any:
         return self._probe("reduce_scatter", input.numel() * input.element_size(),
-                           lambda a: self.inner.reduce_scatter(output, input, op, async_op=a), async_op)
+                           lambda a: self.inner.reduce_scatter(output, input, op, async_op=a,
+                                                               scratch_input=scratch_input), async_op)
 
 
 class _HookTimer:
