@@ -173,7 +173,9 @@ class ElasticState:
             if self.checkpoint_dir is None:
                 raise
             log.warning("%s; reading the last checkpoint in %s", exc, self.checkpoint_dir)
-            extra = load_checkpoint(self.checkpoint_dir, model, optimizer, comm=comm)
+            # The world changed, so per-rank strategy state (compression residuals) of the old ranks cannot apply:
+            # start it fresh (an optimisation memory, see docs/checkpoints.md), as a resize does.
+            extra = load_checkpoint(self.checkpoint_dir, model, optimizer, comm=comm, reset_strategy_state=True)
             small = extra.get("elastic", {})
             if sampler is not None and small.get("sampler") is not None:
                 sampler.load_state_dict(small["sampler"])
