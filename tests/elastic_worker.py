@@ -64,7 +64,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if ctx.comm.size == 3 and ctx.step == join_step:
             membership.store.set("test/join_now", "1")
-            _wait_for_key(membership, "join/count")
+            # The members' poll creates join/count at 0 (store.add), so its mere existence says nothing: wait for
+            # the joiner's registration to count.
+            _wait_until(lambda: int(membership.store.add("join/count", 0)) >= 1)
         idx = ctx.sampler.rank_indices()
         loss = ctx.model(tokens[idx, :-1], tokens[idx, 1:])
         loss.backward()
@@ -87,8 +89,12 @@ def main() -> None:
 
 def _wait_for_key(membership, key: str) -> None:
     """Test choreography through the job's store (at most 60 s)."""
+    _wait_until(lambda: membership.store.check([key]))
+
+
+def _wait_until(condition) -> None:
     deadline = time.monotonic() + 60
-    while not membership.store.check([key]) and time.monotonic() < deadline:
+    while not condition() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

@@ -205,10 +205,13 @@ class Membership:
     def _published_epoch(self) -> int | None:
         return int(self.store.get("epoch")) if self.store.check(["epoch"]) else None
 
-    def _alive(self, member: int) -> bool:
+    def _alive(self, member: int, *, unseen: bool = False) -> bool:
+        """Whether `member`'s heartbeat says it runs; `unseen`: the answer for one with no heartbeat record yet (a
+        joiner that registered a moment ago, whose first beat a loaded machine may delay past the members' poll)."""
         record = self._board.record(member)
-        return (record is not None and record.get("state") == "running"
-                and self._board.silent_for(record) <= self.silence)
+        if record is None:
+            return unseen
+        return record.get("state") == "running" and self._board.silent_for(record) <= self.silence
 
     def _arrivals(self, e: int) -> list[int]:
         n = int(self.store.add(f"round/{e}/count", 0))
@@ -221,7 +224,7 @@ class Membership:
         if n == 0:
             return []
         ids = {int(v) for v in self.store.multi_get([f"join/{k}" for k in range(1, n + 1)])}
-        return sorted(i for i in ids if i not in self.members and self._alive(i))
+        return sorted(i for i in ids if i not in self.members and self._alive(i, unseen=True))
 
     def _arrive(self, e: int, joining: bool) -> None:
         k = int(self.store.add(f"round/{e}/count", 1))
