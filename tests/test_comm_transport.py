@@ -1,6 +1,7 @@
 """CommStats separates the logical cost of a collective (`wire_bytes`, the ring formula the strategy tests check)
-from what the backend really moved (`transport_bytes`): gloo runs a reduce-scatter as a whole all-reduce, so it moves
-twice the formula; with `scratch_input=True` it does so in place (no clone of the input) with the same result."""
+from what the backend really moved (`transport_bytes`): gloo runs its own reduce-scatter as a whole all-reduce, so it
+moves twice the formula; with `scratch_input=True` shardwise runs a ring over point-to-point in place instead
+(comm/gloo_ring.py), which moves the formula's bytes, with the same result, also while other collectives run."""
 
 from __future__ import annotations
 
@@ -22,15 +23,33 @@ def _reduce_scatter_both_ways(comm):
     return out
 
 
+def _overlapped(comm):
+    """A ring reduce-scatter in flight while the training thread runs an all-reduce and an all-gather."""
+    source = torch.arange(8 * comm.size, dtype=torch.float32) * (comm.rank + 1)
+    out = torch.empty(8)
+    work = comm.reduce_scatter(out, source, sw.ReduceOp.SUM, async_op=True, scratch_input=True)
+    total = torch.tensor([float(comm.rank)])
+    comm.all_reduce(total)
+    gathered = torch.empty(comm.size)
+    comm.all_gather(gathered, torch.tensor([float(comm.rank)]))
+    work.wait()
+    return out, float(total), gathered
+
+
 @pytest.mark.multiprocess
-def test_gloo_reduce_scatter_in_place_matches_and_counts_its_transport():
-    for rank, result in enumerate(sw.launch(_reduce_scatter_both_ways, 2, backend="gloo", timeout=60)):
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_ring_reduce_scatter_matches_and_moves_the_formula(world):
+    n = 8 * world
+    scale = world * (world + 1) // 2  # ranks 0..N-1 contribute (rank + 1) times the same values
+    for rank, result in enumerate(sw.launch(_reduce_scatter_both_ways, world, backend="gloo", timeout=60)):
         for op, (plain, scratch, wire, transport) in result.items():
-            full = torch.arange(16, dtype=torch.float32) * 3  # ranks 1 and 2 times the same values
-            want = full[rank * 8 : (rank + 1) * 8] / (2 if op == "AVG" else 1)
+            full = torch.arange(n, dtype=torch.float32) * scale
+            want = full[rank * 8 : (rank + 1) * 8] / (world if op == "AVG" else 1)
             assert torch.equal(plain, want) and torch.equal(scratch, want), op
-            payload = 16 * 4
-            assert wire == payload // 2 and transport == payload  # (N-1)/N formula; gloo moves 2(N-1)/N
+            assert wire == (world - 1) * n * 4 // world == transport  # the ring moves the (N-1)/N formula
+    for rank, (out, total, gathered) in enumerate(sw.launch(_overlapped, world, backend="gloo", timeout=60)):
+        assert torch.equal(out, torch.arange(rank * 8, rank * 8 + 8, dtype=torch.float32) * scale)
+        assert total == sum(range(world)) and torch.equal(gathered, torch.arange(world, dtype=torch.float32))
 
 
 def test_thread_backend_moves_what_the_formula_says():
