@@ -68,8 +68,9 @@ MB = 1024 * 1024
 ALL = ("sw_zero1", "ds_zero1", "sw_zero2", "ds_zero2", "sw_zero3", "ds_zero3", "sw_fsdp", "fsdp2")
 KNOWN = ALL + ("local",)
 PEER = {"sw_zero1": "ds_zero1", "sw_zero2": "ds_zero2", "sw_zero3": "ds_zero3", "sw_fsdp": "fsdp2"}
-# The issue's targets: step time <= 0.8 x DeepSpeed's and <= 0.9 x FSDP2's; peak RSS <= FSDP2's.
-GOAL = {"ds_zero1": 0.8, "ds_zero2": 0.8, "ds_zero3": 0.8, "fsdp2": 0.9}
+# The engine issue's targets: ZeRO-3 <= 0.8 x DeepSpeed ZeRO-3 and <= 0.85 x FSDP2; ZeRO-1/2 <= 0.9 x DeepSpeed's same
+# stage; peak RSS <= FSDP2's.
+GOAL = {"ds_zero1": 0.9, "ds_zero2": 0.9, "ds_zero3": 0.8, "fsdp2": 0.85}
 
 
 @dataclasses.dataclass(frozen=True)
