@@ -3,6 +3,11 @@
 Skipped, with the reason printed (pytest -ra), where CUDA is absent; nothing here is the only proof of anything:
 device placement, stream ordering and timeouts are checked on CPU by tests/test_device_placement.py and
 tests/test_streams.py. References are computed: the same model and batches trained by plain PyTorch on the same GPU.
+
+Two kinds of worlds: NCCL with one process (the `nccl_world_of_one` fixture: the real backend, its streams and
+waits, one rank), and thread ranks whose tensors live on cuda:0 (`ThreadWorld(n, device="cuda:0")`, strict mode as
+everywhere in the suite: NCCL's ordering rules, and every tensor handed to a collective must be on comm.device) for
+the multi-rank logic of tensor and pipeline parallelism on a single GPU. The throughput counterpart is bench/gpu.py.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ import torch
 from parity import CONFIG, batch
 
 import shardwise as sw
+from shardwise import pipeline as pp
+from shardwise import tensor_parallel as tp
+from shardwise.comm.thread_backend import ThreadWorld
 from shardwise.models import GPT
-from shardwise.models.gpt import Block
+from shardwise.models.gpt import Block, lm_loss
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,6 +48,13 @@ def nccl_world_of_one():
         yield TorchCommunicator(None, timeout=60.0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def cuda0():
+    """cuda:0 as the current device (thread ranks set it again: it is per thread), for the thread-rank tests."""
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
 
 
 def _train(model, steps=4, device="cuda"):
@@ -94,3 +109,190 @@ def test_zero3_cpu_offload_clips_and_gathers_through_the_gpu(nccl_world_of_one):
     assert torch.isfinite(torch.as_tensor(float(norm)))
     state = sw.full_state_dict(model)
     assert set(state) == set(GPT(CONFIG, seed=0).state_dict())
+
+
+def _thread_ranks_on_cuda(n, body, *args):
+    """body(comm, *args) on `n` thread ranks of a ThreadWorld whose comm.device is cuda:0; results in rank order.
+    A rank that raises aborts the world (the others' next wait raises) and the first error is re-raised here."""
+    import threading
+
+    world = ThreadWorld(n, timeout=60, device="cuda:0")
+    comms = world.communicators()
+    assert all(c.device == torch.device("cuda", 0) for c in comms)
+    out, errors = [None] * n, {}
+
+    def main(rank):
+        torch.cuda.set_device(0)  # a new thread starts on the current device of none in particular
+        try:
+            out[rank] = body(comms[rank], *args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, named by rank
+            errors[rank] = exc
+            world.abort(f"rank {rank} raised {exc!r}", rank)
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a thread rank hung"
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} raised {errors[rank]!r}") from errors[rank]
+    return out
+
+
+def _close_to(got, want, rel):
+    for a, b in zip(want, got):
+        assert abs(a - b) <= rel * a, (want, got)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_in_bf16_track_fp32_plain_pytorch(nccl_world_of_one, stage):
+    mp = sw.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = sw.ZeRO(GPT(CONFIG, seed=0), nccl_world_of_one, stage=stage, wrap=Block, mixed_precision=mp)
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    _close_to(_train(model), _reference(), 0.02)  # bf16 keeps ~3 significant digits
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_in_fp16_with_the_sharded_scaler_track_fp32_and_skip_an_overflow(nccl_world_of_one, stage):
+    comm = nccl_world_of_one
+    mp = sw.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    model = sw.ZeRO(GPT(CONFIG, seed=0), comm, stage=stage, wrap=Block, mixed_precision=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = sw.ShardedGradScaler(comm, init_scale=1024.0)
+    losses, taken = [], []
+    for step in range(5):
+        x, y = (t.cuda() for t in batch(step))
+        loss = model(x, y)
+        scaler.scale(loss).backward()
+        if step == 2:  # an overflow: the found-inf flag (a CUDA tensor on NCCL) must skip the step and halve the scale
+            next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()).view(-1)[0] = float("inf")
+        before = scaler.get_scale()
+        taken.append(scaler.step(opt))
+        scaler.update()
+        if step == 2:
+            assert scaler.get_scale() == before / 2
+        opt.zero_grad()
+        if step != 2:
+            losses.append(float(loss))
+    assert taken == [True, True, False, True, True]
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the skipped step left no inf behind
+    _close_to(losses[:2], _reference(2), 0.02)  # fp16 compute with fp32 masters: ~3 digits, as bf16
+
+
+def test_tensor_parallel_on_thread_ranks_with_cuda_tensors_matches_one_gpu(cuda0):
+    eps = 1e-5  # tests/test_tensor_parallel_gpt.py explains why tensor parallel parity uses eps 1e-5
+
+    def train(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
+        for step in range(3):
+            x, y = (t.cuda() for t in batch(step))
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    want = {k: v.detach().clone() for k, v in train(GPT(CONFIG, seed=0).cuda()).state_dict().items()}
+
+    def body(comm, base):
+        model = tp.parallelize(base.cuda(), comm, "gpt", sequence_parallel=True)
+        assert {p.device.type for p in model.parameters()} == {"cuda"}
+        return tp.full_state_dict(train(model))
+
+    bases = [GPT(CONFIG, seed=0) for _ in range(2)]  # built here: thread ranks share torch's default RNG
+    for got in _thread_ranks_on_cuda(2, lambda comm: body(comm, bases[comm.rank])):
+        assert list(got) == list(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_pipeline_on_thread_ranks_with_cuda_tensors_matches_one_gpu(cuda0, schedule):
+    config = CONFIG.__class__(**{**CONFIG.__dict__, "n_layers": 4})
+    ref = GPT(config, seed=0).cuda()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    want_losses = []
+    for step in range(3):
+        x, y = (t.cuda() for t in batch(step))
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(loss.item())
+    want = {n: p.detach() for n, p in ref.named_parameters(remove_duplicate=False)}
+
+    def body(comm, base):
+        pipe = pp.Pipeline(pp.partition(base.cuda().pipeline_layers(), comm.size), comm, schedule=schedule,
+                           n_microbatches=4, loss_fn=lm_loss)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        losses = []
+        for step in range(3):
+            x, y = (t.cuda() for t in batch(step))
+            losses.append(float(pipe.step(x, y)))
+            opt.step()
+            opt.zero_grad()
+        held = {id(p) for p in pipe.parameters()}
+        return losses, {n: p.detach() for n, p in base.named_parameters(remove_duplicate=False) if id(p) in held}
+
+    bases = [GPT(config, seed=0) for _ in range(2)]
+    results = _thread_ranks_on_cuda(2, lambda comm: body(comm, bases[comm.rank]))
+    got = {}
+    for _, state in results:
+        got.update(state)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    last_stage_losses = results[-1][0]
+    torch.testing.assert_close(torch.tensor(last_stage_losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_a_zero3_checkpoint_saved_on_the_gpu_resumes_exactly_and_loads_into_a_plain_model(nccl_world_of_one,
+                                                                                          tmp_path):
+    comm = nccl_world_of_one
+
+    def fresh():
+        model = sw.ZeRO(GPT(CONFIG, seed=0), comm, stage=3, wrap=Block)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def one_step(model, opt, step):
+        x, y = (t.cuda() for t in batch(step))
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    model, opt = fresh()
+    for step in range(2):
+        one_step(model, opt, step)
+    sw.save_checkpoint(tmp_path / "ckpt", model, opt, step=2)
+    continued = [one_step(model, opt, step) for step in (2, 3)]
+    resumed_model, resumed_opt = fresh()
+    assert sw.load_checkpoint(tmp_path / "ckpt", resumed_model, resumed_opt)["step"] == 2
+    assert [one_step(resumed_model, resumed_opt, step) for step in (2, 3)] == continued  # same GPU, same kernels
+    plain = GPT(CONFIG, seed=1)  # another init, on the CPU: the checkpoint's values must replace it
+    sw.load_checkpoint(tmp_path / "ckpt", plain, comm=sw.comm.ThreadWorld(1).communicators()[0])
+    reference, _ = fresh()
+    sw.load_checkpoint(tmp_path / "ckpt", reference)
+    want = sw.full_state_dict(reference)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, want[name].cpu(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_torch_compile_of_a_unit_wrapped_zero3_model_matches_eager(nccl_world_of_one):
+    eager = _train(sw.ZeRO(GPT(CONFIG, seed=0), nccl_world_of_one, stage=3, wrap=Block))
+    model = sw.ZeRO(GPT(CONFIG, seed=0), nccl_world_of_one, stage=3, wrap=Block)
+    compiled = torch.compile(model)  # the units' hooks gather and free around each Block; graph breaks are allowed
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    got = []
+    for step in range(4):
+        x, y = (t.cuda() for t in batch(step))
+        loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        got.append(float(loss))
+    # Inductor fuses elementwise ops (another rounding order), so not bit-equal; a wrong gather or a stale shard
+    # would be off by far more than this after 4 AdamW steps.
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(eager), rtol=1e-4, atol=1e-5)
