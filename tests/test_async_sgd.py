@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from parity import CONFIG, assert_state_close, batch, make_optimizer
+from parity import CONFIG, assert_state_close, make_optimizer
 
 import shardwise as sw
 from shardwise.async_sgd import AsyncSGD, Straggler, assign_shards

@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from parity import CONFIG, GLOBAL_BATCH, RTOL, ATOL, assert_state_close, batch
+from parity import CONFIG, assert_state_close, batch
 
 import shardwise as sw
 from shardwise.async_sgd import DiLoCo, LocalSGD

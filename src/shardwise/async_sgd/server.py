@@ -126,7 +126,6 @@ class Server:
         updates = 0
 
         def remove(w: int, why: str | None) -> None:
-            nonlocal updates
             if w not in active:
                 return
             active.discard(w)

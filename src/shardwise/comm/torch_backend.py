@@ -31,7 +31,6 @@ from .base import (
     Communicator,
     CommError,
     CommStats,
-    CompletedWork,
     P2PKind,
     P2POp,
     ReduceOp,

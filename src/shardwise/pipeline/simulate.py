@@ -95,7 +95,7 @@ def _message(a: Action, n_stages: int) -> tuple[str, int, int] | None:
 
 def check_schedule(schedule: Schedule) -> None:
     """Raise ScheduleError describing the first problem if `schedule` is malformed (see the module docstring)."""
-    p, m, n_stages = schedule.n_ranks, schedule.n_microbatches, schedule.n_stages
+    m, n_stages = schedule.n_microbatches, schedule.n_stages
     where: dict[tuple[Op, int, int], tuple[int, int]] = {}
     for r, acts in enumerate(schedule.actions):
         for k, a in enumerate(acts):
