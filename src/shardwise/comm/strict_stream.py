@@ -159,7 +159,7 @@ class StrictState:
                 pairing.match_any(e)
             if e.partner is not None and e.partner.batch.started:
                 send, recv = (e, e.partner) if e.send else (e.partner, e)
-                transfer(send, recv, _group_label(batch.comm))
+                transfer(send, recv, batch.comm.group_label())
         if not all(e.done for e in batch.entries):
             return False
         batch.done = True
@@ -211,9 +211,6 @@ class StrictState:
                          sorted(self.waiting.items()))
 
 
-def _group_label(comm: ThreadCommunicator) -> str:
-    return comm._group_label()
-
 
 class StrictWork(AnySourceWork):
     """Handle of one strict operation: waits until its collective or its whole batch finished."""
@@ -236,7 +233,7 @@ class StrictWork(AnySourceWork):
         def timed_out() -> CommError:
             why, peers = state.why(comm, self.item)
             return CommError(f"{self.describe} timed out after {limit:g}s on rank {comm.global_rank}"
-                             f"{comm._group_label()} (strict mode): {why}", op=op, rank=comm.global_rank,
+                             f"{comm.group_label()} (strict mode): {why}", op=op, rank=comm.global_rank,
                              peers=peers, waited=limit)
 
         comm.world.wait_until(self.is_completed, limit, timed_out, self.describe, rank=comm.global_rank,

@@ -190,7 +190,7 @@ class _SlotWork(Work):
             else:
                 why = "every rank arrived but the result was not completed"
             return CommError(
-                f"{self.describe} timed out after {limit:g}s on rank {comm.global_rank}{comm._group_label()}: {why}",
+                f"{self.describe} timed out after {limit:g}s on rank {comm.global_rank}{comm.group_label()}: {why}",
                 op=slot.op,
                 rank=comm.global_rank,
                 peers=missing,
@@ -223,7 +223,8 @@ class ThreadCommunicator(Communicator):
         self.stats = CommStats()
         self._next_seq = 0
 
-    def _group_label(self) -> str:
+    def group_label(self) -> str:
+        """' (group of world ranks [...])' for a sub-communicator, '' for the world: what error messages append."""
         if self.size == self.world.size:
             return ""
         return f" (group of world ranks {list(self.global_ranks)})"
@@ -247,11 +248,11 @@ class ThreadCommunicator(Communicator):
             if slot.error is None and any(other != call for other in slot.signatures.values()):
                 calls = {**slot.signatures, self.rank: call}
                 if strict is not None:
-                    slot.error = mismatch_message(seq, self._group_label(), calls, strict.history(group.id),
+                    slot.error = mismatch_message(seq, self.group_label(), calls, strict.history(group.id),
                                                   dict(enumerate(self.global_ranks)))
                 else:
                     ranks = {self.global_ranks[r]: c for r, c in sorted(calls.items())}
-                    slot.error = f"mismatched collectives at call #{seq}{self._group_label()}: {ranks}"
+                    slot.error = f"mismatched collectives at call #{seq}{self.group_label()}: {ranks}"
                 world.cond.notify_all()
             slot.signatures[self.rank] = call
             if strict is not None:  # deposited when it reaches the head of this rank's stream

@@ -46,7 +46,7 @@ class RecvWork(Work):
             src = comm.global_ranks[self.src]
             return CommError(
                 f"recv(src={self.src}, tag={self.tag}) timed out after {limit:g}s on rank {comm.global_rank}"
-                f"{comm._group_label()}: rank {src} never sent a matching message",
+                f"{comm.group_label()}: rank {src} never sent a matching message",
                 op="recv",
                 rank=comm.global_rank,
                 peers=[src],
@@ -115,7 +115,7 @@ class AnyRecvWork(AnySourceWork):
         def timed_out() -> CommError:
             others = [g for g in comm.global_ranks if g != comm.global_rank]
             return CommError(f"recv_any(tag={self.tag}) timed out after {limit:g}s on rank {comm.global_rank}"
-                             f"{comm._group_label()}: no rank sent a message", op="recv", rank=comm.global_rank,
+                             f"{comm.group_label()}: no rank sent a message", op="recv", rank=comm.global_rank,
                              peers=others, waited=limit)
 
         comm.world.wait_until(take, limit, timed_out, f"recv_any(tag={self.tag})")
