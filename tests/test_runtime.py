@@ -153,3 +153,16 @@ def test_gloo_launch_returns_copies_and_reports_failures():
         sw.launch(_fail_on_rank_one, 2, backend="gloo", timeout=30)
     assert info.value.rank == 1
     assert "rank one fails on purpose" in str(info.value) and "_fail_on_rank_one" in info.value.remote_traceback
+
+
+def test_a_rank_that_cannot_start_raises_its_own_error(monkeypatch):
+    """When starting a rank's process fails (e.g. a script without a `__main__` guard under spawn), launch raises
+    that error, not multiprocessing's assertion about reaping a child that never started."""
+    import multiprocessing.context
+
+    def refuse(self):
+        raise RuntimeError("cannot start: no __main__ guard")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+    with pytest.raises(RuntimeError, match="no __main__ guard"):
+        sw.launch(_return_tensors, 2, backend="gloo", timeout=30)

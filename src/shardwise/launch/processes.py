@@ -238,8 +238,10 @@ def _stack(proc: Any, stacks_dir: str, rank: int) -> str:
 
 
 def _stop_all(procs: Any) -> None:
-    """Terminate every child still running, then kill and reap: no process outlives launch()."""
-    procs = list(procs)
+    """Terminate every child still running, then kill and reap: no process outlives launch(). Children that never
+    started (a `start()` that raised, e.g. a script without an `if __name__ == "__main__"` guard) are skipped, so
+    the error that stopped the launch is the one raised, not multiprocessing's assertion on an unstarted child."""
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             p.terminate()
