@@ -54,7 +54,7 @@ def _gathered_optimizer_state(model, opt, comm):
 def body(comm, root: str, repeats: int, preset: str, verify: bool) -> dict:
     model = sw.ZeRO(GPT(GPTConfig.preset(preset), seed=0), comm, stage=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randint(0, 256, (2, 64))
+    x = torch.randint(0, 256, (2, GPTConfig.preset(preset).seq_len))  # the preset's context length
     model(x, x).backward()
     opt.step()
     opt.zero_grad()
