@@ -123,6 +123,8 @@ def _trial(tmp_path: Path, strategy: str, seed: int) -> None:
     assert [e["world"] for e in survivor if "loss" in e].count(3) == join_step - kill_step + 1
     newcomer = next(r["timeline"] for r in runs if r["timeline"][0]["source"] == "joined")
     assert newcomer[0]["step"] == join_step + 1
+    sw.elastic.plot_timeline(survivor, tmp_path / "timeline.png", title=f"{strategy}: 4 -> 3 -> 4 workers")
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     got = torch.load(tmp_path / "final.pt", weights_only=True)
     want = _reference(steps)
     assert set(got) == set(want)
