@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import CONFIG, batch, frozen_model
+from compression_cases import run_steps
+from parity import CONFIG, frozen_model
 
 import shardwise as sw
 from shardwise.compression import BF16, FP16, OneBit, PowerSGD, RandomK, TopK
@@ -14,29 +15,11 @@ from shardwise.compression import BF16, FP16, OneBit, PowerSGD, RandomK, TopK
 STEPS = 8
 
 
-def sgd(params):
-    # SGD, not Adam: Adam divides by sqrt(v), which turns the float noise of a ~zero gradient into a full step and
-    # would hide how close the compressed gradients are (see parity.py).
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
 def train(comm, compression=None, steps=STEPS):
     """The tiny GPT under DDP on this rank's slice of each global batch: (state, losses, per-step CommStats,
     bucket shapes, compressor state)."""
     model = sw.DDP(frozen_model(), comm, bucket_mb=0.05, first_bucket_mb=0.01, compression=compression)
-    opt = sgd(model.parameters())
-    losses, measured = [], []
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.size)
-        with comm.stats.measure() as m:
-            loss = model(x, y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        avg = loss.detach().clone()
-        comm.all_reduce(avg, sw.ReduceOp.AVG)
-        losses.append(float(avg))
-        measured.append(m)
+    losses, measured = run_steps(comm, model, steps)
     shapes = dict(model.named_parameters())
     buckets = [[shapes[name].shape for name in b["params"]] for b in model.ddp_buckets()]
     state = model.compressor.state_dict() if model.compressor is not None else {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compression_cases import run_steps
 from parity import batch, frozen_model
 from sharding_cases import wrap
 
@@ -19,19 +20,7 @@ FULL_RANK = PowerSGD(rank=1024, start_iter=0, min_compression_rate=0)
 def train(comm, name, compression=None, steps=STEPS, **options):
     """(full state, losses, per-step world CommStats of forward + backward, compressor state) under `name`."""
     model = wrap(frozen_model(), comm, name, compression=compression, **options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # SGD: see test_compression_ddp.py
-    losses, measured = [], []
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.size)
-        with comm.stats.measure() as m:
-            loss = model(x, y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        avg = loss.detach().clone()
-        comm.all_reduce(avg, sw.ReduceOp.AVG)
-        losses.append(float(avg))
-        measured.append(m)
+    losses, measured = run_steps(comm, model, steps)
     state = model.compressor.state_dict() if model.compressor is not None else {}
     return sw.full_state_dict(model), losses, measured, state
 
