@@ -317,7 +317,7 @@ class _ProbeComm:
         if torch_work is not None:
             try:
                 fut = torch_work.get_future()
-            except RuntimeError:  # gloo's reduce_scatter Work has no future: completion time unknown
+            except (RuntimeError, AttributeError):  # gloo's reduce_scatter and the ring's work have no future
                 rec["no_future"] = True
             else:
                 fut.add_done_callback(lambda _f: rec.__setitem__("done", time.perf_counter()))
