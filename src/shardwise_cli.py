@@ -75,6 +75,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -341,6 +351,11 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--join", action="store_true",
                    help="add these --nproc workers to a running elastic job at --master-addr/--master-port (its "
                    "SHARDWISE_JOB_TOKEN in the environment)")
+    p.add_argument("--max-restarts", type=_non_negative_int, default=0,
+                   help="worker crashes (non-zero exit, killed by a signal) answered by a restart, over the whole job: "
+                   "with --min/--max the crashed worker is replaced and joins the running job; otherwise every "
+                   "worker restarts and the script resumes from its checkpoint, as with torchrun (default: "
+                   "%(default)s)")
     p.add_argument("script", type=_script, help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(handler=functools.partial(_run_run, p))
@@ -374,7 +389,7 @@ def _run_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                            nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                            master_port=args.master_port or 0, timeout=args.timeout, grace=args.grace,
                            elastic=None if args.min_workers is None else (args.min_workers, args.max_workers),
-                           join=args.join)
+                           join=args.join, max_restarts=args.max_restarts)
         result = run(config, keep_survivors if config.elastic is not None else tear_down)
     except (ValueError, RuntimeError) as exc:  # a configuration that does not fit, no mpirun on PATH
         return _fail("run", str(exc).removeprefix("run: "))

@@ -131,6 +131,17 @@ class FailureDetector:
         if exitcode != 0:
             self._died(rank)
 
+    def forget(self, rank: int) -> None:
+        """A new process took `rank`'s place (an elastic worker restarted): what the old one did no longer counts,
+        and the rank is running again."""
+        with self._lock:
+            self.done.discard(rank)
+            self.failed.pop(rank, None)
+            self._exited.pop(rank, None)
+            if not self.failed:
+                self.first_seen = None
+        self.changed.set()
+
     def _died(self, rank: int) -> None:
         exitcode, when, _ = self._exited[rank]
         summary = exit_summary(exitcode)

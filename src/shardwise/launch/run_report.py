@@ -31,13 +31,15 @@ class RunResult:
     stopped: ranks still running when the supervisor tore the job down, with their Python stacks (may be "").
     unexplained: a failure no rank reported (mpirun exited non-zero with no report). exit_code: 0 on success; else
     the root cause's exit status (1 for an exception, 128 + N for a signal), 128 + N when the supervisor itself got
-    signal N."""
+    signal N. restarts: the `--max-restarts` restarts spent (one line each; restarts.py), max_restarts the budget."""
 
     exit_code: int
     failures: list[Failure]
     stopped: dict[int, str]
     unexplained: str | None = None
     interrupted: int | None = None
+    restarts: tuple[str, ...] = ()
+    max_restarts: int = 0
 
     @classmethod
     def build(cls, detector: FailureDetector, first_rank: int, procs: Mapping[int, subprocess.Popen],
@@ -79,6 +81,9 @@ class RunResult:
                 lines.append(f"--- and {len(self.failures) - _SHOWN} more failed ranks: " +
                              ", ".join(f"rank {f.rank}: {f.summary.splitlines()[0]}"
                                        for f in self.failures[_SHOWN:]))
+        if self.restarts:
+            lines.append(f"shardwise run: {len(self.restarts)} of --max-restarts {self.max_restarts} restart(s) used: "
+                         + "; ".join(self.restarts))
         if self.stopped:
             lines.append(f"shardwise run: stopped rank(s) {sorted(self.stopped)}, still running when the job was torn "
                          f"down")

@@ -27,7 +27,9 @@ failure machinery, so that the supervisor (not a peer) decides what a failure me
    moment), then every rank still running is asked for its Python stack (SIGUSR1, faulthandler) and sent SIGTERM (and
    SIGCONT, for a frozen one) to its process group; after `grace` seconds SIGKILL. Nothing outlives `run`: ranks also
    exit on their own when the supervisor dies (run_rank.py's watchdog).
-6. Report. `RunResult.report()` names the root cause first (the first failure by time, as torchrun's error report and
+6. Restarts (`max_restarts` R, restarts.py): in an elastic job a worker process that crashed is replaced by a fresh
+   one that joins the running job; a fixed-size job restarts every worker (torchrun's semantics). R is job-wide.
+7. Report. `RunResult.report()` names the root cause first (the first failure by time, as torchrun's error report and
    `sw.launch`'s LaunchError have it) with its traceback, then each other failed rank with its traceback, then the
    stacks of ranks that were stopped while still running. The exit code is the root cause's (1 for an exception).
 """
@@ -46,9 +48,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from .detector import Failure, FailureDetector
-from .run_report import RunResult, dump_stacks
+from .detector import Failure, FailureDetector, exit_summary
+from .restarts import MAX_RESTARTS_ENV, RESTART_COUNT_ENV, RestartBudget
 from .run_rank import RUN_DIR_ENV, SUPERVISOR_PID_ENV, report_file
+from .run_report import RunResult, dump_stacks
 
 __all__ = ["CONTINUE", "STOP", "FailurePolicy", "JobView", "RunConfig", "RunResult", "keep_survivors", "run",
            "tear_down"]
@@ -70,6 +73,10 @@ class RunConfig:
     node_rank * nproc + local rank. master_addr / master_port: where node 0 hosts the store (port 0: the OS picks,
     one node only). timeout: seconds to reach the store, and of heartbeat silence before a rank counts as frozen.
     grace: seconds between SIGTERM and SIGKILL. settle: seconds to collect the other ranks' reports after a failure.
+    elastic: (min_workers, max_workers) of an elastic job (workers use sw.elastic; survivors run on). join: add this
+    node's workers to a running elastic job at master_addr:master_port. max_restarts: crashes of worker processes
+    answered by a restart over the whole job (restarts.py: an elastic job replaces the worker, which joins the
+    running job; a fixed-size job restarts every worker, as torchrun does); 0: none.
     """
 
     script: str
@@ -85,6 +92,7 @@ class RunConfig:
     settle: float = 1.0
     elastic: tuple[int, int] | None = None
     join: bool = False
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         def bad(what: str) -> ValueError:
@@ -115,6 +123,13 @@ class RunConfig:
             if self.backend == "mpi" or self.nnodes > 1:
                 raise bad("elastic jobs (--min/--max) run with backend gloo or nccl and one `shardwise run` per "
                           "group of workers (--join adds workers), not --nnodes or mpi")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise bad(f"max_restarts={self.max_restarts!r} must be an int >= 0")
+        if self.max_restarts and self.elastic is None and self.nnodes > 1:
+            raise bad(f"max_restarts={self.max_restarts} with nnodes={self.nnodes}: restarting a fixed-size group "
+                      f"that spans nodes needs every node's supervisor to agree on the attempt, which shardwise run "
+                      f"does not do; use an elastic job (--min/--max, one `shardwise run` per group of workers) or "
+                      f"torchrun --max-restarts")
         if self.join and (self.elastic is None or self.master_port == 0):
             raise bad("join=True adds workers to a running elastic job: give elastic=(min, max) and the job's "
                       "master_addr / master_port")
@@ -234,11 +249,26 @@ def run(config: RunConfig, policy: FailurePolicy = tear_down, *, out: TextIO | N
     """
     out = out or sys.stderr
     run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
+    budget = RestartBudget(config.max_restarts, out)
     try:
         with _Interrupt() as interrupt:
-            if config.backend == "mpi":
-                return _run_mpi(config, policy, run_dir, interrupt, out)
-            return _run_ranks(config, policy, run_dir, interrupt, out)
+            for attempt in range(config.max_restarts + 1):
+                # A fresh folder per attempt: the reports and stacks of the failed one must not be read as this one's.
+                attempt_dir = os.path.join(run_dir, f"attempt{attempt}")
+                os.mkdir(attempt_dir)
+                if config.backend == "mpi":
+                    result = _run_mpi(config, policy, attempt_dir, interrupt, out, attempt)
+                else:
+                    result = _run_ranks(config, policy, attempt_dir, interrupt, out, budget, attempt)
+                if config.elastic is not None or result.ok or result.interrupted is not None:
+                    break  # an elastic job replaces its workers one by one (in _supervise), never the group
+                root = result.failures[0] if result.failures else None
+                cause = root.summary.splitlines()[0] if root is not None else (result.unexplained or "failed")
+                if budget.take_group(None if root is None else root.rank, cause, config.world_size) is None:
+                    break
+            result.restarts = tuple(r.describe() for r in budget.history)
+            result.max_restarts = config.max_restarts
+            return result
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -257,8 +287,10 @@ def _localize(report: dict[str, Any], config: RunConfig) -> dict[str, Any]:
 
 
 def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: _Interrupt,
-               out: TextIO) -> RunResult:
-    """gloo / nccl: one process per rank, joined through the store this supervisor hosts (node 0) or joins."""
+               out: TextIO, budget: RestartBudget, attempt: int = 0) -> RunResult:
+    """gloo / nccl: one process per rank, joined through the store this supervisor hosts (node 0) or joins. Each
+    attempt of a fixed-size job hosts a store of its own (torchrun's agent, too, makes a new one per retry), so no key
+    of the failed attempt (rendezvous, heartbeats, verdicts) is read by the next."""
     from ..comm import rendezvous
     from ..comm.heartbeat import Board
 
@@ -278,7 +310,8 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
     env = _child_env(config, run_dir)
     env.update({"WORLD_SIZE": str(config.world_size), "LOCAL_WORLD_SIZE": str(config.nproc),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True"})
+                "TORCHELASTIC_USE_AGENT_STORE": "True", RESTART_COUNT_ENV: str(attempt),
+                MAX_RESTARTS_ENV: str(config.max_restarts)})
     if token:
         env[rendezvous.JOB_TOKEN_ENV] = token
     print(f"shardwise run: {config.nproc} rank(s) of {config.script} ({config.backend}; ranks "
@@ -294,16 +327,31 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
                   f"{config.elastic[1]} --master-addr {config.master_addr} --master-port {port} -n 1 "
                   f"{config.script}", file=out, flush=True)
     procs: dict[int, subprocess.Popen] = {}
+
+    def spawn(local: int, restarts: int = attempt) -> subprocess.Popen:
+        rank = config.first_rank + local
+        return subprocess.Popen(
+            [sys.executable, "-m", "shardwise.launch.run_rank", config.script, *config.args],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(local), RESTART_COUNT_ENV: str(restarts)},
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+
+    def replace(local: int, cause: str) -> subprocess.Popen | None:
+        """An elastic worker crashed: a fresh process in its place joins the running job, if the budget allows."""
+        if budget.take_worker(config.first_rank + local, cause) is None:
+            return None
+        try:  # the dead process's report was read; the new one writes its own there if it fails
+            os.remove(report_file(run_dir, config.first_rank + local))
+        except OSError:
+            pass
+        return spawn(local, len(budget.history))
+
     try:
         for local in range(config.nproc):
-            rank = config.first_rank + local
-            procs[local] = subprocess.Popen(
-                [sys.executable, "-m", "shardwise.launch.run_rank", config.script, *config.args],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(local)}, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            procs[local] = spawn(local)
         detector.start()
-        stopping = _supervise(config, policy, run_dir, detector, procs, board, interrupt)
+        stopping = _supervise(config, policy, run_dir, detector, procs, board, interrupt,
+                              replace if config.elastic is not None else None)
         detector.stop()
         stacks = _stop(procs, run_dir, config, stopping)
         if config.node_rank == 0 and config.nnodes > 1:
@@ -316,8 +364,11 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
 
 
 def _supervise(config: RunConfig, policy: FailurePolicy, run_dir: str, detector: FailureDetector,
-               procs: dict[int, subprocess.Popen], board: Any, interrupt: _Interrupt) -> bool:
-    """Watch until every rank exited, or a STOP was decided and the reports settled; returns whether to stop."""
+               procs: dict[int, subprocess.Popen], board: Any, interrupt: _Interrupt,
+               replace: Callable[[int, str], subprocess.Popen | None] | None = None) -> bool:
+    """Watch until every rank exited, or a STOP was decided and the reports settled; returns whether to stop.
+
+    replace(local, cause): an elastic job's restart policy; a new process for a crashed worker, or None."""
     exits: dict[int, int] = {}
     handled: set[int] = set()
     remote_failed: set[int] = set()
@@ -329,6 +380,15 @@ def _supervise(config: RunConfig, policy: FailurePolicy, run_dir: str, detector:
                 continue
             exits[local] = code
             report = _read_report(run_dir, config.first_rank + local)
+            if code != 0 and replace is not None and interrupt.signum is None:
+                cause = report["summary"].splitlines()[0] if report is not None else exit_summary(code)
+                fresh = replace(local, cause if report is None else f"raised {cause}")
+                if fresh is not None:  # the crash is answered: the new process counts as this rank from now on
+                    procs[local] = fresh
+                    del exits[local]
+                    handled.discard(local)
+                    detector.forget(local)
+                    continue
             if report is not None:
                 detector.report_error(local, _localize(report, config))
             elif code == 0:
@@ -418,7 +478,7 @@ def _kill(procs: Any, grace: float = 3.0) -> None:
 
 
 def _run_mpi(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: _Interrupt,
-             out: TextIO) -> RunResult:
+             out: TextIO, attempt: int = 0) -> RunResult:
     """backend "mpi": `mpirun -np nproc` starts the ranks; each reports an exception through its file, and mpirun's
     exit tells the rest (MPI aborts the whole job when a rank exits non-zero)."""
     from .mpi import mpirun_command
@@ -427,8 +487,8 @@ def _run_mpi(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: 
                *config.args]
     print(f"shardwise run: {config.nproc} rank(s) of {config.script} under {command[0]}", file=out, flush=True)
     detector = FailureDetector(config.nproc, settle=config.settle)
-    proc = subprocess.Popen(command, env=_child_env(config, run_dir), stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    env = {**_child_env(config, run_dir), RESTART_COUNT_ENV: str(attempt), MAX_RESTARTS_ENV: str(config.max_restarts)}
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     reported: set[int] = set()
     stop = False
     try:
