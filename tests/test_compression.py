@@ -149,6 +149,20 @@ def test_powersgd_at_full_rank_equals_the_uncompressed_average(world):
     assert results[0][-1][2] is not None  # it did compress (error feedback memory exists), not fall back to dense
 
 
+def test_powersgd_works_on_a_16_bit_bucket_in_fp32():
+    """A bf16 bucket is compressed in an fp32 copy (QR needs fp32) and written back: the result is exactly the fp32
+    bucket's result rounded to bf16, step after step, and the fp32 residual is the same."""
+    grads_of = random_grads(11)
+    low = exchange(PowerSGD(rank=2, start_iter=0, min_compression_rate=1), 2,
+                   lambda r, t: grads_of(r, t).bfloat16(), steps=3)
+    high = exchange(PowerSGD(rank=2, start_iter=0, min_compression_rate=1), 2,
+                    lambda r, t: grads_of(r, t).bfloat16().float(), steps=3)
+    for got, want in zip(low, high):
+        for (g, _, memory, _), (w, _, want_memory, _) in zip(got, want):
+            assert g.dtype == torch.bfloat16 and memory.dtype == torch.float32
+            assert torch.equal(g, w.bfloat16()) and torch.equal(memory, want_memory)
+
+
 def test_powersgd_start_iter_reduces_uncompressed_first():
     grads_of = random_grads(3)
     results = exchange(PowerSGD(rank=1, start_iter=2), 2, grads_of, steps=3)[0]

@@ -19,7 +19,14 @@ Mechanism, per bucket and step on each rank (Algorithms 1 and 2 of the paper):
 * At rank = min(n, m) the basis P^ spans avg(M)'s column space, so the result equals the uncompressed average
   (each rank's error is nonzero, but the errors sum to zero over ranks).
 The first all-reduces (P's and the uncompressed batch) are issued when the bucket is ready, so they overlap
-backward like DDP's; orthogonalization, the Q all-reduce and decompression run when the strategy waits.
+backward like DDP's; orthogonalization, the Q all-reduce and decompression run when the strategy waits, and the
+Q all-reduce overlaps the computation of this rank's error.
+
+CPU cost (what decides the step time once the bytes are few; measured against torch's hook in docs/compression.md):
+the bucket itself is the working matrix (the residual is added in place, the result written back over it, so no
+copy of the bucket is made); P, Q and the residual live in buffers allocated once per bucket (fresh megabyte tensors
+every step cost page faults); same-shape matrices are grouped, so one batched QR orthogonalizes a group's P's; the
+error is one fused `addmm` per matrix (M - P Q^T, written into the memory in place).
 
 Bytes on the wire per bucket (a compressing step): 2(N-1)/N x 4 x (sum n r + sum m r + uncompressed numel) per
 rank, in two or three all-reduces.
@@ -37,12 +44,25 @@ from .base import Compressor, Payload, PendingWork, Shapes, ring_all_reduce, sha
 __all__ = ["PowerSGD"]
 
 
+class _Group:
+    """Same-shape compressed matrices of a bucket: (n, m, r), their offsets in the bucket, and where their P's, Q's
+    and residuals start in the bucket's P buffer, Q buffer and error-feedback memory (each laid out group by group,
+    so that one batched QR orthogonalizes a whole group's P's)."""
+
+    def __init__(self, n: int, m: int, r: int) -> None:
+        self.n, self.m, self.r = n, m, r
+        self.offsets: list[int] = []
+        self.p_start = self.q_start = self.e_start = 0
+
+
 class _Plan:
-    """Which tensors of a bucket are compressed (offset, n, m, r) and which are batched uncompressed (offset, numel)."""
+    """Which tensors of a bucket are compressed (offset, n, m, r), grouped by shape, and which are batched
+    uncompressed (offset, numel)."""
 
     def __init__(self, shapes: Shapes | None, numel: int, rank: int, min_rate: float) -> None:
         self.matrices: list[tuple[int, int, int, int]] = []
         self.plain: list[tuple[int, int]] = []
+        groups: dict[tuple[int, int, int], _Group] = {}
         for offset, shape in tile(shapes, numel):
             if len(shape) >= 2 and shape.numel() > 0:
                 n = shape[0]
@@ -50,12 +70,41 @@ class _Plan:
                 r = min(rank, n, m)
                 if n * m > (n + m) * r * min_rate:
                     self.matrices.append((offset, n, m, r))
+                    groups.setdefault((n, m, r), _Group(n, m, r)).offsets.append(offset)
                     continue
             self.plain.append((offset, shape.numel()))
-        self.p_numel = sum(n * r for _, n, _, r in self.matrices)
-        self.q_numel = sum(m * r for _, _, m, r in self.matrices)
-        self.m_numel = sum(n * m for _, n, m, _ in self.matrices)
+        self.groups = list(groups.values())  # in order of first appearance: one matrix per shape keeps bucket order
+        p = q = e = 0
+        for g in self.groups:
+            g.p_start, g.q_start, g.e_start = p, q, e
+            p += len(g.offsets) * g.n * g.r
+            q += len(g.offsets) * g.m * g.r
+            e += len(g.offsets) * g.n * g.m
+        self.p_numel, self.q_numel, self.m_numel = p, q, e
         self.plain_numel = sum(k for _, k in self.plain)
+
+
+class _Scratch:
+    """A bucket's working buffers, allocated once and reused every step (not state: every step overwrites them).
+
+    Fresh multi-megabyte tensors every step cost page faults on first touch (glibc serves them by mmap), which
+    profiling showed to be the largest share of PowerSGD's CPU time; torch's hook keeps its P and Q the same way.
+    The Q buffers are two, used in turn: one holds the warm start (this step's local Q overwrites it once P is
+    computed), the other the copy that is all-reduced, which becomes the next step's warm start.
+    """
+
+    def __init__(self, plan: _Plan, bucket: torch.Tensor, dtype: torch.dtype) -> None:
+        self.signature = (id(plan), bucket.dtype, bucket.device)
+        empty = lambda k, d=dtype: torch.empty(k, dtype=d, device=bucket.device)  # noqa: E731
+        self.p = empty(plan.p_numel)
+        self.q = [empty(plan.q_numel), empty(plan.q_numel)]
+        self.plain = empty(plan.plain_numel, bucket.dtype) if plan.plain else None  # sent as the bucket's dtype
+        # An fp32 copy of a 16-bit bucket to work in (QR needs fp32 or fp64).
+        self.work = empty(bucket.numel()) if bucket.dtype != dtype else None
+        self.ps = [self.p[g.p_start : g.p_start + len(g.offsets) * g.n * g.r].view(len(g.offsets), g.n, g.r)
+                   for g in plan.groups]
+        self.qs = [[q[g.q_start : g.q_start + len(g.offsets) * g.m * g.r].view(len(g.offsets), g.m, g.r)
+                    for g in plan.groups] for q in self.q]
 
 
 class PowerSGD(Compressor):
@@ -90,8 +139,9 @@ class PowerSGD(Compressor):
         self._reset_extra_state()
 
     def _reset_extra_state(self) -> None:
-        self.q: dict[str, torch.Tensor] = {}  # per bucket: every compressed matrix's Q, concatenated
+        self.q: dict[str, torch.Tensor] = {}  # per bucket: every compressed matrix's Q, group by group
         self.plans: dict[tuple, _Plan] = {}
+        self.scratch: dict[str, _Scratch] = {}
 
     def config(self) -> dict:
         return {"method": self.name, "rank": self.rank, "start_iter": self.start_iter,
@@ -106,6 +156,10 @@ class PowerSGD(Compressor):
 
     # ---- the two-round reduction ------------------------------------------------------------------------------
     def reduce(self, key: Hashable, flat: torch.Tensor, comm: Communicator, shapes: Shapes | None = None) -> Work:
+        """Round one now (the P's and the uncompressed tensors, overlapping backward); round two in `wait()`.
+
+        The bucket itself is the working matrix M: the residual is added into it in place, and the result is
+        written back over it (no copy of the bucket, unless it is 16-bit: then an fp32 copy, for the QR)."""
         if not flat.is_floating_point() or not flat.is_contiguous() or flat.dim() != 1:
             raise ValueError(f"PowerSGD: the bucket must be a flat contiguous floating-point tensor, got "
                              f"shape {tuple(flat.shape)} {flat.dtype}")
@@ -115,60 +169,76 @@ class PowerSGD(Compressor):
         if iteration < self.start_iter:
             return comm.all_reduce(flat, ReduceOp.AVG, async_op=True)
         plan = self.plan(shapes, flat.numel())
+        dtype = torch.float32 if flat.element_size() < 4 else flat.dtype  # QR needs fp32 or fp64
+        scratch = self.scratch.get(key)
+        if scratch is None or scratch.signature != (id(plan), flat.dtype, flat.device):
+            scratch = self.scratch[key] = _Scratch(plan, flat, dtype)
         works: list[Work | None] = []
         plain = None
         if plan.plain:
-            plain = torch.cat([flat[o : o + k] for o, k in plan.plain])
+            plain = torch.cat([flat[o : o + k] for o, k in plan.plain], out=scratch.plain)
             works.append(comm.all_reduce(plain, ReduceOp.AVG, async_op=True))
         if not plan.matrices:
             return PendingWork(works, lambda: self._write_plain(flat, plan, plain))
-        dtype = torch.float32 if flat.element_size() < 4 else flat.dtype  # QR needs fp32 or fp64
-        ms = self._matrices(key, flat, plan, dtype)
-        qs = self._previous_q(key, plan, dtype, flat.device, iteration)
-        p_flat = torch.empty(plan.p_numel, dtype=dtype, device=flat.device)
-        ps = _split(p_flat, [(n, r) for _, n, _, r in plan.matrices])
-        for m, q, p in zip(ms, qs, ps):
-            torch.matmul(m, q, out=p)
-        works.append(comm.all_reduce(p_flat, ReduceOp.SUM, async_op=True))
+        work = flat if scratch.work is None else scratch.work.copy_(flat)
+        ms = [[work[o : o + g.n * g.m].view(g.n, g.m) for o in g.offsets] for g in plan.groups]
+        memory = self.memory.get(key)
+        if memory is not None:
+            if memory.numel() != plan.m_numel:
+                raise ValueError(f"PowerSGD: bucket {key!r} compresses {plan.m_numel} elements but its "
+                                 f"error-feedback memory has {memory.numel()}: the buckets changed after a resume")
+            memory = memory.to(dtype)  # a no-op unless loaded from another dtype; updated in place below
+            for g, group in zip(plan.groups, ms):
+                for i, m in enumerate(group):
+                    m.add_(_residual(memory, g, i))
+        current = self._previous_q(key, plan, scratch, iteration)
+        qs = scratch.qs[current]
+        for p, q, group in zip(scratch.ps, qs, ms):
+            for i, m in enumerate(group):
+                torch.mm(m, q[i], out=p[i])
+        works.append(comm.all_reduce(scratch.p, ReduceOp.SUM, async_op=True))
 
         def finish() -> None:
             for w in works:
                 w.wait()
-            q_flat = torch.empty(plan.q_numel, dtype=dtype, device=flat.device)
-            new_qs = _split(q_flat, [(m_, r) for _, _, m_, r in plan.matrices])
-            error = torch.empty(plan.m_numel, dtype=dtype, device=flat.device)
-            errors = _split(error, [(n, m_) for _, n, m_, _ in plan.matrices])
-            for m, p, q, e in zip(ms, ps, new_qs, errors):
+            error = memory if memory is not None else torch.empty(plan.m_numel, dtype=dtype, device=flat.device)
+            for p, q, group in zip(scratch.ps, qs, ms):
+                # An orthonormal basis of each P's column span (reduced QR: robust when the span is rank-deficient),
+                # one batched call per shape.
                 p.copy_(torch.linalg.qr(p, mode="reduced").Q)
-                torch.matmul(m.T, p, out=q)
-                torch.sub(m, p @ q.T, out=e)  # what this rank's own rank-r approximation misses
+                for i, m in enumerate(group):
+                    torch.mm(m.T, p[i], out=q[i])
+            # Q's all-reduce runs while this rank computes its error from its own Q (the paper's residual).
+            wire = scratch.q[1 - current]
+            wire.copy_(scratch.q[current])
+            q_work = comm.all_reduce(wire, ReduceOp.AVG, async_op=True)
+            for g, p, q, group in zip(plan.groups, scratch.ps, qs, ms):
+                for i, m in enumerate(group):
+                    torch.addmm(m, p[i], q[i].T, alpha=-1, out=_residual(error, g, i))
             self.memory[key] = error
-            comm.all_reduce(q_flat, ReduceOp.AVG)
-            self.q[key] = q_flat
-            for (offset, n, m_, _), p, q in zip(plan.matrices, ps, new_qs):
-                flat[offset : offset + n * m_].view(n, m_).copy_(p @ q.T)
-            self._write_plain(flat, plan, plain)
+            q_work.wait()
+            self.q[key] = wire  # identical on every rank: the next step's warm start
+            for p, q, group in zip(scratch.ps, scratch.qs[1 - current], ms):
+                for i, m in enumerate(group):
+                    torch.mm(p[i], q[i].T, out=m)
+            self._write_plain(work, plan, plain)
+            if work is not flat:
+                flat.copy_(work)
 
         return PendingWork([], finish)
 
-    def _matrices(self, key: str, flat: torch.Tensor, plan: _Plan, dtype: torch.dtype) -> list[torch.Tensor]:
-        """M = gradient + memory for every compressed matrix, in one new buffer."""
-        buffer = torch.cat([flat[o : o + n * m] for o, n, m, _ in plan.matrices]).to(dtype)
-        residual = self.memory.get(key)
-        if residual is not None:
-            if residual.numel() != buffer.numel():
-                raise ValueError(f"PowerSGD: bucket {key!r} compresses {buffer.numel()} elements but its "
-                                 f"error-feedback memory has {residual.numel()}: the buckets changed after a resume")
-            buffer += residual
-        return _split(buffer, [(n, m) for _, n, m, _ in plan.matrices])
-
-    def _previous_q(self, key: str, plan: _Plan, dtype: torch.dtype, device: torch.device,
-                    iteration: int) -> list[torch.Tensor]:
+    def _previous_q(self, key: str, plan: _Plan, scratch: _Scratch, iteration: int) -> int:
+        """Which of the scratch's two Q buffers holds this step's starting Q: last step's averaged Q (warm start),
+        or one drawn from the generator every rank seeds alike (the first time, or every step without warm start)."""
         q = self.q.get(key) if self.warm_start else None
+        for i, buffer in enumerate(scratch.q):
+            if q is buffer:
+                return i
         if q is None or q.numel() != plan.q_numel:
             generator = shared_generator(self.seed, key, 0 if self.warm_start else iteration)
-            q = torch.randn(plan.q_numel, generator=generator, dtype=torch.float64).to(device, dtype)
-        return _split(q.to(dtype), [(m, r) for _, _, m, r in plan.matrices])
+            q = torch.randn(plan.q_numel, generator=generator, dtype=torch.float64)
+        scratch.q[0].copy_(q)  # a Q loaded from a checkpoint, or a fresh one
+        return 0
 
     @staticmethod
     def _write_plain(flat: torch.Tensor, plan: _Plan, plain: torch.Tensor | None) -> None:
@@ -212,11 +282,8 @@ class PowerSGD(Compressor):
         return ("q",)
 
 
-def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Matrix views of consecutive pieces of `flat`."""
-    out, offset = [], 0
-    for rows, cols in shapes:
-        out.append(flat[offset : offset + rows * cols].view(rows, cols))
-        offset += rows * cols
-    return out
+def _residual(memory: torch.Tensor, group: _Group, i: int) -> torch.Tensor:
+    """The view of the error-feedback memory that holds matrix `i` of `group`."""
+    start = group.e_start + i * group.n * group.m
+    return memory[start : start + group.n * group.m].view(group.n, group.m)
 
