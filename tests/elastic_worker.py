@@ -3,6 +3,9 @@ loses a worker (SIGKILL at a chosen step) and gains one. Run as a script, by the
 
     python elastic_worker.py OUT STRATEGY STEPS KILL_LAUNCH_RANK KILL_STEP JOIN_STEP
 
+STRATEGY: ddp, zero1, zero2 or zero3; the ZeRO ones keep a neighbour's copy of each commit (redundancy=True), so the
+killed worker's shards (ZeRO-3: its parameters too) come back from memory; no checkpoint is written or read.
+
 Environment: MASTER_ADDR / MASTER_PORT / SHARDWISE_ELASTIC=MIN:MAX (what `shardwise run --min --max` sets), RANK
 (the launch rank: the one equal to KILL_LAUNCH_RANK kills itself with SIGKILL at the start of KILL_STEP's first
 try). A world of 3 reaching JOIN_STEP lets the joiner (ELASTIC_JOINER=1, started with the others) register and waits

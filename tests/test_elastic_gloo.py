@@ -4,8 +4,11 @@ membership epoch, a fresh gloo world, the state resharded from their commits), a
 The final parameters equal one process trained on the same global batches in the same sample order; every step is
 applied exactly once. Below min_workers the survivors stop with a clear error within the configured wait.
 
+ZeRO-3 with neighbour redundancy (the parameters themselves sharded) does the same with no checkpoint to read.
+
 Each worker is tests/elastic_worker.py; this test hosts the job's store (as `shardwise run` does) and starts the
-joiner once the survivors' epoch is published. One trial per strategy here, 5 each under `make soak`."""
+joiner once the survivors' epoch is published. One trial each of DDP and ZeRO-2 here; under `make soak` 5 each
+(seeded differently) and the ZeRO-3 trial."""
 
 from __future__ import annotations
 
@@ -135,6 +138,16 @@ def _trial(tmp_path: Path, strategy: str, seed: int) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_kill_one_then_join_equals_one_process(tmp_path, strategy):
     _trial(tmp_path, strategy, seed=11)
+
+
+@pytest.mark.soak  # about 30 s more on 2 busy cores; tests/test_elastic_state.py has the thread-rank case in make test
+@pytest.mark.timeout(300)
+def test_zero3_with_neighbour_redundancy_loses_no_shard(tmp_path):
+    """ZeRO-3 shards the parameters themselves: the killed worker's shards come back from its neighbour's in-memory
+    copy (redundancy=True), never from disk: the job has no checkpoint to read (a lost shard would raise StateLost
+    and fail the run), and every epoch's state is "survivors"."""
+    _trial(tmp_path, "zero3", seed=11)
+    assert not any(p.is_dir() for p in tmp_path.iterdir())  # no checkpoint folder was ever written
 
 
 @pytest.mark.soak

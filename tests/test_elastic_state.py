@@ -166,16 +166,23 @@ def test_shrink_then_grow_matches_one_process(strategy, options):
             assert facts[0]["step"] in (2, 3) and facts[1]["step"] == 5
 
 
-def test_zero3_without_redundancy_is_lost_and_comes_back_from_the_checkpoint(tmp_path):
-    results = _run_elastic("zero3", kill_rank=2, kill_step=4, join_step=6, checkpoint_dir=str(tmp_path),
-                           checkpoint_every=2)
+@pytest.mark.parametrize("every,kill_step,back_to", [(2, 4, 4), (3, 5, 3)])
+def test_zero3_without_redundancy_is_lost_and_comes_back_from_the_checkpoint(tmp_path, every, kill_step, back_to):
+    """Without redundancy the killed rank's ZeRO-3 shards are gone: the survivors read the last checkpoint (written
+    every K = `every` steps), so at most K steps are lost (here kill_step - back_to: 0, then 2), and those steps are
+    redone: the parameters and the sample count still equal one uninterrupted process."""
+    results = _run_elastic("zero3", kill_rank=2, kill_step=kill_step, join_step=6, checkpoint_dir=str(tmp_path),
+                           checkpoint_every=every)
     expected = _reference(STEPS)
-    for rank, (sd, facts, _, _) in results.items():
+    assert sorted(results) == [0, 1, 2, 3]
+    for rank, (sd, facts, size, position) in results.items():
+        assert size == 4 and position == STEPS  # every global batch counted once, the redone ones included
         for name, value in expected.items():
             torch.testing.assert_close(sd[name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
-        if rank < 3:  # the shards of rank 2 were lost: back to the checkpoint of step 4, then survivors at 6
-            assert facts[0] == {"step": 4, "source": "checkpoint"}
-            assert facts[1]["source"] == "survivors"
+        if rank < 3:  # the shards of rank 2 were lost: back to the last checkpoint, then survivors at the join
+            assert facts[0] == {"step": back_to, "source": "checkpoint"}
+            assert 0 <= kill_step - facts[0]["step"] <= every
+            assert facts[1] == {"step": 6, "source": "survivors"}
 
 
 def test_zero3_without_redundancy_or_checkpoint_names_the_lost_tensors():
