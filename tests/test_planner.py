@@ -41,8 +41,10 @@ def test_variants_fp32_offload_tensor_and_pipeline_parallel():
     psi = 1e9
     fp32 = costs.model_states(psi, "ddp", 1, dtype="fp32")  # 4 + 4 + 8 (Adam: momentum, variance)
     assert fp32.device == 16 * psi and fp32.optimizer == 8 * psi
-    off = costs.model_states(psi, "zero3", 4, offload="optimizer")
-    assert (off.device, off.cpu) == (4 * psi / 4, 12 * psi / 4)
+    off = costs.model_states(psi, "zero3", 4, offload="optimizer")  # bf16 compute shard; master, grad, Adam on host
+    assert (off.device, off.cpu) == (2 * psi / 4, 16 * psi / 4)
+    off1 = costs.model_states(psi, "zero1", 4, offload="optimizer")  # whole params and gradient buffer stay
+    assert (off1.device, off1.cpu) == (4 * psi, 16 * psi / 4)
     full = costs.model_states(psi, "zero3", 4, offload="full")
     assert (full.device, full.cpu) == (0.0, 16 * psi / 4)
     mp = costs.model_states(psi, "zero1", 2, model_parallel=4)  # tp x pp = 4 first divides Ψ

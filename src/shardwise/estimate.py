@@ -85,7 +85,7 @@ def estimate_memory(
     num_layers: int | None = None,
     num_heads: int | None = None,
     vocab_size: int | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
     attention: str = "eager",
     tp: int = 1,
     pp: int = 1,
@@ -104,7 +104,8 @@ def estimate_memory(
     seq_len, batch_size: give both to add activations (batch_size: sequences per data-parallel rank per step);
         hidden_size, num_layers, num_heads, vocab_size: default to the module's config, else to a GPT-like shape
         derived from Ψ (planner.costs.default_shape); the vocabulary is counted only when known.
-    activation_checkpointing: keep only each layer's input (2sbh) and recompute. attention: "eager" stores the
+    activation_checkpointing: keep only each layer's input (2sbh) and recompute: True for every layer, k for every
+        k-th (the engine's `activation_checkpointing=k`). attention: "eager" stores the
         attention scores (the paper's 5as/h term), "fused" (FlashAttention / SDPA) does not.
     tp, pp, sequence_parallel: tensor and pipeline parallel sizes within world_size (Ψ divided by tp x pp).
     cpu_offload: None, "optimizer" (optimizer state and master copy on the CPU) or "full" (everything; zero3).
@@ -139,7 +140,7 @@ def estimate_memory(
                                        _positive("batch_size", batch_size), hidden_size=hidden_size,
                                        num_layers=num_layers, num_heads=num_heads, vocab_size=vocab_size)
         activations = costs.activation_bytes(geometry, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
-                                             checkpointing=bool(activation_checkpointing), attention=attention,
+                                             checkpointing=activation_checkpointing, attention=attention,
                                              dtype=dtype)
     return MemoryEstimate(strategy=strategy, world_size=world_size, num_params=psi, params=states.params,
                           grads=states.grads, optimizer=states.optimizer, activations=activations, cpu=states.cpu)

@@ -18,10 +18,14 @@ parallel (p) first divide Ψ by t x p (embeddings split too: Megatron's vocabula
 data-parallel strategy then divides what is left over its dp ranks.
 
 **CPU offload** (Ren et al., "ZeRO-Offload", USENIX ATC 2021; Rajbhandari et al., "ZeRO-Infinity", SC 2021):
-level "optimizer" keeps the fp32 master copy and the optimizer state on the CPU (the optimizer steps there), so the
-device holds 16-bit parameters and gradients only; level "full" also keeps parameters and gradients on the CPU
-(ZeRO-3 only: FSDP's `CPUOffload(offload_params=True)`), so the device holds the units being computed. Offloaded
-bytes are reported as CPU memory per rank.
+level "optimizer" keeps the fp32 master shard, its fp32 gradient shard and the optimizer state on the CPU (the
+optimizer steps there): (4 + 4 + S)Ψ/N bytes, S the optimizer state without the master copy (Adam 8), 16Ψ/N for
+Adam whatever the training dtype. The device keeps the compute parameters (whole for ZeRO-1/2, a shard for ZeRO-3:
+the paper's device-resident fp16 partition) and, for ZeRO-1 only, the whole gradient buffer (its gradients are not
+sharded); reduced gradient shards go straight to the host, as in ZeRO-Offload. Level "full" also keeps the
+parameters on the CPU (ZeRO-3 only: FSDP's `CPUOffload(offload_params=True)`), so the device holds only the units
+being computed; the host holds the same 16Ψ/N. Offloaded bytes are reported as CPU memory per rank. These are the
+bytes `sw.memory_stats(model, opt).host` and `.device_model_states` measure (bench/engine_memory.py).
 
 **Activations** (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, eq. 1-2,
 section 4): one transformer layer, sequence s, micro-batch b, hidden h, a heads, 16-bit activations and 1-byte
@@ -105,13 +109,16 @@ def model_states(psi: float, strategy: str, dp: int, *, dtype: str = "bf16", opt
     state = k * psi / (n if shard_o else 1)
     if offload is None:
         return ModelStates(params, grads, state)
-    if offload == "optimizer":
-        return ModelStates(params, grads, 0.0, cpu=state)
-    if offload == "full":
-        # ZeRO-1/2 compute with whole parameters, which stay on the device whatever the level (sharding.offload).
-        kept = 0.0 if shard_p else params
-        return ModelStates(kept, 0.0, 0.0, cpu=params - kept + grads + state)
-    raise ValueError(f"offload={offload!r} is not known; allowed {OFFLOAD_LEVELS}")
+    if offload not in OFFLOAD_LEVELS:
+        raise ValueError(f"offload={offload!r} is not known; allowed {OFFLOAD_LEVELS}")
+    # On the host: fp32 master shard (4), fp32 gradient shard (4), optimizer state without the master copy.
+    state_without_master = k - 4 if width == 2 and k else k
+    host = (8 + state_without_master) * psi / n
+    kept_grads = 0.0 if shard_g else grads  # ZeRO-1's whole gradient buffer stays on the device
+    if offload == "full" and shard_p:
+        return ModelStates(0.0, 0.0, 0.0, cpu=host)
+    # "optimizer" (and "full" for ZeRO-1/2, which compute with whole parameters: sharding.offload).
+    return ModelStates(params, kept_grads, 0.0, cpu=host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +154,14 @@ def _per_layer(g: Activations, tp: int, sequence_parallel: bool, attention: str)
 
 
 def activation_bytes(g: Activations, *, tp: int = 1, pp: int = 1, n_microbatches: int | None = None,
-                     sequence_parallel: bool = False, checkpointing: bool = False, attention: str = "eager",
+                     sequence_parallel: bool = False, checkpointing: bool | int = False, attention: str = "eager",
                      dtype: str = "bf16") -> float:
     """Peak activation bytes on one rank for one step (see the module docstring for the assumptions).
 
     g.batch_size is this rank's batch per step; a pipeline of pp stages splits it into n_microbatches (default 2 x
-    pp) and its first stage holds min(pp, n_microbatches) microbatches of L/pp layers.
+    pp) and its first stage holds min(pp, n_microbatches) microbatches of L/pp layers. checkpointing: True (every
+    layer), False, or k: every k-th layer (the k-th, 2k-th, ...: floor(L/k) of them, `activation_checkpointing.
+    every_kth`) keeps only its input; the others keep everything.
     """
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} is not known; allowed {ATTENTION}")
@@ -161,9 +170,14 @@ def activation_bytes(g: Activations, *, tp: int = 1, pp: int = 1, n_microbatches
     in_flight = min(pp, m) if pp > 1 else 1
     layers_here = g.num_layers / pp
     per_layer = _per_layer(micro, tp, sequence_parallel, attention)
-    if checkpointing:
+    interval = 1 if checkpointing is True else int(checkpointing)  # False -> 0
+    if interval < 0:
+        raise ValueError(f"checkpointing={checkpointing!r} must be True, False or a positive int (every k-th layer)")
+    if interval:
         stored = 2 * micro.seq_len * micro.batch_size * micro.hidden_size / (tp if sequence_parallel else 1)
-        total = in_flight * layers_here * stored + per_layer  # + one layer recomputed at a time
+        checkpointed = layers_here // interval if interval > 1 else layers_here
+        total = in_flight * (checkpointed * stored + (layers_here - checkpointed) * per_layer)
+        total += per_layer  # + one layer recomputed at a time
     else:
         total = in_flight * layers_here * per_layer
     if g.vocab_size:

@@ -106,7 +106,10 @@ def saved_activations(model: nn.Module | None = None) -> Iterator[SavedActivatio
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key not in seen and key not in skip and not isinstance(t, nn.Parameter):
+        # A parameter, or a view of one (a Linear saves its weight transposed; a sharding engine's gathered
+        # parameters are parameters viewing its full buffer), is not an activation.
+        is_param = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+        if key not in seen and key not in skip and not is_param:
             seen.add(key)
             result.total += storage.nbytes()
             where = stack[-1] if stack else ""
