@@ -47,8 +47,19 @@ def parse_mode(mode: str) -> tuple[str, float]:
     raise ValueError(f"--modes: {mode!r} is not one of ddp, ps:<s|inf>, local:<H>, diloco:<H>")
 
 
+def held_out_loss(model, config, args: argparse.Namespace) -> float:
+    """The loss of `model` (the global parameters at the end) on fixed batches no mode trains on (seed 1): the same
+    quantity for every mode, free of the training loss's noise and of whose local copy produced it."""
+    corpus = bench_corpus()
+    with torch.no_grad():
+        losses = [float(model(*corpus.batch(i, args.batch_size * args.workers, config.seq_len, seed=1)))
+                  for i in range(args.eval_batches)]
+    return sum(losses) / len(losses)
+
+
 def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One rank of one mode: train until the time is up; return this rank's events and wire bytes."""
+    """One rank of one mode: train until the time is up (--seconds) or until the samples of --steps synchronous
+    global steps are seen (--steps); return this rank's events, wire bytes and (one rank) the held-out loss."""
     kind, value = parse_mode(mode)
     torch.manual_seed(0)
     config = gpt_config(args.preset, args.seq_len)
@@ -60,19 +71,24 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     elif kind == "local":
         model = LocalSGD(model, comm, sync_every=int(value))
     elif kind == "diloco":
-        model = DiLoCo(model, comm, sync_every=int(value))
+        model = DiLoCo(model, comm, sync_every=int(value), outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     else:
-        model = AsyncSGD(model, comm, optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr), n_servers=1,
-                         staleness=value)
-    opt = None if kind == "ps" else torch.optim.AdamW(model.parameters(), lr=lr)
+        model = AsyncSGD(model, comm, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.ps_lr or lr), n_servers=1,
+                         staleness=value, lr_scaling=args.ps_lr_scaling)
+    opt = None if kind == "ps" else torch.optim.AdamW(model.parameters(), lr=args.inner_lr or lr)
+    # Linear warm-up of the (inner) lr over the first --warmup steps; the servers' optimizer has no schedule.
+    sched = None if opt is None or not args.warmup else torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / args.warmup))
     before = comm.stats.snapshot()
     if kind == "ps" and model.is_server:
         report = model.serve()
         return {"events": [], "wire_bytes": comm.stats.since(before).wire_bytes(),
                 "staleness_max": max(report.staleness, default=0),
-                "staleness_mean": sum(report.staleness) / max(1, len(report.staleness))}
+                "staleness_mean": sum(report.staleness) / max(1, len(report.staleness)),
+                "held_out_loss": held_out_loss(model, config, args)}  # n_servers=1: the server holds every tensor
     worker = model.worker_rank if kind == "ps" else comm.rank
     n_workers = model.n_workers if kind == "ps" else comm.size
+    target = args.steps * n_workers  # step mode: pushes (worker batches) of all workers together
     slow = Straggler(args.factor if worker == n_workers - 1 else 1.0)
     events = []
     start = time.perf_counter()
@@ -88,17 +104,32 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         else:
             opt.step()
             opt.zero_grad()
+            if sched is not None:
+                sched.step()
             synced = model.step() if kind in ("local", "diloco") else True
         step += 1
         events.append((time.perf_counter() - start, float(loss.detach())))
-        over = time.perf_counter() - start > args.seconds
+        if args.steps:
+            # Collective modes step together: every worker stops at --steps. A parameter-server worker stops when
+            # the server has taken the samples of --steps synchronous steps from all workers together.
+            done = model.pushes_applied >= target if kind == "ps" else step >= args.steps
+        else:
+            done = time.perf_counter() - start > args.seconds
         if kind == "ps":
-            if over:
+            if done:
                 model.finish()
                 break
-        elif synced and sw.agree(over, comm, how="any"):
+        elif args.steps and done:
             break
-    return {"events": events, "wire_bytes": comm.stats.since(before).wire_bytes(), "seconds": events[-1][0]}
+        elif not args.steps and synced and sw.agree(done, comm, how="any"):
+            break
+    if kind in ("local", "diloco") and not synced:
+        model.sync()  # the last steps since a synchronisation join the global model, as a user ends training
+    row = {"events": events, "wire_bytes": comm.stats.since(before).wire_bytes(),
+           "seconds": time.perf_counter() - start}
+    if kind != "ps" and comm.rank == 0:
+        row["held_out_loss"] = held_out_loss(model, config, args)
+    return row
 
 
 def summarise(mode: str, ranks: list[dict[str, Any]], batch: int) -> dict[str, Any]:
@@ -109,6 +140,7 @@ def summarise(mode: str, ranks: list[dict[str, Any]], batch: int) -> dict[str, A
            "samples_per_s": round(samples / seconds, 2) if seconds else None,
            "bytes_per_sample": round(sum(r["wire_bytes"] for r in ranks) / max(1, samples)),
            "curve": [(round(t, 3), loss) for t, loss in events]}
+    row["held_out_loss"] = next(r["held_out_loss"] for r in ranks if "held_out_loss" in r)
     server = [r for r in ranks if "staleness_max" in r]
     if server:
         row["staleness_max"] = server[0]["staleness_max"]
@@ -122,17 +154,43 @@ def loss_at(curve: list[tuple[float, float]], n_events: int) -> float:
     return sum(loss for _, loss in window) / len(window)
 
 
+def goals(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's acceptance: PS s = 8 >= 1.8x DDP's samples/s and within 5% of its loss at equal samples (after
+    300 steps); DiLoCo H = 32 within 5% of DDP's loss with >= 25x fewer bytes. Loss = both the training loss at
+    equal samples and the held-out loss of the final model; a goal is met when both are."""
+    out: dict[str, Any] = {}
+    ps, di = summaries.get("ps:8"), summaries.get("diloco:32")
+    if ps and "speed_vs_ddp" in ps:
+        out["ps:8 speed >= 1.8"] = ps["speed_vs_ddp"] >= 1.8
+        out["ps:8 loss within 5%"] = max(ps["loss_vs_ddp"], ps["held_out_vs_ddp"]) <= 1.05
+    if di and "speed_vs_ddp" in di:
+        out["diloco:32 bytes >= 25x fewer"] = di["bytes_fewer_than_ddp"] >= 25
+        out["diloco:32 loss within 5%"] = max(di["loss_vs_ddp"], di["held_out_vs_ddp"]) <= 1.05
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default=DEFAULT_MODES)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the last worker")
-    parser.add_argument("--seconds", type=float, default=30.0, help="wall time of each mode")
+    parser.add_argument("--seconds", type=float, default=30.0, help="wall time of each mode (without --steps)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="train each mode for the samples of this many synchronous global steps (steps x workers "
+                             "x batch) instead of --seconds")
+    parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches (of workers x batch) "
+                        "evaluated on each mode's final global model")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=4, help="per worker")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of DDP (and default of the others)")
+    parser.add_argument("--inner-lr", type=float, default=None, help="inner AdamW lr of local SGD / DiLoCo")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr (the paper's 0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum")
+    parser.add_argument("--warmup", type=int, default=0, help="linear lr warm-up steps (DDP, local SGD inner)")
+    parser.add_argument("--ps-lr", type=float, default=None, help="the parameter server's AdamW lr")
+    parser.add_argument("--ps-lr-scaling", default=None, help="AsyncSGD lr_scaling (e.g. staleness)")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--plot", default=None, help="write loss against time and samples (PNG) here")
     args = parser.parse_args()
@@ -148,25 +206,33 @@ def main() -> None:
             rows[mode].append(row)
             emit({k: v for k, v in row.items() if k != "curve"} | {"loadavg": loadavg()})
             print(f"{mode:>10}: {row['samples_per_s']} samples/s, {row['bytes_per_sample']} B/sample", file=sys.stderr)
-    # Loss at equal samples seen: the smallest number of events any run reached, per round.
+    # Loss at equal samples seen: the samples of --steps synchronous steps, or (time mode) the smallest number of
+    # events any run of the round reached.
     for r in range(args.rounds):
-        n = min(len(rows[m][r]["curve"]) for m in modes)
+        n = args.steps * args.workers if args.steps else min(len(rows[m][r]["curve"]) for m in modes)
         for m in modes:
             rows[m][r]["loss_at_equal_samples"] = loss_at(rows[m][r]["curve"], n)
     ddp = rows.get("ddp")
+    summaries = {}
     for m in modes:
-        summary = {"summary": m, "rounds": args.rounds,
+        summary = {"summary": m, "rounds": args.rounds, "steps": args.steps or None,
                    "samples_per_s": median([x["samples_per_s"] for x in rows[m]]),
                    "bytes_per_sample": median([x["bytes_per_sample"] for x in rows[m]]),
-                   "loss_at_equal_samples": round(median([x["loss_at_equal_samples"] for x in rows[m]]), 4)}
+                   "loss_at_equal_samples": round(median([x["loss_at_equal_samples"] for x in rows[m]]), 4),
+                   "held_out_loss": round(median([x["held_out_loss"] for x in rows[m]]), 4)}
         if ddp:
-            summary["speed_vs_ddp"] = round(summary["samples_per_s"] / median([x["samples_per_s"] for x in ddp]), 2)
-            ddp_bytes = median([x["bytes_per_sample"] for x in ddp])
-            summary["bytes_fewer_than_ddp"] = round(ddp_bytes / summary["bytes_per_sample"], 1) \
-                if summary["bytes_per_sample"] else None
-            summary["loss_vs_ddp"] = round(summary["loss_at_equal_samples"] /
-                                           median([x["loss_at_equal_samples"] for x in ddp]), 3)
+            # Ratios per round (the modes of one round ran back to back under the same load), then the median.
+            def ratio(key: str, invert: bool = False) -> float | None:
+                per = [(d[key] / x[key] if invert else x[key] / d[key]) for x, d in zip(rows[m], ddp) if x[key]]
+                return round(median(per), 3) if per else None
+
+            summary["speed_vs_ddp"] = ratio("samples_per_s")
+            summary["bytes_fewer_than_ddp"] = ratio("bytes_per_sample", invert=True)
+            summary["loss_vs_ddp"] = ratio("loss_at_equal_samples")
+            summary["held_out_vs_ddp"] = ratio("held_out_loss")
+        summaries[m] = summary
         emit(summary)
+    emit({"goals": goals(summaries), "loadavg": loadavg()})
     if args.plot:
         plot(rows, modes, args)
 

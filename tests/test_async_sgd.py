@@ -40,7 +40,7 @@ def reference(steps: int, n_workers: int) -> dict[str, torch.Tensor]:
     return state_of(model)
 
 
-def run_ps(comm, steps, n_servers, staleness, slow=None, factor=1.0, lr_scaling=None, seen=None):
+def run_ps(comm, steps, n_servers, staleness, slow=None, factor=1.0, lr_scaling="workers", seen=None):
     """Train the tiny GPT with a parameter server; servers return their report and shard, workers their state."""
     model = AsyncSGD(GPT(CONFIG, seed=0), comm, optimizer=make_optimizer, n_servers=n_servers, staleness=staleness,
                      lr_scaling=lr_scaling)
@@ -108,6 +108,46 @@ def test_lr_scaling_sees_each_gradients_staleness():
 
     report = sw.launch(run_ps, 3, 5, 1, math.inf, None, 1.0, scale)[2]["report"]
     assert seen == report.staleness and len(seen) == 10
+
+
+def _pushes_recorded(comm, steps):
+    """s = inf, default lr scaling: workers return every gradient they pushed; the server its report and shard."""
+    model = AsyncSGD(GPT(CONFIG, seed=0), comm, optimizer=make_optimizer, n_servers=1, staleness=math.inf)
+    if model.is_server:
+        return {"report": model.serve(), "shard": model.server_state_dict()}
+    pushed = []
+    straggler = Straggler(2.0 if model.worker_rank == 0 else 1.0)  # some reordering of the arrivals
+    for step in range(steps):
+        x, y = worker_batch(step, model.worker_rank, model.n_workers)
+        with straggler:
+            model(x, y).backward()
+        pushed.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.step()
+        model.zero_grad()
+    seen = model.pushes_applied
+    model.finish()
+    return {"pushed": pushed, "seen": seen}
+
+
+def test_each_asynchronous_push_is_one_nth_of_a_step_for_adam():
+    """Replay: the server's parameters equal one process applying the same gradients, in the recorded arrival order,
+    each in one AdamW step at lr / n_workers. AdamW ignores a gradient's scale, so this fails if the server divided
+    the gradient by N instead of the lr (a full-lr step per push: N x the synchronous step per sample)."""
+    steps, n_workers = 3, 3
+    results = sw.launch(_pushes_recorded, n_workers + 1, steps)
+    report = results[-1]["report"]
+    assert [a.worker for a in report.applied].count(0) == steps and report.updates == steps * n_workers
+    assert max(r["seen"] for r in results[:-1]) == steps * n_workers  # the last to finish saw every push
+    model = GPT(CONFIG, seed=0)
+    opt = make_optimizer(model.parameters())
+    for group in opt.param_groups:
+        group["lr"] = group["lr"] * (1.0 / n_workers)
+    names = dict(model.named_parameters())
+    for a in report.applied:
+        for name, g in results[a.worker]["pushed"][a.clock].items():
+            names[name].grad = g
+        opt.step()
+    assert_state_close(results[-1]["shard"]["params"], {n: p.detach() for n, p in model.named_parameters()})
 
 
 def test_server_state_round_trips():
@@ -190,7 +230,7 @@ def _bad(comm, kwargs):
     ({"staleness": -1}, "staleness=-1 must be an int >= 0"),
     ({"staleness": 1.5}, "staleness=1.5 must be an int >= 0"),
     ({"staleness": "inf"}, "or math.inf"),
-    ({"lr_scaling": "linear"}, "lr_scaling='linear' must be None, 'staleness'"),
+    ({"lr_scaling": "linear"}, "lr_scaling='linear' must be 'workers' (lr / n_workers, the default)"),
     ({"optimizer": "adam"}, "optimizer='adam' must be a callable"),
 ])
 def test_bad_options_are_named(kwargs, words):

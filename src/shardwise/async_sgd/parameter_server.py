@@ -44,7 +44,7 @@ from ..comm.coalesced import broadcast_coalesced
 from ..placement import to_comm_device
 from .checks import check_comm, check_whole_model
 from .protocol import DONE, PULL_TAG, PUSH, PUSH_TAG, decode_into, encode, header, message_bytes
-from .server import Server, ServerReport, assign_shards, staleness_scale
+from .server import Server, ServerReport, assign_shards, full_lr, per_worker_scale, staleness_scale
 
 __all__ = ["AsyncSGD", "AsyncSGDModule"]
 
@@ -64,6 +64,7 @@ class _Worker:
         self.push = [torch.empty(message_bytes(s), dtype=torch.uint8, device=comm.device) for s in self.shards]
         self.pull = [torch.empty_like(b) for b in self.push]
         self.versions = [0] * len(shards)
+        self.pushes = [0] * len(shards)
         self.clock = 0
         self.finished = False
 
@@ -73,8 +74,9 @@ class _Worker:
         works = self._send(PUSH)
         for k, rank in enumerate(self.server_ranks):
             self._receive(k, rank)
-            kind, version, _ = header(self.pull[k])
+            kind, version, pushes = header(self.pull[k])
             self.versions[k] = version
+            self.pushes[k] = pushes
             decode_into(self.pull[k], self.shards[k])
         self._wait(works, "push")
         self.clock += 1
@@ -141,6 +143,14 @@ class AsyncSGDModule(MovesRefused):
     def server_ranks(self) -> list[int]:
         return list(self._async_sgd["server_ranks"])
 
+    @property
+    def pushes_applied(self) -> int:
+        """Worker: how many gradients (of all workers together) the servers had taken when they last answered this
+        worker (the smallest count over servers; 0 before the first step). Each push is one worker batch, so this
+        counts samples seen in units of the worker batch: stop at `steps * n_workers` to train for the samples of
+        `steps` synchronous steps, whatever each worker's speed (a few pushes in flight may land after it)."""
+        return min(self._role("worker", "pushes_applied").pushes)
+
     def step(self) -> None:
         """Worker: push this step's gradients to every server, take their fresh parameters (see the module doc)."""
         self._role("worker", "step()").step()
@@ -178,7 +188,7 @@ def AsyncSGD(
     optimizer: OptimizerFactory,
     n_servers: int = 1,
     staleness: float = 0,
-    lr_scaling: str | Callable[[int], float] | None = None,
+    lr_scaling: str | Callable[[int], float] | None = "workers",
 ) -> nn.Module:
     """Train `module` with a parameter server over `comm` and return it (the same object, names unchanged).
 
@@ -187,8 +197,10 @@ def AsyncSGD(
         across them by size (whole tensors).
     staleness: s, how many steps a worker may run ahead of the slowest live one: 0 (synchronous), a positive int,
         or math.inf (fully asynchronous).
-    lr_scaling: None (the optimizer's lr), "staleness" (lr / (1 + tau), tau the gradient's staleness in updates) or
-        a callable tau -> factor of the lr.
+    lr_scaling: the lr of each asynchronously applied gradient (staleness > 0; at 0 the server steps the mean of a
+        round's gradients at the optimizer's lr): "workers" (lr / n_workers: a push is one N-th of a synchronous
+        step, for any optimizer, Adam included), "staleness" (lr / (1 + tau), tau the gradient's staleness in
+        updates; Zhang et al. 2016), None (the optimizer's full lr per push) or a callable tau -> factor of the lr.
     """
     comm = check_comm(comm, "AsyncSGD")
     check_whole_model(module, comm, "AsyncSGD")
@@ -204,13 +216,19 @@ def AsyncSGD(
             (isinstance(staleness, int) and staleness >= 0) or staleness == math.inf):
         raise ValueError(f"AsyncSGD: staleness={staleness!r} must be an int >= 0 (0 = synchronous) or math.inf "
                          f"(fully asynchronous)")
-    if lr_scaling is None or callable(lr_scaling):
+    n_workers = comm.size - n_servers
+    if callable(lr_scaling):
         lr_scale = lr_scaling
+    elif lr_scaling is None:
+        lr_scale = full_lr
     elif lr_scaling == "staleness":
         lr_scale = staleness_scale
+    elif lr_scaling == "workers":
+        lr_scale = per_worker_scale(n_workers)
     else:
-        raise ValueError(f"AsyncSGD: lr_scaling={lr_scaling!r} must be None, 'staleness' (lr / (1 + staleness)) or a "
-                         f"callable staleness -> factor")
+        raise ValueError(f"AsyncSGD: lr_scaling={lr_scaling!r} must be 'workers' (lr / n_workers, the default), "
+                         f"'staleness' (lr / (1 + staleness)), None (full lr per push) or a callable staleness -> "
+                         f"factor")
     if not callable(optimizer):
         raise ValueError(f"AsyncSGD: optimizer={optimizer!r} must be a callable building a torch.optim optimizer over "
                          f"a list of parameters (e.g. lambda ps: torch.optim.SGD(ps, lr=0.1))")
@@ -226,7 +244,6 @@ def AsyncSGD(
         "n_servers": n_servers, "staleness": str(staleness), "lr_scaling": str(lr_scaling)}})
     with torch.no_grad():
         broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
-    n_workers = comm.size - n_servers
     server_ranks = list(range(n_workers, comm.size))
     shards = assign_shards([p.numel() * p.element_size() for p in params], n_servers)
     server = worker = None

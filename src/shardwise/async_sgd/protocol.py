@@ -6,7 +6,8 @@ worker's). Every message to one server has the same size, the receive buffer's.
 
     push   worker -> server (tag PUSH_TAG): [PUSH, clock, version read, 0] + the gradients of the server's shard
     done   worker -> server (tag PUSH_TAG): [DONE, clock, 0, 0] + zeros          (this worker trains no more)
-    reply  server -> worker (tag PULL_TAG): [PARAMS, version, 0, 0] + the shard's current parameters
+    reply  server -> worker (tag PULL_TAG): [PARAMS, version, pushes, 0] + the shard's current parameters
+(version: optimizer steps the server took; pushes: gradients it took from all workers so far)
 Each tensor's bytes start on an 8-byte boundary, so every piece can be viewed as its own dtype in place.
 """
 

@@ -5,10 +5,15 @@ Mechanism (Dean et al. 2012, DistBelief / Downpour SGD; Ho et al. 2013, Stale Sy
 * The server owns some of the model's parameters (its *shard*; `assign_shards` balances them by size) and one
   torch.optim optimizer over them: any optimizer, its state lives here only.
 * It takes pushes in arrival order (receive from any source, mailbox.py). Each worker's *clock* counts its pushes.
-* Asynchronous (staleness > 0): each gradient is applied at once, divided by the number of workers (so one push per
-  worker adds up to the synchronous mean step), with lr x `lr_scale(tau)` where tau, the gradient's *staleness*,
-  is the number of updates applied since the worker read the parameters it used (Zhang et al. 2016,
-  "Staleness-aware Async-SGD": lr / (1 + tau)). Every applied gradient's (worker, clock, tau) is recorded.
+* Asynchronous (staleness > 0): each gradient is applied at once, in one optimizer step with lr x `lr_scale(tau)`,
+  tau the gradient's *staleness* (updates applied since the worker read the parameters it used). The default
+  scale is 1 / n_workers: a push is one N-th of a synchronous step. Scaling the lr rather than the gradient is
+  what makes that hold for every optimizer: for SGD the two are the same, but Adam-like optimizers are invariant to
+  the gradient's scale, so a gradient / N would still take a full-lr step per push, N x the synchronous step per
+  sample seen (measured on the benchmark's GPT: ~10% higher loss at equal samples), and decoupled weight decay would
+  also act N times per synchronous step. `lr_scaling="staleness"` uses lr / (1 + tau) instead (Zhang et al. 2016,
+  "Staleness-aware Async-SGD"): with workers arriving in turn tau is about N - 1, so it is about lr / N on average,
+  smaller for a straggler's staler gradients. Every applied gradient's (worker, clock, tau) is recorded.
 * Synchronous (staleness = 0): the gradients of one clock tick are summed until every live worker has pushed, then
   their mean is applied in one optimizer step: exactly synchronous SGD on the same data, whatever the optimizer.
 * Bounded staleness: a worker that pushed is answered (it may start its next step) only while its clock is at most
@@ -82,7 +87,7 @@ class Server:
     """One server rank's state (built at wrap time, so it can be checkpointed before `run()`)."""
 
     def __init__(self, comm: Communicator, params: list[nn.Parameter], names: list[str], workers: list[int],
-                 optimizer: torch.optim.Optimizer, staleness: float, lr_scale: Callable[[int], float] | None) -> None:
+                 optimizer: torch.optim.Optimizer, staleness: float, lr_scale: Callable[[int], float]) -> None:
         self.comm = comm
         self.params = params
         self.names = names
@@ -91,12 +96,14 @@ class Server:
         self.staleness = staleness
         self.lr_scale = lr_scale
         self.version = 0
+        self.pushes = 0  # gradients taken from all workers: what a budget of samples counts
         self.clock = {w: 0 for w in workers}
         self.size = message_bytes(params)
 
     # ---- state ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"version": self.version, "params": {n: p.detach().clone() for n, p in zip(self.names, self.params)},
+        return {"version": self.version, "pushes": self.pushes,
+                "params": {n: p.detach().clone() for n, p in zip(self.names, self.params)},
                 "optimizer": self.optimizer.state_dict()}
 
     @torch.no_grad()
@@ -109,6 +116,7 @@ class Server:
             p.copy_(state["params"][n])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        self.pushes = int(state.get("pushes", 0))  # absent in states saved before pushes were counted
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> ServerReport:
@@ -157,13 +165,14 @@ class Server:
                     slowest = min(self.clock[a] for a in active)
                     record = Applied(w, clock, self.version - read, self.clock[w] - slowest)
                     self.clock[w] += 1
+                    self.pushes += 1
                     if round_sum is not None:
                         for acc, g in zip(round_sum, grads):
                             acc.add_(g)
                         round_from.add(w)
                         applied.append(dataclasses.replace(record, staleness=0))
                     else:
-                        self._apply(grads, 1.0 / len(self.workers), record.staleness)
+                        self._apply(grads, 1.0, float(self.lr_scale(record.staleness)))
                         updates += 1
                         applied.append(record)
                     waiting.add(w)
@@ -172,7 +181,7 @@ class Server:
                                     f"rank {w} (a worker of another protocol version?)", op="recv",
                                     rank=self.comm.rank, peers=[w])
             if round_sum is not None and round_from and active <= round_from:
-                self._apply(round_sum, 1.0 / len(round_from), 0)
+                self._apply(round_sum, 1.0 / len(round_from), 1.0)  # the mean, at the optimizer's lr
                 updates += 1
                 for acc in round_sum:
                     acc.zero_()
@@ -186,10 +195,10 @@ class Server:
         return ServerReport(updates, applied, finished, lost, time.monotonic() - start)
 
     @torch.no_grad()
-    def _apply(self, grads: list[torch.Tensor], scale: float, staleness: int) -> None:
+    def _apply(self, grads: list[torch.Tensor], scale: float, factor: float) -> None:
+        """One optimizer step on `grads` x `scale`, with every group's lr x `factor` for this step only."""
         for p, g in zip(self.params, grads):
             p.grad = g * scale
-        factor = 1.0 if self.lr_scale is None else float(self.lr_scale(staleness))
         saved = [group.get("lr") for group in self.optimizer.param_groups]
         if factor != 1.0:
             for group in self.optimizer.param_groups:
@@ -216,8 +225,18 @@ class Server:
                     message = previous[1]
                 else:
                     message = torch.empty(self.size, dtype=torch.uint8, device=self.comm.device)
-                encode(message, PARAMS, self.version, 0, self.params, self.params)
+                encode(message, PARAMS, self.version, self.pushes, self.params, self.params)
                 sends[w] = (self.comm.isend(message, w, PULL_TAG), message)
+
+
+def full_lr(tau: int) -> float:
+    """The optimizer's lr for every push (lr_scaling=None)."""
+    return 1.0
+
+
+def per_worker_scale(n_workers: int) -> Callable[[int], float]:
+    """lr / n_workers whatever the staleness: one push is one N-th of a synchronous step (the default)."""
+    return lambda tau: 1.0 / n_workers
 
 
 def staleness_scale(tau: int) -> float:
