@@ -13,9 +13,10 @@ machines, not only across processes (issue 14, item 8):
   peers it did not hear from, within the timeout, and nothing may hang. (The same assertions hold under torchrun:
   `TwoHosts.start(..., launcher="torchrun")`.)
 
-Needs root and iproute2 (`ip netns`); elsewhere the tests skip with the reason (pytest -ra prints it). Names carry
-this process's pid and a random suffix, so parallel runs never collide; the namespaces (and with them the veth pair)
-and every process started in them are removed afterwards, whatever happens.
+The namespaces come from the package's one harness, `shardwise.launch.netns.VethPair` (also used by
+bench/compression_netem.py). Needs root and iproute2 (`ip netns`); elsewhere the tests skip with the reason (pytest
+-ra prints it). Names carry this process's pid and a random suffix, so parallel runs never collide; the namespaces
+(and with them the veth pair) and every process started in them are removed afterwards, whatever happens.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,11 +37,11 @@ from compose_cases import optimizer
 from parity import CONFIG, RTOL, batch
 
 from shardwise.comm import heartbeat
+from shardwise.launch.netns import ADDRS, VethPair, why_not
 from shardwise.models import GPT
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "two_hosts_worker.py"
-ADDRS = ("198.18.0.1", "198.18.0.2")  # RFC 2544 benchmarking range (198.18.0.0/15): routed nowhere
 MASTER_PORT = 29500  # a fresh namespace has no listener at all, so a fixed port cannot collide
 PARITY_TIMEOUT = 60.0  # 4 gloo processes share this machine's cores: generous for training, never reached
 CUT_TIMEOUT = 5.0  # sw.init(timeout=...): the collectives' deadline and the failure detector's silence
@@ -49,38 +49,8 @@ DETECTOR_CALL_S = 5.0  # the most one store call of the failure detector may tak
 STEPS, MAX_NORM = 3, 0.3  # as in two_hosts_worker.py
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
-
-
-class TwoHosts:
-    """Two network namespaces ("hosts") joined by a veth pair, 198.18.0.1/24 and 198.18.0.2/24, lo up in each."""
-
-    def __init__(self) -> None:
-        tag = f"sw{os.getpid()}{secrets.token_hex(2)}"  # <= 14 characters: interface names stop at 15
-        self.ns = (f"{tag}a", f"{tag}b")
-        self.veth = (f"{tag}x", f"{tag}y")
-        self.procs: list[subprocess.Popen] = []
-
-    def create(self) -> None:
-        """Make the namespaces and the link; raises CalledProcessError (with ip's message) when it cannot."""
-        for ns in self.ns:
-            _ip("netns", "add", ns)
-        _ip("link", "add", self.veth[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.veth[1],
-            "netns", self.ns[1])
-        for ns, veth, addr in zip(self.ns, self.veth, ADDRS):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", veth, "up")
-
-    def sent_bytes(self, node: int) -> int:
-        """Bytes node `node` has sent over its end of the link (the kernel's counter)."""
-        shown = _ip("-n", self.ns[node], "-s", "-j", "link", "show", "dev", self.veth[node])
-        return int(json.loads(shown.stdout)[0]["stats64"]["tx"]["bytes"])
-
-    def cut(self) -> None:
-        """Take node 0's end of the link down: from then on no packet crosses between the hosts."""
-        _ip("-n", self.ns[0], "link", "set", self.veth[0], "down")
+class TwoHosts(VethPair):
+    """The shared harness (shardwise.launch.netns), plus starting one 2-process node in each namespace."""
 
     def start(self, mode: str, out: Path, timeout: float, launcher: str = "torchrun") -> None:
         """Start one node (2 processes) in each namespace running two_hosts_worker.py, with torchrun or with
@@ -95,18 +65,14 @@ class TwoHosts:
         else:
             raise ValueError(f"launcher={launcher!r}; allowed 'torchrun' or 'shardwise'")
         token = secrets.token_hex(16)
-        for node, (ns, veth) in enumerate(zip(self.ns, self.veth)):
+        for node, veth in enumerate(self.veth):
             env = {k: v for k, v in os.environ.items()
                    if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GLOO_SOCKET_IFNAME")}
             env.update(GLOO_SOCKET_IFNAME=veth, SHARDWISE_JOB_TOKEN=token, OMP_NUM_THREADS="1",
                        PYTHONUNBUFFERED="1")
-            cmd = ["ip", "netns", "exec", ns, *start, "--nnodes", "2", "--node-rank", str(node),
-                   "--master-addr", ADDRS[0], "--master-port", str(MASTER_PORT), str(WORKER), mode, str(out),
-                   str(timeout)]
-            log = open(out / f"node{node}.log", "wb")  # noqa: SIM115 - closed with the process, in stop()
-            self.procs.append(subprocess.Popen(cmd, env=env, cwd=HERE.parent, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
-            log.close()  # the child holds its own descriptor
+            cmd = [*start, "--nnodes", "2", "--node-rank", str(node), "--master-addr", ADDRS[0], "--master-port",
+                   str(MASTER_PORT), str(WORKER), mode, str(out), str(timeout)]
+            self.exec(node, cmd, env=env, log=out / f"node{node}.log", cwd=HERE.parent)
 
     def wait(self, deadline: float) -> list[int | None]:
         """Exit codes of the nodes once both exited or `deadline` (time.monotonic()) passed (None: still running)."""
@@ -114,49 +80,10 @@ class TwoHosts:
             time.sleep(0.2)
         return [p.poll() for p in self.procs]
 
-    def stop(self) -> None:
-        """Kill every process this object started (their process groups) and whatever still runs in the namespaces."""
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for ns in self.ns:  # a worker that left its session would still be in our namespace: end it by pid
-            listed = _ip("netns", "pids", ns, check=False)
-            for pid in listed.stdout.split() if listed.returncode == 0 else []:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-
-    def close(self) -> None:
-        """Stop the processes, then delete the namespaces; deleting one destroys the veth pair with it."""
-        try:
-            self.stop()
-        finally:
-            for ns in self.ns:
-                _ip("netns", "delete", ns, check=False)
-
-
-def _why_not() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces are Linux-only (this is {sys.platform})"
-    if shutil.which("ip") is None:
-        return "iproute2's `ip` command is not installed"
-    if os.geteuid() != 0:
-        return f"creating network namespaces needs root (euid {os.geteuid()})"
-    return None
-
 
 @pytest.fixture
 def hosts():
-    reason = _why_not()
+    reason = why_not()
     if reason is not None:
         pytest.skip(f"two hosts on one machine: {reason}")
     two = TwoHosts()
