@@ -120,7 +120,8 @@ def new_job_token() -> str:
 
 def job_store(store: Any, token: str | None) -> Any:
     """The job's key space in `store`: every key under `shardwise/<token>/`, or `store` itself without a token."""
-    return dist.PrefixStore(f"shardwise/{token}/", store) if token else store
+    # PrefixStore puts the "/" between prefix and key itself ("x/" would make "x//key").
+    return dist.PrefixStore(f"shardwise/{token}", store) if token else store
 
 
 def rank_zero_store(addr: str, port: int, rank: int, timeout: float) -> Any:
