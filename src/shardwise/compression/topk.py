@@ -16,7 +16,20 @@ rank's unsent part stays in its memory, so sum over steps of what it sent = sum 
 keeps ||x - topk(x)||^2 <= (1 - ratio) ||x||^2, so for gradients bounded by G the memory stays bounded (about
 2 sqrt(1 - ratio) / ratio x G; Stich et al. 2018, Lemma 3.2) and the gap between the sums does not grow.
 Bytes on the wire per bucket: min(all-gather (N-1) x k x (4 + 4), all-reduce 2(N-1)/N x numel x 4) per rank.
-DGC's momentum correction and gradient clipping are the optimizer's business here; warm-up: use a larger ratio.
+
+DGC's momentum correction (`momentum_correction=m`, Lin et al. section 3.1). Top-k of plain gradients under a
+momentum optimizer loses momentum on the coordinates that wait in memory: their delayed update is a sum of
+gradients, not of velocities. DGC moves the momentum into the compressor: each rank keeps a velocity
+u = m u + g and accumulates v = v + u (v is the memory), sends the top-k of v, and then zeroes *both* u and v at the
+sent coordinates (momentum factor masking: a sent coordinate's old velocity would otherwise push it again, stale).
+The optimizer must then be momentum-free (`torch.optim.SGD(params, lr, momentum=0)`): what arrives is already the
+averaged, momentum-corrected update. At ratio 1 every coordinate is masked every step, so no momentum survives:
+use it with sparse ratios, as the paper does.
+Local gradient clipping (`clip_norm=C`, section 3.2): before it is accumulated, each rank's gradient is rescaled so
+that its L2 norm is at most C N^(-1/2) (N ranks: the sum of N independent gradients has about sqrt(N) times the
+norm of one). The compressor sees one bucket at a time, so the norm is the bucket's (DGC clips the whole local
+gradient); with one bucket (`bucket_mb` above the model's size) the two agree.
+Warm-up (DGC's exponentially growing sparsity): use a larger ratio for the first epochs.
 """
 
 from __future__ import annotations
@@ -32,16 +45,43 @@ __all__ = ["TopK"]
 
 
 class TopK(Compressor):
-    """Top-k sparsification with error feedback; `ratio` in (0, 1] is the fraction of elements sent per bucket."""
+    """Top-k sparsification with error feedback (see the module docstring).
+
+    ratio: the fraction of elements sent per bucket, in (0, 1].
+    momentum_correction: DGC's momentum m in [0, 1), kept per rank in the compressor (the optimizer must then have
+        no momentum), or None (plain error feedback of gradients; the optimizer keeps its momentum).
+    clip_norm: DGC's local gradient clipping threshold C > 0 (each rank's bucket gradient clipped to norm
+        C / sqrt(N) before accumulation), or None.
+    """
 
     name = "topk"
 
-    def __init__(self, ratio: float) -> None:
+    def __init__(self, ratio: float, momentum_correction: float | None = None,
+                 clip_norm: float | None = None) -> None:
         super().__init__()
         self.ratio = check_ratio("TopK", ratio)
+        if momentum_correction is not None and (isinstance(momentum_correction, bool) or not isinstance(
+                momentum_correction, (int, float)) or not 0 <= momentum_correction < 1):
+            raise ValueError(f"TopK: momentum_correction={momentum_correction!r} must be None or a momentum in "
+                             f"[0, 1) (DGC's 0.9), with a momentum-free optimizer")
+        if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
+                                      or not clip_norm > 0 or math.isinf(clip_norm)):
+            raise ValueError(f"TopK: clip_norm={clip_norm!r} must be None or a finite number > 0 (the global "
+                             f"gradient-norm threshold; each rank clips its bucket to clip_norm / sqrt(ranks))")
+        self.momentum_correction = None if momentum_correction is None else float(momentum_correction)
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self._reset_extra_state()
+
+    def _reset_extra_state(self) -> None:
+        self.velocity: dict[str, torch.Tensor] = {}  # DGC's u per bucket (momentum_correction only)
 
     def config(self) -> dict:
-        return {"method": self.name, "ratio": self.ratio}
+        config = {"method": self.name, "ratio": self.ratio}
+        if self.momentum_correction is not None:
+            config["momentum_correction"] = self.momentum_correction
+        if self.clip_norm is not None:
+            config["clip_norm"] = self.clip_norm
+        return config
 
     def k(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.ratio * numel))) if numel else 0
@@ -57,12 +97,33 @@ class TopK(Compressor):
         return ring_all_reduce(numel, element_size, world) < sparse
 
     def compress(self, key: str, flat: torch.Tensor, shapes: Shapes | None, world: int) -> Payload:
-        acc = self._with_memory(key, flat)
+        grad = flat.detach()
+        if self.clip_norm is not None:
+            # DGC's local clipping: the threshold scaled by N^-1/2 (the ranks' gradients add up like random walks).
+            limit = self.clip_norm / math.sqrt(world)
+            norm = float(torch.linalg.vector_norm(grad))
+            if norm > limit:
+                grad = grad * (limit / norm)
+        velocity = None
+        if self.momentum_correction is not None:
+            velocity = self.velocity.get(key)
+            if velocity is None:
+                velocity = grad.clone()
+            elif velocity.shape != grad.shape:
+                raise ValueError(f"TopK: bucket {key!r} has {grad.numel()} elements but its velocity "
+                                 f"{velocity.numel()}: the model's buckets changed after a resume")
+            else:
+                velocity.mul_(self.momentum_correction).add_(grad)
+            self.velocity[key] = velocity
+            grad = velocity  # v accumulates velocities, not gradients
+        acc = self._with_memory(key, grad)
         numel = acc.numel()
         _, index = acc.abs().topk(self.k(numel), sorted=False)
         values = acc[index]
         acc[index] = 0
         self.memory[key] = acc  # what was not sent
+        if velocity is not None:
+            velocity[index] = 0  # momentum factor masking: a sent coordinate starts its velocity afresh
         if self._dense_is_cheaper(numel, acc.element_size(), world):
             dense = torch.zeros_like(acc)
             dense[index] = values
@@ -84,3 +145,18 @@ class TopK(Compressor):
             return ring_all_reduce(numel, element_size, world)
         k = self.k(numel)
         return ring_all_gather(k, element_size, world) + ring_all_gather(k, nbytes(1, self.index_dtype(numel)), world)
+
+    # ---- checkpoints: DGC's velocity is state too ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = super().state_dict()
+        state.update({f"velocity/{k}": v.detach().clone() for k, v in self.velocity.items()})
+        return state
+
+    def _load_extra(self, kind: str, key: str, value: torch.Tensor) -> bool:
+        if kind == "velocity":
+            self.velocity[key] = value.detach().clone()
+            return True
+        return False
+
+    def _extra_kind_names(self) -> tuple[str, ...]:
+        return ("velocity",)
