@@ -3,18 +3,20 @@ simulated slow links (sw.comm.Throttled at 1 Gbit/s and 100 Mbit/s), loss after 
 beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataParallel in the same run.
 
 Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16`, `topk` (ratio --topk-ratio), `randomk`, `powersgd`
-(rank --rank, start_iter --start-iter), `onebit`, `onebit_adam` (warm-up --freeze-step; Adam instead of AdamW's
-decay), `torch_ddp`, `torch_fp16_hook`, `torch_powersgd_hook` (same rank and start iteration).
+(rank --rank, start_iter --start-iter), `onebit`, `onebit_adam` (warm-up --freeze-step; its own optimizer, with
+AdamW's hyperparameters), `torch_ddp`, `torch_fp16_hook`, `torch_powersgd_hook` (same rank and start iteration).
 Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW) in the SAME
 processes. Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; the row reports the mean
-of the last 10 against `none`'s. Timing phase, per link: after --warmup steps, --rounds rounds of --steps steps of
-every row, the order rotating every round (bench/_common.alternate); per step the slowest rank; the median.
+of the last 10 against `none`'s, and whether that meets issue 15's goal (GOALS: 16-bit rows within 0.5%, the others
+within 3%; 1-bit Adam after its --freeze-step warm-up). --loss-only skips the timing phase, --plot draws the
+curves. Timing phase, per link: after --warmup steps, --rounds rounds of --steps steps of every row, the order rotating every round (bench/_common.alternate); per step the slowest rank; the median.
 A slow link wraps each rank's Communicator in Throttled (latency --latency-ms per operation + wire bytes /
 bandwidth); torch's rows get the same delay added to each bucket's future (bytes from the same formulas), one link
 per process, so both sides pay for the same bytes. Under a real slow link (tc netem) run with --links loopback.
 stdout: JSON lines (one per row and link, one loss line per row, a header with the load average); stderr: a table.
 
     .venv/bin/python bench/compression.py                                  # the real figures (long: ~1 h on 2 cores)
+    .venv/bin/python bench/compression.py --loss-only --plot docs/compression_loss.png   # the 200-step losses only
     .venv/bin/python bench/compression.py --preset tiny --loss-steps 6 --steps 2 --rounds 1 --warmup 1  # smoke run
 """
 
@@ -40,6 +42,10 @@ from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loada
 
 OURS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "onebit_adam")
 TORCH = ("torch_ddp", "torch_fp16_hook", "torch_powersgd_hook")
+# Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
+GOALS = {"fp16": 0.005, "bf16": 0.005, "torch_fp16_hook": 0.005, "torch_ddp": 0.005}
+DEFAULT_GOAL = 0.03
+WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, given to OneBitAdam too: the same optimizer in every row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,16 +127,16 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
         kind = {"torch_ddp": "allreduce", "torch_fp16_hook": "fp16", "torch_powersgd_hook": "powersgd"}[name]
         if name != "torch_ddp" or link.gbps is not None:  # loopback torch_ddp: torch's built-in reducer, no hook
             ddp.register_comm_hook(None, _torch_hook(kind, cfg, link, comm.size))
-        return _Row(name, ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr))
+        return _Row(name, ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr, weight_decay=WEIGHT_DECAY))
     if name == "onebit_adam":
         # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).
-        return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, freeze_step=cfg.freeze_step),
-                    link_comm)
+        return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, weight_decay=WEIGHT_DECAY,
+                                            freeze_step=cfg.freeze_step), link_comm)
     method = {"none": None, "fp16": FP16(), "bf16": BF16(), "topk": TopK(cfg.topk_ratio),
               "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
               "onebit": OneBit()}[name]
     ddp = sw.DDP(model, link_comm, compression=method)
-    return _Row(name, ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr), link_comm)
+    return _Row(name, ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr, weight_decay=WEIGHT_DECAY), link_comm)
 
 
 def _step(row: _Row, corpus: Any, cfg: Config, rank: int, world: int, seq_len: int) -> float:
@@ -179,11 +185,46 @@ def _rank_main(comm: sw.Communicator, cfg: Config) -> dict[str, Any]:
     return out
 
 
+def _final(curve: list[float]) -> float:
+    """The final loss: the mean of the last 10 steps (each step sees another batch; ten smooth that out)."""
+    tail = curve[-10:]
+    return sum(tail) / len(tail)
+
+
+def _plot(path: str, losses: dict[str, list[float]], cfg: Config) -> None:
+    """Loss curves (a 10-step running mean) and each row's loss / uncompressed loss, as a small PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    def smooth(curve: list[float]) -> list[float]:
+        return [sum(curve[max(0, i - 9) : i + 1]) / len(curve[max(0, i - 9) : i + 1]) for i in range(len(curve))]
+
+    fig, (top, bottom) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=80)
+    base = smooth(losses["none"]) if "none" in losses else None
+    for name, curve in losses.items():
+        style = "--" if name.startswith("torch") else "-"
+        top.plot(range(1, len(curve) + 1), smooth(curve), style, lw=1, label=name)
+        if base is not None and name != "none":
+            bottom.plot(range(1, len(curve) + 1), [a / b for a, b in zip(smooth(curve), base)], style, lw=1)
+    top.set(xlabel="step", ylabel="training loss (10-step mean)", title=f"demo GPT ({cfg.preset}), 2 gloo ranks")
+    top.legend(fontsize=7, ncol=2)
+    for goal in (1 + DEFAULT_GOAL, 1 + GOALS["fp16"]):
+        bottom.axhline(goal, color="grey", lw=0.6, ls=":")
+    bottom.set(xlabel="step", ylabel="loss / uncompressed loss", ylim=(0.97, 1.15), title="goals: 1.03 and 1.005")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--loss-steps", type=int, default=200)
+    p.add_argument("--loss-only", action="store_true", help="only the loss phase (no timing phase: valid under load)")
+    p.add_argument("--plot", default=None, help="write the loss curves to this PNG (needs matplotlib)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
@@ -200,30 +241,36 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [r for r in rows if r not in OURS + TORCH]
     if unknown:
         p.error(f"--rows: unknown {unknown}; allowed {list(OURS + TORCH)}")
-    cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, tuple(comma_list(a.links)), rows,
+    if a.loss_steps < 1:
+        p.error(f"--loss-steps={a.loss_steps} must be >= 1")
+    links = () if a.loss_only else tuple(comma_list(a.links))
+    cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
                  a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]
-    base = median(losses["none"][-10:]) if "none" in losses else None
-    for name in rows:
-        tail = median(losses[name][-10:])
-        emit({"row": name, "loss_last10_median": round(tail, 5),
-              "vs_none": None if base is None else round(tail / base - 1, 4),
-              "wire_bytes_per_step": results[0]["bytes"][name], "loss_curve": losses[name]})
-    print(f"{'row':22s} {'bytes/step':>12s} {'loss':>8s} {'vs none':>8s} " +
+    base = _final(losses["none"]) if "none" in losses else None
+    print(f"{'row':22s} {'bytes/step':>12s} {'loss':>8s} {'vs none':>8s} {'goal':>6s} {'met':>4s} " +
           " ".join(f"{link + ' ms':>14s}" for link in cfg.links), file=sys.stderr)
     for name in rows:
+        final = _final(losses[name])
+        goal = GOALS.get(name, DEFAULT_GOAL)
+        rel = None if base is None else final / base - 1
+        met = None if rel is None or name == "none" else rel <= goal
+        emit({"row": name, "final_loss": round(final, 5), "vs_none": None if rel is None else round(rel, 4),
+              "goal": None if name == "none" else goal, "met": met, "wire_bytes_per_step": results[0]["bytes"][name], "loss_curve": losses[name]})
         cells = []
         for link in cfg.links:
             per_step = max_over_ranks([r["times"][link][name] for r in results])
             ms = round(median(per_step) * 1e3, 2)
             emit({"row": name, "link": link, "median_ms": ms, "steps": len(per_step)})
             cells.append(f"{ms:14.1f}")
-        tail = median(losses[name][-10:])
-        rel = "" if base is None else f"{100 * (tail / base - 1):+7.2f}%"
-        print(f"{name:22s} {str(results[0]['bytes'][name]):>12s} {tail:8.4f} {rel:>8s} " + " ".join(cells),
-              file=sys.stderr)
+        shown = "" if rel is None else f"{100 * rel:+7.2f}%"
+        goal_cell = "" if name == "none" else f"{100 * goal:5.1f}%"
+        print(f"{name:22s} {str(results[0]['bytes'][name]):>12s} {final:8.4f} {shown:>8s} {goal_cell:>6s} "
+              f"{'' if met is None else ('yes' if met else 'NO'):>4s} " + " ".join(cells), file=sys.stderr)
+    if a.plot:
+        _plot(a.plot, losses, cfg)
     emit({"loadavg_after": loadavg()})
 
 
