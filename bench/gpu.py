@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise.models.gpt import GPT, Block, GPTConfig
+from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 
 from _common import alternate, comma_list, emit, loadavg, median, per_round_ratios, step_stats
 
@@ -68,8 +68,6 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0),
     ("MI300X", 1307.0), ("MI250X", 383.0),
 )
-#: GPT-2 small (the transformers GPT2Config() defaults; our GPT has no dropout by default, as the other benches).
-GPT2_SMALL = dict(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +87,9 @@ class Config:
 
 
 def model_config(preset: str, seq_len: int | None) -> GPTConfig:
-    """GPT-2 small for preset 'gpt2', else a GPTConfig preset (tiny | small | bench); seq_len overrides."""
-    base = dict(GPT2_SMALL) if preset == "gpt2" else dict(GPTConfig.preset(preset).__dict__)
-    if seq_len is not None:
-        base["seq_len"] = seq_len
-    return GPTConfig(**base)
+    """A GPTConfig preset (gpt2: GPT-2 small's shape, as transformers' GPT2Config() defaults; our GPT has no
+    dropout by default, as the other benches); seq_len overrides."""
+    return GPTConfig.preset(preset, **({} if seq_len is None else {"seq_len": seq_len}))
 
 
 def peak_tflops(device: torch.device, given: float | None) -> tuple[float | None, str]:
@@ -264,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--impls: unknown or empty {bad or impls}; allowed {ALL}")
     if min(args.steps, args.rounds, args.warmup) < 1:
         ap.error("--steps, --rounds and --warmup must be >= 1")
-    if args.preset != "gpt2" and args.preset not in ("tiny", "small", "bench"):
-        ap.error(f"--preset {args.preset!r}: allowed gpt2, tiny, small, bench")
+    if args.preset not in PRESETS:
+        ap.error(f"--preset {args.preset!r}: allowed {', '.join(sorted(PRESETS))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (the CPU smoke is --device cpu --preset tiny --steps 2)")
     if args.peak_tflops is not None and args.peak_tflops <= 0:

@@ -40,7 +40,7 @@ STRATEGY_ALIASES = {"fsdp": "fsdp:full_shard"}
 #: Pipeline schedules the demo offers (zb_h1 is left out: parallelize allows it with DDP only).
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 #: GPT presets (the keys of models.gpt.PRESETS), sorted.
-PRESETS = ("bench", "small", "tiny")
+PRESETS = ("bench", "gpt2", "small", "tiny")
 #: The defaults of `demo.DemoOptions` that the parser shows in --help.
 DEMO_DEFAULTS = {"strategy": "ddp", "steps": 200, "preset": "small", "batch_size": 8, "lr": 3e-3, "seed": 0,
                  "out": "runs", "schedule": "1f1b", "virtual_stages": 1}

@@ -71,7 +71,7 @@ def test_without_a_peak_mfu_is_null_and_bf16_params_mode_runs():
 
 @pytest.mark.parametrize("args, needle", [
     (["--impls", "plain,zero9"], "allowed ('plain', 'sw_zero3', 'sw_ddp', 'fsdp2')"),
-    (["--device", "cpu", "--preset", "huge"], "--preset 'huge': allowed gpt2, tiny, small, bench"),
+    (["--device", "cpu", "--preset", "huge"], "--preset 'huge': allowed bench, gpt2, small, tiny"),
     (["--device", "cpu", "--steps", "0"], "--steps, --rounds and --warmup must be >= 1"),
     (["--device", "cpu", "--peak-tflops", "-1"], "--peak-tflops must be > 0"),
 ])

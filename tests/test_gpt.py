@@ -212,7 +212,7 @@ def test_config_defaults_and_frozen():
 
 
 def test_presets():
-    with pytest.raises(ValueError, match=r"'huge'.*bench.*small.*tiny"):
+    with pytest.raises(ValueError, match=r"'huge'.*bench.*gpt2.*small.*tiny"):
         GPTConfig.preset("huge")
     assert GPTConfig.preset("small") == GPTConfig()
     assert GPTConfig.preset("tiny", n_layers=3).n_layers == 3
@@ -222,4 +222,5 @@ def test_presets():
     assert counts["tiny"] < 200_000
     assert 3_000_000 <= counts["small"] <= 4_000_000
     assert 6_000_000 <= counts["bench"] <= 10_000_000
-    assert set(PRESETS) == {"tiny", "small", "bench"}
+    assert 120_000_000 <= counts["gpt2"] <= 130_000_000  # GPT-2 small: 124 M with tied embeddings
+    assert set(PRESETS) == {"tiny", "small", "bench", "gpt2"}

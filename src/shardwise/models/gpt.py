@@ -41,13 +41,16 @@ __all__ = [
 ]
 
 #: Named configurations for :meth:`GPTConfig.preset`. Parameter counts (tied weights, biases on):
-#: ``tiny`` ~0.12 M (unit tests), ``small`` ~3.3 M (the default config; demo), ``bench`` ~7.3 M (benchmarks).
+#: ``tiny`` ~0.12 M (unit tests), ``small`` ~3.3 M (the default config; demo), ``bench`` ~7.3 M (benchmarks),
+#: ``gpt2`` ~124 M: GPT-2 small's shape (Radford et al. 2019: vocabulary 50257, context 1024, 12 x 768, 12 heads),
+#: for GPU benchmarks and planning.
 #: ``small`` and ``bench`` have head counts divisible by 2 and 4 so tensor-parallel sizes 2 and 4 work.
 PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         "tiny": MappingProxyType(dict(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=2)),
         "small": MappingProxyType(dict(vocab_size=256, seq_len=128, d_model=256, n_heads=4, n_layers=4)),
         "bench": MappingProxyType(dict(vocab_size=256, seq_len=128, d_model=384, n_heads=8, n_layers=4)),
+        "gpt2": MappingProxyType(dict(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12)),
     }
 )
 
