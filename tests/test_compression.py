@@ -149,6 +149,22 @@ def test_powersgd_at_full_rank_equals_the_uncompressed_average(world):
     assert results[0][-1][2] is not None  # it did compress (error feedback memory exists), not fall back to dense
 
 
+def test_powersgd_memory_is_in_bucket_order_with_same_shape_matrices_batched():
+    """Same-shape matrices share one batched QR, but the residual (as saved in checkpoints) stays in bucket order:
+    per matrix, the ranks' mean residual plus the result is the mean gradient (sum_r (M_r - P Q_r^T) / N + P avg(Q)^T)."""
+    shapes = [(12, 20), (5,), (8, 30), (12, 20)]
+    numel = 240 + 5 + 240 + 240
+    grads_of = random_grads(4, numel=numel, dtype=torch.float64)
+    results = exchange(PowerSGD(rank=2, start_iter=0, min_compression_rate=1), 3, grads_of, steps=1, shapes=shapes)
+    result = results[0][0][0]
+    mean_memory = sum(per_rank[0][2] for per_rank in results) / 3
+    want = average(grads_of, 3)
+    for bucket_at, memory_at in ((0, 0), (245, 240), (485, 480)):
+        torch.testing.assert_close(result[bucket_at : bucket_at + 240] + mean_memory[memory_at : memory_at + 240],
+                                   want[bucket_at : bucket_at + 240], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(result[240:245], want[240:245])
+
+
 def test_powersgd_works_on_a_16_bit_bucket_in_fp32():
     """A bf16 bucket is compressed in an fp32 copy (QR needs fp32) and written back: the result is exactly the fp32
     bucket's result rounded to bf16, step after step, and the fp32 residual is the same."""

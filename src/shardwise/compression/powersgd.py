@@ -45,14 +45,16 @@ __all__ = ["PowerSGD"]
 
 
 class _Group:
-    """Same-shape compressed matrices of a bucket: (n, m, r), their offsets in the bucket, and where their P's, Q's
-    and residuals start in the bucket's P buffer, Q buffer and error-feedback memory (each laid out group by group,
-    so that one batched QR orthogonalizes a whole group's P's)."""
+    """Same-shape compressed matrices of a bucket: (n, m, r), and per matrix where it starts in the bucket, in the
+    bucket's Q and in its error-feedback memory (those two in bucket order, as saved in checkpoints). Their P's are
+    consecutive in the P buffer, from `p_start`, so that one batched QR orthogonalizes the whole group."""
 
     def __init__(self, n: int, m: int, r: int) -> None:
         self.n, self.m, self.r = n, m, r
         self.offsets: list[int] = []
-        self.p_start = self.q_start = self.e_start = 0
+        self.q_starts: list[int] = []
+        self.e_starts: list[int] = []
+        self.p_start = 0
 
 
 class _Plan:
@@ -63,6 +65,7 @@ class _Plan:
         self.matrices: list[tuple[int, int, int, int]] = []
         self.plain: list[tuple[int, int]] = []
         groups: dict[tuple[int, int, int], _Group] = {}
+        q = e = 0
         for offset, shape in tile(shapes, numel):
             if len(shape) >= 2 and shape.numel() > 0:
                 n = shape[0]
@@ -70,16 +73,18 @@ class _Plan:
                 r = min(rank, n, m)
                 if n * m > (n + m) * r * min_rate:
                     self.matrices.append((offset, n, m, r))
-                    groups.setdefault((n, m, r), _Group(n, m, r)).offsets.append(offset)
+                    group = groups.setdefault((n, m, r), _Group(n, m, r))
+                    group.offsets.append(offset)
+                    group.q_starts.append(q)
+                    group.e_starts.append(e)
+                    q, e = q + m * r, e + n * m
                     continue
             self.plain.append((offset, shape.numel()))
-        self.groups = list(groups.values())  # in order of first appearance: one matrix per shape keeps bucket order
-        p = q = e = 0
+        self.groups = list(groups.values())
+        p = 0
         for g in self.groups:
-            g.p_start, g.q_start, g.e_start = p, q, e
+            g.p_start = p
             p += len(g.offsets) * g.n * g.r
-            q += len(g.offsets) * g.m * g.r
-            e += len(g.offsets) * g.n * g.m
         self.p_numel, self.q_numel, self.m_numel = p, q, e
         self.plain_numel = sum(k for _, k in self.plain)
 
@@ -103,8 +108,7 @@ class _Scratch:
         self.work = empty(bucket.numel()) if bucket.dtype != dtype else None
         self.ps = [self.p[g.p_start : g.p_start + len(g.offsets) * g.n * g.r].view(len(g.offsets), g.n, g.r)
                    for g in plan.groups]
-        self.qs = [[q[g.q_start : g.q_start + len(g.offsets) * g.m * g.r].view(len(g.offsets), g.m, g.r)
-                    for g in plan.groups] for q in self.q]
+        self.qs = [[[q[k : k + g.m * g.r].view(g.m, g.r) for k in g.q_starts] for g in plan.groups] for q in self.q]
 
 
 class PowerSGD(Compressor):
@@ -139,7 +143,7 @@ class PowerSGD(Compressor):
         self._reset_extra_state()
 
     def _reset_extra_state(self) -> None:
-        self.q: dict[str, torch.Tensor] = {}  # per bucket: every compressed matrix's Q, group by group
+        self.q: dict[str, torch.Tensor] = {}  # per bucket: every compressed matrix's Q, concatenated
         self.plans: dict[tuple, _Plan] = {}
         self.scratch: dict[str, _Scratch] = {}
 
@@ -284,6 +288,6 @@ class PowerSGD(Compressor):
 
 def _residual(memory: torch.Tensor, group: _Group, i: int) -> torch.Tensor:
     """The view of the error-feedback memory that holds matrix `i` of `group`."""
-    start = group.e_start + i * group.n * group.m
+    start = group.e_starts[i]
     return memory[start : start + group.n * group.m].view(group.n, group.m)
 
