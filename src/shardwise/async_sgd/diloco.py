@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
+from ..compression.base import Compressor
 from .local_sgd import LocalSGD, Reduce
 
 __all__ = ["DiLoCo"]
@@ -25,10 +26,12 @@ def DiLoCo(
     outer_momentum: float = 0.9,
     nesterov: bool = True,
     reduce: Reduce | None = None,
+    compression: Compressor | None = None,
 ) -> nn.Module:
     """`LocalSGD(module, comm, sync_every=H, outer_optimizer=SGD(lr=outer_lr, momentum=outer_momentum,
     nesterov=nesterov))`. Defaults are the paper's. `nesterov` is ignored when outer_momentum is 0 (plain outer
-    SGD): outer_lr=1, outer_momentum=0 is plain parameter averaging."""
+    SGD): outer_lr=1, outer_momentum=0 is plain parameter averaging. `compression` sends the outer gradients
+    compressed (a sw.compression method, error feedback per rank; see LocalSGD)."""
     for name, value, low in (("outer_lr", outer_lr, "> 0"), ("outer_momentum", outer_momentum, "in [0, 1)")):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
             value > 0 if name == "outer_lr" else 0 <= value < 1)
@@ -41,4 +44,5 @@ def DiLoCo(
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=use_nesterov)
 
-    return LocalSGD(module, comm, sync_every=sync_every, outer_optimizer=outer, reduce=reduce)
+    return LocalSGD(module, comm, sync_every=sync_every, outer_optimizer=outer, reduce=reduce,
+                    compression=compression)

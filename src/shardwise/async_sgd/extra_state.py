@@ -4,7 +4,8 @@ state (step counters, anchors, the outer optimizer's state), so `sw.save_checkpo
 The outer state is equal on every rank after each synchronisation (anchors and outer optimizer are stepped with the
 same averaged outer gradient everywhere), so it is declared "replicated": written once, reloadable on any world
 size (DiLoCo's outer momentum stays meaningful with more or fewer workers). The record adds no communicator: local SGD
-does not synchronise gradients, so clipping and overflow checks stay local to each worker, as they must.
+does not synchronise gradients, so clipping and overflow checks stay local to each worker, as they must. With
+`compression=` the compressor's error-feedback memory is declared too, per rank (each rank's residual is its own).
 
 The checkpoint's format is a flat {key: tensor or JSON value}; `outer_state_dict()`'s nested form maps onto it as
 "inner_steps", "syncs", "anchor/<parameter name>", "outer/state/<index>/<key>" and "outer/param_groups", and back.
@@ -95,4 +96,9 @@ def declare_local_sgd(module: nn.Module, comm: Communicator, options: dict[str, 
         check=lambda flat: _check(module, flat),
         config={"outer_optimizer": type(module.outer_optimizer).__name__ if has_outer else None},
         group=comm)
-    layout.declare(module, layout.Parallelized("local_sgd", (), before, options=options, extra_state=(state,)))
+    extra = [state]
+    if module.compressor is not None:  # the outer gradients' error-feedback memory: each rank's own
+        sizes = [sum(p.numel() for p in module.parameters() if p.requires_grad and p.dtype == dtype)
+                 for dtype in dict.fromkeys(p.dtype for p in module.parameters() if p.requires_grad)]
+        extra.append(module.compressor.extra_state(comm, buckets=sizes))
+    layout.declare(module, layout.Parallelized("local_sgd", (), before, options=options, extra_state=tuple(extra)))

@@ -18,9 +18,15 @@ Distributed Low-Communication Training of Language Models", arXiv 2311.08105)
   statistics, which are averaged as values): 2(N-1)/N x model bytes per rank, once every H steps instead of
   every step (H x fewer bytes than DDP).
 * The inner optimizer's state (Adam moments) is each worker's own and is never synchronised, as in DiLoCo.
-* `reduce=` is the extension point for compressed outer gradients: a callable `reduce(comm, flat)` that must
-  leave the average over `comm` of every rank's flat tensor in `flat` (the default is `comm.all_reduce(flat,
-  AVG)`); a compressor (sw.compression, when it exists) plugs in there without changing this file.
+* `compression=` sends the outer gradients compressed by a `sw.compression` method (FP16, BF16, TopK, RandomK,
+  PowerSGD, OneBit), each with its error-feedback memory on each rank (what a sync did not send joins the next
+  one's outer gradient), as in DiLoCo's follow-ups that quantise or sparsify the outer gradient (Douillard et al.
+  2025, Streaming DiLoCo, arXiv 2501.18512: fp4 outer gradients). Only outer gradients are compressed, never
+  values: plain averaging with compression keeps anchors and steps them with outer SGD at lr 1 (the same
+  update), and floating-point buffers are averaged exactly in their own all-reduce. One bucket per dtype, keyed
+  "outer/<k>", with the parameters' shapes (PowerSGD compresses each matrix).
+* `reduce=` is the lower-level extension point: a callable `reduce(comm, flat)` that must leave the average over
+  `comm` of every rank's flat tensor in `flat` (the default is `comm.all_reduce(flat, AVG)`).
 
 With an inner SGD without momentum and H = 1, plain averaging (or an outer SGD with lr 1 and no momentum) is the
 same update as DDP: the mean of `p - lr g_i` is `p - lr mean(g_i)`.
@@ -39,6 +45,7 @@ from .._mixin import MovesRefused, mix_in
 from ..agreement import check_agreement, describe_parameters
 from ..comm.base import Communicator, ReduceOp
 from ..comm.coalesced import broadcast_coalesced
+from ..compression.base import Compressor
 from ..placement import to_comm_device
 from .checks import check_comm, check_positive_int, check_whole_model
 from .extra_state import declare_local_sgd
@@ -60,10 +67,16 @@ class _State:
     """Per-model local SGD state: what is averaged, the anchors and the outer optimizer, the step counters."""
 
     def __init__(self, module: nn.Module, comm: Communicator, sync_every: int,
-                 outer_optimizer: OuterOptimizerFactory | None, reduce: Reduce) -> None:
+                 outer_optimizer: OuterOptimizerFactory | None, reduce: Reduce,
+                 compressor: Compressor | None = None) -> None:
         self.comm = comm
         self.sync_every = sync_every
         self.reduce = reduce
+        self.compressor = compressor  # this rank's own copy (its error-feedback memory is this rank's)
+        if compressor is not None and outer_optimizer is None:
+            # Compress differences, never values: averaging is outer SGD at lr 1 on the averaged outer gradient.
+            def outer_optimizer(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+                return torch.optim.SGD(ps, lr=1.0)
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
@@ -82,6 +95,9 @@ class _State:
 
     @torch.no_grad()
     def sync(self) -> None:
+        if self.compressor is not None:
+            self._sync_compressed()
+            return
         n_params = len(self.params)
         for group in self.groups:
             # Parameters send their outer gradient (anchor - local) with an outer optimizer, else their value.
@@ -111,6 +127,28 @@ class _State:
             self.outer.step()
             for p, anchor in zip(self.params, self.anchors):
                 p.copy_(anchor)
+        self.syncs += 1
+
+
+    @torch.no_grad()
+    def _sync_compressed(self) -> None:
+        """Outer gradients through the compressor (one bucket per dtype), buffers averaged exactly apart."""
+        assert self.compressor is not None and self.outer is not None
+        for k, group in enumerate(group_by_dtype(self.params)):
+            deltas = [self.anchors[i] - self.params[i] for i in group]
+            flat = pack(deltas)
+            self.compressor.reduce(f"outer/{k}", flat, self.comm, [d.shape for d in deltas]).wait()
+            for i in group:
+                if self.anchors[i].grad is None:
+                    self.anchors[i].grad = torch.empty_like(self.anchors[i])
+            unpack(flat, [self.anchors[i].grad for i in group])
+        for group in group_by_dtype(self.buffers):
+            flat = pack([self.buffers[i] for i in group])
+            self.comm.all_reduce(flat, ReduceOp.AVG)
+            unpack(flat, [self.buffers[i] for i in group])
+        self.outer.step()
+        for p, anchor in zip(self.params, self.anchors):
+            p.copy_(anchor)
         self.syncs += 1
 
 
@@ -147,6 +185,11 @@ class LocalSGDModule(MovesRefused):
     def syncs(self) -> int:
         """Synchronisations so far."""
         return self._local_sgd.syncs
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """This rank's outer-gradient compressor (with its error-feedback memory), or None."""
+        return self._local_sgd.compressor
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
@@ -192,6 +235,7 @@ def LocalSGD(
     sync_every: int,
     outer_optimizer: OuterOptimizerFactory | None = None,
     reduce: Reduce | None = None,
+    compression: Compressor | None = None,
 ) -> nn.Module:
     """Train `module` with local SGD over `comm` and return it (the same object, parameter names unchanged).
 
@@ -200,7 +244,10 @@ def LocalSGD(
         list of anchor tensors it is given (DiLoCo: `lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9,
         nesterov=True)`, which `sw.DiLoCo` builds for you).
     reduce: `reduce(comm, flat)` leaves the average over `comm` of every rank's `flat` in place (default: one
-        all-reduce AVG); the extension point for a compressed outer all-reduce.
+        all-reduce AVG); a lower-level extension point than `compression`.
+    compression: a `sw.compression` method (e.g. `sw.compression.TopK(ratio=0.01)`) that sends the outer gradients
+        (anchor - local) compressed, with error feedback per rank; buffers stay exact. Without an outer optimizer
+        the anchors are kept and stepped by outer SGD at lr 1 (plain averaging of the decompressed deltas).
     Loop: `loss.backward(); opt.step(); opt.zero_grad(); model.step()` with any torch.optim inner optimizer built
     over `model.parameters()` after wrapping. See the module docstring for what a synchronisation does.
     """
@@ -214,19 +261,27 @@ def LocalSGD(
                          f"taking a list of tensors and returning a torch.optim.Optimizer")
     if reduce is not None and not callable(reduce):
         raise ValueError(f"LocalSGD: reduce={reduce!r} must be None or a callable reduce(comm, flat_tensor)")
+    if compression is not None and not isinstance(compression, Compressor):
+        raise ValueError(f"LocalSGD: compression={compression!r} must be None or a sw.compression method (FP16(), "
+                         f"BF16(), TopK(ratio), RandomK(ratio), PowerSGD(rank), OneBit())")
+    if compression is not None and reduce is not None:
+        raise ValueError("LocalSGD: give compression= or reduce=, not both (compression is a reduce of its own)")
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("LocalSGD: the module has no trainable parameter (requires_grad=True): nothing to average")
     to_comm_device(module, comm, "LocalSGD")
     check_agreement(comm, "LocalSGD", {"parameters": describe_parameters(module), "options": {
-        "sync_every": sync_every, "outer_optimizer": outer_optimizer is not None}})
+        "sync_every": sync_every, "outer_optimizer": outer_optimizer is not None,
+        "compression": None if compression is None else compression.config()}})
     if comm.size > 1:
         with torch.no_grad():
             broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
-    state = _State(module, comm, sync_every, outer_optimizer, reduce or _average)
+    state = _State(module, comm, sync_every, outer_optimizer, reduce or _average,
+                   None if compression is None else compression.fresh())
     mix_in(module, LocalSGDModule, "LocalSGD")
     module._local_sgd = state
     # Declared to the layout contract: its outer state travels in sw.save_checkpoint (extra_state.py).
-    declare_local_sgd(module, comm, {"sync_every": sync_every, "outer_optimizer": state.outer is not None})
+    declare_local_sgd(module, comm, {"sync_every": sync_every, "outer_optimizer": state.outer is not None,
+                                     "compression": None if compression is None else compression.config()})
     log.debug("LocalSGD over %d ranks: sync every %d steps, outer optimizer %s", comm.size, sync_every,
               type(state.outer).__name__ if state.outer is not None else "none (averaging)")
     return module
