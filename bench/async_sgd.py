@@ -74,8 +74,9 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         model = DiLoCo(model, comm, sync_every=int(value), outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     else:
         model = AsyncSGD(model, comm, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.ps_lr or lr), n_servers=1,
-                         staleness=value, lr_scaling=args.ps_lr_scaling)
-    opt = None if kind == "ps" else torch.optim.AdamW(model.parameters(), lr=args.inner_lr or lr)
+                         staleness=value, lr_scaling=None if args.ps_lr_scaling == "none" else args.ps_lr_scaling)
+    inner_lr = (args.inner_lr or lr) if kind in ("local", "diloco") else lr
+    opt = None if kind == "ps" else torch.optim.AdamW(model.parameters(), lr=inner_lr)
     # Linear warm-up of the (inner) lr over the first --warmup steps; the servers' optimizer has no schedule.
     sched = None if opt is None or not args.warmup else torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: min(1.0, (k + 1) / args.warmup))
@@ -190,7 +191,9 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum")
     parser.add_argument("--warmup", type=int, default=0, help="linear lr warm-up steps (DDP, local SGD inner)")
     parser.add_argument("--ps-lr", type=float, default=None, help="the parameter server's AdamW lr")
-    parser.add_argument("--ps-lr-scaling", default=None, help="AsyncSGD lr_scaling (e.g. staleness)")
+    parser.add_argument("--ps-lr-scaling", default="workers", choices=["workers", "staleness", "none"],
+                        help="AsyncSGD lr_scaling: lr / n_workers per push (the default), lr / (1 + staleness), or "
+                             "none (the full lr per push)")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--plot", default=None, help="write loss against time and samples (PNG) here")
     args = parser.parse_args()
@@ -243,7 +246,7 @@ def plot(rows: dict[str, list[dict[str, Any]]], modes: list[str], args: argparse
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(10, 4))
     for m in modes:
         curve = rows[m][-1]["curve"]
         k = max(1, len(curve) // 50)  # smooth: mean of k consecutive events
@@ -258,7 +261,7 @@ def plot(rows: dict[str, list[dict[str, Any]]], modes: list[str], args: argparse
         ax.legend(fontsize=8)
     fig.suptitle(f"{args.workers} workers, one {args.factor:g}x slower ({args.preset} GPT, gloo)")
     fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
+    fig.savefig(args.plot, dpi=80)
     print(f"plot written to {args.plot}", file=sys.stderr)
 
 
