@@ -8,8 +8,9 @@ killed worker's shards (ZeRO-3: its parameters too) come back from memory; no ch
 
 Environment: MASTER_ADDR / MASTER_PORT / SHARDWISE_ELASTIC=MIN:MAX (what `shardwise run --min --max` sets), RANK
 (the launch rank: the one equal to KILL_LAUNCH_RANK kills itself with SIGKILL at the start of KILL_STEP's first
-try). A world of 3 reaching JOIN_STEP lets the joiner (ELASTIC_JOINER=1, started with the others) register and waits
-until it has, so that the run goes 4 -> 3 -> 4 whatever the machine's speed. Writes OUT/timeline-<member>.json, and OUT/final.pt (rank 0's
+try, unless it is a replacement started by `shardwise run --max-restarts`). A world of 3 reaching JOIN_STEP lets
+the joiner (ELASTIC_JOINER=1, started with the others; or the replacement) register and waits until it has, so that
+the run goes 4 -> 3 -> 4 whatever the machine's speed. Writes OUT/timeline-<member>.json, and OUT/final.pt (rank 0's
 full state dict) at the end. Every worker prints one line per epoch.
 """
 
@@ -48,6 +49,8 @@ def main() -> None:
     steps, kill_rank, kill_step, join_step = int(steps), int(kill_rank), int(kill_step), int(join_step)
     tokens = data()
     launch_rank = int(os.environ.get("RANK", "-1"))
+    # `shardwise run --max-restarts` replaces the killed worker by a process of the same launch rank: it must not die
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     silence = float(os.environ.get("ELASTIC_SILENCE", "1.5"))
     membership = sw.elastic.Membership.from_env(timeout=float(os.environ.get("ELASTIC_TIMEOUT", "20")), silence=silence,
                                                 wait_timeout=float(os.environ.get("ELASTIC_WAIT", "20")))
@@ -61,7 +64,7 @@ def main() -> None:
         return model, make_optimizer(model.parameters())
 
     def train_step(ctx):
-        if launch_rank == kill_rank and ctx.step == kill_step and ctx.comm.size == 4:
+        if launch_rank == kill_rank and ctx.step == kill_step and ctx.comm.size == 4 and not restarted:
             with open(os.path.join(out, "killed.json"), "w") as f:
                 json.dump({"t": time.time(), "step": ctx.step}, f)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -196,3 +196,29 @@ def test_shardwise_run_min_max_keeps_the_survivors(tmp_path):
     want = _reference(steps)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.soak  # about a minute on 2 busy cores; tests/test_cli_restarts.py checks the same path in make test
+@pytest.mark.timeout(300)
+def test_shardwise_run_max_restarts_replaces_the_killed_worker(tmp_path):
+    """`shardwise run --min 3 --max 4 -n 4 --max-restarts 1` with ZeRO-2: the SIGKILLed worker is replaced by a
+    fresh process that joins the running job (the survivors never stop); the job exits 0 and ends on 4 workers with
+    the parameters of one process, every sample counted once."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ELASTIC_TIMEOUT": "4", "ELASTIC_SILENCE": "1.5"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+    steps, kill_step, join_step = 7, 2, 4
+    proc = subprocess.run([sys.executable, "-m", "shardwise", "run", "--min", "3", "--max", "4", "-n", "4",
+                           "--max-restarts", "1", "--timeout", "10", str(WORKER), str(tmp_path), "zero2", str(steps),
+                           "1", str(kill_step), str(join_step)], env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "shardwise run: rank 1 killed by SIGKILL; restarting it to join the running job (restart 1 of 1, 0 left)" \
+        in out, out
+    runs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("timeline-*.json"))]
+    assert len(runs) == 4 and all(r["world"] == 4 and r["step"] == steps for r in runs), out
+    assert all(r["samples"] == steps * worker.G for r in runs)
+    assert [r["timeline"][0]["source"] for r in runs].count("joined") == 1  # the replacement, given the state
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    want = _reference(steps)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
