@@ -5,6 +5,7 @@ times, then fails with the blame report. Tiny scripts (a linear model, a few all
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -18,7 +19,8 @@ import torch
 
 import shardwise as sw
 from shardwise.launch.restarts import RestartBudget
-from shardwise.launch.supervise import RunConfig
+from shardwise.launch.supervise import RunConfig, keep_survivors, run, tear_down
+from shardwise_cli import main
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -145,34 +147,41 @@ def test_elastic_worker_that_crashes_is_restarted_and_joins_the_running_job(tmp_
     _assert_reference(tmp_path)
 
 
-def test_elastic_job_without_restarts_goes_on_with_the_survivor(tmp_path):
+# The tests below call the supervisor in this process (what the CLI calls, without starting one more interpreter):
+# its own lines go to `out`, the ranks write to this process's stdout / stderr (capfd).
+def _run(script: str, *args: str, **options) -> tuple[object, str]:
+    lines = io.StringIO()
+    result = run(RunConfig(script, args, nproc=2, grace=1.0, **options),
+                 keep_survivors if options.get("elastic") else tear_down, out=lines)
+    return result, lines.getvalue() + result.report()
+
+
+def test_elastic_job_without_restarts_goes_on_with_the_survivor(tmp_path, capfd):
     script = _script(tmp_path, "elastic.py", ELASTIC)
-    result = _shardwise("--min", "1", "--max", "2", "-n", "2", "--timeout", "10", script, str(tmp_path), "0")
-    out = result.stdout + result.stderr
-    assert result.returncode == 128 + 9, out  # the job still names the worker it lost
+    result, out = _run(script, str(tmp_path), "0", elastic=(1, 2), timeout=10.0)
+    assert result.exit_code == 128 + 9, out + capfd.readouterr().err  # the job still names the worker it lost
     assert "shardwise run: rank 1 failed first: killed by SIGKILL" in out and "restarting" not in out, out
     members = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("member-*.json"))]
     assert len(members) == 1 and members[0]["world"] == 1 and members[0]["step"] == STEPS, members
     _assert_reference(tmp_path)
 
 
-def test_fixed_size_job_restarts_every_worker_once_and_finishes(tmp_path):
+def test_fixed_size_job_restarts_every_worker_once_and_finishes(tmp_path, capfd):
     script = _script(tmp_path, "fixed.py", FIXED)
-    result = _shardwise("-n", "2", "--max-restarts", "2", "--grace", "1", script, str(tmp_path), "once")
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
+    result, out = _run(script, str(tmp_path), "once", max_restarts=2)
+    printed = capfd.readouterr().out
+    assert result.exit_code == 0, out
     assert ("shardwise run: rank 1 failed (RuntimeError: rank 1 crashed in attempt 0); restarting all 2 rank(s) "
             "(restart 1 of 2, 1 left)") in out, out
     # both ranks of the second attempt finished (two all-reduces of ones over 2 ranks: 4), none of the first did
-    assert sorted(re.findall(r"rank \d finished attempt \d of \d: \d+", result.stdout)) == [
+    assert sorted(re.findall(r"rank \d finished attempt \d of \d: \d+", printed)) == [
         "rank 0 finished attempt 1 of 2: 4", "rank 1 finished attempt 1 of 2: 4"], out
 
 
-def test_fixed_size_job_that_always_crashes_fails_after_its_restarts_with_the_blame_report(tmp_path):
+def test_fixed_size_job_that_always_crashes_fails_after_its_restarts_with_the_blame_report(tmp_path, capfd):
     script = _script(tmp_path, "fixed.py", FIXED)
-    result = _shardwise("-n", "2", "--max-restarts", "1", "--grace", "1", script, str(tmp_path), "always")
-    out = result.stdout + result.stderr
-    assert result.returncode == 1, out
+    result, out = _run(script, str(tmp_path), "always", max_restarts=1)
+    assert result.exit_code == 1, out
     assert "restarting all 2 rank(s) (restart 1 of 1, 0 left)" in out, out
     assert ("shardwise run: rank 1 failed (RuntimeError: rank 1 crashed in attempt 1); no restart left (1 of "
             "--max-restarts 1 used)") in out, out
@@ -180,10 +189,10 @@ def test_fixed_size_job_that_always_crashes_fails_after_its_restarts_with_the_bl
     assert report.startswith("shardwise run: rank 1 failed first: RuntimeError: rank 1 crashed in attempt 1"), report
     assert 'raise RuntimeError(f"rank 1 crashed in attempt {attempt}")' in report  # the traceback of the last attempt
     assert "1 of --max-restarts 1 restart(s) used: restart 1: all ranks after rank 1: RuntimeError" in report
-    assert "finished" not in result.stdout
+    assert "finished" not in capfd.readouterr().out
 
 
-def test_bad_restart_options_are_named(tmp_path):
+def test_bad_restart_options_are_named(tmp_path, capsys):
     script = _script(tmp_path, "fixed.py", FIXED)
     with pytest.raises(ValueError, match=r"max_restarts=-1 must be an int >= 0"):
         RunConfig(script, max_restarts=-1)
@@ -191,5 +200,6 @@ def test_bad_restart_options_are_named(tmp_path):
         RunConfig(script, nnodes=2, master_port=29500, max_restarts=2)
     with pytest.raises(ValueError, match=r"max_restarts=-1 must be an int >= 0"):
         RestartBudget(-1)
-    result = _shardwise("--max-restarts", "-1", script)
-    assert result.returncode == 2 and "argument --max-restarts: -1 must be >= 0" in result.stderr, result.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--max-restarts", "-1", script])
+    assert exit_info.value.code == 2 and "argument --max-restarts: -1 must be >= 0" in capsys.readouterr().err
