@@ -166,6 +166,20 @@ def test_elastic_job_without_restarts_goes_on_with_the_survivor(tmp_path, capfd)
     _assert_reference(tmp_path)
 
 
+def test_a_replacement_that_comes_after_the_job_finished_does_not_fail_it(tmp_path, capfd):
+    """The survivor does not wait for the restarted worker: it usually finishes first, and the replacement, finding
+    nothing left to join (MembershipError), counts as done; if it is quicker, it joins. Either way: exit 0, the
+    parameters of one process."""
+    script = _script(tmp_path, "elastic.py", ELASTIC)
+    result, out = _run(script, str(tmp_path), "0", elastic=(1, 2), timeout=10.0, max_restarts=1)
+    assert result.exit_code == 0, out + capfd.readouterr().err
+    assert "restarting it to join the running job (restart 1 of 1, 0 left)" in out, out
+    late = "rank 1's replacement ended (raised MembershipError: elastic: the job finished before worker" in out
+    members = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("member-*.json"))]
+    assert [m["world"] for m in members] == ([1] if late else [2, 2]), (out, members)
+    _assert_reference(tmp_path)
+
+
 def test_fixed_size_job_restarts_every_worker_once_and_finishes(tmp_path, capfd):
     script = _script(tmp_path, "fixed.py", FIXED)
     result, out = _run(script, str(tmp_path), "once", max_restarts=2)

@@ -54,10 +54,17 @@ from .base import CommError
 from .heartbeat import Activity, Board, Heartbeat, RankWatch
 from .torch_backend import TorchCommunicator
 
-__all__ = ["ELASTIC_ENV", "Membership", "MembershipError"]
+__all__ = ["ELASTIC_ENV", "Membership", "MembershipError", "job_finished"]
 
 ELASTIC_ENV = "SHARDWISE_ELASTIC"  # "MIN:MAX", set by `shardwise run --min --max`
 _POLL_S = 0.05
+
+
+def job_finished(store: Any) -> bool:
+    """Whether a worker of the elastic job whose key space is `store` (`rendezvous.job_store`) finished its training
+    (`Membership.close("done")`): a worker that arrives now has nothing left to join. The supervisor asks it about a
+    restarted worker that failed to join (launch/restarts.py)."""
+    return bool(dist.PrefixStore("elastic", store).check(["finished"]))
 
 
 class MembershipError(RuntimeError):

@@ -9,7 +9,9 @@ restarted (the failure detector names it; the collective timeout ends it). Two s
   worker: `Membership.start()` finds the job's published epoch and enters the next one, and `ElasticState.joining`
   gives it the survivors' state. The survivors never stop: they regroup without it at once and take it back in at
   the next step boundary where it waits (comm/membership.py). This is what torchrun cannot do: its agent restarts
-  every worker of the group on any membership change.
+  every worker of the group on any membership change. A replacement that arrives after the other workers finished
+  finds nothing left to join (`MembershipError`); the supervisor asks the store (`membership.job_finished`) and
+  counts it as done, so a crash near the end does not fail a job whose training completed.
 * **Fixed-size job**: torchrun's semantics. The failed attempt is torn down as any failure is (the other workers
   stopped, their stacks taken), then every worker starts again on a fresh rendezvous store
   (`TORCHELASTIC_RESTART_COUNT` = the attempt number), and the script resumes from its own checkpoint

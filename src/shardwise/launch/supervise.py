@@ -336,10 +336,23 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
 
-    def replace(local: int, cause: str) -> subprocess.Popen | None:
-        """An elastic worker crashed: a fresh process in its place joins the running job, if the budget allows."""
-        if budget.take_worker(config.first_rank + local, cause) is None:
-            return None
+    replaced: set[int] = set()
+    job_keys = rendezvous.job_store(store, token)
+
+    def replace(local: int, cause: str) -> subprocess.Popen | bool:
+        """An elastic worker crashed: a fresh process in its place joins the running job, if the budget allows
+        (a Popen). True: nothing to replace, the crashed process was a replacement that came after the job finished
+        (its MembershipError says so); it counts as done. False: no restart left."""
+        from ..comm.membership import job_finished
+
+        rank = config.first_rank + local
+        if local in replaced and job_finished(job_keys):
+            print(f"shardwise run: rank {rank}'s replacement ended ({cause}) after the job finished: there was "
+                  f"nothing left to join", file=out, flush=True)
+            return True
+        if budget.take_worker(rank, cause) is None:
+            return False
+        replaced.add(local)
         try:  # the dead process's report was read; the new one writes its own there if it fails
             os.remove(report_file(run_dir, config.first_rank + local))
         except OSError:
@@ -365,10 +378,11 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
 
 def _supervise(config: RunConfig, policy: FailurePolicy, run_dir: str, detector: FailureDetector,
                procs: dict[int, subprocess.Popen], board: Any, interrupt: _Interrupt,
-               replace: Callable[[int, str], subprocess.Popen | None] | None = None) -> bool:
+               replace: Callable[[int, str], subprocess.Popen | bool] | None = None) -> bool:
     """Watch until every rank exited, or a STOP was decided and the reports settled; returns whether to stop.
 
-    replace(local, cause): an elastic job's restart policy; a new process for a crashed worker, or None."""
+    replace(local, cause): an elastic job's restart policy: a new process for a crashed worker, True when the crash
+    needs none (a late replacement of a finished job: done), False when it stays a failure."""
     exits: dict[int, int] = {}
     handled: set[int] = set()
     remote_failed: set[int] = set()
@@ -383,7 +397,10 @@ def _supervise(config: RunConfig, policy: FailurePolicy, run_dir: str, detector:
             if code != 0 and replace is not None and interrupt.signum is None:
                 cause = report["summary"].splitlines()[0] if report is not None else exit_summary(code)
                 fresh = replace(local, cause if report is None else f"raised {cause}")
-                if fresh is not None:  # the crash is answered: the new process counts as this rank from now on
+                if fresh is True:
+                    detector.report_done(local)
+                    continue
+                if fresh is not False:  # the crash is answered: the new process counts as this rank from now on
                     procs[local] = fresh
                     del exits[local]
                     handled.discard(local)
