@@ -206,6 +206,18 @@ def test_fixed_size_job_that_always_crashes_fails_after_its_restarts_with_the_bl
     assert "finished" not in capfd.readouterr().out
 
 
+def test_fixed_size_job_under_mpirun_restarts_mpirun(tmp_path, capfd):
+    """--backend mpi: MPI aborts the whole job when rank 1 raises; the restart starts mpirun again, and the finished
+    run reports nothing but its restart (no rank is "stopped" when mpirun itself ended them)."""
+    script = _script(tmp_path, "fixed.py", FIXED)
+    result, out = _run(script, str(tmp_path), "once", max_restarts=1, backend="mpi")
+    printed = capfd.readouterr().out
+    assert result.exit_code == 0, out
+    assert "restarting all 2 rank(s) (restart 1 of 1, 0 left)" in out and "stopped rank(s)" not in out, out
+    assert sorted(re.findall(r"rank \d finished attempt \d of \d: \d+", printed)) == [
+        "rank 0 finished attempt 1 of 1: 4", "rank 1 finished attempt 1 of 1: 4"], out
+
+
 def test_bad_restart_options_are_named(tmp_path, capsys):
     script = _script(tmp_path, "fixed.py", FIXED)
     with pytest.raises(ValueError, match=r"max_restarts=-1 must be an int >= 0"):

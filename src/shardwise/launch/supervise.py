@@ -526,6 +526,10 @@ def _run_mpi(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: 
             report = None if rank in reported else _read_report(run_dir, rank)
             if report is not None:
                 detector.report_error(rank, report)
+        if code == 0:  # mpirun succeeded: every rank that reported nothing returned (none was left running)
+            for rank in range(config.nproc):
+                if rank not in reported:
+                    detector.report_done(rank)
         unexplained = None
         if detector.first_failure() is None and code != 0 and interrupt.signum is None:
             unexplained = (f"mpirun exited with code {code} and no rank reported an exception (a rank died or "
