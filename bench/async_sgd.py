@@ -14,7 +14,8 @@ worker's (time, loss) events are merged in time order, samples accumulate, and t
 order; the figures are medians over rounds. stdout carries JSON lines only (one per mode per round, then a summary
 line per mode); `--plot` writes loss against time (and samples) for the last round.
 
-    .venv/bin/python bench/async_sgd.py --seconds 60 --rounds 3 --preset small --plot async.png   # the real figures
+    .venv/bin/python bench/async_sgd.py --steps 300 --rounds 3 --plot docs/async_sgd.png   # docs/async.md's figures
+    .venv/bin/python bench/async_sgd.py --seconds 60 --rounds 3 --preset small            # for a wall time instead
     .venv/bin/python bench/async_sgd.py --seconds 4 --rounds 1 --modes ddp,ps:8,diloco:32          # a smoke run
 On a 2-core host 4-5 processes are oversubscribed: absolute speeds are low and noisy, the ratios are what counts.
 """
