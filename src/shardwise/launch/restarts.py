@@ -21,7 +21,9 @@ The budget R is job-wide, as torchrun's `--max-restarts`: each replaced worker (
 (fixed size) spends one. Each restart is logged with the rank, the exit cause and the count left. Once R is spent
 the next crash is handled as without restarts: an elastic job goes on without the worker (if at least `min`
 remain; below `min` the survivors stop with MembershipError), a fixed-size job fails with the blame report of its
-last attempt. R = 0 (the default) is exactly the behaviour without the option.
+last attempt. R = 0 (the default) is exactly the behaviour without the option. The failure policy of `run`
+(`keep_survivors`, `tear_down`) sees only the crashes that no restart answered. With `--backend mpi` (fixed size
+only) the restart starts mpirun again.
 """
 
 from __future__ import annotations
