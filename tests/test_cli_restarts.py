@@ -138,6 +138,7 @@ def test_elastic_worker_that_crashes_is_restarted_and_joins_the_running_job(tmp_
     assert "shardwise run: rank 1 killed by SIGKILL; restarting it to join the running job (restart 1 of 1, 0 left)" \
         in out, out
     assert "shardwise run: 1 of --max-restarts 1 restart(s) used: restart 1: rank 1 after killed by SIGKILL" in out
+    assert "add workers with SHARDWISE_JOB_TOKEN=" in out and "shardwise run --join --min 1 --max 2" in out, out
     members = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("member-*.json"))]
     assert len(members) == 2 and all(m["world"] == 2 and m["step"] == STEPS for m in members), members
     survivor = next(m for m in members if m["restart"] == "0")

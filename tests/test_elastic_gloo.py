@@ -8,7 +8,8 @@ ZeRO-3 with neighbour redundancy (the parameters themselves sharded) does the sa
 
 Each worker is tests/elastic_worker.py; this test hosts the job's store (as `shardwise run` does) and starts the
 joiner once the survivors' epoch is published. One trial each of DDP and ZeRO-2 here; under `make soak` 5 each
-(seeded differently) and the ZeRO-3 trial."""
+(seeded differently), the ZeRO-3 trial and the runs under `shardwise run` (tests/test_cli_restarts.py runs that
+supervisor's elastic paths with a tiny script in make test)."""
 
 from __future__ import annotations
 
@@ -178,6 +179,7 @@ def test_below_min_workers_stops_with_a_clear_error(tmp_path):
     assert stopped < 20, f"the survivors stopped {stopped:.1f}s after the kill"
 
 
+@pytest.mark.soak  # make test runs the same supervisor paths with a tiny script: tests/test_cli_restarts.py
 def test_shardwise_run_min_max_keeps_the_survivors(tmp_path):
     """`shardwise run --min 3 --max 4 -n 4`: the supervisor hosts the store and lets the survivors of a SIGKILL run
     to the end on 3 (keep_survivors); the job still exits non-zero, naming the killed worker."""
