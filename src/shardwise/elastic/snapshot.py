@@ -104,8 +104,11 @@ def capture(step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None
     params = [pl.param.detach().clone() for pl in live]
     # The commit keeps each placement's geometry, not its live parameter: a parameter carries the strategy's hooks,
     # which hold the works of a failed step, and through them the failed process group, whose sockets must close
-    # when the membership layer frees it (comm/membership.py).
-    placements = [dataclasses.replace(pl, param=torch.empty_like(pl.param, device="meta")) for pl in live]
+    # when the membership layer frees it (comm/membership.py). Its groups go too (held_views needs the geometry only):
+    # a Communicator may hold sub-groups of the old world (a ZeRO engine's gloo ring), which would keep them open.
+    placements = [dataclasses.replace(pl, param=torch.empty_like(pl.param, device="meta"), box_group=None,
+                                      flat_group=None, replicated_over=(), partial_grad_over=None, tied_over=None)
+                  for pl in live]
     buffers = {name: b.detach().clone() for name, b in layout.buffers(model).items()}
     opt_state = None
     if optimizer is not None:
