@@ -219,6 +219,27 @@ def test_fixed_size_job_under_mpirun_restarts_mpirun(tmp_path, capfd):
         "rank 0 finished attempt 1 of 1: 4", "rank 1 finished attempt 1 of 1: 4"], out
 
 
+def test_the_budget_is_job_wide_and_says_what_is_left():
+    """Pure logic: restarts are counted over the whole job, whichever rank crashes (torchrun's rule); each decision is
+    one line; R = 0 says nothing (the behaviour without the option)."""
+    lines = io.StringIO()
+    budget = RestartBudget(2, lines)
+    assert budget.take_worker(3, "killed by SIGKILL").number == 1
+    assert budget.take_worker(1, "exited with code 3").number == 2 and budget.left == 0
+    assert budget.take_worker(3, "killed by SIGKILL") is None and budget.left == 0
+    assert budget.take_group(0, "RuntimeError: x", 4) is None
+    assert [r.describe() for r in budget.history] == ["restart 1: rank 3 after killed by SIGKILL",
+                                                      "restart 2: rank 1 after exited with code 3"]
+    assert lines.getvalue().splitlines() == [
+        "shardwise run: rank 3 killed by SIGKILL; restarting it to join the running job (restart 1 of 2, 1 left)",
+        "shardwise run: rank 1 exited with code 3; restarting it to join the running job (restart 2 of 2, 0 left)",
+        "shardwise run: rank 3 killed by SIGKILL; no restart left (2 of --max-restarts 2 used): the job goes on "
+        "without it",
+        "shardwise run: rank 0 failed (RuntimeError: x); no restart left (2 of --max-restarts 2 used)"]
+    silent = io.StringIO()
+    assert RestartBudget(0, silent).take_worker(0, "killed by SIGKILL") is None and silent.getvalue() == ""
+
+
 def test_bad_restart_options_are_named(tmp_path, capsys):
     script = _script(tmp_path, "fixed.py", FIXED)
     with pytest.raises(ValueError, match=r"max_restarts=-1 must be an int >= 0"):
