@@ -8,7 +8,7 @@
 See README.md and docs/ for the user guide.
 """
 
-from .async_sgd import AsyncSGD, DiLoCo, LocalSGD
+from .async_sgd import AsyncSGD, DiLoCo, LocalSGD, StreamingDiLoCo
 from .checkpoint import CheckpointError, export_full, import_full, load_checkpoint, save_checkpoint
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .consensus import agree
@@ -50,6 +50,7 @@ __all__ = [
     "ReduceOp",
     "ShardedGradScaler",
     "ShardedModule",
+    "StreamingDiLoCo",
     "Work",
     "ZeRO",
     "agree",
