@@ -4,12 +4,14 @@ beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataPa
 
 Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16`, `topk` (ratio --topk-ratio), `randomk`, `powersgd`
 (rank --rank, start_iter --start-iter), `onebit`, `onebit_adam` (warm-up --freeze-step; its own optimizer, with
-AdamW's hyperparameters), `torch_ddp`, `torch_fp16_hook`, `torch_powersgd_hook` (same rank and start iteration).
-Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW) in the SAME
+AdamW's hyperparameters), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
+start iteration). Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
+momentum SGD with --optimizer sgd) in the SAME
 processes. Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; the row reports the mean
 of the last 10 against `none`'s, and whether that meets issue 15's goal (GOALS: 16-bit rows within 0.5%, the others
 within 3%; 1-bit Adam after its --freeze-step warm-up). --loss-only skips the timing phase, --plot draws the
-curves. Timing phase, per link: after --warmup steps, --rounds rounds of --steps steps of every row, the order rotating every round (bench/_common.alternate); per step the slowest rank; the median.
+curves. Timing phase, per link: after --warmup steps, --rounds rounds of --steps steps of every row, the order
+rotating every round (bench/_common.alternate); per step the slowest rank; the median.
 A slow link wraps each rank's Communicator in Throttled (latency --latency-ms per operation + wire bytes /
 bandwidth); torch's rows get the same delay added to each bucket's future (bytes from the same formulas), one link
 per process, so both sides pay for the same bytes. Under a real slow link (tc netem) run with --links loopback.
@@ -41,9 +43,9 @@ from shardwise.models.gpt import GPT
 from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
 
 OURS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "onebit_adam")
-TORCH = ("torch_ddp", "torch_fp16_hook", "torch_powersgd_hook")
+TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook")
 # Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
-GOALS = {"fp16": 0.005, "bf16": 0.005, "torch_fp16_hook": 0.005, "torch_ddp": 0.005}
+GOALS = {"fp16": 0.005, "bf16": 0.005, "torch_fp16_hook": 0.005, "torch_bf16_hook": 0.005, "torch_ddp": 0.005}
 DEFAULT_GOAL = 0.03
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, given to OneBitAdam too: the same optimizer in every row
 
@@ -64,7 +66,15 @@ class Config:
     freeze_step: int
     latency_ms: float
     lr: float = 1e-3
+    optimizer: str = "adamw"
     seed: int = 0
+
+
+def _optimizer(params: Any, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW (the default), or momentum SGD: the optimizer the sparsifiers and signs were designed for."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=WEIGHT_DECAY)
 
 
 class _Link:
@@ -94,6 +104,8 @@ def _torch_hook(kind: str, cfg: Config, link: _Link, world: int):
             fut, nbytes = default_hooks.allreduce_hook(None, bucket), wire_bytes("all_reduce", numel * 4, world)
         elif kind == "fp16":
             fut, nbytes = default_hooks.fp16_compress_hook(None, bucket), wire_bytes("all_reduce", numel * 2, world)
+        elif kind == "bf16":
+            fut, nbytes = default_hooks.bf16_compress_hook(None, bucket), wire_bytes("all_reduce", numel * 2, world)
         else:
             compressing = state.iter >= state.start_powerSGD_iter
             fut = powerSGD_hook.powerSGD_hook(state, bucket)
@@ -124,10 +136,11 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
     model = GPT(gpt_config(cfg.preset), seed=cfg.seed)
     if name in TORCH:
         ddp = TorchDDP(model)
-        kind = {"torch_ddp": "allreduce", "torch_fp16_hook": "fp16", "torch_powersgd_hook": "powersgd"}[name]
+        kind = {"torch_ddp": "allreduce", "torch_fp16_hook": "fp16", "torch_bf16_hook": "bf16",
+                "torch_powersgd_hook": "powersgd"}[name]
         if name != "torch_ddp" or link.gbps is not None:  # loopback torch_ddp: torch's built-in reducer, no hook
             ddp.register_comm_hook(None, _torch_hook(kind, cfg, link, comm.size))
-        return _Row(name, ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr, weight_decay=WEIGHT_DECAY))
+        return _Row(name, ddp, _optimizer(ddp.parameters(), cfg))
     if name == "onebit_adam":
         # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).
         return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, weight_decay=WEIGHT_DECAY,
@@ -136,7 +149,7 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
               "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
               "onebit": OneBit()}[name]
     ddp = sw.DDP(model, link_comm, compression=method)
-    return _Row(name, ddp, torch.optim.AdamW(ddp.parameters(), lr=cfg.lr, weight_decay=WEIGHT_DECAY), link_comm)
+    return _Row(name, ddp, _optimizer(ddp.parameters(), cfg), link_comm)
 
 
 def _step(row: _Row, corpus: Any, cfg: Config, rank: int, world: int, seq_len: int) -> float:
@@ -201,13 +214,14 @@ def _plot(path: str, losses: dict[str, list[float]], cfg: Config) -> None:
     def smooth(curve: list[float]) -> list[float]:
         return [sum(curve[max(0, i - 9) : i + 1]) / len(curve[max(0, i - 9) : i + 1]) for i in range(len(curve))]
 
-    fig, (top, bottom) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=80)
+    fig, (top, bottom) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=72)
     base = smooth(losses["none"]) if "none" in losses else None
-    for name, curve in losses.items():
-        style = "--" if name.startswith("torch") else "-"
-        top.plot(range(1, len(curve) + 1), smooth(curve), style, lw=1, label=name)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, curve) in enumerate(losses.items()):
+        style = dict(ls="--" if name.startswith("torch") else "-", lw=1, color=colours[i % len(colours)])
+        top.plot(range(1, len(curve) + 1), smooth(curve), label=name, **style)
         if base is not None and name != "none":
-            bottom.plot(range(1, len(curve) + 1), [a / b for a, b in zip(smooth(curve), base)], style, lw=1)
+            bottom.plot(range(1, len(curve) + 1), [a / b for a, b in zip(smooth(curve), base)], **style)
     top.set(xlabel="step", ylabel="training loss (10-step mean)", title=f"demo GPT ({cfg.preset}), 2 gloo ranks")
     top.legend(fontsize=7, ncol=2)
     for goal in (1 + DEFAULT_GOAL, 1 + GOALS["fp16"]):
@@ -235,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--topk-ratio", type=float, default=0.01)
     p.add_argument("--freeze-step", type=int, default=40)
     p.add_argument("--latency-ms", type=float, default=0.1)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="every row's optimizer but onebit_adam's (sgd: momentum 0.9, no weight decay)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
     p.add_argument("--nproc", type=int, default=2)
     a = p.parse_args(argv)
     rows = tuple(comma_list(a.rows))
@@ -243,9 +260,12 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--rows: unknown {unknown}; allowed {list(OURS + TORCH)}")
     if a.loss_steps < 1:
         p.error(f"--loss-steps={a.loss_steps} must be >= 1")
+    if a.optimizer == "sgd" and "onebit_adam" in rows:
+        p.error("--optimizer sgd: leave onebit_adam out of --rows (it is its own Adam optimizer)")
     links = () if a.loss_only else tuple(comma_list(a.links))
+    lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
-                 a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms)
+                 a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]
