@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from parity import CONFIG, batch
+from parity import CONFIG, assert_state_close, batch
 
 import shardwise as sw
 from shardwise.async_sgd import DiLoCo, StreamingDiLoCo
@@ -93,9 +93,9 @@ def test_fragments_synchronise_on_their_staggered_schedule():
     assert max(diloco) == model_bytes
 
 
-def _overlap_run(comm, steps, h, options):
+def _overlap_run(comm, steps, h, options, eps=1e-8):
     model = StreamingDiLoCo(GPT(CONFIG, seed=0), comm, sync_every=h, **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=eps)
     applied, in_flight = [], []
     losses = []
     for step in range(steps):
@@ -258,3 +258,17 @@ def test_diloco_streaming_options_refuse_compression():
         DiLoCo(GPT(CONFIG, seed=0), sw.init(), sync_every=8, fragments=2, compression=sw.compression.FP16())
     model = DiLoCo(GPT(CONFIG, seed=0), sw.init(), sync_every=8, fragments=2, overlap_steps=1)
     assert model.overlap_steps == 1 and model.alpha == 0.5 and len(model.outer_optimizers) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_gloo_processes_equal_thread_ranks():
+    """The same overlapped run on 2 gloo processes (async all-reduce on gloo's thread, AVG as SUM / 2) and on 2
+    thread ranks: the same replicas, the same landing steps (Adam eps 1e-6: parity.py says why)."""
+    args = (12, 4, {"fragments": 2, "overlap_steps": 1}, 1e-6)
+    gloo = sw.launch(_overlap_run, 2, *args, backend="gloo", timeout=60)
+    threads = sw.launch(_overlap_run, 2, *args)
+    for g, t in zip(gloo, threads):
+        assert g["applied"] == t["applied"] and g["in_flight"] == t["in_flight"]
+        assert_state_close(g["before"], t["before"])
+        assert_state_close(g["after"], t["after"])
