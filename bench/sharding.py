@@ -21,8 +21,10 @@ to slow phases). With both sw_zero3 and sw_fsdp present (the same engine configu
 noise gauge: an A/A comparison that tells how far from 1.0 a ratio must be to mean anything.
 
 Memory. Implementations that share a process share one peak RSS, so after the timed run every implementation gets a
-separate short run of its own (fresh processes; `--only NAME` does just that for one): peak RSS per rank
-(getrusage ru_maxrss), the RSS before the model was built, and the difference.
+separate short run of its own (fresh processes; `--only NAME` does just that for one), `--memory-repeats` times,
+alternating: peak RSS per rank (getrusage ru_maxrss), the RSS before the model was built, and the difference, as
+per-rank medians over the runs (one run's peak varies by +-20 MB with glibc's heap). Every memory run imports the
+libraries of all rows compared (DeepSpeed, FSDP2) before its baseline, so the processes carry the same code.
 
 Parity: same init, same data, same number of steps, so the final full parameters of each shardwise row must equal
 its peer's (on 2 ranks every implementation sums the same two numbers per element; measured: bit-identical).
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib
 import logging
 import os
 import sys
@@ -257,10 +260,12 @@ def _memory_main(comm: shardwise.Communicator, cfg: Config, name: str, steps: in
     rank, world = comm.rank, comm.size
     corpus = bench_corpus()
     seq_len = _model_config(cfg).seq_len
-    if name.startswith("ds_"):
-        import deepspeed  # noqa: F401  (imported before the baseline reading: its import is not the model's cost)
-    if name == "fsdp2":
-        import torch.distributed.fsdp  # noqa: F401
+    # Every memory run imports the libraries of every row compared (before the baseline reading), so that each
+    # process carries the same code and the RSS figures differ only by what the implementation does.
+    if any(n.startswith("ds_") for n in cfg.impls) or name.startswith("ds_"):
+        importlib.import_module("deepspeed")
+    if "fsdp2" in cfg.impls or name == "fsdp2":
+        importlib.import_module("torch.distributed.fsdp")
     start = _rss_now()
     peak_before = peak_rss_bytes()
     impl = _build_one(name, comm, cfg)
@@ -550,19 +555,30 @@ def _source_id() -> str:
     return h.hexdigest()[:10]
 
 
-def _memory_rows(cfg: Config, names: list[str], steps: int) -> list[dict[str, Any]]:
+def _memory_rows(cfg: Config, names: list[str], steps: int, repeats: int) -> list[dict[str, Any]]:
+    """`repeats` separate runs of each implementation, alternating (rotated order), each in fresh processes.
+
+    glibc's heap makes one run's peak RSS vary by +-20 MB between ranks and runs (measured: the same configuration
+    peaked at 580-630 MB), so the figures are per-rank medians over the runs; every run is kept in `*_runs`."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            runs[name].append(shardwise.launch(_memory_main, cfg.nproc, cfg, name, steps, backend="gloo",
+                                               threads_per_rank=1, timeout=600))
     rows = []
     for name in names:
-        res = shardwise.launch(_memory_main, cfg.nproc, cfg, name, steps, backend="gloo", threads_per_rank=1,
-                               timeout=600)
+        def per_rank(key: str, minus: str | None = None) -> list[float]:
+            return [round(median([(r[rank][key] - (r[rank][minus] if minus else 0)) / MB for r in runs[name]]), 1)
+                    for rank in range(cfg.nproc)]
         rows.append({
-            "name": name, "kind": "memory (separate run, this implementation only)",
-            "peak_rss_MB": [round(r["peak_rss"] / MB, 1) for r in res],
-            "rss_before_build_MB": [round(r["rss_start"] / MB, 1) for r in res],
-            "peak_minus_start_MB": [round((r["peak_rss"] - r["rss_start"]) / MB, 1) for r in res],
-            "rss_after_build_MB": [round(r["rss_after_build"] / MB, 1) for r in res],
-            "rss_end_MB": [round(r["rss_end"] / MB, 1) for r in res],
-            "steps": steps, "step_ms_last": round(max(r["times"][-1] for r in res) * 1e3, 1),
+            "name": name, "kind": f"memory (separate runs of this implementation only; per-rank medians of {repeats})",
+            "peak_rss_MB": per_rank("peak_rss"),
+            "rss_before_build_MB": per_rank("rss_start"),
+            "peak_minus_start_MB": per_rank("peak_rss", "rss_start"),
+            "rss_after_build_MB": per_rank("rss_after_build"),
+            "rss_end_MB": per_rank("rss_end"),
+            "peak_rss_MB_runs": [[round(r["peak_rss"] / MB, 1) for r in res] for res in runs[name]],
+            "steps": steps, "step_ms_last": round(max(r["times"][-1] for r in runs[name][-1]) * 1e3, 1),
         })
         emit(rows[-1])
     return rows
@@ -580,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len (default 128)")
     ap.add_argument("--nproc", type=int, default=2, help="gloo processes, 1 thread each (default 2)")
     ap.add_argument("--memory-steps", type=int, default=6, help="steps of each separate memory run (default 6)")
+    ap.add_argument("--memory-repeats", type=int, default=3,
+                    help="separate memory runs per implementation, alternating; per-rank medians (default 3)")
     ap.add_argument("--no-memory", action="store_true", help="skip the separate memory runs")
     ap.add_argument("--profile", action="store_true", help="also profile where the time goes (see _profile)")
     ap.add_argument("--ds-clip", type=float, default=0.0,
@@ -591,8 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown implementation(s) {bad}; allowed {KNOWN}")
     if args.nproc < 2:
         ap.error("--nproc must be >= 2")
-    if min(args.steps, args.rounds, args.memory_steps) < 1 or args.warmup < 1:
-        ap.error("--steps, --rounds, --memory-steps and --warmup must be >= 1")
+    if min(args.steps, args.rounds, args.memory_steps, args.memory_repeats) < 1 or args.warmup < 1:
+        ap.error("--steps, --rounds, --memory-steps, --memory-repeats and --warmup must be >= 1")
     cfg = Config(args.preset, args.batch_size, args.seq_len, args.steps, args.rounds, args.warmup, args.nproc,
                  impls, args.profile, args.ds_clip)
     nparams = GPT(_model_config(cfg), seed=0).num_parameters()
@@ -602,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     err = sys.stderr
     t0 = time.time()
     if args.only:
-        rows = _memory_rows(cfg, [args.only], args.memory_steps)
+        rows = _memory_rows(cfg, [args.only], args.memory_steps, args.memory_repeats)
         r = rows[0]
         print(f"{args.only}: peak RSS per rank {r['peak_rss_MB']} MB (before build {r['rss_before_build_MB']}, "
               f"growth {r['peak_minus_start_MB']})", file=err)
@@ -623,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         row.update(common)
         emit(row)
     by_name = {r["name"]: r for r in rows}
-    mem_rows = [] if args.no_memory else _memory_rows(cfg, list(cfg.impls), args.memory_steps)
+    mem_rows = [] if args.no_memory else _memory_rows(cfg, list(cfg.impls), args.memory_steps, args.memory_repeats)
     mem = {r["name"]: r for r in mem_rows}
     parity = results[0]["parity"]
     emit({"parity": parity, "trained_steps": results[0]["trained_steps"],
