@@ -16,7 +16,8 @@ Mechanism, per worker (every rank runs the same schedule, so the collectives mat
   the anchors and merges: local <- alpha * local + (1 - alpha) * new_global (the paper's mixing of the local
   parameters, which moved for tau more steps, with the synchronised ones). With tau = 0 the local fragment is
   replaced (alpha 0 by default: nothing moved since the outer gradient was taken, which is DiLoCo exactly); with
-  tau > 0 the default alpha is 0.5, the mixing the paper uses for its overlapped runs.
+  tau > 0 the default alpha is 0.5, an even mix, as we read the paper's Section 2.3 (torchft's implementation,
+  `fragment_update_alpha`, defaults to 0: replacement; pass alpha=0 for that).
 * tau < H, so a fragment has at most one synchronisation in flight; several fragments may be in flight at once
   when tau >= H/F. With F = 1 and tau = 0 this is `sw.DiLoCo` step for step, bit for bit (tested).
 * `model.sync()` completes the synchronisations in flight and then synchronises every fragment at once, blocking,
