@@ -10,6 +10,9 @@
     detector.py      FailureDetector: which rank failed first by time (died, raised, stalled), from the ranks' reports,
                      their processes' exits and their heartbeats (comm/heartbeat.py)
     logs.py          get_logger(): `[rank 3] INFO shardwise.ddp: ...` lines
+    supervise.py     `shardwise run`: start a script's ranks and supervise them (gloo / nccl; attempts), with
+                     run_config.py (RunConfig, failure policies), rank_processes.py (environment, teardown),
+                     run_mpi.py (under mpirun), restarts.py (--max-restarts), run_report.py, run_rank.py (each rank)
 
 This package sits on comm/ (it builds Communicators; all torch.distributed calls are in comm/rendezvous.py) and
 below every strategy: nothing here imports ddp, sharding or the other strategies, and comm/ never imports launch.

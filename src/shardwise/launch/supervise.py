@@ -32,15 +32,17 @@ failure machinery, so that the supervisor (not a peer) decides what a failure me
 7. Report. `RunResult.report()` names the root cause first (the first failure by time, as torchrun's error report and
    `sw.launch`'s LaunchError have it) with its traceback, then each other failed rank with its traceback, then the
    stacks of ranks that were stopped while still running. The exit code is the root cause's (1 for an exception).
+
+The pieces: run_config.py (RunConfig, JobView and the policies, re-exported here), rank_processes.py (the ranks'
+environment, reports, teardown), run_mpi.py (the mpirun path), restarts.py (the restart budget), run_report.py
+(RunResult), run_rank.py (each rank's wrapper). This module is the gloo / nccl path and the loop over attempts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,128 +51,49 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from .detector import Failure, FailureDetector, exit_summary
+from .rank_processes import POLL_S, Interrupt, child_env, kill_ranks, read_report, stop_ranks
 from .restarts import MAX_RESTARTS_ENV, RESTART_COUNT_ENV, RestartBudget
-from .run_rank import RUN_DIR_ENV, SUPERVISOR_PID_ENV, report_file
-from .run_report import RunResult, dump_stacks
+from .run_config import CONTINUE, STOP, FailurePolicy, JobView, RunConfig, keep_survivors, tear_down
+from .run_mpi import run_mpi
+from .run_rank import report_file
+from .run_report import RunResult
 
 __all__ = ["CONTINUE", "STOP", "FailurePolicy", "JobView", "RunConfig", "RunResult", "keep_survivors", "run",
            "tear_down"]
 
-RUN_BACKENDS = ("gloo", "nccl", "mpi")
-BACKEND_ENV = "SHARDWISE_BACKEND"
-STOP, CONTINUE = "stop", "continue"
-_POLL_S = 0.05
 _REMOTE_POLL_S = 1.0  # how often a supervisor of a multi-node job reads the other nodes' verdicts
 
 
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """What `shardwise run` starts.
+def run(config: RunConfig, policy: FailurePolicy = tear_down, *, out: TextIO | None = None) -> RunResult:
+    """Start `config.script` on this node's ranks, supervise them (module docstring) and return the RunResult.
 
-    script / args: the user's script and its arguments. nproc: ranks on this node. backend: "gloo", "nccl" (each
-    rank joins through the store; `sw.init()` picks it up from SHARDWISE_BACKEND) or "mpi" (ranks under mpirun;
-    `sw.init()` returns an MPI Communicator). nnodes / node_rank: this node's place; ranks are numbered
-    node_rank * nproc + local rank. master_addr / master_port: where node 0 hosts the store (port 0: the OS picks,
-    one node only). timeout: seconds to reach the store, and of heartbeat silence before a rank counts as frozen.
-    grace: seconds between SIGTERM and SIGKILL. settle: seconds to collect the other ranks' reports after a failure.
-    elastic: (min_workers, max_workers) of an elastic job (workers use sw.elastic; survivors run on). join: add this
-    node's workers to a running elastic job at master_addr:master_port. max_restarts: crashes of worker processes
-    answered by a restart over the whole job (restarts.py: an elastic job replaces the worker, which joins the
-    running job; a fixed-size job restarts every worker, as torchrun does); 0: none.
+    policy: decides, for each failed rank, whether to STOP the job (default `tear_down`) or let the others CONTINUE.
+    out: where the supervisor's own lines go (default sys.stderr); the ranks write to the inherited stdout/stderr.
     """
-
-    script: str
-    args: tuple[str, ...] = ()
-    nproc: int = 1
-    backend: str = "gloo"
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    timeout: float = 60.0
-    grace: float = 3.0
-    settle: float = 1.0
-    elastic: tuple[int, int] | None = None
-    join: bool = False
-    max_restarts: int = 0
-
-    def __post_init__(self) -> None:
-        def bad(what: str) -> ValueError:
-            return ValueError(f"run: {what}")
-
-        for name in ("nproc", "nnodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(f"{name}={value!r} must be an int >= 1")
-        if self.backend not in RUN_BACKENDS:
-            raise bad(f"backend={self.backend!r} is not supported; allowed {RUN_BACKENDS}")
-        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
-            raise bad(f"node_rank={self.node_rank!r} must be in 0..nnodes-1 = 0..{self.nnodes - 1}")
-        if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
-            raise bad(f"master_port={self.master_port!r} must be a TCP port (1..65535, or 0: the OS picks)")
-        if self.nnodes > 1 and self.master_port == 0:
-            raise bad(f"nnodes={self.nnodes} needs master_port (every node must know where node 0 listens)")
-        if self.backend == "mpi" and self.nnodes > 1:
-            raise bad("backend='mpi' places ranks on hosts through mpirun itself; give nnodes=1 and mpirun's -H, "
-                      "or use backend='gloo' / 'nccl' with one `shardwise run` per node")
-        for name in ("timeout", "grace", "settle"):
-            if not getattr(self, name) > 0:
-                raise bad(f"{name}={getattr(self, name)!r} must be a positive number of seconds")
-        if self.elastic is not None:
-            lo, hi = self.elastic
-            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-                raise bad(f"elastic={self.elastic!r} must be (min_workers, max_workers) with 1 <= min <= max")
-            if self.backend == "mpi" or self.nnodes > 1:
-                raise bad("elastic jobs (--min/--max) run with backend gloo or nccl and one `shardwise run` per "
-                          "group of workers (--join adds workers), not --nnodes or mpi")
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise bad(f"max_restarts={self.max_restarts!r} must be an int >= 0")
-        if self.max_restarts and self.elastic is None and self.nnodes > 1:
-            raise bad(f"max_restarts={self.max_restarts} with nnodes={self.nnodes}: restarting a fixed-size group "
-                      f"that spans nodes needs every node's supervisor to agree on the attempt, which shardwise run "
-                      f"does not do; use an elastic job (--min/--max, one `shardwise run` per group of workers) or "
-                      f"torchrun --max-restarts")
-        if self.join and (self.elastic is None or self.master_port == 0):
-            raise bad("join=True adds workers to a running elastic job: give elastic=(min, max) and the job's "
-                      "master_addr / master_port")
-        if not os.path.isfile(self.script):
-            raise bad(f"script {self.script!r} is not a file")
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc
-
-    @property
-    def first_rank(self) -> int:
-        """The global rank of this node's local rank 0."""
-        return self.node_rank * self.nproc
-
-
-@dataclasses.dataclass(frozen=True)
-class JobView:
-    """What a policy sees when a rank fails: global ranks that failed, returned, or are still running (this node's
-    ranks; with several nodes, `remote_failed` lists the other nodes' ranks known to have failed)."""
-
-    world_size: int
-    failed: tuple[int, ...]
-    done: tuple[int, ...]
-    running: tuple[int, ...]
-    remote_failed: tuple[int, ...] = ()
-
-
-#: A failure policy: called once per failed rank (the Failure carries its global rank), returns STOP or CONTINUE.
-FailurePolicy = Callable[[Failure, JobView], str]
-
-
-def tear_down(failure: Failure, job: JobView) -> str:
-    """The default policy: any failure stops the whole job (torchrun's and MPI's behaviour)."""
-    return STOP
-
-
-def keep_survivors(failure: Failure, job: JobView) -> str:
-    """Let the other ranks run to their own end (asynchronous / elastic training tolerates a lost worker). The job
-    still exits non-zero and reports the failure."""
-    return CONTINUE
+    out = out or sys.stderr
+    run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
+    budget = RestartBudget(config.max_restarts, out)
+    try:
+        with Interrupt() as interrupt:
+            for attempt in range(config.max_restarts + 1):
+                # A fresh folder per attempt: the reports and stacks of the failed one must not be read as this one's.
+                attempt_dir = os.path.join(run_dir, f"attempt{attempt}")
+                os.mkdir(attempt_dir)
+                if config.backend == "mpi":
+                    result = run_mpi(config, policy, attempt_dir, interrupt, out, attempt)
+                else:
+                    result = _run_ranks(config, policy, attempt_dir, interrupt, out, budget, attempt)
+                if config.elastic is not None or result.ok or result.interrupted is not None:
+                    break  # an elastic job replaces its workers one by one (in _supervise), never the group
+                root = result.failures[0] if result.failures else None
+                cause = root.summary.splitlines()[0] if root is not None else (result.unexplained or "failed")
+                if budget.take_group(None if root is None else root.rank, cause, config.world_size) is None:
+                    break
+            result.restarts = tuple(r.describe() for r in budget.history)
+            result.max_restarts = config.max_restarts
+            return result
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 class _NodeBoard:
@@ -189,90 +112,6 @@ class _NodeBoard:
         return self.board.silent_for(record, now)
 
 
-def _child_env(config: RunConfig, run_dir: str) -> dict[str, str]:
-    """The environment every rank shares (rank-specific variables are added per process)."""
-    import shardwise
-
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(shardwise.__file__)))
-    paths = [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))  # the ranks import the same shardwise as we do
-    env[RUN_DIR_ENV] = run_dir
-    env[SUPERVISOR_PID_ENV] = str(os.getpid())
-    env[BACKEND_ENV] = config.backend
-    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the terminal as they are printed, also from a killed rank
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // config.nproc)))  # torch's intra-op threads per rank
-    return env
-
-
-def _read_report(run_dir: str, rank: int) -> dict[str, Any] | None:
-    try:
-        with open(report_file(run_dir, rank)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-class _Interrupt:
-    """SIGINT / SIGTERM to the supervisor: remembered, and the job torn down (the ranks are in their own process
-    groups, so a Ctrl-C reaches them only through us)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._saved: dict[int, Any] = {}
-
-    def __enter__(self) -> _Interrupt:
-        try:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._saved[sig] = signal.signal(sig, self._handle)
-        except ValueError:  # not the main thread: nothing to install
-            pass
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-
-
-def run(config: RunConfig, policy: FailurePolicy = tear_down, *, out: TextIO | None = None) -> RunResult:
-    """Start `config.script` on this node's ranks, supervise them (module docstring) and return the RunResult.
-
-    policy: decides, for each failed rank, whether to STOP the job (default `tear_down`) or let the others CONTINUE.
-    out: where the supervisor's own lines go (default sys.stderr); the ranks write to the inherited stdout/stderr.
-    """
-    out = out or sys.stderr
-    run_dir = tempfile.mkdtemp(prefix="shardwise-run-")
-    budget = RestartBudget(config.max_restarts, out)
-    try:
-        with _Interrupt() as interrupt:
-            for attempt in range(config.max_restarts + 1):
-                # A fresh folder per attempt: the reports and stacks of the failed one must not be read as this one's.
-                attempt_dir = os.path.join(run_dir, f"attempt{attempt}")
-                os.mkdir(attempt_dir)
-                if config.backend == "mpi":
-                    result = _run_mpi(config, policy, attempt_dir, interrupt, out, attempt)
-                else:
-                    result = _run_ranks(config, policy, attempt_dir, interrupt, out, budget, attempt)
-                if config.elastic is not None or result.ok or result.interrupted is not None:
-                    break  # an elastic job replaces its workers one by one (in _supervise), never the group
-                root = result.failures[0] if result.failures else None
-                cause = root.summary.splitlines()[0] if root is not None else (result.unexplained or "failed")
-                if budget.take_group(None if root is None else root.rank, cause, config.world_size) is None:
-                    break
-            result.restarts = tuple(r.describe() for r in budget.history)
-            result.max_restarts = config.max_restarts
-            return result
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
 def _globalize(failure: Failure, first_rank: int) -> Failure:
     return dataclasses.replace(failure, rank=failure.rank + first_rank)
 
@@ -286,7 +125,7 @@ def _localize(report: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     return {**report, "comm": {**comm, "peers": [p - lo for p in comm["peers"] if lo <= p < hi]}}
 
 
-def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: _Interrupt,
+def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: Interrupt,
                out: TextIO, budget: RestartBudget, attempt: int = 0) -> RunResult:
     """gloo / nccl: one process per rank, joined through the store this supervisor hosts (node 0) or joins. Each
     attempt of a fixed-size job hosts a store of its own (torchrun's agent, too, makes a new one per retry), so no key
@@ -307,7 +146,7 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
     port = store.port
     board = Board(rendezvous.job_store(store, token), silence=config.timeout)
     detector = FailureDetector(config.nproc, board=_NodeBoard(board, config.first_rank), settle=config.settle)
-    env = _child_env(config, run_dir)
+    env = child_env(config, run_dir)
     env.update({"WORLD_SIZE": str(config.world_size), "LOCAL_WORLD_SIZE": str(config.nproc),
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True", RESTART_COUNT_ENV: str(attempt),
@@ -366,18 +205,18 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
         stopping = _supervise(config, policy, run_dir, detector, procs, board, interrupt,
                               replace if config.elastic is not None else None)
         detector.stop()
-        stacks = _stop(procs, run_dir, config, stopping)
+        stacks = stop_ranks(procs, run_dir, config, stopping)
         if config.node_rank == 0 and config.nnodes > 1:
             _wait_for_other_nodes(config, board)  # the store lives in this process: keep it until they are done
         return RunResult.build(detector, config.first_rank, procs, stacks, interrupt.signum)
     finally:
         detector.stop()
-        _kill(procs.values())
+        kill_ranks(procs.values())
         del board, store
 
 
 def _supervise(config: RunConfig, policy: FailurePolicy, run_dir: str, detector: FailureDetector,
-               procs: dict[int, subprocess.Popen], board: Any, interrupt: _Interrupt,
+               procs: dict[int, subprocess.Popen], board: Any, interrupt: Interrupt,
                replace: Callable[[int, str], subprocess.Popen | bool] | None = None) -> bool:
     """Watch until every rank exited, or a STOP was decided and the reports settled; returns whether to stop.
 
@@ -393,7 +232,7 @@ def _supervise(config: RunConfig, policy: FailurePolicy, run_dir: str, detector:
             if code is None or local in exits:
                 continue
             exits[local] = code
-            report = _read_report(run_dir, config.first_rank + local)
+            report = read_report(run_dir, config.first_rank + local)
             if code != 0 and replace is not None and interrupt.signum is None:
                 cause = report["summary"].splitlines()[0] if report is not None else exit_summary(code)
                 fresh = replace(local, cause if report is None else f"raised {cause}")
@@ -434,7 +273,7 @@ def _supervise(config: RunConfig, policy: FailurePolicy, run_dir: str, detector:
             return stop
         if stop and (detector.settled() or detector.first_failure() is None):
             return True
-        detector.changed.wait(_POLL_S)
+        detector.changed.wait(POLL_S)
         detector.changed.clear()
 
 
@@ -460,80 +299,3 @@ def _wait_for_other_nodes(config: RunConfig, board: Any) -> None:
         if not pending:
             return
         time.sleep(0.5)
-
-
-def _stop(procs: dict[int, subprocess.Popen], run_dir: str, config: RunConfig, stopping: bool) -> dict[int, str]:
-    """Tear down the ranks still running (their stacks first); returns those stacks by global rank."""
-    alive = {config.first_rank + r: p for r, p in procs.items() if p.poll() is None}
-    if not alive:
-        return {}
-    stacks = dump_stacks(alive, run_dir) if stopping else {}
-    _kill(alive.values(), config.grace)
-    return stacks
-
-
-def _kill(procs: Any, grace: float = 3.0) -> None:
-    """SIGTERM each rank's process group (SIGCONT too: a frozen rank acts on it only once continued), SIGKILL
-    after `grace` seconds, and reap."""
-    procs = [p for p in procs if p.poll() is None]
-    for p in procs:
-        for sig in (signal.SIGTERM, signal.SIGCONT):
-            try:
-                os.killpg(p.pid, sig)
-            except OSError:
-                pass
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            p.wait(10)
-
-
-def _run_mpi(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt: _Interrupt,
-             out: TextIO, attempt: int = 0) -> RunResult:
-    """backend "mpi": `mpirun -np nproc` starts the ranks; each reports an exception through its file, and mpirun's
-    exit tells the rest (MPI aborts the whole job when a rank exits non-zero)."""
-    from .mpi import mpirun_command
-
-    command = [*mpirun_command(config.nproc), sys.executable, "-m", "shardwise.launch.run_rank", config.script,
-               *config.args]
-    print(f"shardwise run: {config.nproc} rank(s) of {config.script} under {command[0]}", file=out, flush=True)
-    detector = FailureDetector(config.nproc, settle=config.settle)
-    env = {**_child_env(config, run_dir), RESTART_COUNT_ENV: str(attempt), MAX_RESTARTS_ENV: str(config.max_restarts)}
-    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    reported: set[int] = set()
-    stop = False
-    try:
-        while proc.poll() is None and interrupt.signum is None and not (stop and detector.settled()):
-            for rank in range(config.nproc):
-                report = None if rank in reported else _read_report(run_dir, rank)
-                if report is not None:
-                    reported.add(rank)
-                    detector.report_error(rank, report)
-                    failure = next(f for f in detector.failures() if f.rank == rank)
-                    view = JobView(config.world_size, tuple(sorted(reported)), (),
-                                   tuple(r for r in range(config.nproc) if r not in reported))
-                    stop = policy(failure, view) == STOP or stop
-            time.sleep(_POLL_S)
-        _kill([proc], config.grace)
-        code = proc.wait()
-        for rank in range(config.nproc):
-            report = None if rank in reported else _read_report(run_dir, rank)
-            if report is not None:
-                detector.report_error(rank, report)
-        if code == 0:  # mpirun succeeded: every rank that reported nothing returned (none was left running)
-            for rank in range(config.nproc):
-                if rank not in reported:
-                    detector.report_done(rank)
-        unexplained = None
-        if detector.first_failure() is None and code != 0 and interrupt.signum is None:
-            unexplained = (f"mpirun exited with code {code} and no rank reported an exception (a rank died or "
-                           f"exited with a non-zero code without raising; mpirun's message above names it)")
-        return RunResult.build(detector, 0, {}, {}, interrupt.signum, unexplained=unexplained, exit_code=code)
-    finally:
-        _kill([proc])
