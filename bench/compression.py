@@ -2,7 +2,7 @@
 simulated slow links (sw.comm.Throttled at 1 Gbit/s and 100 Mbit/s), loss after N steps against uncompressed,
 beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataParallel in the same run.
 
-Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16`, `topk` (ratio --topk-ratio), `randomk`, `powersgd`
+Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16`, `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
 (rank --rank, start_iter --start-iter), `onebit`, `onebit_adam` (warm-up --freeze-step; its own optimizer, with
 AdamW's hyperparameters), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
 start iteration). Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
@@ -42,10 +42,10 @@ from shardwise.models.gpt import GPT
 
 from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
 
-OURS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "onebit_adam")
+OURS = ("none", "fp16", "bf16", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit", "onebit_adam")
 TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook")
 # Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
-GOALS = {"fp16": 0.005, "bf16": 0.005, "torch_fp16_hook": 0.005, "torch_bf16_hook": 0.005, "torch_ddp": 0.005}
+GOALS = {"fp16": 0.005, "bf16": 0.005, "fp16_ef": 0.005, "bf16_ef": 0.005, "torch_fp16_hook": 0.005, "torch_bf16_hook": 0.005, "torch_ddp": 0.005}
 DEFAULT_GOAL = 0.03
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, given to OneBitAdam too: the same optimizer in every row
 
@@ -145,7 +145,8 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
         # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).
         return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, weight_decay=WEIGHT_DECAY,
                                             freeze_step=cfg.freeze_step), link_comm)
-    method = {"none": None, "fp16": FP16(), "bf16": BF16(), "topk": TopK(cfg.topk_ratio),
+    method = {"none": None, "fp16": FP16(), "bf16": BF16(), "fp16_ef": FP16(error_feedback=True),
+              "bf16_ef": BF16(error_feedback=True), "topk": TopK(cfg.topk_ratio),
               "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
               "onebit": OneBit()}[name]
     ddp = sw.DDP(model, link_comm, compression=method)

@@ -13,7 +13,7 @@ from parity import batch, frozen_model
 import shardwise as sw
 from shardwise import layout
 from shardwise.checkpoint import CheckpointError, CheckpointMismatch
-from shardwise.compression import PowerSGD, TopK
+from shardwise.compression import BF16, PowerSGD, TopK
 
 BEFORE, AFTER = 4, 3  # steps before the save and after the resume
 
@@ -49,8 +49,9 @@ def same(a, b):
 METHODS = [PowerSGD(rank=2, start_iter=1, min_compression_rate=1.0), TopK(0.05)]
 
 
-@pytest.mark.parametrize("strategy, method", [("ddp", METHODS[0]), ("ddp", METHODS[1]), ("zero2", METHODS[0])],
-                         ids=["ddp-powersgd", "ddp-topk", "zero2-powersgd"])
+@pytest.mark.parametrize("strategy, method", [("ddp", METHODS[0]), ("ddp", METHODS[1]), ("zero2", METHODS[0]),
+                                              ("ddp", BF16(error_feedback=True))],
+                         ids=["ddp-powersgd", "ddp-topk", "zero2-powersgd", "ddp-bf16-ef"])
 def test_resume_from_checkpoint_is_bit_identical(strategy, method, tmp_path):
     def uninterrupted(comm):
         model = ddp(comm, method, strategy)
