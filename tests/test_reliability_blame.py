@@ -42,21 +42,25 @@ def _faulty_body(comm, fault, victim, step):
 
 
 def _children() -> set[int]:
-    """Live or unreaped (zombie) child processes of this process, but multiprocessing's resource tracker."""
-    me, found = os.getpid(), set()
+    """Live or unreaped (zombie) descendants of this process, but multiprocessing's resource tracker and fork server
+    (helpers that live as long as this process). The ranks are the fork server's children (launch forks them from
+    it), so its children count: a rank left behind there is an orphan all the same."""
+    parents: dict[int, int] = {}
+    commands: dict[int, bytes] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read()
+                commands[int(entry)] = f.read()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == me and b"resource_tracker" not in command:
-            found.add(int(entry))
-    return found
+    me = os.getpid()
+    helpers = {pid for pid, ppid in parents.items()
+               if ppid == me and (b"resource_tracker" in commands[pid] or b"forkserver" in commands[pid])}
+    return {pid for pid, ppid in parents.items() if (ppid == me and pid not in helpers) or ppid in helpers}
 
 
 # What `launch` must say about the victim, and what each survivor's CommError must say about it.

@@ -48,11 +48,11 @@ def _listeners(pids) -> list[tuple[str, int, int]]:
     return found
 
 
-def _job_listeners(comm):
+def _job_listeners(comm, launcher_pid):
     """Rank 0 lists the listening sockets of the launcher and of every rank, once every rank's gloo device is up."""
     pids = torch.zeros(comm.size, dtype=torch.int64)
     comm.all_gather(pids, torch.tensor([os.getpid()]))
-    found = _listeners([os.getppid(), *pids.tolist()]) if comm.rank == 0 else None
+    found = _listeners([launcher_pid, *pids.tolist()]) if comm.rank == 0 else None
     comm.barrier()  # nobody leaves (closing its gloo listener) before rank 0 looked
     return found, int(os.environ["MASTER_PORT"]), os.environ.get("GLOO_SOCKET_IFNAME")
 
@@ -61,7 +61,7 @@ def _job_listeners(comm):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_gloo_launch_listens_on_loopback_only():
-    results = sw.launch(_job_listeners, 2, backend="gloo", timeout=30)
+    results = sw.launch(_job_listeners, 2, os.getpid(), backend="gloo", timeout=30)  # ranks' parent: the fork server
     found, store_port, _ = results[0]
     assert any(port == store_port for _, port, _ in found), f"the store's port {store_port} is not listening: {found}"
     assert len(found) >= 3, found  # the launcher's store and each rank's gloo device

@@ -164,5 +164,7 @@ def test_a_rank_that_cannot_start_raises_its_own_error(monkeypatch):
         raise RuntimeError("cannot start: no __main__ guard")
 
     monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refuse)
+    if hasattr(multiprocessing.context, "ForkServerProcess"):  # launch forks its ranks from the fork server there
+        monkeypatch.setattr(multiprocessing.context.ForkServerProcess, "start", refuse)
     with pytest.raises(RuntimeError, match="no __main__ guard"):
         sw.launch(_return_tensors, 2, backend="gloo", timeout=30)

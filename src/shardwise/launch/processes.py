@@ -3,7 +3,11 @@
 With `backend="thread"` the ranks are threads of this process sharing a ThreadWorld (fast; the test harness). With
 `backend="gloo"` they are spawned processes that rendezvous through a TCP store this process hosts on 127.0.0.1 only
 (port chosen by the OS, so parallel launches never race for a port; every key under a fresh job token; gloo pinned to
-loopback); each sends back its pickled result, or its error and traceback, on its own pipe. With `backend="mpi"` they
+loopback); each sends back its pickled result, or its error and traceback, on its own pipe. The processes are forked
+from multiprocessing's fork server, which imported torch and shardwise once (`_rank_context`): a rank starts in a
+fraction of a second instead of paying the ~2 s of CPU of a fresh interpreter importing torch (where there is no fork
+server, they are spawned). Each rank takes the launcher's environment, standard output and error of the moment of the
+launch, as a spawned process would (the fork server's own are those of its start). With `backend="mpi"` they
 run under `mpirun -np N` (see mpi.py).
 
 Failures. A FailureDetector (detector.py) collects what the ranks report and, for processes, watches their exits and
@@ -21,6 +25,7 @@ import contextlib
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import pickle
 import shutil
@@ -123,13 +128,56 @@ def _launch_error(detector: FailureDetector, stacks: dict[int, str] | None = Non
     return LaunchError(root.rank, root.summary, text, others)
 
 
+#: What the fork server imports once, before it forks any rank: torch and the library (shardwise imports torch).
+_PRELOAD = ["shardwise"]
+
+
+def _rank_context() -> multiprocessing.context.BaseContext:
+    """multiprocessing's fork server with torch and shardwise preloaded, where the platform has one (Linux, macOS);
+    spawn elsewhere. The fork server is single-threaded and never runs a torch operation (so no OpenMP pool or CUDA
+    context exists to be forked); each rank is a fork of it, started as spawn starts a process (the launcher's sys.path,
+    working directory and __main__ module), and from our side exactly a spawned process: a pid, a sentinel, an exit
+    code (negative for a signal). The preload applies only if the fork server has not started yet in this process."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _Stdio:
+    """The launcher's standard output and error, duplicated into the rank when it starts (a forked rank would
+    otherwise write to the fork server's, which are the launcher's of the moment the fork server started: pytest's
+    capture of another test, say)."""
+
+    def __reduce__(self) -> tuple:
+        dup = multiprocessing.reduction.DupFd
+        return _Stdio._adopt, (dup(1), dup(2))
+
+    @staticmethod
+    def _adopt(out: Any, err: Any) -> None:
+        for wrapped, target in ((out, 1), (err, 2)):
+            fd = wrapped.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
 def _process_main(
     rank: int, n: int, port: int, token: str, timeout: float, threads: int, logs: bool, fn: Callable, args: tuple,
-    out: Any, launcher_pid: int, stack_path: str,
+    out: Any, stack_path: str, environ: dict[str, str], stdio: None,
 ) -> None:
-    """Body of one spawned gloo rank: join the store-hosted rendezvous, run fn, send back the pickled result."""
+    """Body of one gloo rank: join the store-hosted rendezvous, run fn, send back the pickled result.
+
+    environ: the launcher's os.environ at launch. stdio: the launcher's stdout/stderr, already made this process's
+    fds 1 and 2 by unpickling (`_Stdio`)."""
     from ..comm import rendezvous
 
+    os.environ.clear()
+    os.environ.update(environ)
+    # The rank's parent: the launcher if spawned, else the fork server, which exits when the launcher does; either
+    # way the heartbeat's watchdog ends the rank once that parent is gone.
+    launcher_pid = os.getppid()
     stack_file = open(stack_path, "w")  # noqa: SIM115 - held open for faulthandler until the process exits
     if hasattr(faulthandler, "register"):  # the launcher asks a stalled rank for its stack with SIGUSR1
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -177,12 +225,13 @@ def _launch_processes(fn: Callable[..., Any], n: int, args: tuple, timeout: floa
     host = rendezvous.host_store("127.0.0.1", 0, timeout)
     store = rendezvous.job_store(host, token)
     stacks_dir = tempfile.mkdtemp(prefix="shardwise-launch-")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
     pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
+    environ = dict(os.environ)
     procs = {
         r: ctx.Process(target=_process_main, name=f"shardwise-rank{r}", daemon=True,
-                       args=(r, n, host.port, token, timeout, threads, logs, fn, args, pipes[r][1], os.getpid(),
-                             os.path.join(stacks_dir, f"rank{r}.stack")))
+                       args=(r, n, host.port, token, timeout, threads, logs, fn, args, pipes[r][1],
+                             os.path.join(stacks_dir, f"rank{r}.stack"), environ, _Stdio()))
         for r in range(n)
     }
     detector = FailureDetector(n, board=Board(store, silence=max(2.0, timeout)), processes=procs)
