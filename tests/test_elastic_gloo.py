@@ -7,8 +7,8 @@ applied exactly once. Below min_workers the survivors stop with a clear error wi
 ZeRO-3 with neighbour redundancy (the parameters themselves sharded) does the same with no checkpoint to read.
 
 Each worker is tests/elastic_worker.py; this test hosts the job's store (as `shardwise run` does) and starts the
-joiner once the survivors' epoch is published. One ZeRO-2 trial here; under `make soak` the same trial with DDP, 5
-each (seeded differently), the ZeRO-3 trial and the runs under `shardwise run` (tests/test_cli_restarts.py runs that
+joiner once the survivors' epoch is published. One trial each of DDP and ZeRO-2 here; under `make soak` 5 each
+(seeded differently), the ZeRO-3 trial and the runs under `shardwise run` (tests/test_cli_restarts.py runs that
 supervisor's elastic paths with a tiny script in make test)."""
 
 from __future__ import annotations
@@ -136,12 +136,8 @@ def _trial(tmp_path: Path, strategy: str, seed: int) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("strategy", ["zero2", pytest.param("ddp", marks=pytest.mark.soak)])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_kill_one_then_join_equals_one_process(tmp_path, strategy):
-    """ZeRO-2 in make test: its trial runs every process-level path the DDP one does (SIGKILL, a fresh gloo world for
-    the survivors, a joiner) and also brings the killed worker's optimizer shards back from a neighbour's copy. The
-    DDP trial (about 20 s of CPU) runs under make soak; tests/test_elastic_state.py checks DDP's and ZeRO-2's
-    shrink-then-grow parity on thread ranks in make test."""
     _trial(tmp_path, strategy, seed=11)
 
 
