@@ -1,6 +1,7 @@
 """Strategy state in checkpoints (layout.ExtraState, checkpoint/strategy_state.py): a compressor's per-rank residuals
 and PowerSGD's Q are saved with the model, so a run resumed from a checkpoint is bit-identical to the uninterrupted
-run; the state reloads only onto the saving layout (or is reset on request); a damaged copy refuses the whole load."""
+run (DDP, ZeRO-2, and every pipeline stage of a `sw.parallelize` model); the state reloads only onto the saving layout
+(or is reset on request); a damaged copy refuses the whole load."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 import torch
-from parity import batch, frozen_model
+from parity import CONFIG, batch, frozen_model
 
 import shardwise as sw
 from shardwise import layout
@@ -344,3 +345,81 @@ def test_malformed_strategy_state_metadata_is_refused_naming_it(field, value, ma
     (path / "metadata.json").write_text(json.dumps(metadata))
     with pytest.raises(CheckpointError, match=match):
         sw.checkpoint.read_metadata(path)
+
+
+# ---- sw.parallelize: every stage's data-parallel compressor, declared through the pipeline's record -------------
+def hybrid(comm, dims, method, schedule, virtual):
+    dp, tp_size, pp_size = dims
+    mesh = sw.Mesh(comm, dp=dp, tp=tp_size, pp=pp_size)
+    model = sw.parallelize(sw.models.GPT(CONFIG, seed=0), mesh, tp_plan="gpt" if tp_size > 1 else None,
+                           pp_schedule=schedule, virtual_stages=virtual, n_microbatches=2, compression=method)
+    return model, mesh.coords.dp, sgd(model.parameters())
+
+
+def hybrid_steps(model, opt, dp_rank, dp, start, count):
+    for step in range(start, start + count):
+        model.step(*batch(step, dp_rank, dp))
+        opt.step()
+        opt.zero_grad()
+
+
+def hybrid_snapshot(model):
+    """The full parameters (original names) and every declared compressor state, copied."""
+    states = {name: {k: v.clone() for k, v in state.state_dict().items()}
+              for name, state in layout.extra_states(model).items()}
+    return {k: v.clone() for k, v in sw.full_state_dict(model).items()}, states
+
+
+def hybrid_same(a, b):
+    def equal(x, y):
+        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    return equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(equal(a[1][n], b[1][n]) for n in a[1])
+
+
+@pytest.mark.parametrize("dims, method, schedule, virtual", [
+    ((2, 1, 2), METHODS[0], "1f1b", 1),
+    ((2, 2, 1), METHODS[1], "1f1b", 1),
+    ((2, 1, 2), METHODS[1], "interleaved_1f1b", 2),  # two stages per rank: two compressors, two names
+], ids=["dp2xpp2-powersgd", "dp2xtp2-topk", "dp2xpp2-interleaved-topk"])
+def test_parallelize_resumes_bit_identically_with_its_stages_compressors(dims, method, schedule, virtual, tmp_path):
+    world = dims[0] * dims[1] * dims[2]
+
+    def uninterrupted(comm):
+        model, dp_rank, opt = hybrid(comm, dims, method, schedule, virtual)
+        hybrid_steps(model, opt, dp_rank, dims[0], 0, BEFORE + AFTER)
+        for _, params, group in model.pipe.tied.groups:  # the tied embedding / head copies stayed equal
+            for p in params:
+                mean = p.detach().clone()
+                group.all_reduce(mean, sw.ReduceOp.AVG)
+                assert torch.equal(mean, p.detach()), "the copies of a tied weight drifted apart"
+        return hybrid_snapshot(model)
+
+    def interrupted(comm, reset):
+        model, dp_rank, opt = hybrid(comm, dims, method, schedule, virtual)
+        hybrid_steps(model, opt, dp_rank, dims[0], 0, BEFORE)
+        names = sorted(layout.extra_states(model))
+        stages = sorted(int(s) for s in model.pipe.stages)
+        assert names == [f"stages.{s}.compressor" for s in stages], names  # one per local stage, named by it
+        saved = hybrid_snapshot(model)[1]
+        assert all(any(k.startswith("memory/") and v.abs().sum() > 0 for k, v in state.items())
+                   for state in saved.values())  # every stage has residuals to lose
+        sw.save_checkpoint(tmp_path / f"run-{reset}", model, opt, step=BEFORE)
+        fresh, _, fresh_opt = hybrid(comm, dims, method, schedule, virtual)
+        sw.load_checkpoint(tmp_path / f"run-{reset}", fresh, fresh_opt, reset_strategy_state=reset)
+        if not reset:
+            assert hybrid_same(hybrid_snapshot(fresh), hybrid_snapshot(model))
+        hybrid_steps(fresh, fresh_opt, dp_rank, dims[0], BEFORE, AFTER)
+        return hybrid_snapshot(fresh)
+
+    reference = sw.launch(uninterrupted, world)
+    resumed = sw.launch(interrupted, world, False)
+    for rank in range(world):
+        assert hybrid_same(resumed[rank], reference[rank]), f"rank {rank}: the resumed run differs"
+    metadata = json.loads((tmp_path / "run-False" / f"step-{BEFORE:08d}" / "metadata.json").read_text())
+    saved = metadata["strategy_state"]
+    n_stages = dims[2] * virtual
+    assert sorted(saved) == sorted(f"stages.{s}.compressor" for s in range(n_stages))
+    assert all(len(state["copies"]) == world // dims[2] and state["scope"] == "per_rank" for state in saved.values())
+    reset = sw.launch(interrupted, world, True)  # the check can fail: without the residuals it is another run
+    assert not hybrid_same(reset[0], reference[0])

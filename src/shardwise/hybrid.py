@@ -39,6 +39,7 @@ from . import layout
 from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
+from .comm.base import ReduceOp
 from .compression.support import check_supported
 from .ddp import DDP
 from .mesh import Mesh
@@ -182,7 +183,33 @@ class HybridModel(nn.Module):
             loss = self.pipe.step(inputs, targets) / self._loss_scale
         for stage in stages:  # once per step, after the last microbatch: the same order on every dp rank
             stage.sync_gradients()
+        if self.plan.compression is not None:
+            self._average_copies_gradients()
         return loss
+
+    def _average_copies_gradients(self) -> None:
+        """After a compressed reduction, make every copy of a parameter take the same step again: the copies of a
+        weight tied across pipeline ranks (a GPT's embedding and head), and a parameter replicated over the tensor-
+        parallel ranks (biases of row-parallel layers, LayerNorms, position embeddings). Their gradients entered the
+        reduction equal (the pipeline summed the tied copies; tensor-parallel ranks compute the same gradient for a
+        replicated weight), but each rank's compressor treats its copy as part of its own buckets (TopK ranks it
+        against the rank's other gradients, which differ across tp ranks; PowerSGD's and OneBit's residuals are the
+        rank's own), so the results differ and the copies would drift apart (and a checkpoint, which saves one copy,
+        would not resume the run). Averaging the results over the copies' ranks keeps them equal; each rank's
+        residual still tracks its own error, so the average tracks the true gradient too. Costs one all-reduce of
+        the tied and replicated parameters per step, in fp32 (small next to the matrices compression is for)."""
+        for _, params, group in self.pipe.tied.groups:
+            for p in params:
+                if p.requires_grad and p.grad is not None:
+                    group.all_reduce(p.grad, ReduceOp.AVG)
+        tp_group = self.mesh.tp
+        if tp_group.size == 1:
+            return
+        for stage in self.pipe.stages.values():  # the same stages, parameters and order on every tp rank
+            for pl in layout.placements(stage).values():
+                if pl.tied_over is None and any(g is tp_group for g in pl.replicated_over) \
+                        and pl.param.requires_grad and pl.param.grad is not None:
+                    tp_group.all_reduce(pl.param.grad, ReduceOp.AVG)
 
     def forward(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         """Same as `step`."""
@@ -271,7 +298,9 @@ def parallelize(
         `sw.ZeRO`): each stage's master shards, gradients and optimizer state live on the host.
     compression: a `sw.compression` method for the dp axis's gradient reduction (each stage keeps its own state):
         with ddp, zero1/2, fsdp:hybrid_shard (its replicate axis); refused with zero3 and the other fsdp strategies
-        (docs/compression.md has the table).
+        (docs/compression.md has the table). Each stage's compressor state is declared as `stages.<s>.compressor`
+        and saved by `sw.save_checkpoint`; copies of tied and tp-replicated parameters are averaged after the
+        compressed reduction so they stay equal.
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):

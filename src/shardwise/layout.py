@@ -224,7 +224,8 @@ class Parallelized:
     world: a communicator spanning every rank of the model when the strategy knows one (a Mesh's world).
     partitioned_over: a group across which ranks hold *different parameters* (pipeline stages).
     options: what the strategy was asked for, for describe() / the planner (JSON-able values).
-    extra_state: state it holds besides parameters and optimizer, for checkpoints (see ExtraState).
+    extra_state: state it holds besides parameters and optimizer, for checkpoints (see ExtraState); may be a
+        function, evaluated when asked (a pipeline gathers its stages' states, declared when the stages are wrapped).
     """
 
     name: str
@@ -236,7 +237,7 @@ class Parallelized:
     partitioned_over: Communicator | None = None
     buffer_names: dict[str, str] | None = None  # local buffer name -> original name (pipeline stages)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    extra_state: tuple[ExtraState, ...] = ()
+    extra_state: tuple[ExtraState, ...] | Callable[[], tuple[ExtraState, ...]] = ()
 
 
 def strategies(model: nn.Module) -> list[Parallelized]:
@@ -248,7 +249,7 @@ def extra_states(model: nn.Module) -> dict[str, ExtraState]:
     """Every strategy's extra state (see ExtraState), by name, innermost strategy first; ValueError on a clash."""
     out: dict[str, ExtraState] = {}
     for record in strategies(model):
-        for state in record.extra_state:
+        for state in _evaluate(record.extra_state):
             if state.name in out:
                 raise ValueError(f"two strategies of the model declare extra state named {state.name!r} "
                                  f"({' + '.join(r.name for r in strategies(model))}); names must be unique")

@@ -6,7 +6,10 @@ pipeline rank (the GPT's embedding and head), the group of ranks holding the cop
 strategy applied to the stage afterwards reads that and keeps the weight whole (the sharding engine makes it a
 replicated parameter), so the executor can still sum the copies' gradients. The Pipeline module itself gets a live
 "pipeline" record: the union of its stages' current placements (whatever wraps them later), partitioned over the
-pipeline group, so clipping, full state dicts and checkpoints of a pipeline see every stage.
+pipeline group, so clipping, full state dicts and checkpoints of a pipeline see every stage. The same record
+gathers the extra state (layout.ExtraState) its local stages' strategies declare, such as each stage's gradient
+compressor, renamed ``stages.<s>.<name>``: unique when a rank holds several stages, and the same name on every rank
+holding that stage (its dp replicas and tp ranks), so a checkpoint matches each stage's state with its own.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ def declare_pipeline(pipe: nn.Module, stages: dict[str, nn.Module], comm: Commun
     def comms() -> tuple[Communicator, ...]:
         return tuple(c for stage in stages.values() for r in layout.strategies(stage) for c in layout.record_comms(r))
 
+    def extra_state() -> tuple[layout.ExtraState, ...]:
+        # Evaluated when asked: the stages are wrapped (DDP, ZeRO: their compressors declared) after this record.
+        return tuple(dataclasses.replace(state, name=f"stages.{s}.{state.name}")
+                     for s, stage in stages.items() for state in layout.extra_states(stage).values())
+
     layout.declare(pipe, layout.Parallelized(
         "pipeline", comms, placements, memory=lambda: layout.merged_memory(stages.values()), world=comm,
-        partitioned_over=comm, options={"stages": [int(s) for s in stages]}))
+        partitioned_over=comm, options={"stages": [int(s) for s in stages]}, extra_state=extra_state))
