@@ -1,8 +1,13 @@
 """`shardwise run` (launch/supervise.py): it trains a user's script on gloo processes, names the rank that failed first
-with its traceback, stops the ranks that hang, leaves no process behind, and asks its policy before tearing down."""
+with its traceback, stops the ranks that hang, leaves no process behind, and asks its policy before tearing down.
+
+The command line runs end to end where it adds something (training, a rank killed by a signal and its exit code, two
+nodes); the rank that raises and the rank that hangs run the supervisor in this process (`run()`, whose report the
+command prints as it is), which saves an interpreter importing torch per test."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import socket
@@ -66,9 +71,9 @@ def test_a_rank_that_raises_fails_the_run_with_its_traceback(tmp_path):
             raise ValueError("bad batch on rank 1")
         comm.all_reduce(t)  # rank 0 waits here for rank 1
     """)
-    result = _shardwise("run", "-n", "2", script)
-    assert result.returncode == 1, result.stderr
-    report = result.stderr[result.stderr.index("shardwise run: rank 1 failed first"):]
+    result = run(RunConfig(script, nproc=2), out=io.StringIO())
+    assert result.exit_code == 1, result.report()
+    report = result.report()
     assert report.startswith("shardwise run: rank 1 failed first: ValueError: bad batch on rank 1"), report
     root = report.split("--- traceback of rank 1 (the root cause) ---")[1].split("---")[0]
     assert f'File "{script}", line 7, in <module>' in root and 'raise ValueError("bad batch on rank 1")' in root
@@ -90,12 +95,13 @@ def test_a_hanging_rank_is_stopped_with_its_stack_and_no_process_is_left(tmp_pat
             time.sleep(0.05)  # never reaches a collective: only the supervisor can stop it
     """)
     start = time.monotonic()
-    result = _shardwise("run", "-n", "2", "--grace", "1", script, timeout=120)
+    result = run(RunConfig(script, nproc=2, grace=1.0), out=io.StringIO())
     took = time.monotonic() - start
-    assert result.returncode == 1, result.stderr
-    assert "shardwise run: rank 1 failed first: RuntimeError: rank 1 gives up" in result.stderr
-    assert "shardwise run: stopped rank(s) [0], still running when the job was torn down" in result.stderr
-    stack = result.stderr.split("--- Python stack of rank 0 when it was stopped ---")[1]
+    report = result.report()
+    assert result.exit_code == 1, report
+    assert "shardwise run: rank 1 failed first: RuntimeError: rank 1 gives up" in report
+    assert "shardwise run: stopped rank(s) [0], still running when the job was torn down" in report
+    stack = report.split("--- Python stack of rank 0 when it was stopped ---")[1]
     assert f'File "{script}", line 9 in <module>' in stack, stack
     assert took < 60, f"stopping the hanging rank took {took:.0f}s"
     pid = int(pid_file.read_text())
