@@ -333,7 +333,9 @@ def plot(rows: dict[str, list[dict[str, Any]]], modes: list[str], args: argparse
     for ax in (by_time, by_samples):
         ax.set_ylabel("training loss")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{args.workers} workers, one {args.factor:g}x slower ({args.preset} GPT, gloo)")
+    straggler = f"one {args.factor:g}x slower" if args.factor != 1 else "no straggler"
+    start = f", from {args.pretrain_steps} synchronous steps" if args.pretrain_steps else ""
+    fig.suptitle(f"{args.workers} workers, {straggler} ({args.preset} GPT, gloo{start})")
     fig.tight_layout()
     fig.savefig(args.plot, dpi=80)
     print(f"plot written to {args.plot}", file=sys.stderr)
