@@ -253,9 +253,11 @@ def test_bad_options_are_named(kwargs, words):
         StreamingDiLoCo(GPT(CONFIG, seed=0), sw.init(), **options)
 
 
-def test_diloco_streaming_options_refuse_compression():
-    with pytest.raises(ValueError, match="does not take compression= or reduce= yet"):
-        DiLoCo(GPT(CONFIG, seed=0), sw.init(), sync_every=8, fragments=2, compression=sw.compression.FP16())
+def test_diloco_streaming_options():
+    with pytest.raises(ValueError, match="does not take reduce="):
+        DiLoCo(GPT(CONFIG, seed=0), sw.init(), sync_every=8, fragments=2, reduce=lambda c, f: None)
+    with pytest.raises(ValueError, match="compression='fp16' must be None or a sw.compression method"):
+        StreamingDiLoCo(GPT(CONFIG, seed=0), sw.init(), sync_every=8, fragments=2, compression="fp16")
     model = DiLoCo(GPT(CONFIG, seed=0), sw.init(), sync_every=8, fragments=2, overlap_steps=1)
     assert model.overlap_steps == 1 and model.alpha == 0.5 and len(model.outer_optimizers) == 2
 

@@ -43,13 +43,13 @@ def DiLoCo(
     F groups of layer blocks synchronised H/F steps apart, each all-reduce applied tau steps after it starts and
     merged as alpha * local + (1 - alpha) * global. The defaults (1, 0) are DiLoCo as above."""
     if fragments != 1 or overlap_steps != 0 or alpha is not None:
-        if compression is not None or reduce is not None:
+        if reduce is not None:
             raise ValueError(f"DiLoCo: fragments={fragments!r} / overlap_steps={overlap_steps!r} / alpha={alpha!r} "
-                             f"(Streaming DiLoCo) does not take compression= or reduce= yet; allowed: either "
-                             f"streaming (fragments, overlap_steps, alpha) or compression / reduce with fragments=1, "
-                             f"overlap_steps=0")
+                             f"(Streaming DiLoCo) does not take reduce=; allowed: compression= with streaming, or "
+                             f"reduce= with fragments=1, overlap_steps=0")
         return StreamingDiLoCo(module, comm, sync_every=sync_every, fragments=fragments, overlap_steps=overlap_steps,
-                               alpha=alpha, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov)
+                               alpha=alpha, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                               compression=compression)
     for name, value, low in (("outer_lr", outer_lr, "> 0"), ("outer_momentum", outer_momentum, "in [0, 1)")):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
             value > 0 if name == "outer_lr" else 0 <= value < 1)

@@ -42,6 +42,7 @@ from .._mixin import mix_in
 from ..agreement import check_agreement, describe_parameters
 from ..comm.base import Communicator, ReduceOp, Work
 from ..comm.coalesced import broadcast_coalesced
+from ..compression.base import Compressor
 from ..placement import to_comm_device
 from .checks import check_comm, check_positive_int, check_whole_model
 from .flat import group_by_dtype, pack, unpack
@@ -74,11 +75,11 @@ class _Pending:
 class _StreamingState:
     """Per-model streaming state: fragments, anchors, per-fragment outer optimizers, the syncs in flight."""
 
-    compressor = None  # LocalSGDModule.compressor: streaming sends outer gradients uncompressed
-
     def __init__(self, module: nn.Module, comm: Communicator, sync_every: int, fragments: int, overlap: int,
-                 alpha: float, pattern: str, outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
+                 alpha: float, pattern: str, outer_lr: float, outer_momentum: float, nesterov: bool,
+                 compressor: Compressor | None = None) -> None:
         self.comm = comm
+        self.compressor = compressor  # this rank's own (its error-feedback memory is this rank's)
         self.sync_every = sync_every
         self.overlap = overlap
         self.alpha = alpha
@@ -101,9 +102,13 @@ class _StreamingState:
             # the last fragment, once every H steps like DiLoCo.
             bufs = [j for j, (name, _) in enumerate(named_buffers)
                     if blocks.get(name.rsplit(".", 1)[0], fragments - 1) == f]
-            members = [*part, *(n + j for j in bufs)]
-            tensors = [self.params[i] if i < n else self.buffers[i - n] for i in members]
-            groups = [[members[k] for k in g] for g in group_by_dtype(tensors)]
+            if compressor is None:  # parameters and buffers in one all-reduce per dtype, as DiLoCo
+                members = [*part, *(n + j for j in bufs)]
+                tensors = [self.params[i] if i < n else self.buffers[i - n] for i in members]
+                groups = [[members[k] for k in g] for g in group_by_dtype(tensors)]
+            else:  # outer gradients through the compressor, one bucket per dtype; buffers averaged exactly apart
+                groups = [[part[k] for k in g] for g in group_by_dtype([self.params[i] for i in part])]
+                groups += [[n + bufs[k] for k in g] for g in group_by_dtype([self.buffers[j] for j in bufs])]
             outer = torch.optim.SGD([self.anchors[i] for i in part], lr=outer_lr, momentum=outer_momentum,
                                     nesterov=nesterov and outer_momentum > 0)
             self.fragments.append(_Fragment(f, (f + 1) * sync_every // fragments, list(part), bufs, groups, outer))
@@ -115,13 +120,30 @@ class _StreamingState:
         n = len(self.params)
         return self.buffers[i - n] if i >= n else self.anchors[i] - self.params[i]
 
+    def bucket_key(self, frag: _Fragment, k: int) -> str:
+        """The compressor's bucket for the fragment's k-th dtype group: LocalSGD's "outer/<k>" with one fragment
+        (so F = 1, tau = 0 with compression is DiLoCo with compression, bit for bit), else "outer/<f>/<k>"."""
+        return f"outer/{k}" if len(self.fragments) == 1 else f"outer/{frag.index}/{k}"
+
+    def compressed_buckets(self) -> list[int]:
+        """Elements of every compressed bucket, in fragment and dtype order (the compressor's checkpoint config)."""
+        n = len(self.params)
+        return [sum(self.params[i].numel() for i in g) for f in self.fragments for g in f.groups if g[0] < n]
+
     @torch.no_grad()
     def start(self, frag: _Fragment, due: int) -> None:
-        """Pack the fragment's outer gradient (and buffer values) and all-reduce it asynchronously."""
+        """Pack the fragment's outer gradient (and buffer values) and all-reduce it asynchronously (compressed
+        outer gradients through the compressor's own asynchronous reduce)."""
         flats, works = [], []
-        for group in frag.groups:
-            flat = pack([self._part(i) for i in group])
-            works.append(self.comm.all_reduce(flat, ReduceOp.AVG, async_op=True))
+        n = len(self.params)
+        for k, group in enumerate(frag.groups):
+            parts = [self._part(i) for i in group]
+            flat = pack(parts)
+            if self.compressor is not None and group[0] < n:
+                works.append(self.compressor.reduce(self.bucket_key(frag, k), flat, self.comm,
+                                                    [t.shape for t in parts]))
+            else:
+                works.append(self.comm.all_reduce(flat, ReduceOp.AVG, async_op=True))
             flats.append(flat)
         self.pending[frag.index] = _Pending(due, flats, works)
 
@@ -294,6 +316,7 @@ def StreamingDiLoCo(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     nesterov: bool = True,
+    compression: Compressor | None = None,
 ) -> nn.Module:
     """Train `module` with Streaming DiLoCo over `comm` and return it (the same object, names unchanged).
 
@@ -304,6 +327,8 @@ def StreamingDiLoCo(
         None: 0 without overlap (DiLoCo's replacement), 0.5 with overlap (the paper's).
     pattern: "sequential" (consecutive blocks of about equal bytes) or "strided" (block i in fragment i % F).
     outer_lr, outer_momentum, nesterov: each fragment's outer SGD (DiLoCo's defaults: 0.7, Nesterov 0.9).
+    compression: a `sw.compression` method for the outer gradients (the paper quantises them), one bucket per
+        fragment and dtype with its error feedback on each rank; buffers stay exact.
     Loop: `loss.backward(); opt.step(); opt.zero_grad(); model.step()`; `model.sync()` before evaluating the global
     model. See the module docstring for the schedule and what is sent.
     """
@@ -326,15 +351,18 @@ def StreamingDiLoCo(
     _check_number(outer_momentum, "outer_momentum", 0, 1)
     if not isinstance(nesterov, bool):
         raise ValueError(f"{who}: nesterov={nesterov!r} must be True or False")
+    if compression is not None and not isinstance(compression, Compressor):
+        raise ValueError(f"{who}: compression={compression!r} must be None or a sw.compression method (FP16(), "
+                         f"BF16(), TopK(ratio), RandomK(ratio), PowerSGD(rank), OneBit())")
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError(f"{who}: the module has no trainable parameter (requires_grad=True): nothing to synchronise")
     to_comm_device(module, comm, who)
     options = {"sync_every": sync_every, "fragments": fragments, "overlap_steps": overlap_steps, "alpha": alpha,
                "pattern": pattern, "outer_lr": float(outer_lr), "outer_momentum": float(outer_momentum),
-               "nesterov": nesterov}
+               "nesterov": nesterov, "compression": None if compression is None else compression.config()}
     # Validate the split before any collective, so a bad F fails alike on every rank without a hang.
     state = _StreamingState(module, comm, sync_every, fragments, overlap_steps, alpha, pattern, outer_lr,
-                            outer_momentum, nesterov)
+                            outer_momentum, nesterov, None if compression is None else compression.fresh())
     check_agreement(comm, who, {"parameters": describe_parameters(module), "options": options})
     if comm.size > 1:
         with torch.no_grad():

@@ -177,4 +177,7 @@ def declare_streaming(module: nn.Module, comm: Communicator, options: dict[str, 
         check=lambda flat: _check_local(module, flat),
         config={"values": len(_local_values(module))},
         group=comm)
-    layout.declare(module, layout.Parallelized("local_sgd", (), before, options=options, extra_state=(outer, local)))
+    extra = [outer, local]
+    if module.compressor is not None:  # the outer gradients' error-feedback memory: each rank's own
+        extra.append(module.compressor.extra_state(comm, buckets=module._local_sgd.compressed_buckets()))
+    layout.declare(module, layout.Parallelized("local_sgd", (), before, options=options, extra_state=tuple(extra)))
