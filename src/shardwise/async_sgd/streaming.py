@@ -20,6 +20,9 @@ Mechanism, per worker (every rank runs the same schedule, so the collectives mat
   `fragment_update_alpha`, defaults to 0: replacement; pass alpha=0 for that).
 * tau < H, so a fragment has at most one synchronisation in flight; several fragments may be in flight at once
   when tau >= H/F. With F = 1 and tau = 0 this is `sw.DiLoCo` step for step, bit for bit (tested).
+* `compression=` sends each fragment's outer gradients through a `sw.compression` method (the paper quantises
+  them to 4 bits), with the compressor's own asynchronous reduce: one bucket per fragment and dtype, error feedback
+  on each rank; floating-point buffers are then averaged exactly in their own all-reduce.
 * `model.sync()` completes the synchronisations in flight and then synchronises every fragment at once, blocking,
   with the local parameters replaced: afterwards the replicas are equal (an evaluation, the end of training).
 
