@@ -37,7 +37,7 @@ line); the human-readable summary goes to stderr.
 
     .venv/bin/python bench/sharding.py                          # all 8 rows, bench preset, 10 rounds x 2 steps
     .venv/bin/python bench/sharding.py --impls sw_zero3,ds_zero3 --profile
-    .venv/bin/python bench/sharding.py --only fsdp2             # the separate memory run of one implementation
+    .venv/bin/python bench/sharding.py --only sw_zero3,fsdp2 --memory-repeats 5   # memory runs only, alternating
 """
 
 from __future__ import annotations
@@ -587,7 +587,8 @@ def _memory_rows(cfg: Config, names: list[str], steps: int, repeats: int) -> lis
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--impls", default=",".join(ALL), help=f"comma list of {KNOWN} (default: all but local)")
-    ap.add_argument("--only", default=None, metavar="NAME", help="only the separate memory run of NAME")
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help="only the separate memory runs of NAMES (comma list; alternating with --memory-repeats)")
     ap.add_argument("--steps", type=int, default=2, help="measured steps per implementation per round (default 2)")
     ap.add_argument("--rounds", type=int, default=10, help="alternation rounds (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps of each implementation first (default 3)")
@@ -604,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="DeepSpeed gradient_clipping (default 0.0 = off, as every other row; DeepSpeed's own is 1.0)")
     args = ap.parse_args(argv)
     impls = tuple(comma_list(args.impls))
-    bad = [n for n in impls + ((args.only,) if args.only else ()) if n not in KNOWN]
+    only = tuple(comma_list(args.only)) if args.only else ()
+    bad = [n for n in impls + only if n not in KNOWN]
     if bad:
         ap.error(f"unknown implementation(s) {bad}; allowed {KNOWN}")
     if args.nproc < 2:
@@ -619,11 +621,12 @@ def main(argv: list[str] | None = None) -> int:
               "cpus": os.cpu_count()}
     err = sys.stderr
     t0 = time.time()
-    if args.only:
-        rows = _memory_rows(cfg, [args.only], args.memory_steps, args.memory_repeats)
-        r = rows[0]
-        print(f"{args.only}: peak RSS per rank {r['peak_rss_MB']} MB (before build {r['rss_before_build_MB']}, "
-              f"growth {r['peak_minus_start_MB']})", file=err)
+    if only:
+        cfg = dataclasses.replace(cfg, impls=only)  # the libraries of every row named are imported in each run
+        for r in _memory_rows(cfg, list(only), args.memory_steps, args.memory_repeats):
+            print(f"{r['name']}: peak RSS per rank {r['peak_rss_MB']} MB (medians of {args.memory_repeats}; before "
+                  f"build {r['rss_before_build_MB']}, growth {r['peak_minus_start_MB']}; runs "
+                  f"{r['peak_rss_MB_runs']})", file=err)
         return 0
 
     results = shardwise.launch(_rank_main, cfg.nproc, cfg, backend="gloo", threads_per_rank=1, timeout=600)
