@@ -98,7 +98,7 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         model = DiLoCo(model, comm, sync_every=int(value), outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     elif kind == "streaming":
         model = StreamingDiLoCo(model, comm, sync_every=int(value), outer_lr=args.outer_lr,
-                                outer_momentum=args.outer_momentum, **options)
+                                outer_momentum=args.outer_momentum, alpha=args.alpha or 0.0, **options)
     else:
         model = AsyncSGD(model, comm, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.ps_lr or lr), n_servers=1,
                          staleness=value, lr_scaling=None if args.ps_lr_scaling == "none" else args.ps_lr_scaling)
@@ -229,6 +229,8 @@ def main() -> None:
     parser.add_argument("--inner-lr", type=float, default=None, help="inner AdamW lr of local SGD / DiLoCo")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr (the paper's 0.7)")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum")
+    parser.add_argument("--alpha", type=float, default=None, help="Streaming DiLoCo's mixing weight of the local "
+                        "values after an overlapped synchronisation (default 0: replaced by the global values)")
     parser.add_argument("--warmup", type=int, default=0, help="linear lr warm-up steps (DDP, local SGD inner)")
     parser.add_argument("--ps-lr", type=float, default=None, help="the parameter server's AdamW lr")
     parser.add_argument("--ps-lr-scaling", default="workers", choices=["workers", "staleness", "none"],

@@ -114,7 +114,7 @@ def _overlap_run(comm, steps, h, options, eps=1e-8):
 
 def test_overlapped_syncs_land_tau_steps_later_and_training_lowers_the_loss():
     h, f, tau, steps = 8, 2, 3, 24
-    results = sw.launch(_overlap_run, 2, steps, h, {"fragments": f, "overlap_steps": tau})
+    results = sw.launch(_overlap_run, 2, steps, h, {"fragments": f, "overlap_steps": tau, "alpha": 0.5})
     r = results[0]
     # fragment 0 starts at steps 4, 12, 20 and fragment 1 at 8, 16, 24 (1-based); each lands 3 steps later
     due = [i + 1 for i, a in enumerate(r["applied"]) if a]
@@ -259,7 +259,7 @@ def test_diloco_streaming_options():
     with pytest.raises(ValueError, match="compression='fp16' must be None or a sw.compression method"):
         StreamingDiLoCo(GPT(CONFIG, seed=0), sw.init(), sync_every=8, fragments=2, compression="fp16")
     model = DiLoCo(GPT(CONFIG, seed=0), sw.init(), sync_every=8, fragments=2, overlap_steps=1)
-    assert model.overlap_steps == 1 and model.alpha == 0.5 and len(model.outer_optimizers) == 2
+    assert model.overlap_steps == 1 and model.alpha == 0.0 and len(model.outer_optimizers) == 2
 
 
 @pytest.mark.multiprocess

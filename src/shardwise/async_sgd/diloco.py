@@ -32,7 +32,7 @@ def DiLoCo(
     compression: Compressor | None = None,
     fragments: int = 1,
     overlap_steps: int = 0,
-    alpha: float | None = None,
+    alpha: float = 0.0,
 ) -> nn.Module:
     """`LocalSGD(module, comm, sync_every=H, outer_optimizer=SGD(lr=outer_lr, momentum=outer_momentum,
     nesterov=nesterov))`. Defaults are the paper's. `nesterov` is ignored when outer_momentum is 0 (plain outer
@@ -42,7 +42,7 @@ def DiLoCo(
     fragments / overlap_steps / alpha: Streaming DiLoCo (`sw.StreamingDiLoCo`, which takes them and its `pattern`):
     F groups of layer blocks synchronised H/F steps apart, each all-reduce applied tau steps after it starts and
     merged as alpha * local + (1 - alpha) * global. The defaults (1, 0) are DiLoCo as above."""
-    if fragments != 1 or overlap_steps != 0 or alpha is not None:
+    if fragments != 1 or overlap_steps != 0 or alpha != 0:
         if reduce is not None:
             raise ValueError(f"DiLoCo: fragments={fragments!r} / overlap_steps={overlap_steps!r} / alpha={alpha!r} "
                              f"(Streaming DiLoCo) does not take reduce=; allowed: compression= with streaming, or "
