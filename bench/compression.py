@@ -3,7 +3,7 @@ simulated slow links (sw.comm.Throttled at 1 Gbit/s and 100 Mbit/s), loss after 
 beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataParallel in the same run.
 
 Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16`, `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
-(rank --rank, start_iter --start-iter), `onebit`, `onebit_adam` (warm-up --freeze-step; its own optimizer, with
+(rank --rank, start_iter --start-iter), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
 AdamW's hyperparameters), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
 start iteration). Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
 momentum SGD with --optimizer sgd) in the SAME
@@ -42,7 +42,7 @@ from shardwise.models.gpt import GPT
 
 from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
 
-OURS = ("none", "fp16", "bf16", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit", "onebit_adam")
+OURS = ("none", "fp16", "bf16", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit", "onebit_block", "onebit_adam")
 TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook")
 # Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
 GOALS = {"fp16": 0.005, "bf16": 0.005, "fp16_ef": 0.005, "bf16_ef": 0.005, "torch_fp16_hook": 0.005, "torch_bf16_hook": 0.005, "torch_ddp": 0.005}
@@ -67,6 +67,7 @@ class Config:
     latency_ms: float
     lr: float = 1e-3
     optimizer: str = "adamw"
+    onebit_block: int = 64
     seed: int = 0
 
 
@@ -148,7 +149,7 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
     method = {"none": None, "fp16": FP16(), "bf16": BF16(), "fp16_ef": FP16(error_feedback=True),
               "bf16_ef": BF16(error_feedback=True), "topk": TopK(cfg.topk_ratio),
               "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
-              "onebit": OneBit()}[name]
+              "onebit": OneBit(), "onebit_block": OneBit(block_size=cfg.onebit_block)}[name]
     ddp = sw.DDP(model, link_comm, compression=method)
     return _Row(name, ddp, _optimizer(ddp.parameters(), cfg), link_comm)
 
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="every row's optimizer but onebit_adam's (sgd: momentum 0.9, no weight decay)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
+    p.add_argument("--onebit-block", type=int, default=64, help="the onebit_block row's OneBit(block_size=)")
     p.add_argument("--nproc", type=int, default=2)
     a = p.parse_args(argv)
     rows = tuple(comma_list(a.rows))
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     links = () if a.loss_only else tuple(comma_list(a.links))
     lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
-                 a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer)
+                 a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer, a.onebit_block)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]

@@ -111,6 +111,32 @@ def test_onebit_sends_sign_times_mean_magnitude_per_tensor(seed, world):
         torch.testing.assert_close(result, sum(contributions) / world, rtol=1e-5, atol=1e-6)
 
 
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), world=st.integers(1, 3), block=st.sampled_from([1, 7, 16, 64]))
+def test_onebit_block_size_gives_each_run_of_a_tensor_its_own_scale(seed, world, block):
+    grads_of = random_grads(seed)
+    method = OneBit(block_size=block)
+    results = exchange(method, world, grads_of)
+    contributions = []
+    for r, ((result, _, after, measured),) in enumerate(results):
+        g = grads_of(r, 0)
+        s = sent(None, after, g)
+        offset, runs = 0, 0
+        for shape in SHAPES:
+            n = torch.Size(shape).numel()
+            for start in range(0, n, block):  # runs restart at every tensor: a scale never spans two tensors
+                stop = min(start + block, n)
+                piece, gpiece = s[offset + start:offset + stop], g[offset + start:offset + stop]
+                torch.testing.assert_close(piece.abs(), torch.full_like(piece, float(gpiece.abs().mean())))
+                runs += 1
+            offset += n
+        assert measured.wire_bytes() == method.wire_bytes(SHAPES, world)
+        assert method.wire_bytes(SHAPES, world) == (world - 1) * ((NUMEL + 7) // 8 + 4 * runs)
+        contributions.append(s)
+    for (result, *_), in results:
+        torch.testing.assert_close(result, sum(contributions) / world, rtol=1e-5, atol=1e-6)
+
+
 def test_sign_packing_round_trips_any_length():
     for n in (1, 7, 8, 9, 64, 1001):
         x = torch.randn(n)
@@ -195,10 +221,10 @@ def test_powersgd_sends_small_matrices_uncompressed_by_min_compression_rate():
 
 
 # ---- error feedback -------------------------------------------------------------------------------------------
-EF_METHODS = [TopK(0.05), RandomK(0.2), OneBit(), PowerSGD(rank=1, start_iter=0, min_compression_rate=1)]
+EF_METHODS = [TopK(0.05), RandomK(0.2), OneBit(), OneBit(block_size=16), PowerSGD(rank=1, start_iter=0, min_compression_rate=1)]
 
 
-@pytest.mark.parametrize("method", EF_METHODS, ids=lambda m: m.name)
+@pytest.mark.parametrize("method", EF_METHODS, ids=lambda m: repr(m))
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_error_feedback_makes_sent_updates_track_true_gradients(method, seed):
@@ -303,6 +329,8 @@ def test_load_state_dict_names_an_unknown_entry():
     (lambda: TopK(1.5), r"ratio=1.5"),
     (lambda: RandomK("0.1"), r"ratio='0.1'"),
     (lambda: PowerSGD(rank=0), r"rank=0 must be an int >= 1"),
+    (lambda: OneBit(block_size=0), r"OneBit: block_size=0 must be None \(one scale per tensor\) or an int >= 1"),
+    (lambda: OneBit(block_size=2.5), r"block_size=2.5"),
     (lambda: PowerSGD(rank=2, start_iter=-1), r"start_iter=-1"),
     (lambda: PowerSGD(rank=2, min_compression_rate=-1), r"min_compression_rate=-1"),
     (lambda: PowerSGD(rank=2, warm_start="yes"), r"warm_start='yes' must be True or False"),
