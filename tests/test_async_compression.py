@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from local_sgd_cases import train_inner_steps
 from parity import CONFIG, assert_state_close, batch
 
 import shardwise as sw
@@ -18,20 +19,9 @@ def train(comm, wrap: str, compression, steps: int, sync_every: int, inner: str 
         model = DiLoCo(model, comm, sync_every=sync_every, compression=compression)
     else:
         model = LocalSGD(model, comm, sync_every=sync_every, compression=compression)
-    opt = (torch.optim.AdamW(model.parameters(), lr=3e-3) if inner == "adamw"
-           else torch.optim.SGD(model.parameters(), lr=0.1))
-    losses, sync_bytes = [], []
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.size)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        with comm.stats.measure() as measured:
-            synced = model.step()
-        if synced:
-            sync_bytes.append(measured.wire_bytes())
-        losses.append(float(loss.detach()))
+    steps_run = train_inner_steps(model, comm, steps, inner)
+    losses = [s.loss for s in steps_run]
+    sync_bytes = [s.measured.wire_bytes() for s in steps_run if s.synced]
     memory = {} if model.compressor is None else model.compressor.state_dict()
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses,
             "sync_bytes": sync_bytes, "memory": memory}
@@ -118,19 +108,8 @@ def _streaming(comm, compression, steps: int, options: dict, inner: str = "adamw
     from shardwise.async_sgd import StreamingDiLoCo
 
     model = StreamingDiLoCo(GPT(CONFIG, seed=0), comm, sync_every=4, compression=compression, **options)
-    opt = (torch.optim.AdamW(model.parameters(), lr=3e-3) if inner == "adamw"
-           else torch.optim.SGD(model.parameters(), lr=0.1))
-    losses, traffic = [], []
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.size)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        with comm.stats.measure() as measured:
-            model.step()
-        losses.append(float(loss.detach()))
-        traffic.append(measured.wire_bytes())
+    steps_run = train_inner_steps(model, comm, steps, inner)
+    losses, traffic = [s.loss for s in steps_run], [s.measured.wire_bytes() for s in steps_run]
     params = dict(model.named_parameters())
     shapes = [[params[name].shape for name in f["names"]] for f in model.fragments]
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses,

@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from local_sgd_cases import train_inner_steps
 from parity import CONFIG, assert_state_close, batch
 
 import shardwise as sw
@@ -29,19 +30,8 @@ def wrap(comm, kind: str, h: int, **options):
 def train(comm, kind: str, steps: int, h: int, options: dict, inner: str = "adamw"):
     """Train on this rank's slice of each global batch; return (state, losses, all_reduce bytes of each step)."""
     model = wrap(comm, kind, h, **options)
-    opt = (torch.optim.AdamW(model.parameters(), lr=3e-3) if inner == "adamw"
-           else torch.optim.SGD(model.parameters(), lr=0.1))
-    losses, traffic = [], []
-    for step in range(steps):
-        x, y = batch(step, comm.rank, comm.size)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        with comm.stats.measure() as measured:
-            model.step()
-        losses.append(float(loss.detach()))
-        traffic.append(measured.bytes("all_reduce"))
+    steps_run = train_inner_steps(model, comm, steps, inner)
+    losses, traffic = [s.loss for s in steps_run], [s.measured.bytes("all_reduce") for s in steps_run]
     return state_of(model), losses, traffic
 
 

@@ -1,0 +1,42 @@
+"""The inner training loop shared by the local SGD / DiLoCo / Streaming DiLoCo tests: a wrapped model trained on
+this rank's slice of each global batch, with every outer synchronisation's traffic measured."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from parity import batch
+
+
+@dataclasses.dataclass
+class InnerStep:
+    """One step: the rank's loss, the CommStats of the wrapper's `step()` (the synchronisation, if any), and what
+    `step()` returned (True when it synchronised)."""
+
+    loss: float
+    measured: Any
+    synced: Any
+
+
+def inner_optimizer(params, inner: str) -> torch.optim.Optimizer:
+    """'adamw' (lr 3e-3) or 'sgd' (lr 0.1, no momentum: updates add up exactly, for parity with averaging)."""
+    params = list(params)
+    return torch.optim.AdamW(params, lr=3e-3) if inner == "adamw" else torch.optim.SGD(params, lr=0.1)
+
+
+def train_inner_steps(model, comm, steps: int, inner: str = "adamw") -> list[InnerStep]:
+    """`steps` steps: forward, backward, inner optimizer step, then `model.step()` under `comm.stats.measure()`."""
+    opt = inner_optimizer(model.parameters(), inner)
+    out = []
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.size)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with comm.stats.measure() as measured:
+            synced = model.step()
+        out.append(InnerStep(float(loss.detach()), measured, synced))
+    return out
