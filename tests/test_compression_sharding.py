@@ -162,3 +162,23 @@ def test_parallelize_refuses_an_unsupported_dp_cell():
 
     with pytest.raises(sw.LaunchError, match="zero3: gradient compression is not supported with sharded parameters"):
         sw.launch(body, 2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_compression_of_a_hand_built_tensor_parallel_model_is_refused(strategy):
+    """Tensor parallel by hand, then a compressed data-parallel wrapper: the tp-replicated parameters (norms,
+    biases) would drift apart across tp ranks with no error, so the wrap is refused and names sw.parallelize, which
+    averages the copies. Without compression the same wrap is allowed."""
+    from shardwise import tensor_parallel as tp
+    from shardwise.models import GPT
+
+    def body(comm):
+        mesh = sw.Mesh(comm, dp=2, tp=2, pp=1)
+        model = tp.parallelize(GPT(frozen_model().config, seed=0), mesh.tp, plan="gpt")
+        wrapper = sw.DDP if strategy == "ddp" else (lambda m, c, **kw: sw.ZeRO(m, c, stage=2, **kw))
+        with pytest.raises(ValueError, match=r"has copies on other ranks.*sw\.parallelize"):
+            wrapper(model, mesh.dp, compression=TopK(0.1))
+        wrapper(model, mesh.dp)  # the same wrap without compression is fine
+        return True
+
+    assert all(sw.launch(body, 4))

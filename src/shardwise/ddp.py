@@ -45,6 +45,7 @@ from .agreement import agree_on_recovery, check_agreement, describe_parameters
 from .comm.base import Communicator, ReduceOp, Work, is_communicator
 from .comm.coalesced import broadcast_coalesced
 from .compression.base import Compressor
+from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
 from .placement import to_comm_device
 
@@ -332,6 +333,7 @@ def DDP(
         raise ValueError(f"DDP: compression={compression!r} must be None or a sw.compression method (FP16(), BF16(), "
                          f"TopK(ratio), RandomK(ratio), PowerSGD(rank), OneBit())")
     layout.check_not_data_parallel(module, "DDP")
+    check_copies(module, compression, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"DDP: {name}={value!r} must be a positive number of MiB")

@@ -40,7 +40,7 @@ from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
 from .comm.base import ReduceOp
-from .compression.support import check_supported
+from .compression.support import check_supported, copies_reconciled
 from .ddp import DDP
 from .mesh import Mesh
 from .placement import to_comm_device
@@ -131,6 +131,13 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[n
 
 
 def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
+    # HybridModel averages the copies of tp-replicated and pipeline-tied parameters after the reduction
+    # (_average_copies_gradients), so compression may see them.
+    with copies_reconciled():
+        return _wrap_stage(stage, mesh, plan)
+
+
+def _wrap_stage(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
     if plan.dp_strategy == "ddp":
         return DDP(stage, mesh.dp, compression=plan.compression)
     mp = plan.mixed_precision

@@ -19,13 +19,53 @@ refused.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
+from torch import nn
+
+from .. import layout
 
 from .base import Compressor
 from .cast import _Cast
 from .powersgd import PowerSGD
 
-__all__ = ["check_supported"]
+__all__ = ["check_supported", "check_copies", "copies_reconciled"]
+
+#: Set while a caller that averages the copies of replicated parameters itself (sw.parallelize) wraps its stages.
+_RECONCILED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_copies_reconciled", default=False)
+
+
+@contextlib.contextmanager
+def copies_reconciled() -> Iterator[None]:
+    """Within the block, `check_copies` allows compression on models with copies: the caller averages the copies'
+    gradients over their groups after the data-parallel reduction (sw.parallelize does)."""
+    token = _RECONCILED.set(True)
+    try:
+        yield
+    finally:
+        _RECONCILED.reset(token)
+
+
+def check_copies(module: nn.Module, compression: object, who: str) -> None:
+    """Refuse lossy compression of a model whose parameters have copies on other ranks outside the data-parallel
+    group: a tensor-parallel model's replicated parameters (norms, biases) or weights tied across pipeline stages.
+    Each rank's compressor gives its copy a different update (different residuals, different top-k), so the copies
+    drift apart step by step with no error; sw.parallelize(compression=...) averages them after the reduction."""
+    if compression is None or _RECONCILED.get():
+        return
+    for name, pl in layout.placements(module).items():
+        groups = [g for g in pl.replicated_over if g is not None and g.size > 1]
+        if pl.tied_over is not None and pl.tied_over.size > 1:
+            groups.append(pl.tied_over)
+        if groups:
+            raise ValueError(
+                f"{who}: compression={type(compression).__name__} on a model whose parameter {name!r} has copies on "
+                f"other ranks (tensor-parallel replicated or tied across pipeline stages): each rank's compressor "
+                f"would update its copy differently and the copies would drift apart silently; use "
+                f"sw.parallelize(model, mesh, compression=...), which averages the copies, or no compression")
 
 _ALLOWED = "None or a sw.compression method (FP16(), BF16(), TopK(ratio), RandomK(ratio), PowerSGD(rank), OneBit())"
 

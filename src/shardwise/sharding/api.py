@@ -32,7 +32,7 @@ from ..placement import to_comm_device
 from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
 from ..compression.base import Compressor
-from ..compression.support import check_supported
+from ..compression.support import check_copies, check_supported
 from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
 from .engine import ShardingConfig, ShardingEngine
 from .offload import offload_level
@@ -202,6 +202,7 @@ def ZeRO(
     mp = _check_common(module, comm, mixed_precision, cpu_offload, group_mb,
                        {"prefetch": prefetch})
     check_supported(compression, f"zero{stage}", reduce_dtype=mp.reduce_dtype)
+    check_copies(module, compression, f"ZeRO stage {stage}")
     config = ShardingConfig(f"zero{stage}", **_STAGES[stage], mixed_precision=mp, wrap=wrap,
                             cpu_offload=offload_level(cpu_offload), group_mb=group_mb, prefetch=prefetch,
                             activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
@@ -255,6 +256,7 @@ def FSDP(
     replicated_params = _check_replicated(module, replicated_params)
     check_supported(compression, sharding, reduce_dtype=mp.reduce_dtype, shard_size=shard_size or 1,
                     replicas=comm.size // shard_size if sharding == "hybrid_shard" else None)
+    check_copies(module, compression, f"FSDP({sharding})")
     config = ShardingConfig(sharding, **_FSDP[sharding], mixed_precision=mp, wrap=wrap,
                             cpu_offload=offload_level(cpu_offload), group_mb=group_mb, prefetch=prefetch,
                             activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
