@@ -42,16 +42,15 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from shardwise.launch.netns import ADDRS, VethPair  # the two hosts: namespaces, veth, 198.18.0.1/.2, shaping
+
 HERE = Path(__file__).resolve().parent
-ADDRS = ("198.18.0.1", "198.18.0.2")  # RFC 2544 benchmarking range (198.18.0.0/15): routed nowhere
 ROWS = ("none", "powersgd", "powersgd_1bucket", "torch_powersgd_hook", "torch_ddp")
 ONE_BUCKET_MB = 1024  # larger than the model: one bucket
 CHECK_PORT = 29400  # fresh namespaces have no listener: fixed ports cannot collide
@@ -72,72 +71,10 @@ class Config:
     seed: int = 0
 
 
-# ---- the link (parent, root) -------------------------------------------------------------------------------------
-def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=check)
+# ---- the link (parent, root): shardwise.launch.netns.VethPair -------------------------------------------------
 
 
-class Link:
-    """Two namespaces joined by a veth pair, each end's egress shaped (see the module docstring)."""
-
-    def __init__(self) -> None:
-        tag = f"swb{os.getpid() % 100000}{secrets.token_hex(2)}"  # <= 14 characters: interface names stop at 15
-        self.ns = (f"{tag}a", f"{tag}b")
-        self.veth = (f"{tag}x", f"{tag}y")
-        self.procs: list[subprocess.Popen] = []
-        self.qdisc = ""
-
-    def create(self, rate: str, delay_ms: float) -> None:
-        for ns in self.ns:
-            _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", self.veth[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.veth[1],
-             "netns", self.ns[1])
-        for ns, veth, addr in zip(self.ns, self.veth, ADDRS):
-            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", ns, "link", "set", veth, "up")
-        for ns, veth in zip(self.ns, self.veth):
-            netem = ["netem", "rate", rate] + (["delay", f"{delay_ms}ms"] if delay_ms else [])
-            shaped = _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", *netem, check=False)
-            if shaped.returncode != 0:
-                if delay_ms:
-                    raise RuntimeError(f"tc netem is not available here ({shaped.stderr.strip()}), and only netem "
-                                       f"adds delay: run with --delay-ms 0 (a token-bucket filter shapes the rate)")
-                netem = ["tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", *netem)
-            self.qdisc = " ".join(netem)
-
-    def exec(self, node: int, cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.ns[node], *cmd], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=HERE.parent)
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        """Kill what this object started (process groups, then anything left in the namespaces), delete them."""
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for ns in self.ns:
-            listed = _run("ip", "netns", "pids", ns, check=False)
-            for pid in listed.stdout.split() if listed.returncode == 0 else []:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _run("ip", "netns", "delete", ns, check=False)
-
-
-def _check_rate(link: Link, nbytes: int, log_dir: Path) -> dict[str, Any]:
+def _check_rate(link: VethPair, nbytes: int, log_dir: Path) -> dict[str, Any]:
     """Send `nbytes` over TCP from namespace 0 to namespace 1 and time it: the shaped link's real throughput."""
     code = ("import socket,sys,time\n"
             "mode,addr,port,n=sys.argv[1],sys.argv[2],int(sys.argv[3]),int(sys.argv[4])\n"
@@ -153,10 +90,10 @@ def _check_rate(link: Link, nbytes: int, log_dir: Path) -> dict[str, Any]:
             "    try: c=socket.create_connection((addr,port)); break\n"
             "    except OSError: time.sleep(0.05)\n"
             "  t=time.perf_counter(); c.sendall(bytes(n)); c.recv(1); print(time.perf_counter()-t)\n")
-    recv = link.exec(1, [sys.executable, "-c", code, "recv", ADDRS[1], str(CHECK_PORT), str(nbytes)], dict(os.environ),
-                     log_dir / "check-recv.log")
+    recv = link.exec(1, [sys.executable, "-c", code, "recv", ADDRS[1], str(CHECK_PORT), str(nbytes)],
+                     env=dict(os.environ), log=log_dir / "check-recv.log", cwd=HERE.parent)
     send = link.exec(0, [sys.executable, "-c", code, "send", ADDRS[1], str(CHECK_PORT), str(nbytes)],
-                     dict(os.environ), log_dir / "check-send.log")
+                     env=dict(os.environ), log=log_dir / "check-send.log", cwd=HERE.parent)
     for p in (send, recv):
         p.wait(timeout=120)
     seconds = float((log_dir / "check-send.log").read_text().split()[-1])
@@ -297,10 +234,11 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE))
     from _common import emit, loadavg
 
-    link = Link()
+    link = VethPair(prefix="swb")
     log_dir = Path(tempfile.mkdtemp(prefix="sw-netem-"))
     try:
-        link.create(a.rate, a.delay_ms)
+        link.create()
+        link.shape(a.rate, a.delay_ms)
         check = _check_rate(link, int(a.check_mb * 1e6), log_dir)
         emit({"bench": "compression_netem", "config": dataclasses.asdict(cfg), "rate": a.rate,
               "delay_ms": a.delay_ms, "qdisc": link.qdisc, "link_check": check, "loadavg_before": loadavg(),
@@ -313,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             config = json.dumps({**dataclasses.asdict(cfg), "rows": list(rows)})
             link.exec(node, [sys.executable, str(Path(__file__).resolve()), "--timeout", str(a.timeout), "--worker",
-                             str(log_dir), veth, config], env, log_dir / f"rank{node}.log")
+                             str(log_dir), veth, config], env=env, log=log_dir / f"rank{node}.log", cwd=HERE.parent)
         deadline = time.monotonic() + a.timeout
         while time.monotonic() < deadline and any(proc.poll() is None for proc in link.procs[-2:]):
             time.sleep(0.5)
