@@ -46,28 +46,31 @@ _SAVER = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
-def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    rng = random.Random(0)
+@pytest.mark.parametrize("trial", [0, pytest.param(1, marks=pytest.mark.soak), pytest.param(2, marks=pytest.mark.soak)])
+def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, trial):
+    """A saver process SIGKILLed at a seeded moment inside its stream of saves. One kill moment in make test; the
+    other two (the same path, another moment: about 3 s of CPU each, a fresh interpreter building the small GPT)
+    under make soak."""
+    rng = random.Random(trial)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for trial in range(3):
-        root = tmp_path / f"trial{trial}"
-        proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(root)], stdout=subprocess.PIPE, env=env)
-        try:
-            assert proc.stdout.readline().strip() == b"READY"
-            time.sleep(rng.uniform(0.0, 1.5))  # somewhere inside one of the following saves
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-        latest = (root / "latest").read_text().strip()
-        tensors = read_tensors(root)  # resolves `latest` and verifies every sha256
-        step = int(latest.split("-")[1])
-        assert json.loads((root / latest / "metadata.json").read_text())["step"] == step
-        # Each save adds 1 to every parameter: the loaded values are consistent with the step they claim.
-        first = read_tensors(root / "step-00000000")
-        diff = tensors["param/ln_f.bias"] - first["param/ln_f.bias"]
-        torch.testing.assert_close(diff, torch.full_like(diff, float(step)))
-        leftovers = [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
-        assert len(leftovers) <= 1  # at most the save that was interrupted; never under a real name
+    root = tmp_path / "checkpoints"
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(root)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"READY"
+        time.sleep(rng.uniform(0.0, 1.5))  # somewhere inside one of the following saves
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    latest = (root / "latest").read_text().strip()
+    tensors = read_tensors(root)  # resolves `latest` and verifies every sha256
+    step = int(latest.split("-")[1])
+    assert json.loads((root / latest / "metadata.json").read_text())["step"] == step
+    # Each save adds 1 to every parameter: the loaded values are consistent with the step they claim.
+    first = read_tensors(root / "step-00000000")
+    diff = tensors["param/ln_f.bias"] - first["param/ln_f.bias"]
+    torch.testing.assert_close(diff, torch.full_like(diff, float(step)))
+    leftovers = [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
+    assert len(leftovers) <= 1  # at most the save that was interrupted; never under a real name
 
 
 def _saved(tmp_path):
