@@ -40,3 +40,27 @@ def train_inner_steps(model, comm, steps: int, inner: str = "adamw") -> list[Inn
             synced = model.step()
         out.append(InnerStep(float(loss.detach()), measured, synced))
     return out
+
+
+def checkpointed_run(model, comm, path: str, steps: int, save_at: int | None, resume: bool, *, reset: bool = False,
+                     before_save=None) -> None:
+    """Train `model` with a stateless inner SGD (lr 0.1: the checkpoint then holds every piece of state) from its
+    checkpoint at `path` when `resume` (resetting the strategy state with `reset`), saving through
+    sw.save_checkpoint after step `save_at`; `before_save(model, synced)` may assert what the save sees."""
+    import shardwise as sw
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = 0
+    if resume:
+        sw.load_checkpoint(path, model, opt, comm=comm, reset_strategy_state=reset)
+        start = model.inner_steps
+    for step in range(start, steps):
+        x, y = batch(step, comm.rank, comm.size)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        synced = model.step()
+        if step + 1 == save_at:
+            if before_save is not None:
+                before_save(model, synced)
+            sw.save_checkpoint(path, model, opt, step=step + 1, comm=comm)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from local_sgd_cases import train_inner_steps
-from parity import CONFIG, assert_state_close, batch
+from local_sgd_cases import checkpointed_run, train_inner_steps
+from parity import CONFIG, assert_state_close
 
 import shardwise as sw
 from shardwise.async_sgd import DiLoCo, LocalSGD
@@ -69,20 +69,11 @@ def _checkpointed(comm, path: str, steps: int, save_at: int | None, resume: bool
     of it): save through sw.save_checkpoint at a synchronisation, or resume from it; return the final state and the
     compressor's residuals."""
     model = DiLoCo(GPT(CONFIG, seed=0), comm, sync_every=3, compression=sw.compression.TopK(ratio=0.05))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    start = 0
-    if resume:
-        sw.load_checkpoint(path, model, opt, comm=comm, reset_strategy_state=reset)
-        start = model.inner_steps
-    for step in range(start, steps):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        synced = model.step()
-        if step + 1 == save_at:
-            assert synced  # saved at a synchronisation: the replicas are equal, the model copy is everyone's
-            sw.save_checkpoint(path, model, opt, step=step + 1, comm=comm)
+
+    def at_a_synchronisation(model, synced):
+        assert synced  # saved at a synchronisation: the replicas are equal, the model copy is everyone's
+
+    checkpointed_run(model, comm, path, steps, save_at, resume, reset=reset, before_save=at_a_synchronisation)
     return ({k: v.detach().clone() for k, v in model.state_dict().items()},
             {k: v.clone() for k, v in model.compressor.state_dict().items() if isinstance(v, torch.Tensor)})
 
@@ -143,20 +134,11 @@ def _streaming_checkpointed(comm, path: str, steps: int, save_at: int | None, re
 
     model = StreamingDiLoCo(GPT(CONFIG, seed=0), comm, sync_every=4, fragments=2, overlap_steps=1,
                             compression=sw.compression.TopK(ratio=0.05))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    start = 0
-    if resume:
-        sw.load_checkpoint(path, model, opt, comm=comm)
-        start = model.inner_steps
-    for step in range(start, steps):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        model.step()
-        if step + 1 == save_at:
-            assert model.in_flight  # saved with a compressed synchronisation in flight
-            sw.save_checkpoint(path, model, opt, step=step + 1, comm=comm)
+
+    def in_flight(model, synced):
+        assert model.in_flight  # saved with a compressed synchronisation in flight
+
+    checkpointed_run(model, comm, path, steps, save_at, resume, before_save=in_flight)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

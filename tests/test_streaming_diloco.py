@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from local_sgd_cases import train_inner_steps
+from local_sgd_cases import checkpointed_run, train_inner_steps
 from parity import CONFIG, assert_state_close, batch
 
 import shardwise as sw
@@ -186,19 +186,7 @@ def test_outer_state_round_trips_with_syncs_in_flight_and_resumes_bit_for_bit():
 def _checkpoint_run(comm, path, steps, h, options, resume):
     torch.manual_seed(0)
     model = StreamingDiLoCo(GPT(CONFIG, seed=0), comm, sync_every=h, **options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # stateless inner optimizer: the checkpoint holds all state
-    start = 0
-    if resume:
-        sw.load_checkpoint(path, model, opt, comm=comm)
-        start = model.inner_steps
-    for step in range(start, steps):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        model.step()
-        if not resume and step + 1 == 6:
-            sw.save_checkpoint(path, model, opt, step=6, comm=comm)
+    checkpointed_run(model, comm, path, steps, None if resume else 6, resume)
     return state_of(model), model.in_flight
 
 
