@@ -287,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         stats = step_stats(row.times)
         sec = stats["median_ms"] / 1e3
         rec = {"name": row.name, **stats, "tokens_per_s": round(tokens / sec, 1),
-               "mfu": None if peak is None else round(flops_6n / sec / (peak * 1e12), 4),
-               "mfu_attn": None if peak is None else round(flops_attn / sec / (peak * 1e12), 4),
+               # 4 significant digits, not 4 decimals: a CPU smoke run's MFU is ~0.001, where 4 decimals would
+               # round the attention term (a few percent of it) away
+               "mfu": None if peak is None else float(f"{flops_6n / sec / (peak * 1e12):.4g}"),
+               "mfu_attn": None if peak is None else float(f"{flops_attn / sec / (peak * 1e12):.4g}"),
                "last_loss": round(row.losses[-1], 4), "steps_trained": row.step_no,
                **({"peak_alloc_GB": round(max(row.peak) / GB, 2),
                    "block_peak_growth_GB": round(median(row.peak_growth) / GB, 2)} if row.peak else {}),
