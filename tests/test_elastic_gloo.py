@@ -119,7 +119,11 @@ def _trial(tmp_path: Path, strategy: str, seed: int) -> None:
     assert all(r["samples"] == steps * worker.G for r in runs)  # the sampler's committed position: every sample once
     survivor = next(r["timeline"] for r in runs if r["timeline"][0]["source"] == "new")
     epochs = [e for e in survivor if "epoch" in e]
-    assert [(e["world"], e["source"]) for e in epochs] == [(4, "new"), (3, "survivors"), (4, "survivors")]
+    assert [(e["world"], e["source"]) for e in epochs[:2]] == [(4, "new"), (3, "survivors")]
+    # Growing back to 4: from its own commits ("survivors"), or, when the join caught this survivor one commit ahead
+    # of or behind the others (seen under load), from the others by broadcast as the newcomer is ("joined"); either
+    # way the final parameters below must equal one process.
+    assert epochs[2]["world"] == 4 and epochs[2]["source"] in ("survivors", "joined"), epochs
     assert epochs[1]["step"] == kill_step  # every survivor committed the step before the kill: it is redone once
     on3 = next(e for e in survivor if "loss" in e and e["world"] == 3)
     assert on3["t"] - killed["t"] < 30, f"the survivors' first step on 3 came {on3['t'] - killed['t']:.1f}s after the kill"
