@@ -18,12 +18,17 @@ class Branchy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.trunk = nn.Linear(7, 7)
         self.branch = nn.Linear(7, 7)
         self.frozen = nn.Linear(7, 7)
         self.frozen.requires_grad_(False)
         self.head = nn.Linear(7, 1)
+        # Values from a private generator: thread ranks build their models at the same time, and the global RNG
+        # (torch.manual_seed) is shared between threads.
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.4)
 
     def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
         h = torch.tanh(self.frozen(self.trunk(x)))
