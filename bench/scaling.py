@@ -13,7 +13,7 @@ Two tables in one run.
    |---|---|---|---|
    | ZeRO-1 | 4 psi + 12 psi/N (ours: + 4 psi/N, see below) | 8 psi + 8 psi/N | 2 (N-1)/N psi b |
    | ZeRO-2 | 2 psi + 14 psi/N (ours: + 2 psi/N, see below) | 4 psi + 12 psi/N | 2 (N-1)/N psi b |
-   | ZeRO-3 | 16 psi/N | 16 psi/N | 3 (N-1)/N psi b minus the root unit's backward gather |
+   | ZeRO-3 | 16 psi/N | 16 psi/N | 3 (N-1)/N psi b minus the root and last unit's backward gathers |
 
    (b: bytes per element of the collective's dtype; ZeRO-1 holds the whole gradient buffer, ZeRO-2 the parameters.)
    In mixed precision the optimizer (any torch.optim optimizer over the fp32 master shards) needs fp32 gradients, so
@@ -68,7 +68,7 @@ class Config:
 
 
 # ---- table 1: exact bytes on thread ranks ---------------------------------------------------------------------------
-def _formula(stage: int, precision: str, psi: int, n: int, root: int) -> dict[str, float]:
+def _formula(stage: int, precision: str, psi: int, n: int, root: int, last: int) -> dict[str, float]:
     """Model-state bytes per rank (the paper's and ours) and wire bytes per rank per step, from the layout."""
     b = 2 if precision == "mixed" else 4  # bytes per element of the gathers and reductions
     if precision == "mixed":
@@ -76,7 +76,8 @@ def _formula(stage: int, precision: str, psi: int, n: int, root: int) -> dict[st
         ours = {1: 4 * psi + 16 * psi / n, 2: 2 * psi + 16 * psi / n, 3: 16 * psi / n}[stage]
     else:
         paper = ours = {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
-    gathered = psi if stage < 3 else 2 * psi - root  # ZeRO-3: forward + backward, the root unit stays gathered
+    # ZeRO-3: forward + backward; the root unit and the last forward unit stay gathered into backward.
+    gathered = psi if stage < 3 else 2 * psi - root - last
     wire = (n - 1) * (psi + gathered) * b / n
     return {"paper": paper, "ours": ours, "wire": wire}
 
@@ -97,7 +98,8 @@ def _bytes_rank(comm: shardwise.Communicator, cfg: Config, stage: int, precision
             opt.zero_grad(set_to_none=True)
     units = model.sharding_units()
     return {"model_states": stats.model_states, "optimizer": stats.optimizer, "wire": moved.wire_bytes(),
-            "psi": sum(u["padded"] for u in units), "root": units[-1]["padded"]}
+            "psi": sum(u["padded"] for u in units), "root": units[-1]["padded"],
+            "last": units[-2]["padded"]}  # the Blocks' units are made in forward order, the root unit last
 
 
 def bytes_table(cfg: Config) -> list[dict[str, Any]]:
@@ -107,7 +109,7 @@ def bytes_table(cfg: Config) -> list[dict[str, Any]]:
             for n in cfg.worlds:
                 per_rank = shardwise.launch(_bytes_rank, n, cfg, stage, precision)
                 worst = max(per_rank, key=lambda r: r["model_states"])
-                f = _formula(stage, precision, worst["psi"], n, worst["root"])
+                f = _formula(stage, precision, worst["psi"], n, worst["root"], worst["last"])
                 # AdamW keeps one `step` scalar per tensor besides its moments: not a per-parameter byte.
                 scalars = worst["optimizer"] - (8 * worst["psi"] // n if stage else 0)
                 measured = worst["model_states"]

@@ -7,10 +7,10 @@ Configurations are named by strings so that the same bodies run on threads and i
 from __future__ import annotations
 
 import torch
-from parity import accumulated_backward, batch, frozen_model, grouped_optimizer, make_optimizer
+from parity import CONFIG, accumulated_backward, batch, frozen_model, grouped_optimizer, make_optimizer
 
 import shardwise as sw
-from shardwise.models.gpt import Block
+from shardwise.models.gpt import GPT, Block
 
 CONFIGS = ("zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 
@@ -23,6 +23,16 @@ def wrap(model, comm, name: str, **options):
         size = int(name[len("hybrid_shard"):] or 2)
         return sw.FSDP(model, comm, sharding="hybrid_shard", shard_size=size, **options)
     return sw.FSDP(model, comm, sharding=name, **options)
+
+
+def padded_units(name: str, world: int) -> tuple[list[int], int, int]:
+    """The GPT's units' padded element counts (creation order, the root unit last), the root unit's, and the last
+    forward unit's: the two units ZeRO-3 keeps gathered from forward into backward, so it gathers them once a step.
+    """
+    units = sw.launch(lambda comm: wrap(GPT(CONFIG, seed=0), comm, name).sharding_units(), world)[0]
+    padded = [-(-u["params"] // world) * world for u in units]
+    assert units[-2]["unit"] == f"blocks.{CONFIG.n_layers - 1}", units  # units are made in forward order
+    return padded, padded[-1], padded[-2]
 
 
 def _optimizer(model, param_groups: bool) -> torch.optim.Optimizer:

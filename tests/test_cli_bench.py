@@ -72,7 +72,7 @@ def test_bench_writes_table_and_plots_with_every_row(tmp_path, capsys, monkeypat
     assert rows["ds_zero3"]["status"] == "missing" and rows["ds_zero3"]["install"] == PEERS["ds_zero3"].install
     ran = [rows[name] for name in ROWS if name != "ds_zero3"]
     assert all(r["status"] == "ok" and r["median_ms"] > 0 and r["steps"] == 1 for r in ran)
-    # Bytes: DDP's all-reduce is its formula exactly on 2 ranks; ZeRO-3 keeps the root unit gathered into
+    # Bytes: DDP's all-reduce is its formula exactly on 2 ranks; ZeRO-3 keeps the root and last units gathered into
     # backward, so it is under 3(N-1)/N x G but above DDP's 2(N-1)/N x G; the floor sends nothing.
     assert rows["sw_ddp"]["wire_bytes"] == rows["sw_ddp"]["formula_wire_bytes"] == header["grad_bytes"]
     assert rows["sw_ddp"]["formula_wire_bytes"] < rows["sw_zero3"]["wire_bytes"] <= rows["sw_zero3"]["formula_wire_bytes"]

@@ -7,28 +7,17 @@ import math
 import pytest
 import torch
 from parity import CONFIG, batch
-from sharding_cases import train_sharded, wrap
+from sharding_cases import padded_units, train_sharded, wrap
 from torch import nn
 
 import shardwise as sw
 from shardwise.models import GPT
 
 
-def _unit_numels(name: str, world: int) -> tuple[list[int], int]:
-    """Padded element counts of the units (from the unit layout), and the root unit's."""
-    def body(comm):
-        model = wrap(GPT(CONFIG, seed=0), comm, name)
-        return model.sharding_units()
-
-    units = sw.launch(body, world)[0]
-    padded = [math.ceil(u["params"] / world) * world for u in units]
-    return padded, padded[-1]  # the root unit is last
-
-
 @pytest.mark.parametrize("name", ["zero1", "zero2", "shard_grad_op"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage_1_2_bytes_equal_ddp(name, world):
-    padded, _ = _unit_numels(name, world)
+    padded, _, _ = padded_units(name, world)
     psi_bytes = 4 * sum(padded)
     per_step = sw.launch(train_sharded, world, name, 3)[0][1]
     for step in per_step[1:]:  # from the 2nd step on, the post-step all-gather is in every step
@@ -40,15 +29,17 @@ def test_stage_1_2_bytes_equal_ddp(name, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage_3_bytes_are_one_and_a_half_ddp(world):
-    padded, root = _unit_numels("zero3", world)
+    padded, root, last = padded_units("zero3", world)
     psi_bytes = 4 * sum(padded)
+    kept = 4 * (root + last)
     for step in sw.launch(train_sharded, world, "zero3", 2)[0][1]:
         assert step["reduce_scatter"]["bytes"] == psi_bytes
-        # Forward gathers every unit; backward re-gathers all but the root unit, which stays gathered from its
-        # forward into backward (it runs first in backward anyway), as in PyTorch FSDP2.
-        assert step["all_gather"]["bytes"] == 2 * psi_bytes - 4 * root
+        # Forward gathers every unit; backward re-gathers all but the root unit and the last forward unit, which
+        # stay gathered from forward into backward (they run first in backward anyway), as torchtitan's FSDP2
+        # setting does for its last block.
+        assert step["all_gather"]["bytes"] == 2 * psi_bytes - kept
         wire = step["reduce_scatter"]["wire_bytes"] + step["all_gather"]["wire_bytes"]
-        assert wire == (world - 1) * (3 * psi_bytes - 4 * root) // world
+        assert wire == (world - 1) * (3 * psi_bytes - kept) // world
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -6,15 +6,12 @@ Parameters are gathered in `param_dtype` (bf16: half the all-gather bytes of fp3
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
-from parity import CONFIG
-from sharding_cases import train_sharded, wrap
+from sharding_cases import padded_units, train_sharded
 
 import shardwise as sw
-from shardwise.models import GPT
 
 POLICIES = {
     "fp32": (None, None),
@@ -22,12 +19,6 @@ POLICIES = {
     "bf16-reduce-bf16": (torch.bfloat16, torch.bfloat16),
     "fp16-reduce-fp32": (torch.float16, torch.float32),
 }
-
-
-def _padded(name: str, world: int) -> tuple[int, int]:
-    units = sw.launch(lambda comm: wrap(GPT(CONFIG, seed=0), comm, name).sharding_units(), world)[0]
-    padded = [math.ceil(u["params"] / world) * world for u in units]
-    return sum(padded), padded[-1]  # the root unit is last
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -38,10 +29,11 @@ def test_bytes_per_step_follow_the_dtype_policy(name, policy):
     reduce_size = (reduce_dtype or torch.float32).itemsize
     mp = sw.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     world = 2
-    psi, root = _padded(name, world)
+    padded, root, last = padded_units(name, world)
+    psi = sum(padded)
     per_step = sw.launch(lambda comm: train_sharded(comm, name, 3, mixed_precision=mp), world)[0][1]
     for step in per_step[1:]:  # from the 2nd step on, stage 2's post-step all-gather is in every step
         assert step["reduce_scatter"]["bytes"] == reduce_size * psi
-        # ZeRO-3 gathers every unit in forward and all but the root unit again in backward.
-        gathered = psi if name == "zero2" else 2 * psi - root
+        # ZeRO-3 gathers every unit in forward and all but the root and the last forward unit again in backward.
+        gathered = psi if name == "zero2" else 2 * psi - root - last
         assert step["all_gather"]["bytes"] == gather_size * gathered

@@ -187,8 +187,8 @@ class DemoSummary:
     distinct values over all ranks and steps. formula_wire_bytes: the strategy's textbook bytes per rank per step
     (`formula`: "2(N-1)/N x G" for DDP, ZeRO-1/2 and shard_grad_op, "3(N-1)/N x G" for ZeRO-3 / full_shard; see
     benchmarks.formulas) for a purely data-parallel run (tp = pp = 1; else None); wire_bytes_match: whether the
-    steady steps meet it (DDP to the byte; sharded strategies within 10%, under it for ZeRO-3 whose root unit
-    stays gathered into backward). estimate_model_states: `estimate_memory` of the strategy (fp32 AdamW) for a
+    steady steps meet it (DDP to the byte; sharded strategies within 10%, under it for ZeRO-3 whose root and last
+    units stay gathered into backward). estimate_model_states: `estimate_memory` of the strategy (fp32 AdamW) for a
     purely data-parallel run. steps_run: steps trained (fewer than options.steps after an early stop);
     validation: [step, loss] of each evaluation; stopped_at: the step after which the ranks stopped, or None.
     mesh: {dp, tp, pp} sizes; wire_bytes_per_axis: the same distinct values per axis; ops_per_axis: rank 0's last

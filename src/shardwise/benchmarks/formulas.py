@@ -10,8 +10,8 @@ counts M microbatches per step (gradient accumulation, or a pipeline's microbatc
 reduced once per step, but ZeRO-3 / full_shard / hybrid_shard gather every unit in forward and backward of each
 microbatch, 2M gathers instead of 2: (2M+1)(N-1)/N x G; shard_grad_op keeps the gathered parameters from forward
 through backward, so gathers once per microbatch: (M+1)(N-1)/N x G.
-shardwise's ZeRO-3 keeps the root unit gathered from forward into backward (as FSDP2 does), so it measures a little
-under its formula; padding to a multiple of N can add a few bytes.
+shardwise's ZeRO-3 keeps the root unit and the last forward unit gathered from forward into backward (they run first
+in backward), so it measures a little under its formula; padding to a multiple of N can add a few bytes.
 """
 
 from __future__ import annotations

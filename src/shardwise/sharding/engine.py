@@ -9,7 +9,12 @@ forward
         recorded on the first iteration), so communication overlaps this unit's compute. Floating inputs that
         require grad pass through an identity autograd function whose backward marks the unit's backward done.
     unit post-forward: hooks go on the outputs (their gradient marks the unit's backward start); with
-        `reshard_after_forward` (stage 3 / full_shard / hybrid) the full buffer is freed and shards swapped back.
+        `reshard_after_forward` (stage 3 / full_shard / hybrid) the full buffer is freed and shards swapped back,
+        one unit late: the unit that just ran is freed when the next unit starts, so the LAST unit of the forward
+        stays gathered into backward, where it runs first (what torchtitan gets from reshard_after_forward=False on
+        its last block and DeepSpeed stage 3 from its reuse distance): one all-gather fewer per step, and backward
+        starts without waiting for a gather. Under `no_sync()` (pipeline microbatches, accumulation) units free at
+        once, since other forwards may run before this one's backward.
 backward
     unit pre-backward (gradient of an output ready): re-gather if freed, swap unsharded parameters in (activation
         checkpointing recomputes with them), and prefetch the previous unit's parameters.
@@ -119,6 +124,7 @@ class ShardingEngine:
         self.memory = GatheredMemory()
         self.grad_memory = GatheredMemory()  # flat (unsharded) gradient buffers alive, and their peak
         self._inflight: collections.deque[Unit] = collections.deque()
+        self._finished_forward: Unit | None = None  # ran its forward, still gathered until the next unit starts
         # This rank's own compressor (its error-feedback memory is per rank, one entry per unit).
         self.compressor = config.compression.fresh() if config.compression is not None else None
         self.units = [
@@ -204,6 +210,8 @@ class ShardingEngine:
         return args, kwargs
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.in_backward and self._finished_forward is not None and self._finished_forward is not unit:
+            self._reshard(self._finished_forward)  # before this unit's prefetch: still two units at most
         self._gather(unit)
         unit.swap_to_unsharded()
         if self.in_backward:
@@ -248,14 +256,26 @@ class ShardingEngine:
             if not unit.keep_full and not unit.is_root:
                 unit.free_full()
         elif self.config.reshard_after_forward and not unit.is_root:
-            unit.free_full()
-            unit.swap_to_sharded()
+            if self._finished_forward is not None and self._finished_forward is not unit:
+                self._reshard(self._finished_forward)
+            if self.require_sync:
+                self._finished_forward = unit
+            else:
+                self._reshard(unit)
         if unit.is_root and not grads_follow:
+            self._finished_forward = None
             for other in self.units:
                 other.swap_to_sharded()
                 if not other.keep_full:
                     other.free_full()
         return output
+
+    def _reshard(self, unit: Unit) -> None:
+        """Free the unit's gathered parameters and put its shards back into the modules."""
+        if unit is self._finished_forward:
+            self._finished_forward = None
+        unit.free_full()
+        unit.swap_to_sharded()
 
     # ---- backward ---------------------------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -306,8 +326,7 @@ class ShardingEngine:
 
     def _post_backward(self, unit: Unit) -> None:
         if not unit.keep_full and not unit.is_root:
-            unit.free_full()
-            unit.swap_to_sharded()
+            self._reshard(unit)
 
     def _finish_backward(self) -> None:
         try:
@@ -318,6 +337,7 @@ class ShardingEngine:
                 self._drain(0)
                 self._reduce_replicated()
         finally:
+            self._finished_forward = None
             for unit in self.units:
                 unit.swap_to_sharded()
                 if not unit.keep_full:
@@ -331,6 +351,7 @@ class ShardingEngine:
             unit.abandon()
         agree_on_recovery(self.comm, "ZeRO/FSDP")
         self._inflight.clear()
+        self._finished_forward = None
         self.in_backward = self.forward_running = False
         self.next_launch = 0
 
