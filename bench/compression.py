@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
     p.add_argument("--onebit-block", type=int, default=64, help="the onebit_block row's OneBit(block_size=)")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (one seed per run; "
+                   "compare rows within a run, and runs of several seeds to see the seed-to-seed spread)")
     a = p.parse_args(argv)
     rows = tuple(comma_list(a.rows))
     unknown = [r for r in rows if r not in OURS + TORCH]
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     links = () if a.loss_only else tuple(comma_list(a.links))
     lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
-                 a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer, a.onebit_block)
+                 a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer, a.onebit_block,
+                 a.seed)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]
