@@ -69,6 +69,7 @@ class Config:
     optimizer: str = "adamw"
     onebit_block: int = 64
     seed: int = 0
+    onebit_adam_block: int | None = None
 
 
 def _optimizer(params: Any, cfg: Config) -> torch.optim.Optimizer:
@@ -144,8 +145,9 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
         return _Row(name, ddp, _optimizer(ddp.parameters(), cfg))
     if name == "onebit_adam":
         # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).
+        compressor = None if cfg.onebit_adam_block is None else OneBit(block_size=cfg.onebit_adam_block)
         return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, weight_decay=WEIGHT_DECAY,
-                                            freeze_step=cfg.freeze_step), link_comm)
+                                            freeze_step=cfg.freeze_step, compressor=compressor), link_comm)
     method = {"none": None, "fp16": FP16(), "bf16": BF16(), "fp16_ef": FP16(error_feedback=True),
               "bf16_ef": BF16(error_feedback=True), "topk": TopK(cfg.topk_ratio),
               "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (one seed per run; "
                    "compare rows within a run, and runs of several seeds to see the seed-to-seed spread)")
+    p.add_argument("--onebit-adam-block", type=int, default=None,
+                   help="the onebit_adam row's momentum compressor OneBit(block_size=) (default: one scale per tensor)")
     a = p.parse_args(argv)
     rows = tuple(comma_list(a.rows))
     unknown = [r for r in rows if r not in OURS + TORCH]
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
                  a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer, a.onebit_block,
-                 a.seed)
+                 a.seed, a.onebit_adam_block)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]

@@ -81,17 +81,20 @@ def _params_of(layer: nn.Module) -> int:
 
 @torch.no_grad()
 def _forward_times(layers: list[nn.Module], sample_input: Any, repeats: int) -> list[float]:
-    x = sample_input
-    times = []
+    """Each layer's median forward time on the input the layers before it produce. A first, untimed pass makes the
+    inputs and warms up; then `repeats` rounds time every layer once each, round-robin, so a burst of load on a
+    busy machine slows one round of all layers alike instead of every run of one layer."""
+    inputs, x = [], sample_input
     for layer in layers:
-        samples = []
-        for _ in range(repeats):
+        inputs.append(x)
+        x = call(layer, x)
+    samples: list[list[float]] = [[] for _ in layers]
+    for _ in range(repeats):
+        for layer, x, mine in zip(layers, inputs, samples):
             t0 = time.perf_counter()
-            y = call(layer, x)
-            samples.append(time.perf_counter() - t0)
-        times.append(statistics.median(samples))
-        x = y
-    return times
+            call(layer, x)
+            mine.append(time.perf_counter() - t0)
+    return [statistics.median(mine) for mine in samples]
 
 
 def _balanced_cuts(weights: list[float], n_parts: int) -> list[int]:
