@@ -1,5 +1,5 @@
 """Reliability of the command line (issue 12, item 7): it parses before importing torch, bounds the number of ranks,
-and reports a path it cannot use in one line (shardwise_cli.py)."""
+and reports a path it cannot use in one line (src/shardwise_cli/)."""
 
 from __future__ import annotations
 

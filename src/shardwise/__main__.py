@@ -1,4 +1,4 @@
-"""`python -m shardwise ...`: the same command line as the `shardwise` console script (see shardwise_cli.py).
+"""`python -m shardwise ...`: the same command line as the `shardwise` console script (see src/shardwise_cli/).
 
 Running the package imports `shardwise/__init__.py` (and torch) first; the console script does not."""
 
