@@ -4,7 +4,9 @@ beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataPa
 
 Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16`, `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
 (rank --rank, start_iter --start-iter), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
-AdamW's hyperparameters), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
+AdamW's hyperparameters), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer exchanging its momentum with
+TopK / RandomK at --topk-ratio instead of OneBit: sparsification where Adam's variance is frozen, so error feedback
+sees a linear update; the 1-bit Adam paper's framework, Tang et al. 2021), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
 start iteration). Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
 momentum SGD with --optimizer sgd) in the SAME
 processes. Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; the row reports the mean
@@ -42,7 +44,9 @@ from shardwise.models.gpt import GPT
 
 from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
 
-OURS = ("none", "fp16", "bf16", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit", "onebit_block", "onebit_adam")
+OURS = ("none", "fp16", "bf16", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit", "onebit_block", "onebit_adam",
+        "topk_adam", "randomk_adam")
+ADAM_ROWS = ("onebit_adam", "topk_adam", "randomk_adam")  # OneBitAdam optimizers: they exchange momentum themselves
 TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook")
 # Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
 GOALS = {"fp16": 0.005, "bf16": 0.005, "fp16_ef": 0.005, "bf16_ef": 0.005, "torch_fp16_hook": 0.005, "torch_bf16_hook": 0.005, "torch_ddp": 0.005}
@@ -143,9 +147,10 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
         if name != "torch_ddp" or link.gbps is not None:  # loopback torch_ddp: torch's built-in reducer, no hook
             ddp.register_comm_hook(None, _torch_hook(kind, cfg, link, comm.size))
         return _Row(name, ddp, _optimizer(ddp.parameters(), cfg))
-    if name == "onebit_adam":
+    if name in ADAM_ROWS:
         # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).
-        compressor = None if cfg.onebit_adam_block is None else OneBit(block_size=cfg.onebit_adam_block)
+        compressor = {"onebit_adam": None if cfg.onebit_adam_block is None else OneBit(block_size=cfg.onebit_adam_block),
+                      "topk_adam": TopK(cfg.topk_ratio), "randomk_adam": RandomK(cfg.topk_ratio)}[name]
         return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, weight_decay=WEIGHT_DECAY,
                                             freeze_step=cfg.freeze_step, compressor=compressor), link_comm)
     method = {"none": None, "fp16": FP16(), "bf16": BF16(), "fp16_ef": FP16(error_feedback=True),
@@ -269,8 +274,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--rows: unknown {unknown}; allowed {list(OURS + TORCH)}")
     if a.loss_steps < 1:
         p.error(f"--loss-steps={a.loss_steps} must be >= 1")
-    if a.optimizer == "sgd" and "onebit_adam" in rows:
-        p.error("--optimizer sgd: leave onebit_adam out of --rows (it is its own Adam optimizer)")
+    if a.optimizer == "sgd" and set(rows) & set(ADAM_ROWS):
+        p.error(f"--optimizer sgd: leave {sorted(set(rows) & set(ADAM_ROWS))} out of --rows (1-bit Adam is its own "
+                f"Adam optimizer)")
     links = () if a.loss_only else tuple(comma_list(a.links))
     lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
