@@ -6,7 +6,7 @@ from functools import partial
 
 import pytest
 import torch
-from parity import CONFIG, assert_state_close
+from parity import CONFIG, assert_state_close, batch, make_optimizer
 from sharding_cases import CONFIGS, reference, train_sharded, wrap
 from torch import nn
 
@@ -31,6 +31,34 @@ def test_gradient_accumulation(name, plain_reference):
     state, per_step, _ = sw.launch(train_sharded, 2, name, 5, 2)[0]
     assert_state_close(state, plain_reference)
     assert all(step["reduce_scatter"]["calls"] == per_step[0]["reduce_scatter"]["calls"] for step in per_step)
+
+
+def _two_forwards_one_backward(comm, name, steps=5):
+    """Each step: two half-batch forwards summed into one loss, then one backward (outside no_sync): ZeRO-3 keeps
+    the first forward's last unit gathered until the second forward's first unit starts, which must free it."""
+    model = wrap(GPT(CONFIG, seed=0), comm, name)
+    opt = make_optimizer(model.parameters())
+    gathered = []
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.size)
+        with comm.stats.measure() as moved:
+            halves = [model(xm, ym) for xm, ym in zip(x.chunk(2), y.chunk(2))]
+            (sum(halves) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        gathered.append(moved.as_dict()["all_gather"]["bytes"])
+    return sw.full_state_dict(model), gathered, [4 * u["padded"] for u in model.sharding_units()]
+
+
+@pytest.mark.parametrize("name", ["zero3", "full_shard"])
+def test_two_forwards_before_one_backward(name, plain_reference):
+    for state, gathered, unit_bytes in sw.launch(_two_forwards_one_backward, 2, name):
+        assert_state_close(state, plain_reference)
+        psi, root, last = sum(unit_bytes), unit_bytes[-1], unit_bytes[-2]
+        # Forwards: every unit twice but the root, which stays gathered. Backward (autograd runs the second forward's
+        # graph first, then the first's): every unit once per forward but the root, less the second forward's last
+        # unit, still gathered when backward starts with it.
+        assert gathered == [(2 * psi - root) + (2 * (psi - root) - last)] * len(gathered)
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
