@@ -38,10 +38,13 @@ def dense(steps=STEPS):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
-def train(comm, sizes, options, steps=STEPS):
+def train(comm, sizes, options, steps=STEPS, sync_after_schedule=True):
     dp, tp_size, pp_size = sizes
     mesh = sw.Mesh(comm, dp=dp, tp=tp_size, pp=pp_size)
     model = sw.parallelize(GPT(CONFIG, seed=0), mesh, tp_plan="gpt" if tp_size > 1 else None, **options)
+    if not sync_after_schedule:  # the reduction must happen inside the last microbatch's backward
+        for stage in model.pipe.stages.values():
+            stage.sync_gradients = _refuse_sync
     opt = optimizer(model.parameters())
     losses, norms = [], []
     for step in range(steps):
@@ -91,6 +94,32 @@ def test_clipped_training_matches_one_process(case, reference):
         by_dp.setdefault((rank // sizes[1]) % dp, losses)
     mean = torch.tensor(list(by_dp.values())).mean(0)
     torch.testing.assert_close(mean, torch.tensor(want_losses), rtol=RTOL, atol=1e-5)
+
+
+def _refuse_sync():
+    raise AssertionError("sync_gradients() called: the reduction did not overlap the last microbatch's backward")
+
+
+# pp = 1 (dp, dp x tp): the last microbatch runs outside no_sync(), so its backward launches the data-parallel
+# reduction (bucket by bucket, unit by unit) instead of sync_gradients() after the schedule.
+PP1_CASES = {
+    "dp2-tp2-ddp": ((2, 2, 1), dict(dp_strategy="ddp")),
+    "dp2-tp2-zero3-gpipe": ((2, 2, 1), dict(dp_strategy="zero3", pp_schedule="gpipe")),
+    "dp2-zero2-m4": ((2, 1, 1), dict(dp_strategy="zero2", n_microbatches=4)),
+    "dp4-zero1-ac": ((4, 1, 1), dict(dp_strategy="zero1", activation_checkpointing=True)),
+    "dp4-hybrid_shard": ((4, 1, 1), dict(dp_strategy="fsdp:hybrid_shard", dp_shard=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(PP1_CASES))
+def test_without_pipeline_the_reduction_overlaps_the_last_backward(case, reference):
+    sizes, options = PP1_CASES[case]
+    want, _, want_norms = reference
+    results = sw.launch(train, sizes[0] * sizes[1], sizes, {"n_microbatches": 2, **options}, STEPS, False)
+    for state, _, norms in results:
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=RTOL, atol=0)
+        for name in want:
+            torch.testing.assert_close(state[name], want[name], rtol=RTOL, atol=ATOL_TP, msg=lambda m: f"{name}: {m}")
 
 
 def test_predict_and_eval_equal_one_process():

@@ -10,9 +10,10 @@ Order (torchtitan's, on one validated Mesh):
    modules inside the layers, and doing it on the whole model first lets a plan use the model's own names.)
 3. **Activation checkpointing** of every layer between the first and the last (the shared implementation).
 4. **Data parallel** over each local stage and `mesh.dp`: DDP, ZeRO-1/2/3 or FSDP hybrid_shard (dp split into
-   replicate x shard groups of `dp_shard`). The pipeline runs every microbatch under the strategy's `no_sync()`,
-   and the reduction runs once per step after the last microbatch (`sync_gradients()`): DDP's all-reduce, ZeRO's
-   reduce-scatter. ZeRO-3 re-gathers each unit as the schedule needs it, for every microbatch's forward and backward.
+   replicate x shard groups of `dp_shard`). With pp > 1 the pipeline runs every microbatch under the strategy's
+   `no_sync()`, and the reduction runs once per step after the last microbatch (`sync_gradients()`): DDP's
+   all-reduce, ZeRO's reduce-scatter. With pp = 1 (dp, dp x tp) the last microbatch runs outside `no_sync()`, so its
+   backward launches the reduction as gradients become ready and overlaps it. ZeRO-3 re-gathers each unit as the schedule needs it, for every microbatch's forward and backward.
    ZeRO-2/3 therefore hold the stage's full (unsharded) gradient during the step, as ZeRO-1 does: the price of one
    reduction per step instead of one per microbatch; parameters and optimizer state stay sharded.
    Weights tied across stages stay whole and replicated under ZeRO (`replicated_params`), so their two copies can
@@ -184,15 +185,37 @@ class HybridModel(nn.Module):
         """
         stages = list(self.pipe.stages.values())
         self._loss_scale = float(loss_scale)
-        with contextlib.ExitStack() as stack:
-            for stage in stages:
-                stack.enter_context(stage.no_sync())
-            loss = self.pipe.step(inputs, targets) / self._loss_scale
-        for stage in stages:  # once per step, after the last microbatch: the same order on every dp rank
-            stage.sync_gradients()
+        if self._overlaps_last_microbatch():
+            # One stage per rank and no pipeline: gradient accumulation. Every microbatch but the last runs under
+            # no_sync(); the last one's backward launches the reduction unit by unit (bucket by bucket for DDP) as
+            # its gradients become ready, overlapping it with that backward, as torch.distributed.pipelining and
+            # Megatron's overlap_grad_reduce do.
+            (stage,) = stages
+            last = self.pipe.n_microbatches - 1
+
+            def around(action: pp.Action) -> contextlib.AbstractContextManager:
+                return contextlib.nullcontext() if action.microbatch == last else stage.no_sync()
+
+            loss = self.pipe.step(inputs, targets, around_action=around) / self._loss_scale
+        else:
+            # Pipeline ranks: every reduction after the schedule, never a data-parallel wait between its sends and
+            # receives (a rank blocked on a dp peer that waits on its own pipeline could deadlock).
+            with contextlib.ExitStack() as stack:
+                for stage in stages:
+                    stack.enter_context(stage.no_sync())
+                loss = self.pipe.step(inputs, targets) / self._loss_scale
+            for stage in stages:  # once per step, after the last microbatch: the same order on every dp rank
+                stage.sync_gradients()
         if self.plan.compression is not None:
             self._average_copies_gradients()
         return loss
+
+    def _overlaps_last_microbatch(self) -> bool:
+        """Whether the step reduces during the last microbatch's backward: pp = 1 (one stage on this rank, no sends
+        or receives), a schedule of whole backward passes (a split backward's weight pass comes later), and a
+        data-parallel group to reduce over."""
+        return (self.mesh.sizes["pp"] == 1 and len(self.pipe.stages) == 1 and self.mesh.sizes["dp"] > 1
+                and all(a.op in (pp.Op.FORWARD, pp.Op.BACKWARD) for a in self.pipe.actions))
 
     def _average_copies_gradients(self) -> None:
         """After a compressed reduction, make every copy of a parameter take the same step again: the copies of a

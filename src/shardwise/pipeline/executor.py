@@ -44,6 +44,7 @@ they share parameters with the model they came from); the other stages of the li
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -169,7 +170,8 @@ class Pipeline(nn.Module):
         """Same as `step`."""
         return self.step(inputs, targets)
 
-    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+    def step(self, inputs: Any = None, targets: Any = None, *,
+             around_action: Callable[[Action], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
         """Run one training step's forward and backward passes; return the mean loss (a 0-dim tensor) on every rank.
 
         inputs: stage 0's input, a tensor, a tuple/list or a dict of str -> tensor (tensors with the batch on dim 0;
@@ -178,9 +180,11 @@ class Pipeline(nn.Module):
         the local stages' parameters (call `opt.step()` / `opt.zero_grad()` as usual). Raises ValueError when this
         rank needs `inputs` (it holds stage 0) or `targets` (the last stage) and did not get them, or when the batch
         does not split into n_microbatches equal microbatches.
+        around_action: a context entered around each compute action of this rank (forward, backward, ...): how
+        `sw.parallelize` runs all but one microbatch under a data-parallel stage's `no_sync()`.
         """
         m = self.n_microbatches
-        st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False)
+        st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False, around=around_action)
         self.tied.all_reduce_grads()
         loss = torch.zeros(1, device=self.comm.device)  # broadcast: on the communicator's device
         if st.losses:
@@ -213,7 +217,8 @@ class Pipeline(nn.Module):
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
     def _run(self, actions: Sequence[Action], m: int, where: str, inputs: Any, targets: Any, *,
-             forward_only: bool) -> _StepState:
+             forward_only: bool, around: Callable[[Action], contextlib.AbstractContextManager] | None = None
+             ) -> _StepState:
         st = self._st = _StepState(
             forward_only, Messenger(self.comm, self.schedule.rank_of, m),
             self._split(where, "inputs", inputs, 0 in self.local_stages, m),
@@ -222,7 +227,8 @@ class Pipeline(nn.Module):
         try:
             for step in host_steps(actions):
                 if isinstance(step, Action):
-                    start, end = self._compute(step)
+                    with around(step) if around is not None else contextlib.nullcontext():
+                        start, end = self._compute(step)
                     if self.record_timeline:
                         st.events.append(Event(self.comm.rank, str(step), start, end))
                 else:
