@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from shardwise.launch.supervise import CONTINUE, RunConfig, keep_survivors, run, tear_down
 from shardwise_cli import main
@@ -152,15 +152,9 @@ def test_the_policy_decides_whether_survivors_keep_running(tmp_path, capsys):
     assert tear_down(result.failures[0], None) == "stop"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_each_with_its_own_supervisor_train_together(tmp_path):
     """--nnodes 2 on one host: node 0's supervisor hosts the store, node 1's joins it; ranks 0 and 1 train."""
-    port = str(_free_port())
+    port = str(free_port())
     common = ["run", "-n", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
     nodes = [subprocess.Popen([sys.executable, "-m", "shardwise", *common, "--node-rank", str(k), str(TRAIN),
                                *TRAIN_ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

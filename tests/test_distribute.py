@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import textwrap
 import pytest
 import torch
 from parity import ATOL, CONFIG, RTOL, batch
+from ports import free_port
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig
@@ -182,9 +182,7 @@ print(f"RESULT rank={torch.distributed.get_rank()} strategy={model.plan.strategy
 def test_distribute_with_no_argument_trains_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_TORCHRUN_SCRIPT))
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for the rendezvous
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",

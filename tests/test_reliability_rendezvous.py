@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from ports import free_port
 
 import shardwise as sw
 from shardwise.comm import rendezvous
@@ -87,9 +88,7 @@ _INIT_RANK = textwrap.dedent("""
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_init_on_a_loopback_master_addr_hosts_the_store_on_loopback_only():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            rendezvous.JOB_TOKEN_ENV: rendezvous.new_job_token(), "TESTS_DIR": os.path.dirname(__file__)}
     for name in ("GLOO_SOCKET_IFNAME", "TORCHELASTIC_USE_AGENT_STORE"):
