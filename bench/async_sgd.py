@@ -1,6 +1,6 @@
 """Benchmark: what asynchrony buys with one slow rank. Synchronous DDP against the parameter server (s = 0, 2, 8,
 inf), local SGD (H = 8, 32), DiLoCo (H = 32) and Streaming DiLoCo (`streaming:H:F[:tau]`: F fragments, overlap tau),
-on gloo processes, one of the workers slowed `--factor` x.
+on gloo processes, one of the workers slowed `--factor` x (`--straggler rotating`: each worker in turn).
 
 Every mode trains the same GPT (same seed, AdamW for DDP / local SGD / the servers, AdamW inner for DiLoCo) on
 `--workers` workers for `--seconds` of wall time; worker `--workers - 1` is a straggler (`sw.async_sgd.Straggler`:
@@ -118,7 +118,7 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     worker = model.worker_rank if kind == "ps" else comm.rank
     n_workers = model.n_workers if kind == "ps" else comm.size
     target = args.steps * n_workers  # step mode: pushes (worker batches) of all workers together
-    slow = Straggler(args.factor if worker == n_workers - 1 else 1.0)
+    slow, full_speed = Straggler(args.factor), Straggler(1.0)
     events = []
     peak = 0  # the most wire bytes one step sent from this rank
     start = time.perf_counter()
@@ -128,7 +128,7 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         # After --pretrain-steps P the modes train on the batches after the pretraining's.
         x, y = corpus.batch(args.pretrain_steps + step, args.batch_size, config.seq_len, rank=worker,
                             world_size=n_workers)
-        with slow:
+        with slow if is_straggler(worker, n_workers, step, args) else full_speed:
             loss = model(x, y)
             loss.backward()
         if kind == "ps":
@@ -166,6 +166,15 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if kind != "ps" and comm.rank == 0:
         row["held_out_loss"] = held_out_loss(model, config, args)
     return row
+
+
+def is_straggler(worker: int, n_workers: int, step: int, args: argparse.Namespace) -> bool:
+    """Whether `worker` runs its `step` (its own count) --factor x slower. --straggler fixed: the last worker, always
+    (a slower machine); rotating: each worker in turn for --rotate-every steps (a machine slowed for a while: another
+    job, a garbage collection, throttling), so every worker is slow 1/n of its steps, at different times."""
+    if args.straggler == "fixed":
+        return worker == n_workers - 1
+    return (step // args.rotate_every) % n_workers == worker
 
 
 def summarise(mode: str, ranks: list[dict[str, Any]], batch: int) -> dict[str, Any]:
@@ -212,7 +221,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default=DEFAULT_MODES)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the last worker")
+    parser.add_argument("--factor", type=float, default=3.0, help="slowdown of the straggler")
+    parser.add_argument("--straggler", choices=("fixed", "rotating"), default="fixed",
+                        help="fixed: the last worker is the straggler throughout; rotating: each worker in turn for "
+                        "--rotate-every of its steps (default: %(default)s)")
+    parser.add_argument("--rotate-every", type=int, default=1,
+                        help="steps each worker stays the straggler with --straggler rotating (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=30.0, help="wall time of each mode (without --steps)")
     parser.add_argument("--steps", type=int, default=0,
                         help="train each mode for the samples of this many synchronous global steps (steps x workers "
@@ -239,6 +253,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--plot", default=None, help="write loss against time and samples (PNG) here")
     args = parser.parse_args()
+    if args.rotate_every < 1:
+        parser.error(f"--rotate-every={args.rotate_every} must be >= 1")
     modes = comma_list(args.modes)
     for m in modes:
         parse_mode(m)
@@ -335,7 +351,8 @@ def plot(rows: dict[str, list[dict[str, Any]]], modes: list[str], args: argparse
     for ax in (by_time, by_samples):
         ax.set_ylabel("training loss")
         ax.legend(fontsize=8)
-    straggler = f"one {args.factor:g}x slower" if args.factor != 1 else "no straggler"
+    straggler = (("one" if args.straggler == "fixed" else f"each in turn ({args.rotate_every} steps)") +
+                 f" {args.factor:g}x slower" if args.factor != 1 else "no straggler")
     start = f", from {args.pretrain_steps} synchronous steps" if args.pretrain_steps else ""
     fig.suptitle(f"{args.workers} workers, {straggler} ({args.preset} GPT, gloo{start})")
     fig.tight_layout()
