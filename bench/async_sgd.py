@@ -32,11 +32,13 @@ On a 2-core host 4-5 processes are oversubscribed: absolute speeds are low and n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,7 +120,8 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     worker = model.worker_rank if kind == "ps" else comm.rank
     n_workers = model.n_workers if kind == "ps" else comm.size
     target = args.steps * n_workers  # step mode: pushes (worker batches) of all workers together
-    slow, full_speed = Straggler(args.factor), Straggler(1.0)
+    slow = Straggler(args.factor if worker == n_workers - 1 else 1.0)  # --straggler fixed: the last worker
+    rotating = RotatingStraggler(args.factor, worker, n_workers, args.rotate_every)
     events = []
     peak = 0  # the most wire bytes one step sent from this rank
     start = time.perf_counter()
@@ -128,7 +131,7 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         # After --pretrain-steps P the modes train on the batches after the pretraining's.
         x, y = corpus.batch(args.pretrain_steps + step, args.batch_size, config.seq_len, rank=worker,
                             world_size=n_workers)
-        with slow if is_straggler(worker, n_workers, step, args) else full_speed:
+        with slow if args.straggler == "fixed" else rotating.step(step):
             loss = model(x, y)
             loss.backward()
         if kind == "ps":
@@ -168,13 +171,33 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def is_straggler(worker: int, n_workers: int, step: int, args: argparse.Namespace) -> bool:
-    """Whether `worker` runs its `step` (its own count) --factor x slower. --straggler fixed: the last worker, always
-    (a slower machine); rotating: each worker in turn for --rotate-every steps (a machine slowed for a while: another
-    job, a garbage collection, throttling), so every worker is slow 1/n of its steps, at different times."""
-    if args.straggler == "fixed":
-        return worker == n_workers - 1
-    return (step // args.rotate_every) % n_workers == worker
+class RotatingStraggler:
+    """--straggler rotating: each worker in turn runs --rotate-every of its steps --factor x slower (a machine slowed
+    for a while: another job, a garbage collection, throttling), so every worker is slow 1/n of its steps.
+
+    The pause is (factor - 1) x this worker's median step time over its first CALIBRATION steps (run at full speed),
+    not x the slow step's own duration as `Straggler` does: with a rotating straggler a synchronous step's duration
+    includes waiting for the previous straggler inside the all-reduce, and pausing in proportion to that would make
+    each pause longer than the last."""
+
+    CALIBRATION = 5
+
+    def __init__(self, factor: float, worker: int, n_workers: int, every: int) -> None:
+        self.factor, self.worker, self.n_workers, self.every = factor, worker, n_workers, every
+        self.durations: list[float] = []
+        self.baseline: float | None = None
+
+    @contextlib.contextmanager
+    def step(self, k: int) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if k < self.CALIBRATION:
+            self.durations.append(time.perf_counter() - start)
+            return
+        if self.baseline is None:
+            self.baseline = sorted(self.durations)[len(self.durations) // 2] if self.durations else 0.0
+        if self.factor > 1 and ((k - self.CALIBRATION) // self.every) % self.n_workers == self.worker:
+            time.sleep((self.factor - 1) * self.baseline)
 
 
 def summarise(mode: str, ranks: list[dict[str, Any]], batch: int) -> dict[str, Any]:
