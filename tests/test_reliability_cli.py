@@ -163,7 +163,7 @@ def test_a_run_directory_that_fails_after_training_is_one_line(tmp_path, corpus_
     def refuse(out: Path) -> Path:
         raise PermissionError(13, "Permission denied", str(out / "20260101-000000"))
 
-    monkeypatch.setattr(demo, "_make_run_dir", refuse)  # e.g. the folder was made read-only during training
+    monkeypatch.setattr(demo, "make_run_dir", refuse)  # e.g. the folder was made read-only during training
     out = tmp_path / "runs"
     assert main(["demo", *FAST, "--data", corpus_file, "--out", str(out)]) == 1
     assert capsys.readouterr().err == (f"shardwise demo: cannot write the run directory under {out}: Permission "

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .demo import DemoOptions, DemoSummary, _make_run_dir, run_demo
+from .demo import DemoOptions, DemoSummary, run_demo
+from .demo_report import make_run_dir
 
 __all__ = ["run_compare", "compare_table"]
 
@@ -87,7 +88,7 @@ def run_compare(variants: list[DemoOptions]) -> list[DemoSummary]:
     if len({v.strategy for v in variants}) != len(variants) or len(variants) < 2:
         raise ValueError(f"demo: compare needs at least two distinct strategies; got "
                          f"{[v.strategy for v in variants]}")
-    folder = _make_run_dir(Path(variants[0].out))
+    folder = make_run_dir(Path(variants[0].out))
     folder = folder.rename(folder.with_name(folder.name + "-compare"))
     summaries, curves = [], {}
     for options in variants:

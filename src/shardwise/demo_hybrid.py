@@ -235,7 +235,7 @@ def axis_groups(model: nn.Module, mesh: Mesh) -> dict[str, list[Communicator]]:
 
 
 def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
-    """Body of one rank (see the module docstring); returns what `demo._summarise` reads, metrics on rank 0."""
+    """Body of one rank (see the module docstring); returns what `demo_report.summarise` reads, metrics on rank 0."""
     from .data import ByteCorpus, ShardedSampler  # the corpus is read inside each rank, not pickled over
 
     config = GPTConfig.preset(options.preset)

@@ -1,0 +1,223 @@
+"""What `shardwise demo` reports: the summary of a run (`DemoSummary`, summary.json), its check of the measured wire
+bytes and model states against the strategy's formulas, the run directory (metrics.jsonl, summary.json, loss.png)
+and the table printed at the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .benchmarks.formulas import estimate_key, formula_text, wire_bytes_formula
+from .demo_hybrid import axis_rows, mesh_fields
+from .estimate import estimate_memory
+
+if TYPE_CHECKING:
+    from .demo import DemoOptions
+
+__all__ = ["DemoSummary", "ring_all_reduce_bytes", "summarise", "make_run_dir", "write_outputs", "format_summary"]
+
+
+@dataclasses.dataclass
+class DemoSummary:
+    """What `run_demo` measured; `as_dict()` is what summary.json holds. Losses are global (averaged over dp).
+
+    final_loss_mean_last: the mean loss of the last `mean_last_steps` (up to 10) steps, less noisy than the last.
+    median_step_ms: median wall time of a whole iteration (batch, forward, backward, step, loss all-reduce) on
+    rank 0; tokens_per_s is tokens_per_step (batch_size x seq_len x dp) over that median.
+    wire_bytes_per_step: measured per-rank wire bytes of each step (all axes summed; DDP: its all-reduce), as the
+    distinct values over all ranks and steps. formula_wire_bytes: the strategy's textbook bytes per rank per step
+    (`formula`: "2(N-1)/N x G" for DDP, ZeRO-1/2 and shard_grad_op, "3(N-1)/N x G" for ZeRO-3 / full_shard; see
+    benchmarks.formulas) for a purely data-parallel run (tp = pp = 1; else None); wire_bytes_match: whether the
+    steady steps meet it (DDP to the byte; sharded strategies within 10%; the ZeRO-3 family at most its
+    formula and at least one gather fewer, since units still gathered when backward needs them are not gathered
+    again). estimate_model_states: `estimate_memory` of the strategy (fp32 AdamW) for a
+    purely data-parallel run. steps_run: steps trained (fewer than options.steps after an early stop);
+    validation: [step, loss] of each evaluation; stopped_at: the step after which the ranks stopped, or None.
+    mesh: {dp, tp, pp} sizes; wire_bytes_per_axis: the same distinct values per axis; ops_per_axis: rank 0's last
+    step per axis, `CommStats.as_dict()` ({op: {calls, bytes, wire_bytes}}). mesh_run: the run went through
+    sw.parallelize (anything but plain DDP). ranks: per rank, its mesh coords, wire_bytes_per_axis, peak_rss (bytes
+    of the whole process; on the thread backend every rank shares one process) and memory
+    (memory_stats().as_dict(): params, grads, optimizer, model_states bytes).
+    """
+
+    run_dir: str
+    options: dict[str, Any]
+    num_params: int
+    grad_bytes: int
+    first_loss: float
+    final_loss: float
+    final_loss_mean_last: float
+    mean_last_steps: int
+    median_step_ms: float
+    tokens_per_step: int
+    tokens_per_s: float
+    wire_bytes_per_step: list[int]
+    formula_wire_bytes: int | None
+    wire_bytes_match: bool | None
+    ranks: list[dict[str, Any]]
+    wall_s: float
+    mesh: dict[str, int]
+    wire_bytes_per_axis: dict[str, list[int]]
+    ops_per_axis: dict[str, dict[str, dict[str, int]]]
+    mesh_run: bool = False
+    formula: str | None = None
+    estimate_model_states: int | None = None
+    steps_run: int = 0
+    validation: list[list[float]] = dataclasses.field(default_factory=list)
+    stopped_at: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def ring_all_reduce_bytes(grad_bytes: int, world_size: int) -> int:
+    """The DDP formula: per-rank wire bytes of one ring all-reduce of all gradients, 2(N-1)/N x grad_bytes."""
+    return 2 * (world_size - 1) * grad_bytes // world_size
+
+
+def summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: int, tokens_per_step: int,
+              wall: float) -> DemoSummary:
+    """The run's summary from the ranks' results: losses, step time, the wire bytes against the strategy's formula
+    (DDP to the byte), the model states against `estimate_memory`."""
+    metrics = results[0]["metrics"]
+    losses = [m["loss"] for m in metrics]
+    step_ms = statistics.median(m["step_ms"] for m in metrics)
+    grad_bytes = results[0]["grad_bytes"]
+    measured = sorted({w for r in results for w in r["wire_bytes"]})
+    formula: int | None = None
+    match: bool | None = None
+    estimate: int | None = None
+    if not options.uses_mesh:
+        formula = ring_all_reduce_bytes(grad_bytes, options.nproc)
+        # DDP reduces bucket by bucket and CommStats rounds each bucket's 2(N-1)/N share down to a whole byte, so
+        # with N not a power of two the sum may sit up to one byte per call below the formula.
+        calls = max(r["all_reduce_calls"] for r in results)
+        match = all(0 <= formula - w <= calls for w in measured)
+    elif options.tp * options.pp == 1:  # purely data parallel: the strategy's own formula applies
+        formula = wire_bytes_formula(options.strategy, grad_bytes, options.dp, options.dp_shard, options.microbatches)
+        steady = [r["wire_bytes"][-1] for r in results]  # ZeRO-1/2 gather the updated parameters from step 2 on
+        # The ZeRO-3 family re-gathers less than its textbook formula says: units still gathered when backward
+        # needs them (the root, the last forward unit) are not gathered again; it never moves less than one step
+        # with a single gather of the parameters (ZeRO-2's bytes, plus hybrid_shard's replicate all-reduce).
+        floor = 0.9 * formula
+        if options.strategy in ("zero3", "fsdp:full_shard", "fsdp:hybrid_shard"):
+            group = options.dp_shard if options.strategy == "fsdp:hybrid_shard" else options.dp
+            floor = (wire_bytes_formula(options.strategy, grad_bytes, options.dp, options.dp_shard, 1)
+                     - (group - 1) / group * grad_bytes)
+        match = all(floor <= w <= 1.02 * formula for w in steady)
+    if options.tp * options.pp == 1:
+        shards = options.dp_shard if options.strategy == "fsdp:hybrid_shard" else options.dp
+        estimate = int(estimate_memory(num_params, estimate_key(options.strategy), shards,
+                                       mixed_precision=False).total)
+    return DemoSummary(
+        run_dir="",
+        options=dataclasses.asdict(options),
+        num_params=num_params,
+        grad_bytes=grad_bytes,
+        first_loss=losses[0],
+        final_loss=losses[-1],
+        final_loss_mean_last=statistics.fmean(losses[-10:]),
+        mean_last_steps=min(10, len(losses)),
+        median_step_ms=step_ms,
+        tokens_per_step=tokens_per_step,
+        tokens_per_s=tokens_per_step / (step_ms / 1e3),
+        wire_bytes_per_step=measured,
+        formula_wire_bytes=formula,
+        wire_bytes_match=match,
+        wall_s=wall,
+        **mesh_fields(options, results),
+        mesh_run=options.uses_mesh,
+        formula=formula_text(options.strategy, options.microbatches or 1) if formula is not None else None,
+        estimate_model_states=estimate,
+        steps_run=len(losses),
+        validation=results[0]["validation"],
+        stopped_at=results[0]["stopped_at"],
+    )
+
+
+def make_run_dir(out: Path) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for suffix in [""] + [f"-{i}" for i in range(1, 1000)]:
+        candidate = out / f"{stamp}{suffix}"
+        try:
+            candidate.mkdir(parents=True)  # exist_ok=False: two runs in the same second get distinct folders
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"demo: could not create a fresh run directory under {out}")
+
+
+def write_outputs(run_dir: Path, summary: DemoSummary, metrics: list[dict[str, Any]], label: str) -> None:
+    with open(run_dir / "metrics.jsonl", "w") as fh:
+        for record in metrics:
+            fh.write(json.dumps(record) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed; skipping loss.png (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")  # no display needed; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte, mean over dp ranks)")
+    ax.set_title(f"shardwise demo: {label}, GPT {summary.options['preset']}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=110)
+    plt.close(fig)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_summary(s: DemoSummary) -> str:
+    """The summary table the demo prints: the pure-DDP run's all-reduce against its formula, any other run's
+    wire bytes per mesh axis."""
+    measured = ", ".join(f"{w:,}" for w in s.wire_bytes_per_step)
+    rows = [
+        ("loss (first -> final)", f"{s.first_loss:.3f} -> {s.final_loss:.3f}  (mean of last "
+                                  f"{s.mean_last_steps}: {s.final_loss_mean_last:.3f})"),
+        ("median step time", f"{s.median_step_ms:,.1f} ms"),
+        ("throughput", f"{s.tokens_per_s:,.0f} tokens/s  ({s.tokens_per_step:,} tokens/step)"),
+    ]
+    if s.stopped_at is not None or s.validation:
+        last = f"{s.validation[-1][1]:.3f} at step {int(s.validation[-1][0])}" if s.validation else "none"
+        stop = (f"stopped early after step {s.stopped_at} (patience {s.options['early_stop']})"
+                if s.stopped_at is not None else f"trained all {s.steps_run} steps")
+        rows.append(("validation loss", f"{last}; best {min(v[1] for v in s.validation):.3f}; {stop}"))
+    if not s.mesh_run:
+        rows += [
+            ("all-reduce wire bytes/step", f"measured {measured} per rank"),
+            ("  formula 2(N-1)/N x grads", f"{s.formula_wire_bytes:,}  (grads {s.grad_bytes:,} B)  "
+                                           f"{'MATCH' if s.wire_bytes_match else 'MISMATCH'}"),
+        ]
+    else:
+        rows += axis_rows(s)
+        if s.formula_wire_bytes is not None:
+            steady = max(s.wire_bytes_per_step)
+            rows.append((f"  formula {s.formula}", f"{s.formula_wire_bytes:,}  (G = grads {s.grad_bytes:,} B); "
+                         f"measured/formula {steady / s.formula_wire_bytes:.3f}  "
+                         f"{'MATCH' if s.wire_bytes_match else 'MISMATCH'}"))
+    shared = s.options["backend"] == "thread"
+    for r in s.ranks:
+        m = r["memory"]
+        rss = _mib(r["peak_rss"]) + (" (shared process)" if shared else "")
+        where = f" (dp {r['coords']['dp']}, tp {r['coords']['tp']}, pp {r['coords']['pp']})" if s.mesh_run else ""
+        against = (f" vs estimate {_mib(s.estimate_model_states)} ({m['model_states'] / s.estimate_model_states:.3f})"
+                   if s.estimate_model_states else "")
+        rows.append((f"rank {r['rank']}{where} memory", f"peak RSS {rss}; model states {_mib(m['model_states'])}"
+                                                 f"{against} (params {_mib(m['params'])}, grads {_mib(m['grads'])}, "
+                                                 f"optimizer {_mib(m['optimizer'])})"))
+    rows.append(("wall time", f"{s.wall_s:.1f} s"))
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 60)
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
