@@ -23,6 +23,7 @@ of one step on one rank (DiLoCo's whole-model synchronisation, Streaming DiLoCo'
 
     .venv/bin/python bench/async_sgd.py --steps 300 --rounds 3 --plot docs/async_sgd.png   # docs/async.md's figures
     .venv/bin/python bench/async_sgd.py --seconds 60 --rounds 3 --preset small            # for a wall time instead
+    .venv/bin/python bench/async_sgd.py --steps 300 --rounds 2 --modes ddp,ps:8 --straggler rotating   # transient
     .venv/bin/python bench/async_sgd.py --seconds 4 --rounds 1 --modes ddp,ps:8,diloco:32          # a smoke run
     .venv/bin/python bench/async_sgd.py --steps 1200 --pretrain-steps 300 --rounds 2 --factor 1 \
         --modes ddp,diloco:32,local:32,streaming:32:4,streaming:32:4:4                          # DiLoCo's loss
