@@ -4,6 +4,7 @@ this rank's slice of each global batch, with every outer synchronisation's traff
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import Any
 
 import torch
@@ -18,6 +19,38 @@ class InnerStep:
     loss: float
     measured: Any
     synced: Any
+
+
+def state_of(model) -> dict[str, torch.Tensor]:
+    """A detached copy of `model.state_dict()`."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def outer_state_run(model, comm, opt, steps: int, resume_from: list[bytes] | None = None,
+                    save_at: int | None = None) -> tuple[dict[str, torch.Tensor], bytes | None, dict[str, Any]]:
+    """Train `model` (a LocalSGD-family wrapper) with the inner optimizer `opt` for `steps` steps, from scratch or
+    from `resume_from` (each rank's bytes of {model, inner, outer}: `state_dict()`, the inner optimizer's,
+    `outer_state_dict()`), keeping such a checkpoint after step `save_at`. Returns the final state, this rank's
+    checkpoint bytes (None if none was taken) and the final `outer_state_dict()`."""
+    start, checkpoint = 0, None
+    if resume_from is not None:
+        saved = torch.load(io.BytesIO(resume_from[comm.rank]), weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["inner"])
+        model.load_outer_state_dict(saved["outer"])
+        start = model.inner_steps
+    for step in range(start, start + steps):
+        x, y = batch(step, comm.rank, comm.size)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        model.step()
+        if step + 1 == save_at:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "outer": model.outer_state_dict()},
+                       buf)
+            checkpoint = buf.getvalue()
+    return state_of(model), checkpoint, model.outer_state_dict()
 
 
 def inner_optimizer(params, inner: str) -> torch.optim.Optimizer:

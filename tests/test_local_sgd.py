@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
+from local_sgd_cases import outer_state_run, state_of
 from parity import CONFIG, assert_state_close, batch
 
 import shardwise as sw
@@ -17,10 +17,6 @@ LR = 0.1
 
 def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
-
-
-def state_of(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def reference_sgd(steps: int) -> dict[str, torch.Tensor]:
@@ -105,27 +101,10 @@ def test_local_steps_diverge_between_synchronisations():
 
 
 def _diloco_run(comm, steps, resume_from=None):
-    torch.manual_seed(0)
     model = DiLoCo(GPT(CONFIG, seed=0), comm, sync_every=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    start = 0
-    if resume_from is not None:
-        saved = torch.load(io.BytesIO(resume_from[comm.rank]), weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["inner"])
-        model.load_outer_state_dict(saved["outer"])
-        start = model.inner_steps
-    checkpoint = None
-    for step in range(start, start + steps):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        if model.step() and checkpoint is None and resume_from is None:
-            buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "outer": model.outer_state_dict()}, buf)
-            checkpoint = buf.getvalue()
-    return state_of(model), checkpoint, model.outer_state_dict()
+    # A fresh run keeps its checkpoint at its first synchronisation (step 2); a resumed one starts after it.
+    return outer_state_run(model, comm, opt, steps, resume_from, save_at=2)
 
 
 def test_outer_state_round_trips_and_resumes_exactly():

@@ -7,17 +7,13 @@ import io
 
 import pytest
 import torch
-from local_sgd_cases import checkpointed_run, train_inner_steps
+from local_sgd_cases import checkpointed_run, inner_optimizer, outer_state_run, state_of, train_inner_steps
 from parity import CONFIG, assert_state_close, batch
 
 import shardwise as sw
 from shardwise.async_sgd import DiLoCo, StreamingDiLoCo
 from shardwise.async_sgd.fragments import block_of, split_fragments
 from shardwise.models import GPT
-
-
-def state_of(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def wrap(comm, kind: str, h: int, **options):
@@ -144,29 +140,8 @@ def test_mixing_weights_local_and_global_values():
 
 
 def _resume_run(comm, steps, h, options, inner, resume_from=None, save_at=None):
-    torch.manual_seed(0)
     model = StreamingDiLoCo(GPT(CONFIG, seed=0), comm, sync_every=h, **options)
-    opt = (torch.optim.AdamW(model.parameters(), lr=3e-3) if inner == "adamw"
-           else torch.optim.SGD(model.parameters(), lr=0.1))
-    start, checkpoint = 0, None
-    if resume_from is not None:
-        saved = torch.load(io.BytesIO(resume_from[comm.rank]), weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["inner"])
-        model.load_outer_state_dict(saved["outer"])
-        start = model.inner_steps
-    for step in range(start, start + steps):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        model.step()
-        if step + 1 == save_at:
-            buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "outer": model.outer_state_dict()},
-                       buf)
-            checkpoint = buf.getvalue()
-    return state_of(model), checkpoint, model.outer_state_dict()
+    return outer_state_run(model, comm, inner_optimizer(model.parameters(), inner), steps, resume_from, save_at)
 
 
 def test_outer_state_round_trips_with_syncs_in_flight_and_resumes_bit_for_bit():
