@@ -15,7 +15,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import Communicator, is_communicator
 
-__all__ = ["check_whole_model", "check_comm", "check_positive_int"]
+__all__ = ["check_whole_model", "check_comm", "check_positive_int", "check_anchor_names"]
 
 
 def check_comm(comm: object, who: str) -> Communicator:
@@ -29,6 +29,16 @@ def check_positive_int(value: object, name: str, who: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{who}: {name}={value!r} must be a positive int (1, 2, ...)")
     return value
+
+
+def check_anchor_names(anchors: dict, names: list[str], who: str) -> None:
+    """ValueError unless a saved outer state's anchors are keyed by exactly the model's trainable parameter names."""
+    keys = set(anchors)
+    if sorted(anchors) != sorted(names):
+        missing = sorted(set(names) - keys)
+        extra = sorted(keys - set(names))
+        raise ValueError(f"{who}: anchors do not match the model's trainable parameters (missing {missing[:5]}, "
+                         f"unexpected {extra[:5]})")
 
 
 def check_whole_model(module: object, comm: Communicator, who: str) -> None:

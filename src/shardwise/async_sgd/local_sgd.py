@@ -47,7 +47,7 @@ from ..comm.base import Communicator, ReduceOp
 from ..comm.coalesced import broadcast_coalesced
 from ..compression.base import Compressor
 from ..placement import to_comm_device
-from .checks import check_comm, check_positive_int, check_whole_model
+from .checks import check_anchor_names, check_comm, check_positive_int, check_whole_model
 from .extra_state import declare_local_sgd
 from .flat import group_by_dtype, pack, unpack
 
@@ -216,11 +216,7 @@ class LocalSGDModule(MovesRefused):
                              f"outer optimizer but this LocalSGD has {'one' if state.outer is not None else 'none'}")
         anchors = saved.get("anchors", {})
         if state.outer is not None:
-            if sorted(anchors) != sorted(state.names):
-                missing = sorted(set(state.names) - set(anchors))
-                extra = sorted(set(anchors) - set(state.names))
-                raise ValueError(f"load_outer_state_dict: anchors do not match the model's trainable parameters "
-                                 f"(missing {missing[:5]}, unexpected {extra[:5]})")
+            check_anchor_names(anchors, state.names, "load_outer_state_dict")
             for name, anchor in zip(state.names, state.anchors):
                 anchor.copy_(anchors[name])
             state.outer.load_state_dict(saved["outer_optimizer"])

@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import layout
 from ..comm.base import Communicator
+from .checks import check_anchor_names
 
 __all__ = ["check_outer", "declare_streaming", "flatten_streaming", "unflatten_streaming"]
 
@@ -93,11 +94,7 @@ def check_outer(module: nn.Module, saved: dict[str, Any]) -> None:
         if key in saved and saved[key] != mine:
             raise ValueError(f"{who}: saved with {key}={saved[key]!r}, this StreamingDiLoCo has {key}={mine}")
     anchors = saved.get("anchors", {})
-    if sorted(anchors) != sorted(state.names):
-        missing = sorted(set(state.names) - set(anchors))
-        extra = sorted(set(anchors) - set(state.names))
-        raise ValueError(f"{who}: anchors do not match the model's trainable parameters (missing {missing[:5]}, "
-                         f"unexpected {extra[:5]})")
+    check_anchor_names(anchors, state.names, who)
     for name, like in zip(state.names, state.anchors):
         a = anchors[name]
         if not isinstance(a, torch.Tensor) or a.shape != like.shape or a.dtype != like.dtype:
