@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_compression import NUMEL, SHAPES, average, exchange, random_grads
+from test_compression import NUMEL, SHAPES, average, exchange, random_grads, sent
 
 import shardwise as sw
 from shardwise.compression import BF16, FP16
 
 METHODS = [FP16, BF16]
+
+
+def nearest(method, **options):
+    """The method rounding to nearest (BF16's default rounds stochastically): what the exact formulas below model."""
+    return method(rounding="nearest", **options) if method is BF16 else method(**options)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.__name__)
@@ -30,7 +35,7 @@ def test_residual_is_what_the_cast_rounded_away(method, world):
     """Per rank and step: sent = N x cast((g + e) / N) (the 16-bit value it put on the wire), e' = g + e - sent, so
     sum_t sent_t + e_K = sum_t g_t; and e' is within one rounding of g + e."""
     grads_of, steps = random_grads(7, scale=1e-2), 12
-    results = exchange(method(error_feedback=True), world, grads_of, steps=steps)
+    results = exchange(nearest(method, error_feedback=True), world, grads_of, steps=steps)
     for rank, per_step in enumerate(results):
         total_sent = torch.zeros(NUMEL, dtype=torch.float64)
         for t, (_, before, after, _) in enumerate(per_step):
@@ -61,7 +66,7 @@ def test_sum_of_results_tracks_the_sum_of_gradients(method):
         results = exchange(compressor, world, grads_of, steps=steps)[0]
         return float((sum(r[0].double() for r in results) - want).norm() / want.norm())
 
-    fed, plain = gap(method(error_feedback=True)), gap(method())
+    fed, plain = gap(nearest(method, error_feedback=True)), gap(nearest(method))
     assert fed < plain / 10, (fed, plain)
     assert fed < method.eps  # the gap of the sum is below one rounding of the sum
 
@@ -73,9 +78,10 @@ def test_bytes_unchanged_and_config(method):
     for per_rank in results:
         for *_, measured in per_rank:
             assert measured.wire_bytes() == method().wire_bytes(SHAPES, 2) == fed.wire_bytes(SHAPES, 2) > 0
-    assert fed.config() == {"method": method.name, "error_feedback": True}
-    assert method().config() == {"method": method.name}  # plain casts keep the config older checkpoints saved
-    assert repr(fed) == f"{method.__name__}(error_feedback=True)"
+    rounding = {"rounding": "stochastic"} if method is BF16 else {}
+    assert fed.config() == {"method": method.name, "error_feedback": True, **rounding}
+    assert method().config() == {"method": method.name, **rounding}
+    assert repr(fed) == f"{method.__name__}(error_feedback=True" + (", rounding='stochastic')" if rounding else ")")
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.__name__)
@@ -115,3 +121,67 @@ def test_a_16_bit_bucket_keeps_its_residual_in_fp32():
 def test_bad_error_feedback_is_named(value):
     with pytest.raises(ValueError, match=rf"BF16: error_feedback={value!r} must be True or False"):
         BF16(error_feedback=value)
+
+
+# ---- BF16's stochastic rounding ---------------------------------------------------------------------------------
+def test_stochastic_residual_is_within_one_bf16_step_and_sent_is_a_bf16_value():
+    """With error feedback and stochastic rounding: what a rank sent, (g + e) - e', is N x a bf16 value, and e' is
+    under one bf16 step of g + e (not half: stochastic rounding may round either way)."""
+    world, steps = 2, 6
+    grads_of = random_grads(21, scale=1e-2)
+    for rank, per_step in enumerate(exchange(BF16(error_feedback=True), world, grads_of, steps=steps)):
+        for t, (_, before, after, _) in enumerate(per_step):
+            acc = grads_of(rank, t) + (0 if before is None else before)
+            share = (acc - after) / world
+            assert torch.equal(share.to(torch.bfloat16).float(), share)
+            assert (after.abs() <= BF16.eps * acc.abs() + BF16.tiny * world).all()
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_repeats_its_error():
+    """One rank sends the same gradient every step: round to nearest returns the same rounded value each time (its
+    error never averages out), stochastic rounding's results average to the gradient."""
+    world, steps = 1, 400
+    g = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
+
+    def mean_result(compressor):
+        results = exchange(compressor, world, lambda rank, step: g, steps=steps)[0]
+        return sum(r[0].double() for r in results) / steps
+
+    nearest_error = (mean_result(BF16(rounding="nearest")) - g).abs().mean()
+    stochastic_error = (mean_result(BF16()) - g).abs().mean()
+    assert nearest_error > 0
+    assert stochastic_error < nearest_error / 5, (float(stochastic_error), float(nearest_error))
+
+
+def test_stochastic_rounding_repeats_per_seed_and_differs_per_rank():
+    grads_of = random_grads(4)
+    same_input = lambda rank, step: grads_of(0, step)  # noqa: E731: every rank sends the same gradient
+
+    def shares(compressor):  # what each rank put on the wire, recovered from its residual
+        return [sent(b, a, same_input(r, 0)) for r, ((_, b, a, _),) in
+                enumerate(exchange(compressor, 2, same_input))]
+
+    first, again, other_seed = shares(BF16(error_feedback=True)), shares(BF16(error_feedback=True)), \
+        shares(BF16(error_feedback=True, seed=1))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))  # repeatable
+    assert not torch.equal(first[0], first[1])  # ranks draw independently
+    assert not torch.equal(first[0], other_seed[0])
+
+
+def test_stochastic_rounding_keeps_non_finite_values():
+    from shardwise.compression.rounding import stochastic_round_bf16
+
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1.0, -3.0, 1e-40])
+    out = stochastic_round_bf16(x, torch.Generator().manual_seed(0)).float()
+    assert out[0] == float("inf") and out[1] == -float("inf") and out[2].isnan()
+    assert torch.equal(out[3:7], x[3:7])  # bf16 values are left as they are
+    # a NaN whose payload fills the low bits (the top of the int32 range) must not wrap into a number
+    nan = torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
+    assert stochastic_round_bf16(nan, torch.Generator().manual_seed(0)).isnan().all()
+
+
+@pytest.mark.parametrize("options, message", [({"rounding": "up"}, r"rounding='up'; allowed \['stochastic', "
+                                                "'nearest'\\]"), ({"seed": 1.5}, "seed=1.5 must be an int")])
+def test_bad_bf16_options_are_named(options, message):
+    with pytest.raises(ValueError, match=message):
+        BF16(**options)

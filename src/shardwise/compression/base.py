@@ -100,10 +100,11 @@ def check_ratio(method: str, ratio: float) -> float:
     return float(ratio)
 
 
-def shared_generator(seed: int, key: str, step: int = 0) -> torch.Generator:
-    """A CPU generator every rank seeds identically for (seed, bucket key, step): random choices that must agree
-    across ranks (RandomK's indices, PowerSGD's initial Q) without sending them."""
-    g = torch.Generator()
+def shared_generator(seed: int, key: str, step: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator every rank seeds identically for (seed, bucket key, step): random choices that must agree
+    across ranks (RandomK's indices, PowerSGD's initial Q) without sending them. A key that names the rank gives
+    each rank its own repeatable stream instead (BF16's stochastic rounding)."""
+    g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode()) * 7919 + step) % (2**63 - 1))
     return g
 
@@ -121,6 +122,7 @@ class Compressor(abc.ABC):
     def __init__(self) -> None:
         self.memory: dict[str, torch.Tensor] = {}  # error feedback: per bucket, what was not sent yet
         self.iterations: dict[str, int] = {}  # reductions done per bucket (PowerSGD's start_iter, RandomK's seed)
+        self.comm_rank = 0  # this rank in the current reduction's communicator (set by `reduce`: per-rank randomness)
 
     # ---- configuration ----------------------------------------------------------------------------------------
     def fresh(self) -> Compressor:
@@ -161,6 +163,7 @@ class Compressor(abc.ABC):
                              f"shape {tuple(flat.shape)} {flat.dtype}")
         key = str(key)
         self.iterations[key] = self.iterations.get(key, 0) + 1
+        self.comm_rank = comm.rank
         payload = self.compress(key, flat, shapes, comm.size)
         works, received = [], []
         for t in payload.tensors:
