@@ -72,13 +72,17 @@ def parse_mode(mode: str) -> tuple[str, float, dict[str, int]]:
                      f"streaming:<H>:<F>[:<tau>]")
 
 
+HELD_OUT_SEED = 1  # the held-out batches' data seed: --seed may not take it
+
+
 def held_out_loss(model, config, args: argparse.Namespace) -> float:
-    """The loss of `model` (the global parameters at the end) on fixed batches no mode trains on (seed 1): the same
-    quantity for every mode, free of the training loss's noise and of whose local copy produced it."""
+    """The loss of `model` (the global parameters at the end) on fixed batches no mode trains on (HELD_OUT_SEED): the
+    same quantity for every mode, free of the training loss's noise and of whose local copy produced it."""
     corpus = bench_corpus()
     with torch.no_grad():
-        losses = [float(model(*corpus.batch(i, args.batch_size * args.workers, config.seq_len, seed=1)))
-                  for i in range(args.eval_batches)]
+        batches = (corpus.batch(i, args.batch_size * args.workers, config.seq_len, seed=HELD_OUT_SEED)
+                   for i in range(args.eval_batches))
+        losses = [float(model(x, y)) for x, y in batches]
     return sum(losses) / len(losses)
 
 
@@ -86,10 +90,10 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One rank of one mode: train until the time is up (--seconds) or until the samples of --steps synchronous
     global steps are seen (--steps); return this rank's events, wire bytes and (one rank) the held-out loss."""
     kind, value, options = parse_mode(mode)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     config = gpt_config(args.preset, args.seq_len)
     corpus = bench_corpus()
-    model = GPT(config, seed=0)
+    model = GPT(config, seed=args.seed)
     if args.pretrained:
         model.load_state_dict(torch.load(args.pretrained, weights_only=True))
     lr = args.lr
@@ -130,8 +134,8 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     while True:
         at = comm.stats.snapshot()
         # After --pretrain-steps P the modes train on the batches after the pretraining's.
-        x, y = corpus.batch(args.pretrain_steps + step, args.batch_size, config.seq_len, rank=worker,
-                            world_size=n_workers)
+        x, y = corpus.batch(args.pretrain_steps + step, args.batch_size, config.seq_len, seed=args.seed,
+                            rank=worker, world_size=n_workers)
         with slow if args.straggler == "fixed" else rotating.step(step):
             loss = model(x, y)
             loss.backward()
@@ -260,6 +264,8 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches (of workers x batch) "
                         "evaluated on each mode's final global model")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help=f"model initialisation and training data order; not "
+                        f"{HELD_OUT_SEED}, the held-out batches' seed (default: %(default)s)")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=4, help="per worker")
@@ -277,6 +283,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--plot", default=None, help="write loss against time and samples (PNG) here")
     args = parser.parse_args()
+    if args.seed == HELD_OUT_SEED:
+        parser.error(f"--seed {HELD_OUT_SEED} is the held-out batches' seed: choose another")
     if args.rotate_every < 1:
         parser.error(f"--rotate-every={args.rotate_every} must be >= 1")
     modes = comma_list(args.modes)
@@ -331,16 +339,16 @@ def main() -> None:
 def pretrain(args: argparse.Namespace) -> str:
     """Train the GPT `--pretrain-steps` synchronous steps on the global batch (workers x batch rows, AdamW at --lr,
     the --warmup schedule) in this process; save its weights to a temporary file and return its path."""
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     config = gpt_config(args.preset, args.seq_len)
     corpus = bench_corpus()
-    model = GPT(config, seed=0)
+    model = GPT(config, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     sched = None if not args.warmup else torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: min(1.0, (k + 1) / args.warmup))
     start = time.perf_counter()
     for step in range(args.pretrain_steps):
-        x, y = corpus.batch(step, args.batch_size * args.workers, config.seq_len)
+        x, y = corpus.batch(step, args.batch_size * args.workers, config.seq_len, seed=args.seed)
         loss = model(x, y)
         loss.backward()
         opt.step()
