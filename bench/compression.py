@@ -78,6 +78,7 @@ class Config:
     onebit_block: int = 64
     seed: int = 0
     onebit_adam_block: int | None = None
+    rounding_seed: int = 0
 
 
 def _optimizer(params: Any, cfg: Config) -> torch.optim.Optimizer:
@@ -157,7 +158,8 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
                       "topk_adam": TopK(cfg.topk_ratio), "randomk_adam": RandomK(cfg.topk_ratio)}[name]
         return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, weight_decay=WEIGHT_DECAY,
                                             freeze_step=cfg.freeze_step, compressor=compressor), link_comm)
-    method = {"none": None, "fp16": FP16(), "bf16": BF16(), "bf16_nearest": BF16(rounding="nearest"), "fp16_ef": FP16(error_feedback=True),
+    method = {"none": None, "fp16": FP16(), "bf16": BF16(seed=cfg.rounding_seed),
+              "bf16_nearest": BF16(rounding="nearest"), "fp16_ef": FP16(error_feedback=True),
               "bf16_ef": BF16(error_feedback=True), "topk": TopK(cfg.topk_ratio),
               "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
               "onebit": OneBit(), "onebit_block": OneBit(block_size=cfg.onebit_block)}[name]
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (one seed per run; "
                    "compare rows within a run, and runs of several seeds to see the seed-to-seed spread)")
+    p.add_argument("--rounding-seed", type=int, default=0, help="the bf16 row's stochastic-rounding seed, BF16(seed=): "
+                   "runs with several show how much of its gap is the rounding's draw (default: %(default)s)")
     p.add_argument("--onebit-adam-block", type=int, default=None,
                    help="the onebit_adam row's momentum compressor OneBit(block_size=) (default: one scale per tensor)")
     a = p.parse_args(argv)
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
                  a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer, a.onebit_block,
-                 a.seed, a.onebit_adam_block)
+                 a.seed, a.onebit_adam_block, a.rounding_seed)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]
