@@ -33,19 +33,17 @@ On a 2-core host 4-5 processes are oversubscribed: absolute speeds are low and n
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import shardwise as sw
-from shardwise.async_sgd import AsyncSGD, DiLoCo, LocalSGD, Straggler, StreamingDiLoCo
+from shardwise.async_sgd import AsyncSGD, DiLoCo, LocalSGD, RotatingStraggler, Straggler, StreamingDiLoCo
 from shardwise.models.gpt import GPT
 
 from _common import bench_corpus, comma_list, emit, gpt_config, loadavg, median, rotations
@@ -174,35 +172,6 @@ def run_mode(comm, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if kind != "ps" and comm.rank == 0:
         row["held_out_loss"] = held_out_loss(model, config, args)
     return row
-
-
-class RotatingStraggler:
-    """--straggler rotating: each worker in turn runs --rotate-every of its steps --factor x slower (a machine slowed
-    for a while: another job, a garbage collection, throttling), so every worker is slow 1/n of its steps.
-
-    The pause is (factor - 1) x this worker's median step time over its first CALIBRATION steps (run at full speed),
-    not x the slow step's own duration as `Straggler` does: with a rotating straggler a synchronous step's duration
-    includes waiting for the previous straggler inside the all-reduce, and pausing in proportion to that would make
-    each pause longer than the last."""
-
-    CALIBRATION = 5
-
-    def __init__(self, factor: float, worker: int, n_workers: int, every: int) -> None:
-        self.factor, self.worker, self.n_workers, self.every = factor, worker, n_workers, every
-        self.durations: list[float] = []
-        self.baseline: float | None = None
-
-    @contextlib.contextmanager
-    def step(self, k: int) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        if k < self.CALIBRATION:
-            self.durations.append(time.perf_counter() - start)
-            return
-        if self.baseline is None:
-            self.baseline = sorted(self.durations)[len(self.durations) // 2] if self.durations else 0.0
-        if self.factor > 1 and ((k - self.CALIBRATION) // self.every) % self.n_workers == self.worker:
-            time.sleep((self.factor - 1) * self.baseline)
 
 
 def summarise(mode: str, ranks: list[dict[str, Any]], batch: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 from parity import CONFIG, assert_state_close, make_optimizer
 
 import shardwise as sw
-from shardwise.async_sgd import AsyncSGD, Straggler, assign_shards
+from shardwise.async_sgd import AsyncSGD, RotatingStraggler, Straggler, assign_shards
 from shardwise.data import ByteCorpus
 from shardwise.models import GPT
 
@@ -281,6 +281,57 @@ def test_straggler_sleeps_in_proportion():
     assert slow.slept == pytest.approx(2 * slow.computed, rel=0.01)
     with pytest.raises(ValueError, match="factor=0.5 must be a number >= 1"):
         Straggler(0.5)
+
+
+class _FakeClock:
+    """Stands in for the straggler module's `time`: each step's compute takes `step_seconds[k]`, sleeps advance it."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_rotating_straggler_slows_each_worker_in_turn_by_its_calibrated_step(monkeypatch, every):
+    """4 workers, factor 3: after 5 timed full-speed steps (median 0.1 s: one outlier step of 0.5 s does not move
+    it), worker w sleeps 0.2 s on exactly the steps where (k - 5) // every cycles to w, and at every such step one
+    worker of the four is slowed."""
+    import shardwise.async_sgd.straggler as straggler_module
+
+    durations = [0.1, 0.5, 0.1, 0.09, 0.11] + [0.1] * 40  # a slow step in the calibration: the median ignores it
+    slowed_at = {}
+    for worker in range(4):
+        clock = _FakeClock()
+        monkeypatch.setattr(straggler_module, "time", clock)
+        rotating = RotatingStraggler(3.0, worker=worker, n_workers=4, every=every)
+        slowed_at[worker] = []
+        for k, seconds in enumerate(durations):
+            before = len(clock.sleeps)
+            with rotating.step(k):
+                clock.now += seconds
+            if len(clock.sleeps) > before:
+                slowed_at[worker].append(k)
+        assert rotating.baseline == pytest.approx(0.1)
+        assert clock.sleeps == [pytest.approx(0.2)] * len(slowed_at[worker])
+        assert rotating.slept == pytest.approx(0.2 * len(slowed_at[worker]))
+        assert slowed_at[worker] == [k for k in range(5, len(durations)) if ((k - 5) // every) % 4 == worker]
+    steps = sorted(k for ks in slowed_at.values() for k in ks)
+    assert steps == list(range(5, len(durations)))  # one slow worker at every step after the calibration
+
+
+def test_rotating_straggler_refuses_bad_input():
+    for kwargs, message in [({"factor": 0.5}, "factor=0.5 must be a number >= 1"),
+                            ({"worker": 4}, r"worker=4 must be an int in \[0, 4\)"),
+                            ({"every": 0}, "every=0 must be an int >= 1"),
+                            ({"calibration_steps": 0}, "calibration_steps=0 must be an int >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            RotatingStraggler(**({"factor": 3.0, "worker": 0, "n_workers": 4} | kwargs))
 
 
 # ---- gloo processes under shardwise's supervisor: a worker that dies does not stop the others -------------------

@@ -6,8 +6,8 @@ from .diloco import DiLoCo
 from .local_sgd import LocalSGD, LocalSGDModule
 from .parameter_server import AsyncSGD, AsyncSGDModule
 from .server import Applied, ServerReport, assign_shards
-from .straggler import Straggler
+from .straggler import RotatingStraggler, Straggler
 from .streaming import StreamingDiLoCo, StreamingDiLoCoModule
 
 __all__ = ["Applied", "AsyncSGD", "AsyncSGDModule", "DiLoCo", "LocalSGD", "LocalSGDModule", "ServerReport",
-           "Straggler", "StreamingDiLoCo", "StreamingDiLoCoModule", "assign_shards"]
+           "RotatingStraggler", "Straggler", "StreamingDiLoCo", "StreamingDiLoCoModule", "assign_shards"]
