@@ -5,7 +5,8 @@ beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataPa
 Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16` (stochastic rounding, the default), `bf16_nearest`
 (`BF16(rounding="nearest")`, torch's hook's rounding), `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
 (rank --rank, start_iter --start-iter), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
-AdamW's hyperparameters), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer exchanging its momentum with
+AdamW's hyperparameters; its default momentum compressor OneBit(scale="rms")), `onebit_adam_l1` (the same with the
+l1 scale, OneBit()), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer exchanging its momentum with
 TopK / RandomK at --topk-ratio instead of OneBit: sparsification where Adam's variance is frozen, so error feedback
 sees a linear update; the 1-bit Adam paper's framework, Tang et al. 2021), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
 start iteration). Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
@@ -46,8 +47,8 @@ from shardwise.models.gpt import GPT
 from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
 
 OURS = ("none", "fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit",
-        "onebit_block", "onebit_adam", "topk_adam", "randomk_adam")
-ADAM_ROWS = ("onebit_adam", "topk_adam", "randomk_adam")  # OneBitAdam optimizers: they exchange momentum themselves
+        "onebit_block", "onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam")
+ADAM_ROWS = ("onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam")  # OneBitAdam optimizers: they exchange momentum themselves
 TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook")
 # Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
 # 0.5% for the 16-bit casts (and torch's plain DDP, a check of the comparison itself), 3% for the others.
@@ -154,7 +155,9 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
         return _Row(name, ddp, _optimizer(ddp.parameters(), cfg))
     if name in ADAM_ROWS:
         # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).
-        compressor = {"onebit_adam": None if cfg.onebit_adam_block is None else OneBit(block_size=cfg.onebit_adam_block),
+        compressor = {"onebit_adam": None if cfg.onebit_adam_block is None else OneBit(block_size=cfg.onebit_adam_block,
+                                                                                       scale="rms"),
+                      "onebit_adam_l1": OneBit(block_size=cfg.onebit_adam_block),
                       "topk_adam": TopK(cfg.topk_ratio), "randomk_adam": RandomK(cfg.topk_ratio)}[name]
         return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, weight_decay=WEIGHT_DECAY,
                                             freeze_step=cfg.freeze_step, compressor=compressor), link_comm)

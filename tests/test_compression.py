@@ -112,6 +112,27 @@ def test_onebit_sends_sign_times_mean_magnitude_per_tensor(seed, world):
 
 
 @settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10_000), world=st.integers(1, 3))
+def test_onebit_rms_scale_sends_sign_times_root_mean_square_per_tensor(seed, world):
+    grads_of = random_grads(seed)
+    method = OneBit(scale="rms")
+    for r, ((result, _, after, measured),) in enumerate(exchange(method, world, grads_of)):
+        g = grads_of(r, 0)
+        s = sent(None, after, g)
+        offset = 0
+        for shape in SHAPES:
+            n = torch.Size(shape).numel()
+            piece, gpiece = s[offset:offset + n], g[offset:offset + n]
+            rms = float(gpiece.square().mean().sqrt())
+            assert rms > float(gpiece.abs().mean())  # not the l1 scale: the check can tell them apart
+            torch.testing.assert_close(piece.abs(), torch.full_like(piece, rms))
+            assert torch.equal(piece >= 0, gpiece >= 0)
+            offset += n
+        assert measured.wire_bytes() == method.wire_bytes(SHAPES, world) == OneBit().wire_bytes(SHAPES, world)
+    assert method.config() == {"method": "onebit", "scale": "rms"} and OneBit().config() == {"method": "onebit"}
+
+
+@settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), world=st.integers(1, 3), block=st.sampled_from([1, 7, 16, 64]))
 def test_onebit_block_size_gives_each_run_of_a_tensor_its_own_scale(seed, world, block):
     grads_of = random_grads(seed)
@@ -221,7 +242,8 @@ def test_powersgd_sends_small_matrices_uncompressed_by_min_compression_rate():
 
 
 # ---- error feedback -------------------------------------------------------------------------------------------
-EF_METHODS = [TopK(0.05), RandomK(0.2), OneBit(), OneBit(block_size=16), PowerSGD(rank=1, start_iter=0, min_compression_rate=1)]
+EF_METHODS = [TopK(0.05), RandomK(0.2), OneBit(), OneBit(block_size=16), OneBit(scale="rms"),
+              PowerSGD(rank=1, start_iter=0, min_compression_rate=1)]
 
 
 @pytest.mark.parametrize("method", EF_METHODS, ids=lambda m: repr(m))
@@ -331,6 +353,7 @@ def test_load_state_dict_names_an_unknown_entry():
     (lambda: PowerSGD(rank=0), r"rank=0 must be an int >= 1"),
     (lambda: OneBit(block_size=0), r"OneBit: block_size=0 must be None \(one scale per tensor\) or an int >= 1"),
     (lambda: OneBit(block_size=2.5), r"block_size=2.5"),
+    (lambda: OneBit(scale="l2"), r"OneBit: scale='l2'; allowed \['l1', 'rms'\]"),
     (lambda: PowerSGD(rank=2, start_iter=-1), r"start_iter=-1"),
     (lambda: PowerSGD(rank=2, min_compression_rate=-1), r"min_compression_rate=-1"),
     (lambda: PowerSGD(rank=2, warm_start="yes"), r"warm_start='yes' must be True or False"),

@@ -13,6 +13,12 @@ Mechanism, per bucket and step on each rank:
    server-side error) would make the volume independent of N; with an all-gather it is (N-1) x numel / 8 bytes,
    cheaper than an fp32 all-reduce (8 (N-1)/N x numel) while N < 64.
 
+`scale="rms"` uses ||acc_j||_2 / sqrt(numel_j), the root mean square, instead: DeepSpeed's 1-bit Adam compresses its
+momentum with it (its `compressed_allreduce`). It is at least the l1 scale (Cauchy-Schwarz), so each step sends a
+tensor's large coordinates faster and overshoots its small ones, which error feedback carries back. With 1-bit Adam
+on the demo GPT it closed more of the gap to uncompressed AdamW than the l1 scale (docs/compression.md), which is
+why `OneBitAdam` uses it by default; for plain gradients the default stays EF-signSGD's l1.
+
 `block_size=B` gives each run of B elements of a tensor its own scale (1-bit SGD's finer reconstruction values,
 Seide et al. 2014, use one per column). Why it matters: with one scale per tensor a coordinate whose gradient is
 consistently far above the tensor's mean magnitude is sent at most mean |acc| per step, so its memory grows until
@@ -22,8 +28,10 @@ Karimireddy et al.'s bound, ||acc||_1^2 / (numel ||acc||^2), is that small for h
 the max / mean ratio inside each run by B. Cost: 4 / B bytes more per element (B = 64: 1.5x the bits alone).
 
 Stated error: each rank's contribution differs from its acc by exactly its new memory (so the sum over steps of
-what it sent = sum of its gradients - memory); ||acc_j - compressed_j||^2 <= (1 - 1/numel_j) ||acc_j||^2 keeps the
-memory bounded for bounded gradients (Karimireddy et al., Theorem 1).
+what it sent = sum of its gradients - memory); with the l1 scale ||acc_j - compressed_j||^2 <= (1 - 1/numel_j)
+||acc_j||^2 keeps the memory bounded for bounded gradients (Karimireddy et al., Theorem 1); with the rms scale the
+error is 2 ||acc_j||^2 (1 - ||acc_j||_1 / (sqrt(numel_j) ||acc_j||_2)), below ||acc_j||^2 unless the tensor is
+heavy-tailed (l1 / (sqrt(n) l2) < 1/2), where it is not a contraction: the property test checks it in practice.
 Bytes on the wire per bucket: all-gather of ceil(numel / 8) bytes + all-gather of T x 4 bytes of scales (T tensors,
 or T runs with block_size): (N-1) x (ceil(numel / 8) + 4T) per rank.
 """
@@ -65,21 +73,28 @@ class OneBit(Compressor):
 
     block_size: None (default): one scale per tensor, EF-signSGD's; an int B >= 1: one scale per run of B elements
         of each tensor (the last run of a tensor may be shorter), 4 / B more bytes per element on the wire.
+    scale: "l1" (default): mean |x| of the run, EF-signSGD's; "rms": its root mean square, DeepSpeed's 1-bit Adam's.
     """
 
     name = "onebit"
+    SCALES = ("l1", "rms")
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None, scale: str = "l1") -> None:
         super().__init__()
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                        or block_size < 1):
             raise ValueError(f"OneBit: block_size={block_size!r} must be None (one scale per tensor) or an int >= 1 "
                              f"(one scale per that many elements)")
+        if scale not in self.SCALES:
+            raise ValueError(f"OneBit: scale={scale!r}; allowed {list(self.SCALES)}")
         self.block_size = block_size
+        self.scale = scale
 
     def config(self) -> dict:
-        # block_size appears only when set, so checkpoints of the per-tensor method keep their config.
-        return {"method": self.name, **({"block_size": self.block_size} if self.block_size is not None else {})}
+        # block_size and scale appear only when not the defaults, so checkpoints of the per-tensor l1 method keep
+        # their config.
+        return {"method": self.name, **({"block_size": self.block_size} if self.block_size is not None else {}),
+                **({"scale": self.scale} if self.scale != "l1" else {})}
 
     def _counts(self, shapes: Shapes | None, numel: int) -> list[int]:
         """The element count of every run that gets its own scale, in bucket order."""
@@ -92,7 +107,7 @@ class OneBit(Compressor):
     def compress(self, key: str, flat: torch.Tensor, shapes: Shapes | None, world: int) -> Payload:
         acc = self._with_memory(key, flat)
         counts = self._counts(shapes, acc.numel())
-        compressed, scales = sign_compress(acc, counts)
+        compressed, scales = sign_compress(acc, counts, self.scale)
         self.memory[key] = acc - compressed
         return Payload((pack_signs(acc), scales), "all_gather", context=counts)
 
@@ -110,12 +125,17 @@ class OneBit(Compressor):
         return ring_all_gather((numel + 7) // 8, 1, world) + ring_all_gather(n_scales, 4, world)
 
 
-def sign_compress(acc: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale_j x sign(acc_j) for every tensor j, the fp32 scales): the scaled sign of EF-signSGD."""
+def sign_compress(acc: torch.Tensor, counts: list[int], scale: str = "l1") -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale_j x sign(acc_j) for every run j, the fp32 scales): the scaled sign of EF-signSGD (scale "l1": mean
+    |acc_j|) or of DeepSpeed's 1-bit Adam ("rms": ||acc_j||_2 / sqrt(numel_j))."""
     sizes = torch.tensor(counts, device=acc.device)
     segment = torch.repeat_interleave(torch.arange(len(counts), device=acc.device), sizes)
-    l1 = torch.zeros(len(counts), dtype=torch.float32, device=acc.device)
-    l1.index_add_(0, segment, acc.abs().float())
-    scales = l1 / sizes.clamp(min=1)
+    total = torch.zeros(len(counts), dtype=torch.float32, device=acc.device)
+    if scale == "rms":
+        total.index_add_(0, segment, acc.float().square())
+        scales = (total / sizes.clamp(min=1)).sqrt()
+    else:
+        total.index_add_(0, segment, acc.abs().float())
+        scales = total / sizes.clamp(min=1)
     signs = torch.where(acc >= 0, 1.0, -1.0).to(acc.dtype)
     return signs * scales[segment].to(acc.dtype), scales

@@ -12,7 +12,9 @@ replicas it makes equal at construction by broadcasting rank 0's parameters):
   (torch.optim.Adam with bias correction, decoupled weight decay as AdamW when weight_decay > 0);
 * compression stage, later steps: v is frozen (as is its bias correction); each rank updates its momentum with its
   *local* gradient, m = beta1 m + (1 - beta1) g_local; the momenta of all parameters are exchanged in one
-  compressed all-reduce (by default `OneBit`: signs + one scale per tensor, with error feedback on each rank), and
+  compressed all-reduce (by default `OneBit(scale="rms")`: signs + one root-mean-square scale per tensor, as
+  DeepSpeed's 1-bit Adam scales them, with error feedback on each rank; over five seeds of the demo GPT it ended
+  +2.4% from AdamW on average against +3.4% with the l1 scale, docs/compression.md), and
   every rank continues from the same averaged momentum; x -= lr x m_hat / (sqrt(v_hat) + eps).
 The paper's two-stage (worker + server error) exchange is replaced by OneBit's all-gather of bits and scales (same
 error-feedback guarantee; (N-1)/8 bytes per element per rank instead of ~2/8: see onebit.py).
@@ -45,7 +47,8 @@ class OneBitAdam(torch.optim.Optimizer):
     lr, betas, eps, weight_decay: as torch.optim.AdamW (weight_decay=0: as Adam).
     freeze_step: steps of full-precision Adam before the variance is frozen and momentum is compressed (the
         paper: ~15-25% of training; too early and the frozen variance is a poor preconditioner).
-    compressor: the momentum's compression (default OneBit(); any sw.compression method with error feedback).
+    compressor: the momentum's compression (default OneBit(scale="rms"); any sw.compression method with error
+        feedback).
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], comm: Communicator, *, lr: float = 1e-3,
@@ -63,11 +66,11 @@ class OneBitAdam(torch.optim.Optimizer):
                 raise ValueError(f"OneBitAdam: {name}={value!r} must be a number >= 0")
         if compressor is not None and not isinstance(compressor, Compressor):
             raise ValueError(f"OneBitAdam: compressor={compressor!r} must be a sw.compression method or None "
-                             f"(OneBit)")
+                             f"(OneBit(scale='rms'))")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.comm = comm
         self.freeze_step = freeze_step
-        self.compressor = (compressor or OneBit()).fresh()
+        self.compressor = (compressor or OneBit(scale="rms")).fresh()
         self.steps = 0
         if comm.size > 1:  # every replica starts from rank 0's values
             broadcast_coalesced(comm, [p.data for group in self.param_groups for p in group["params"]])
