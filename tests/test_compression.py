@@ -90,46 +90,35 @@ def test_sparsifiers_send_k_elements_and_average_them_exactly(seed, world, ratio
         torch.testing.assert_close(result, want, rtol=1e-5, atol=1e-6)
 
 
+SCALE_OF = {"l1": lambda g: float(g.abs().mean()), "rms": lambda g: float(g.square().mean().sqrt())}
+
+
+@pytest.mark.parametrize("scale", ["l1", "rms"])
 @SETTINGS
 @given(seed=st.integers(0, 10_000), world=st.integers(1, 4))
-def test_onebit_sends_sign_times_mean_magnitude_per_tensor(seed, world):
+def test_onebit_sends_sign_times_its_scale_per_tensor(scale, seed, world):
+    """Each tensor's share is sign x one scale: mean |g| (EF-signSGD's, the default) or the root mean square
+    (DeepSpeed's 1-bit Adam); the two differ for every random tensor, so the check tells them apart."""
     grads_of = random_grads(seed)
-    results = exchange(OneBit(), world, grads_of)
+    method = OneBit(scale=scale)
+    results = exchange(method, world, grads_of)
     contributions = []
-    for r, ((result, _, after, _),) in enumerate(results):
+    for r, ((result, _, after, measured),) in enumerate(results):
         g = grads_of(r, 0)
         s = sent(None, after, g)
         offset = 0
         for shape in SHAPES:
             n = torch.Size(shape).numel()
             piece, gpiece = s[offset:offset + n], g[offset:offset + n]
-            torch.testing.assert_close(piece.abs(), torch.full_like(piece, float(gpiece.abs().mean())))
-            assert torch.equal(piece >= 0, gpiece >= 0)
-            offset += n
-        contributions.append(s)
-    for (result, *_), in results:
-        torch.testing.assert_close(result, sum(contributions) / world, rtol=1e-5, atol=1e-6)
-
-
-@settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 10_000), world=st.integers(1, 3))
-def test_onebit_rms_scale_sends_sign_times_root_mean_square_per_tensor(seed, world):
-    grads_of = random_grads(seed)
-    method = OneBit(scale="rms")
-    for r, ((result, _, after, measured),) in enumerate(exchange(method, world, grads_of)):
-        g = grads_of(r, 0)
-        s = sent(None, after, g)
-        offset = 0
-        for shape in SHAPES:
-            n = torch.Size(shape).numel()
-            piece, gpiece = s[offset:offset + n], g[offset:offset + n]
-            rms = float(gpiece.square().mean().sqrt())
-            assert rms > float(gpiece.abs().mean())  # not the l1 scale: the check can tell them apart
-            torch.testing.assert_close(piece.abs(), torch.full_like(piece, rms))
+            assert SCALE_OF["rms"](gpiece) > SCALE_OF["l1"](gpiece)
+            torch.testing.assert_close(piece.abs(), torch.full_like(piece, SCALE_OF[scale](gpiece)))
             assert torch.equal(piece >= 0, gpiece >= 0)
             offset += n
         assert measured.wire_bytes() == method.wire_bytes(SHAPES, world) == OneBit().wire_bytes(SHAPES, world)
-    assert method.config() == {"method": "onebit", "scale": "rms"} and OneBit().config() == {"method": "onebit"}
+        contributions.append(s)
+    for (result, *_), in results:
+        torch.testing.assert_close(result, sum(contributions) / world, rtol=1e-5, atol=1e-6)
+    assert method.config() == ({"method": "onebit"} if scale == "l1" else {"method": "onebit", "scale": "rms"})
 
 
 @settings(max_examples=6, deadline=None)
