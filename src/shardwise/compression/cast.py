@@ -6,8 +6,9 @@ Mechanism: each rank divides its bucket by the world size *before* the cast (so 
 into the bucket. FP16 rounds to nearest, as torch's hooks. BF16 rounds **stochastically** by default
 (`rounding="stochastic"`, compression/rounding.py: up or down at random, unbiased), because bf16's 8-bit
 significand rounded to nearest cost the demo GPT +2.6% of final loss on average over three seeds under AdamW (one
-seed +5.6%; torch's `bf16_compress_hook` the same to the last digit), where stochastic rounding stays within 0.5%
-(docs/compression.md). Round to nearest makes the same error every step for a coordinate whose gradient changes
+seed +5.6%; torch's `bf16_compress_hook` the same to the last digit), where stochastic rounding averages +0.2% over
+the same seeds (single runs still spread by about +-2% on a seed whose training has a sharp transition:
+docs/compression.md). Round to nearest makes the same error every step for a coordinate whose gradient changes
 slowly, and those errors add up along the trajectory; stochastic rounding makes them zero-mean noise. Each rank
 draws from its own generator, seeded by (seed, bucket, step, rank), so runs and resumes repeat bit for bit.
 `BF16(rounding="nearest")` is torch's hook. No error feedback by default: it did not rescue bf16 rounded to nearest
@@ -47,7 +48,6 @@ class _Cast(Compressor):
     """A cast to `dtype` before a summing all-reduce; `error_feedback`: keep each rank's rounding residual."""
 
     dtype: torch.dtype
-    rounding = "nearest"
 
     def __init__(self, error_feedback: bool = False) -> None:
         super().__init__()
@@ -107,7 +107,7 @@ class BF16(_Cast):
         (compression/rounding.py), from a generator seeded by (seed, bucket, step, rank), so runs and resumes
         repeat; "nearest": round to nearest even, torch's `bf16_compress_hook`. The measurement that chose the
         default is in docs/compression.md (200 steps of the demo GPT under AdamW: nearest +2.6% on average over
-        three seeds against fp32, stochastic within 0.5%). Costs one random 16-bit number per element.
+        three seeds against fp32, stochastic +0.2%). Costs one random 16-bit number per element.
     seed: the stochastic rounding's seed (ranks draw different numbers from it).
     """
 
@@ -133,7 +133,7 @@ class BF16(_Cast):
         return stochastic_round_bf16(x.float(), generator)
 
     def config(self) -> dict:
-        # rounding and seed appear when they differ from the defaults, so a default BF16's config reads as before
-        # plus its rounding (checkpoints of the two roundings are not interchangeable: the results differ).
+        # The rounding is always named (checkpoints of the two roundings are not interchangeable: the results
+        # differ); the seed only when set, as error_feedback.
         extra = {"rounding": self.rounding, **({"seed": self.seed} if self.seed else {})}
         return {**super().config(), **extra}
