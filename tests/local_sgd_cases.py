@@ -26,6 +26,16 @@ def state_of(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def inner_step(model, opt, comm, step: int):
+    """One inner step on this rank's slice of global batch `step`: forward, backward, the inner optimizer's step,
+    then the wrapper's `model.step()`, whose result (True when it synchronised) is returned."""
+    x, y = batch(step, comm.rank, comm.size)
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return model.step()
+
+
 def outer_state_run(model, comm, opt, steps: int, resume_from: list[bytes] | None = None,
                     save_at: int | None = None) -> tuple[dict[str, torch.Tensor], bytes | None, dict[str, Any]]:
     """Train `model` (a LocalSGD-family wrapper) with the inner optimizer `opt` for `steps` steps, from scratch or
@@ -40,11 +50,7 @@ def outer_state_run(model, comm, opt, steps: int, resume_from: list[bytes] | Non
         model.load_outer_state_dict(saved["outer"])
         start = model.inner_steps
     for step in range(start, start + steps):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        model.step()
+        inner_step(model, opt, comm, step)
         if step + 1 == save_at:
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "inner": opt.state_dict(), "outer": model.outer_state_dict()},
@@ -88,11 +94,7 @@ def checkpointed_run(model, comm, path: str, steps: int, save_at: int | None, re
         sw.load_checkpoint(path, model, opt, comm=comm, reset_strategy_state=reset)
         start = model.inner_steps
     for step in range(start, steps):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        synced = model.step()
+        synced = inner_step(model, opt, comm, step)
         if step + 1 == save_at:
             if before_save is not None:
                 before_save(model, synced)

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from local_sgd_cases import inner_step, state_of
 from parity import CONFIG, batch, frozen_model
 
 import shardwise as sw
@@ -239,17 +240,12 @@ def diloco(comm):
 def outer_state(model):
     saved = model.outer_state_dict()
     momentum = saved["outer_optimizer"]["state"]
-    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
-            {**saved["anchors"], **{f"m{i}": s["momentum_buffer"] for i, s in momentum.items()}})
+    return state_of(model), {**saved["anchors"], **{f"m{i}": s["momentum_buffer"] for i, s in momentum.items()}}
 
 
 def local_steps(model, opt, comm, start, count):
     for step in range(start, start + count):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        model.step()
+        inner_step(model, opt, comm, step)
 
 
 def test_diloco_resumes_bit_identically_from_a_checkpoint(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from local_sgd_cases import outer_state_run, state_of
+from local_sgd_cases import inner_step, outer_state_run, state_of
 from parity import CONFIG, assert_state_close, batch
 
 import shardwise as sw
@@ -195,11 +195,7 @@ def _ddp_within_site(comm):
     model = DiLoCo(sw.DDP(GPT(CONFIG, seed=0), site), across, sync_every=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(4):
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-        model.step()
+        inner_step(model, opt, comm, step)
     return state_of(model)
 
 
