@@ -326,7 +326,7 @@ def test_rotating_straggler_slows_each_worker_in_turn_by_its_calibrated_step(mon
 
 
 def test_rotating_straggler_refuses_bad_input():
-    for kwargs, message in [({"factor": 0.5}, "factor=0.5 must be a number >= 1"),
+    for kwargs, message in [({"factor": 0.5}, "RotatingStraggler: factor=0.5 must be a number >= 1"),
                             ({"worker": 4}, r"worker=4 must be an int in \[0, 4\)"),
                             ({"every": 0}, "every=0 must be an int >= 1"),
                             ({"calibration_steps": 0}, "calibration_steps=0 must be an int >= 1")]:

@@ -30,14 +30,18 @@ from collections.abc import Iterator
 __all__ = ["RotatingStraggler", "Straggler"]
 
 
+def check_factor(owner: str, factor: float) -> float:
+    """`factor` as a float, or ValueError naming `owner`: a slowdown is a number >= 1."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ValueError(f"{owner}: factor={factor!r} must be a number >= 1 (1 = full speed, 3 = three times slower)")
+    return float(factor)
+
+
 class Straggler:
     """A context manager adding (factor - 1) x the block's duration of sleep after it (factor 1: no-op)."""
 
     def __init__(self, factor: float = 1.0) -> None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
-            raise ValueError(f"Straggler: factor={factor!r} must be a number >= 1 (1 = full speed, 3 = three times "
-                             f"slower)")
-        self.factor = float(factor)
+        self.factor = check_factor("Straggler", factor)
         self.slept = 0.0
         self.computed = 0.0
         self._start = 0.0
@@ -64,7 +68,7 @@ class RotatingStraggler:
     """
 
     def __init__(self, factor: float, worker: int, n_workers: int, every: int = 1, calibration_steps: int = 5) -> None:
-        Straggler(factor)  # the same check of factor
+        factor = check_factor("RotatingStraggler", factor)
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
             raise ValueError(f"RotatingStraggler: n_workers={n_workers!r} must be an int >= 1")
         if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < n_workers:
@@ -72,7 +76,7 @@ class RotatingStraggler:
         for name, value in (("every", every), ("calibration_steps", calibration_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RotatingStraggler: {name}={value!r} must be an int >= 1")
-        self.factor, self.worker, self.n_workers = float(factor), worker, n_workers
+        self.factor, self.worker, self.n_workers = factor, worker, n_workers
         self.every, self.calibration_steps = every, calibration_steps
         self.durations: list[float] = []  # the calibration steps' durations
         self.baseline: float | None = None  # their median, once taken
