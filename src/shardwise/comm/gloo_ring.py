@@ -9,42 +9,27 @@ reduced chunk r. Measured on this machine alone (bench/sharding.py --profile, 6.
 against 7.8 ms for the in-place all-reduce + slice and 10.3 ms for gloo's reduce_scatter_tensor.
 
 How. The ring's steps depend on each other, so an asynchronous reduce-scatter cannot be one gloo call: a daemon
-thread per communicator runs the rings in submission order (every rank submits the same collectives in the same
-order, so their rings pair up), on a process group of its own, created once by the group's members
-(`new_group(use_local_synchronization=True)`), so that its point-to-point traffic never interleaves with the
-collectives the training thread issues meanwhile on the communicator's group. `RingWork` looks like the
-`torch.distributed.Work` the torch backend wraps (`wait(timedelta) -> bool`, `is_completed()`), so deadlines,
-CommError and blame work as for every other collective; an error in the ring thread is re-raised by `wait`.
+thread per communicator (a `SerialWorker`, background.py) runs the rings in submission order (every rank submits the
+same collectives in the same order, so their rings pair up), on a process group of its own, created once by the
+group's members (`new_group(use_local_synchronization=True)`), so that its point-to-point traffic never interleaves
+with the collectives the training thread issues meanwhile on the communicator's group. Its `ThreadWork` looks like
+the `torch.distributed.Work` the torch backend wraps, so deadlines, CommError and blame work as for every other
+collective; an error in the ring thread is re-raised by `wait`.
+
+On one host the shared-memory channel (shm_channel.py) carries reduce-scatters instead; the ring serves groups
+that span hosts (or where shared memory is turned off).
 """
 
 from __future__ import annotations
 
 import datetime
-import queue
-import threading
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GlooRing", "RingWork"]
+from .background import SerialWorker, ThreadWork
 
-
-class RingWork:
-    """One submitted ring reduce-scatter: done when the background thread has finished its last step."""
-
-    def __init__(self) -> None:
-        self.finished = threading.Event()
-        self.error: BaseException | None = None
-
-    def is_completed(self) -> bool:
-        return self.finished.is_set()
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if not self.finished.wait(None if timeout is None else timeout.total_seconds()):
-            return False
-        if self.error is not None:
-            raise self.error
-        return True
+__all__ = ["GlooRing"]
 
 
 class GlooRing:
@@ -55,29 +40,14 @@ class GlooRing:
         self.rank = rank
         self.timeout = timeout
         self.group: dist.ProcessGroup | None = None
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
+        self.worker = SerialWorker(f"shardwise-ring{list(global_ranks)}")
 
-    def submit(self, flat: torch.Tensor, chunk: int) -> RingWork:
+    def submit(self, flat: torch.Tensor, chunk: int) -> ThreadWork:
         """Reduce (SUM) `flat` (N chunks of `chunk` elements) across the ring, in place: on completion this rank's
         chunk holds the sum of every rank's; the other chunks hold partial sums (scratch)."""
         if self.group is None:  # the first reduce-scatter: every member is here too, in the same order
             self.group = dist.new_group(list(self.global_ranks), backend="gloo", use_local_synchronization=True)
-            self.thread = threading.Thread(target=self._serve, name=f"shardwise-ring{list(self.global_ranks)}",
-                                           daemon=True)
-            self.thread.start()
-        work = RingWork()
-        self.jobs.put((flat, chunk, work))
-        return work
-
-    def _serve(self) -> None:
-        while True:
-            flat, chunk, work = self.jobs.get()
-            try:
-                self._ring(flat, chunk)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises CommError
-                work.error = exc
-            work.finished.set()
+        return self.worker.submit(lambda: self._ring(flat, chunk))
 
     def _ring(self, flat: torch.Tensor, chunk: int) -> None:
         n, r = len(self.global_ranks), self.rank

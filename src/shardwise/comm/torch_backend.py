@@ -1,11 +1,14 @@
 """Communicator over a torch.distributed process group: gloo on CPU, NCCL on GPU (and ucc/mpi where built in).
 
-This file and `rendezvous.py` (which creates the world group) are the only places that call torch.distributed.
+This file, `rendezvous.py` (which creates the world group) and the two multi-step collectives it runs on background
+threads, `gloo_ring.py` and `shm_channel.py`, are the only places that call torch.distributed.
 Each operation is issued with `async_op=True` and, for a blocking call, waited on at once: one code path, and every
 wait gets the same timeout handling, turning torch's assorted timeout and connection errors into a CommError that
 names the operation, this rank and the group's ranks.
 
-gloo has no AVG reduction: AVG is issued as SUM and divided by the group size when the Work completes.
+gloo has no AVG reduction: AVG is issued as SUM and divided by the group size when the Work completes. When every
+rank of a gloo group is on one host, large CPU all-gathers, reduce-scatters and all-reduces go through shared memory
+instead of loopback sockets (shm_channel.py; `SHARDWISE_SHM=0` turns it off).
 On CUDA (NCCL) collectives are issued on the communicator's side stream and waited on the device, not the host (see
 streams.py): `Work.wait()` makes the compute stream wait; a deadline is still checked at the next issue, and
 `Work.wait(timeout)` with an explicit timeout (barriers) blocks the host. After a CommError on NCCL the process group
@@ -42,6 +45,7 @@ from .base import (
 )
 from .gloo_ring import GlooRing
 from .heartbeat import RankWatch
+from .shm_channel import SharedMemoryChannel, eligible
 from .streams import CommStreams, PendingWork
 from .thread_backend import ThreadCommunicator, ThreadWorld
 
@@ -142,11 +146,14 @@ class TorchCommunicator(Communicator):
 
     Build the world one with `shardwise.init()` or `shardwise.launch(..., backend="gloo")`; sub-communicators
     come from `split`. Ranks given to operations (src, dst) are ranks of this group, as with every Communicator.
+    `shared_memory=False` keeps this group and those split from it on gloo's sockets even on one host (the
+    environment's `SHARDWISE_SHM=0` does that for every group of the process); one rank saying so is enough, the
+    group decides together at its first large collective.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 60.0, _cache: dict | None = None,
                  _watch: RankWatch | None = None, backend_timeout: float | None = None,
-                 _streams: CommStreams | None = None):
+                 _streams: CommStreams | None = None, shared_memory: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs torch.distributed initialised; use shardwise.init()")
         self.group = group
@@ -166,6 +173,10 @@ class TorchCommunicator(Communicator):
         self._pending = PendingWork()  # stream-waited collectives not yet seen complete
         self._aborted = False
         self._ring: GlooRing | None = None  # gloo's ring reduce-scatter (its own group and thread), made on first use
+        # Same-host shared memory for large CPU collectives on gloo (shm_channel.py): opened, collectively, on the
+        # first one; False once the group found it cannot (another host, SHARDWISE_SHM=0, no /dev/shm room).
+        self._shm: SharedMemoryChannel | bool | None = None
+        self._shm_allowed = shared_memory  # False: this group and the groups split from it stay on sockets
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _error(self, what: str, limit: float, exc: BaseException | None, peers: Sequence[int] | None = None,
@@ -241,11 +252,33 @@ class TorchCommunicator(Communicator):
         n = self.size
         return dist.ReduceOp.SUM, lambda: tensor.div_(n)
 
+    @property
+    def shared_memory(self) -> bool | None:
+        """Whether this group's large CPU collectives go through same-host shared memory (shm_channel.py): True or
+        False once its first one decided it, None before."""
+        return None if self._shm is None else self._shm is not False
+
+    def _shared_memory(self, *tensors: torch.Tensor) -> SharedMemoryChannel | None:
+        """The same-host channel for a collective on `tensors`, or None (gloo's sockets carry it). The answer is the
+        same on every rank: collectives agree on dtype, device and size, and the channel is opened collectively."""
+        if self.backend != "gloo" or self.size == 1 or self._shm is False or not eligible(tensors):
+            return None
+        if self._shm is None:
+            try:
+                self._shm = SharedMemoryChannel.open(self.group, self.rank, self.global_ranks, self.timeout,
+                                                     willing=self._shm_allowed) or False
+            except Exception as exc:  # a peer gone during the handshake: the collective's own error, named
+                raise self._error("shared-memory setup", self.timeout, exc) from exc
+        return self._shm or None
+
     # ---- collectives ------------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work | None:
         native, then = self._native(op, tensor, "all_reduce")
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
+        shm = self._shared_memory(tensor)
+        if shm is not None:
+            return self._issue(what, lambda: shm.all_reduce(tensor, _combine_name(op)), then, async_op)
         return self._issue(what, lambda: dist.all_reduce(tensor, native, group=self.group, async_op=True), then, async_op,
                            tensors=(tensor,))
 
@@ -255,6 +288,9 @@ class TorchCommunicator(Communicator):
         self.stats.record("all_gather", tensor_bytes(output), self.size)
         flat_in = input.reshape(-1)
         what = f"all_gather(numel={input.numel()})"
+        shm = self._shared_memory(output, flat_in)
+        if shm is not None:
+            return self._issue(what, lambda: shm.all_gather(output, flat_in), None, async_op)
         start = lambda: _all_gather_flat(output.view(-1), flat_in, group=self.group, async_op=True)  # noqa: E731
         return self._issue(what, start, None, async_op, tensors=(output, input))
 
@@ -266,6 +302,10 @@ class TorchCommunicator(Communicator):
         check_contiguous("reduce_scatter", "output", output)
         native, then = self._native(op, output, "reduce_scatter")
         what = f"reduce_scatter(op={op.name}, numel={output.numel()})"
+        shm = self._shared_memory(output, input)
+        if shm is not None:  # reduces from the input as it is (never clones it): the ring formula's bytes
+            self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
+            return self._issue(what, lambda: shm.reduce_scatter(output, input, _combine_name(op)), then, async_op)
         if self.backend == "gloo":
             # gloo has no reduce-scatter: reduce_scatter_tensor clones the input and all-reduces the clone, moving
             # an all-reduce's bytes (counted as transport). With a scratch input, a ring over point-to-point
@@ -403,4 +443,9 @@ class TorchCommunicator(Communicator):
                 )
                 self._cache[global_members] = pg
         return TorchCommunicator(pg, timeout=self.timeout, _cache=self._cache, _watch=self._watch,
-                                 backend_timeout=self.backend_timeout)
+                                 backend_timeout=self.backend_timeout, shared_memory=self._shm_allowed)
+
+
+def _combine_name(op: ReduceOp) -> str:
+    """How the shared-memory channel combines for `op` (AVG: a SUM, divided when the Work completes)."""
+    return "SUM" if op is ReduceOp.AVG else op.name

@@ -1,0 +1,280 @@
+"""Same-host collectives through shared memory: all-gather, reduce-scatter and all-reduce for gloo groups on one host.
+
+Why. On one machine gloo still sends every byte through loopback TCP: each message is copied into the kernel and
+out again in 64 KB segments, with the protocol, the wake-ups and gloo's own threads on the cores that compute needs.
+Measured on this 2-core machine (2 ranks, a 6.8 MB unit): gloo's all-gather 4.1-4.8 ms wall and 2.9 ms of process CPU
+per call, the same all-gather through shared memory 1.2-1.5 ms and 1.2 ms. The same reasoning gives NCCL its
+shared-memory transport between processes of one node, and DeepSpeed its shared-memory all-reduce for CPU ranks.
+
+How. The group's ranks map one file in /dev/shm: two buffers (alternating from one operation to the next), each
+with one slot of `slot_bytes` per rank. Rank r writes what the others need into its own slot; a barrier; every rank
+reads from the others' slots. Ordering and visibility go through gloo: the barrier is a one-element all-reduce on a
+small process group of the channel's own, whose socket round trip orders the writes before it against the reads
+after it on every architecture (no hand-rolled atomics over shared memory). Double buffering makes one barrier per
+piece enough: before a rank writes a buffer again, two operations later, every rank has passed the barrier of the
+operation in between, which it reached only after reading this buffer. Tensors larger than a slot go in pieces.
+
+* all-gather: write the shard; barrier; copy every rank's shard out.
+* reduce-scatter: write the N-1 chunks the others reduce; barrier; rank r adds chunk r of the others' slots (in
+  rank order) to its own chunk, into its output. Nothing is cloned or all-reduced (gloo's own reduce-scatter
+  all-reduces a clone of the input).
+* all-reduce: write the tensor; barrier; rank r reduces the r-th N-th of it (its own part first, then the others'
+  in rank order) and writes the result back into its slot; barrier; every rank copies the others' reduced parts.
+  Each element is reduced by one rank only, so every rank ends with bit-identical values.
+
+The bytes each rank moves equal the ring formulas that CommStats counts ((N-1)/N of the payload per rank for the
+gathers and reduce-scatters, 2(N-1)/N for all-reduce): what a rank writes that others read, or reads of theirs.
+
+Setup (`SharedMemoryChannel.open`, collective over the group, on its first large CPU collective): the ranks exchange
+a host identity (host name, boot id, network namespace, the /dev/shm device) and go on only if all are the same and
+every rank is willing (`SHARDWISE_SHM=0` on any rank keeps the group on gloo); rank 0 creates the file with its space
+reserved (`posix_fallocate`: a full /dev/shm is an error now, not a SIGBUS later) and a random nonce; every rank maps
+it and checks the nonce; an all-reduce agrees that all succeeded; rank 0 unlinks the file, so nothing is left behind
+even if the job is killed. Ranks in different network namespaces count as different hosts: they are how tests and
+benchmarks emulate separate machines (tests/test_two_hosts.py, bench/compression_netem.py), and their traffic must
+cross the emulated link.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .background import SerialWorker, ThreadWork
+
+__all__ = ["SHM_ENV", "MIN_BYTES", "SharedMemoryChannel", "eligible"]
+
+log = logging.getLogger("shardwise.comm")
+
+# torch 2.13 renamed the flat-tensor all-gather; keep working back to torch 2.4.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+SHM_ENV = "SHARDWISE_SHM"  # "0" / "off" / "false": keep every group on gloo's sockets
+MIN_BYTES = 32 * 1024  # smaller collectives stay on gloo: one gloo call beats a barrier plus a thread hop
+_BUDGET_BYTES = 32 * 1024 * 1024  # per buffer, all slots together: slot_bytes = budget / N, within 1..8 MiB
+_HEADER_BYTES = 64  # the nonce, then padding that keeps every slot 64-byte aligned
+_NAME_BYTES = 112
+
+def _sum(acc: torch.Tensor, x: torch.Tensor) -> None:
+    acc.add_(x)
+
+
+def _max(acc: torch.Tensor, x: torch.Tensor) -> None:
+    torch.maximum(acc, x, out=acc)
+
+
+def _min(acc: torch.Tensor, x: torch.Tensor) -> None:
+    torch.minimum(acc, x, out=acc)
+
+
+_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"SUM": _sum, "MAX": _max, "MIN": _min}
+# The first combination of two parts straight into the output (one pass instead of a copy and a combine).
+_PAIR: dict[Callable, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {
+    _sum: lambda x, y, out: torch.add(x, y, out=out),
+    _max: lambda x, y, out: torch.maximum(x, y, out=out),
+    _min: lambda x, y, out: torch.minimum(x, y, out=out),
+}
+
+
+def eligible(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether a collective on these tensors goes through shared memory (the same answer on every rank: collectives
+    agree on dtype, device and size)."""
+    return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and tensors[0].dtype not in (torch.bool, torch.complex64, torch.complex128)
+            and max(t.numel() * t.element_size() for t in tensors) >= MIN_BYTES)
+
+
+def allowed_by_environment() -> bool:
+    return os.environ.get(SHM_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def host_identity() -> int:
+    """A 63-bit hash of what makes two processes 'on one host' for shared memory (see the module docstring)."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    for path in ("/proc/self/ns/net", "/dev/shm"):
+        try:
+            st = os.stat(path)
+            parts.append(f"{st.st_dev}:{st.st_ino}")
+        except OSError:
+            parts.append("")
+    digest = hashlib.sha256("|".join(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class SharedMemoryChannel:
+    """The mapped buffers, the barrier group and the worker thread of one same-host group (module docstring)."""
+
+    def __init__(self, mapped: torch.Tensor, slot_bytes: int, rank: int, global_ranks: tuple[int, ...],
+                 control: dist.ProcessGroup, timeout: float, path: str) -> None:
+        self.path = path  # the file's name while it existed (unlinked once every rank had mapped it)
+        self.mapped = mapped
+        self.slot_bytes = slot_bytes
+        self.rank = rank
+        self.size = len(global_ranks)
+        self.control = control
+        self.timeout = timeout
+        self.pieces = 0  # pieces done: which of the two buffers the next one uses
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.worker = SerialWorker(f"shardwise-shm{list(global_ranks)}")
+
+    # ---- setup --------------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, group: dist.ProcessGroup | None, rank: int, global_ranks: tuple[int, ...], timeout: float,
+             slot_bytes: int | None = None, willing: bool = True) -> SharedMemoryChannel | None:
+        """Collective over `group`: the channel when every rank is on this host and willing (`willing` and no
+        SHARDWISE_SHM=0 in its environment), else None.
+
+        slot_bytes: each rank's slot per buffer (default: 32 MiB / N within 1..8 MiB; larger tensors go in pieces).
+        """
+        size = len(global_ranks)
+        mine = torch.tensor([host_identity() if willing and allowed_by_environment() else -1 - rank],
+                            dtype=torch.int64)
+        everyone = torch.empty(size, dtype=torch.int64)
+        _all_gather_flat(everyone, mine, group=group)
+        if int(everyone.min()) < 0 or int(everyone.max()) != int(everyone.min()):
+            return None  # another host, another namespace, or SHARDWISE_SHM=0 somewhere: gloo's sockets
+        if slot_bytes is None:
+            slot_bytes = min(8 << 20, max(1 << 20, _BUDGET_BYTES // size))
+        slot_bytes = max(64, slot_bytes // 64 * 64)  # every dtype's elements aligned in every slot
+        total = _HEADER_BYTES + 2 * size * slot_bytes
+        info = torch.zeros(_NAME_BYTES + 16, dtype=torch.uint8)
+        created = None
+        if rank == 0:
+            created = _create(total)
+            if created is not None:
+                name, nonce = created
+                info[: len(name)] = torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
+                info[_NAME_BYTES:] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
+        dist.broadcast(info, global_ranks[0], group=group)
+        name = bytes(info[:_NAME_BYTES].tolist()).rstrip(b"\0").decode()
+        nonce = bytes(info[_NAME_BYTES:].tolist())
+        mapped = None
+        if name:
+            try:
+                mapped = torch.from_file(name, shared=True, size=total, dtype=torch.uint8)
+                if rank == 0:
+                    mapped[:16] = info[_NAME_BYTES:]
+            except (OSError, RuntimeError) as exc:
+                log.info("shared memory: rank %d could not map %s (%s); staying on gloo", rank, name, exc)
+        ok = torch.tensor([1 if mapped is not None else 0], dtype=torch.int32)
+        dist.all_reduce(ok, dist.ReduceOp.MIN, group=group)  # rank 0 wrote the nonce before this
+        if mapped is not None and rank != 0 and bytes(mapped[:16].tolist()) != nonce:
+            ok.zero_()  # a file of that name, but not rank 0's: a different /dev/shm
+        dist.all_reduce(ok, dist.ReduceOp.MIN, group=group)  # everyone has mapped (or failed): the name can go
+        if rank == 0 and created is not None:
+            os.unlink(created[0])
+        if not int(ok):
+            return None
+        control = dist.new_group(list(global_ranks), backend="gloo", use_local_synchronization=True)
+        log.debug("shared memory: group %s on one host, %d-byte slots", list(global_ranks), slot_bytes)
+        return cls(mapped, slot_bytes, rank, global_ranks, control, timeout, name)
+
+    # ---- the collectives (queued; run by the worker thread in submission order) ---------------------------------
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ThreadWork:
+        return self.worker.submit(lambda: self._all_gather(output.view(-1), input.reshape(-1)))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> ThreadWork:
+        return self.worker.submit(lambda: self._reduce_scatter(output.view(-1), input.reshape(-1), _COMBINE[op]))
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> ThreadWork:
+        return self.worker.submit(lambda: self._all_reduce(tensor.view(-1), _COMBINE[op]))
+
+    # ---- worker side -----------------------------------------------------------------------------------------------
+    def _slots(self, dtype: torch.dtype) -> torch.Tensor:
+        """The next piece's buffer as [size, slot elements] of `dtype` (the two buffers alternate)."""
+        buffer = self.pieces % 2
+        self.pieces += 1
+        span = self.size * self.slot_bytes
+        start = _HEADER_BYTES + buffer * span
+        return self.mapped[start : start + span].view(dtype).view(self.size, -1)
+
+    def _barrier(self) -> None:
+        work = dist.all_reduce(self.flag, group=self.control, async_op=True)
+        if not work.wait(datetime.timedelta(seconds=self.timeout)):
+            raise TimeoutError(f"shared-memory barrier timed out after {self.timeout:g}s")
+
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        c = shard.numel()
+        step = self.slot_bytes // shard.element_size()
+        for a in range(0, c, step):
+            b = min(c, a + step)
+            slots = self._slots(shard.dtype)
+            slots[self.rank, : b - a].copy_(shard[a:b])
+            self._barrier()
+            for j in range(self.size):
+                out[j * c + a : j * c + b].copy_(slots[j, : b - a])
+
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor,
+                        combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        c, n, r = out.numel(), self.size, self.rank
+        chunks = full.view(n, c)
+        others = [j for j in range(n) if j != r]
+        step = self.slot_bytes // full.element_size() // (n - 1)
+        for a in range(0, c, step):
+            b = min(c, a + step)
+            length = b - a
+            slots = self._slots(full.dtype)
+            # Only the chunks the others reduce: rank j reads its chunk at position j - (j > r) of this slot.
+            slots[r, : (n - 1) * length].view(n - 1, length).copy_(chunks[others, a:b])
+            self._barrier()
+            theirs = [slots[j, (r - (r > j)) * length : (r - (r > j) + 1) * length] for j in others]
+            _fold(out[a:b], [chunks[r, a:b], *theirs], combine)  # `out` may be this rank's own chunk
+    def _all_reduce(self, flat: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        total, n, r = flat.numel(), self.size, self.rank
+        step = self.slot_bytes // flat.element_size()
+        for a in range(0, total, step):
+            b = min(total, a + step)
+            bounds = [(b - a) * j // n for j in range(n + 1)]  # part j of this piece: [bounds[j], bounds[j + 1])
+            slots = self._slots(flat.dtype)
+            slots[r, : b - a].copy_(flat[a:b])
+            self._barrier()
+            lo, hi = bounds[r], bounds[r + 1]
+            acc = flat[a + lo : a + hi]
+            _fold(acc, [acc, *(slots[j, lo:hi] for j in range(n) if j != r)], combine)
+            slots[r, lo:hi].copy_(acc)
+            self._barrier()
+            for j in range(n):
+                if j != r:
+                    flat[a + bounds[j] : a + bounds[j + 1]].copy_(slots[j, bounds[j] : bounds[j + 1]])
+
+
+def _fold(out: torch.Tensor, parts: list[torch.Tensor], combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """out = parts[0] (+) parts[1] (+) ... in that order. `out` may be parts[0] (read before written, element by
+    element), never a later part. The order is this rank's own part, then the others' in rank order: each reduced
+    element is computed by one rank only, so every rank still ends with the same bits."""
+    _PAIR[combine](parts[0], parts[1], out)
+    for part in parts[2:]:
+        combine(out, part)
+
+
+def _create(total: int) -> tuple[str, bytes] | None:
+    """A fresh file of `total` reserved bytes in /dev/shm, and a nonce; None (logged) where that fails."""
+    name = f"/dev/shm/shardwise-{os.getpid()}-{secrets.token_hex(8)}"
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        log.info("shared memory: cannot create %s (%s); staying on gloo", name, exc)
+        return None
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(name)
+        log.info("shared memory: /dev/shm has no room for %d bytes (%s); staying on gloo", total, exc)
+        return None
+    os.close(fd)
+    return name, secrets.token_bytes(16)
