@@ -13,6 +13,8 @@ Implementations (--impls, comma list; pairs are compared shardwise / peer):
   sw_zero3 / ds_zero3    the same with stage 3
   sw_fsdp  / fsdp2       shardwise.FSDP(sharding="full_shard", wrap=Block)  vs  torch fully_shard per Block + root
   local                  (not default) plain GPT, no communication: every rank trains its own replica; compute floor
+  sw_*_sockets           (not default) a shardwise row on gloo's loopback sockets, with same-host shared memory off
+                         (the peers' transport; the plain sw_* rows use shared memory between ranks of one host)
 DeepSpeed runs with DS_ACCELERATOR=cpu and TORCH_EXTENSIONS_DIR (defaults set below), config as in PEERS.md with
 "torch_adam": true (so its optimizer is torch.optim.AdamW, as ours), on the already-initialised gloo group, and with
 "gradient_clipping": 0.0: DeepSpeed 0.19 clips to norm 1.0 by default, which the other rows do not (--ds-clip).
@@ -69,7 +71,10 @@ from _common import (alternate, bench_corpus, comma_list, emit, gpt_config, load
 
 MB = 1024 * 1024
 ALL = ("sw_zero1", "ds_zero1", "sw_zero2", "ds_zero2", "sw_zero3", "ds_zero3", "sw_fsdp", "fsdp2")
-KNOWN = ALL + ("local",)
+# A shardwise row with "_sockets" appended runs on a communicator over the same gloo group with same-host shared
+# memory off (comm/shm_channel.py): gloo's loopback sockets, the transport the peers use.
+SOCKETS = "_sockets"
+KNOWN = ALL + ("local",) + tuple(n + SOCKETS for n in ALL if n.startswith("sw_"))
 PEER = {"sw_zero1": "ds_zero1", "sw_zero2": "ds_zero2", "sw_zero3": "ds_zero3", "sw_fsdp": "fsdp2"}
 # The engine issue's targets: ZeRO-3 <= 0.8 x DeepSpeed ZeRO-3 and <= 0.85 x FSDP2; ZeRO-1/2 <= 0.9 x DeepSpeed's same
 # stage; peak RSS <= FSDP2's.
@@ -145,6 +150,14 @@ def _step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int,
 
 
 def _build_one(name: str, comm: shardwise.Communicator, cfg: Config) -> _Impl:
+    if name.endswith(SOCKETS) and name.startswith("sw_"):
+        from shardwise.comm.torch_backend import TorchCommunicator
+
+        impl = _build_one(name[: -len(SOCKETS)], TorchCommunicator(None, timeout=comm.timeout, shared_memory=False),
+                          cfg)
+        impl.name = name
+        impl.info["transport"] = "gloo sockets (shared memory off)"
+        return impl
     model = GPT(_model_config(cfg), seed=cfg.seed)
     if name.startswith("sw_zero"):
         stage = int(name[-1])
@@ -664,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios["noise_gauge_sw_fsdp/sw_zero3_identical_configs"] = {
             "ratio": round(by_name["sw_fsdp"]["median_ms"] / by_name["sw_zero3"]["median_ms"], 3),
             "paired_per_round": paired("sw_fsdp", "sw_zero3")}
-    for name, peer in PEER.items():
+    pairs = [(n, peer) for n, peer in PEER.items()] + [(n + SOCKETS, peer) for n, peer in PEER.items()]
+    for name, peer in pairs:
         if name in by_name and peer in by_name:
             ratio = by_name[name]["median_ms"] / by_name[peer]["median_ms"]
             entry = {"ratio": round(ratio, 3), "paired_per_round": paired(name, peer), "goal": GOAL[peer],
@@ -674,6 +688,17 @@ def main(argv: list[str] | None = None) -> int:
                 entry.update(peak_rss_MB=sw_peak, peer_peak_rss_MB=peer_peak,
                              rss_ratio=round(sw_peak / peer_peak, 3))
             ratios[f"{name}/{peer}"] = entry
+    for name in PEER:
+        if name in by_name and name + SOCKETS in by_name:  # what same-host shared memory buys (gloo's sockets = 1)
+            ratios[f"{name}/{name}{SOCKETS}"] = {
+                "ratio": round(by_name[name]["median_ms"] / by_name[name + SOCKETS]["median_ms"], 3),
+                "paired_per_round": paired(name, name + SOCKETS)}
+    if "local" in by_name:
+        for name in by_name:
+            if name.startswith("sw_"):
+                ratios[f"{name}/local"] = {"ratio": round(by_name[name]["median_ms"] / by_name["local"]["median_ms"], 3),
+                                           "paired_per_round": paired(name, "local"),
+                                           "goal": 1.05 if name.startswith("sw_zero3") else None}
     if "sw_fsdp" in by_name or "sw_zero3" in by_name:
         if "fsdp2" in mem:
             goal_rss = max(mem["fsdp2"]["peak_rss_MB"])
@@ -688,11 +713,18 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         m = mem.get(r["name"])
         extra = f"  peak RSS {max(m['peak_rss_MB']):.0f} MB" if m else ""
-        print(f"  {r['name']:<10} median {r['median_ms']:8.1f} ms  (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f}, "
+        print(f"  {r['name']:<16} median {r['median_ms']:8.1f} ms  (p10 {r['p10_ms']:.1f}, p90 {r['p90_ms']:.1f}, "
               f"n={r['steps']})  fwd {r['fwd_ms']:.0f} / bwd {r['bwd_ms']:.0f} / opt {r['opt_ms']:.0f}{extra}",
               file=err)
     for key, e in ratios.items():
-        if "goal" in e:
+        if e.get("goal") is None and "paired_per_round" in e and not key.startswith("noise_gauge"):
+            p = e["paired_per_round"]
+            print(f"  {key:<20} = {e['ratio']:.3f}  (per-round paired median {p['median']:.3f})", file=err)
+        elif "meets_goal" not in e and "goal" in e:
+            p = e["paired_per_round"]
+            print(f"  {key:<20} = {e['ratio']:.3f}  (per-round paired median {p['median']:.3f}; goal <= "
+                  f"{e['goal']}: {'met' if e['ratio'] <= e['goal'] else 'NOT met'})", file=err)
+        elif "goal" in e:
             rss = f"; peak RSS {e['peak_rss_MB']:.0f} vs {e['peer_peak_rss_MB']:.0f} MB" if "rss_ratio" in e else ""
             p = e["paired_per_round"]
             print(f"  {key:<20} = {e['ratio']:.3f}  (per-round paired median {p['median']:.3f}, range {p['min']:.2f}-"
