@@ -239,6 +239,7 @@ class SharedMemoryChannel:
             self._barrier()
             theirs = [slots[j, (r - (r > j)) * length : (r - (r > j) + 1) * length] for j in others]
             _fold(out[a:b], [chunks[r, a:b], *theirs], combine)  # `out` may be this rank's own chunk
+
     def _all_reduce(self, flat: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         total, n, r = flat.numel(), self.size, self.rank
         step = self.slot_bytes // flat.element_size()
