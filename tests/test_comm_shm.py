@@ -164,3 +164,16 @@ def test_a_peer_that_never_comes_raises_comm_error_naming_the_operation_and_the_
     shared, message, waited = results[0]
     assert shared is True and waited < 30
     assert "all_reduce" in message and "[1]" in message
+
+
+def _never_opens(comm):
+    if comm.rank == comm.size - 1:
+        return None  # never takes part in the first large collective, whose handshake opens the channel
+    with pytest.raises(CommError) as info:
+        comm.all_reduce(torch.ones(MIN_BYTES))
+    return str(info.value)
+
+
+def test_a_peer_missing_from_the_handshake_raises_comm_error_naming_the_collective():
+    message = sw.launch(_never_opens, 2, backend="gloo", timeout=5)[0]
+    assert "all_reduce" in message and "shared memory" in message and "[1]" in message

@@ -258,7 +258,7 @@ class TorchCommunicator(Communicator):
         False once its first one decided it, None before."""
         return None if self._shm is None else self._shm is not False
 
-    def _shared_memory(self, *tensors: torch.Tensor) -> SharedMemoryChannel | None:
+    def _shared_memory(self, what: str, *tensors: torch.Tensor) -> SharedMemoryChannel | None:
         """The same-host channel for a collective on `tensors`, or None (gloo's sockets carry it). The answer is the
         same on every rank: collectives agree on dtype, device and size, and the channel is opened collectively."""
         if self.backend != "gloo" or self.size == 1 or self._shm is False or not eligible(tensors):
@@ -268,7 +268,7 @@ class TorchCommunicator(Communicator):
                 self._shm = SharedMemoryChannel.open(self.group, self.rank, self.global_ranks, self.timeout,
                                                      willing=self._shm_allowed) or False
             except Exception as exc:  # a peer gone during the handshake: the collective's own error, named
-                raise self._error("shared-memory setup", self.timeout, exc) from exc
+                raise self._error(f"{what} [opening same-host shared memory]", self.timeout, exc) from exc
         return self._shm or None
 
     # ---- collectives ------------------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ class TorchCommunicator(Communicator):
         native, then = self._native(op, tensor, "all_reduce")
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
-        shm = self._shared_memory(tensor)
+        shm = self._shared_memory(what, tensor)
         if shm is not None:
             return self._issue(what, lambda: shm.all_reduce(tensor, _combine_name(op)), then, async_op)
         return self._issue(what, lambda: dist.all_reduce(tensor, native, group=self.group, async_op=True), then, async_op,
@@ -288,7 +288,7 @@ class TorchCommunicator(Communicator):
         self.stats.record("all_gather", tensor_bytes(output), self.size)
         flat_in = input.reshape(-1)
         what = f"all_gather(numel={input.numel()})"
-        shm = self._shared_memory(output, flat_in)
+        shm = self._shared_memory(what, output, flat_in)
         if shm is not None:
             return self._issue(what, lambda: shm.all_gather(output, flat_in), None, async_op)
         start = lambda: _all_gather_flat(output.view(-1), flat_in, group=self.group, async_op=True)  # noqa: E731
@@ -302,7 +302,7 @@ class TorchCommunicator(Communicator):
         check_contiguous("reduce_scatter", "output", output)
         native, then = self._native(op, output, "reduce_scatter")
         what = f"reduce_scatter(op={op.name}, numel={output.numel()})"
-        shm = self._shared_memory(output, input)
+        shm = self._shared_memory(what, output, input)
         if shm is not None:  # reduces from the input as it is (never clones it): the ring formula's bytes
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
             return self._issue(what, lambda: shm.reduce_scatter(output, input, _combine_name(op)), then, async_op)
