@@ -163,7 +163,7 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
                                             freeze_step=cfg.freeze_step, compressor=compressor), link_comm)
     method = {"none": None, "fp16": FP16(), "bf16": BF16(seed=cfg.rounding_seed),
               "bf16_nearest": BF16(rounding="nearest"), "fp16_ef": FP16(error_feedback=True),
-              "bf16_ef": BF16(error_feedback=True), "topk": TopK(cfg.topk_ratio),
+              "bf16_ef": BF16(error_feedback=True, seed=cfg.rounding_seed), "topk": TopK(cfg.topk_ratio),
               "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
               "onebit": OneBit(), "onebit_block": OneBit(block_size=cfg.onebit_block)}[name]
     ddp = sw.DDP(model, link_comm, compression=method)
@@ -274,8 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (one seed per run; "
                    "compare rows within a run, and runs of several seeds to see the seed-to-seed spread)")
-    p.add_argument("--rounding-seed", type=int, default=0, help="the bf16 row's stochastic-rounding seed, BF16(seed=): "
-                   "runs with several show how much of its gap is the rounding's draw (default: %(default)s)")
+    p.add_argument("--rounding-seed", type=int, default=0,
+                   help="the bf16 and bf16_ef rows' stochastic-rounding seed, BF16(seed=): runs with several show how "
+                        "much of their gap is the rounding's draw (default: %(default)s)")
     p.add_argument("--onebit-adam-block", type=int, default=None,
                    help="the onebit_adam row's momentum compressor OneBit(block_size=) (default: one scale per tensor)")
     a = p.parse_args(argv)
