@@ -49,13 +49,11 @@ import torch.distributed as dist
 
 from .background import SerialWorker, ThreadWork
 from .shm_barrier import CounterBarrier, GlooBarrier, counters_fit, ordered_stores
+from .torch_compat import all_gather_flat
 
 __all__ = ["SHM_ENV", "MIN_BYTES", "SharedMemoryChannel", "eligible"]
 
 log = logging.getLogger("shardwise.comm")
-
-# torch 2.13 renamed the flat-tensor all-gather; keep working back to torch 2.4.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 SHM_ENV = "SHARDWISE_SHM"  # "0" / "off" / "false": keep every group on gloo's sockets
 MIN_BYTES = 32 * 1024  # smaller collectives stay on gloo: one gloo call beats a barrier plus a thread hop
@@ -144,7 +142,7 @@ class SharedMemoryChannel:
         size = len(global_ranks)
         identity = host_identity() if willing and allowed_by_environment() else -1 - rank
         everyone = torch.empty(2 * size, dtype=torch.int64)
-        _all_gather_flat(everyone, torch.tensor([identity, os.getpid()], dtype=torch.int64), group=group)
+        all_gather_flat(everyone, torch.tensor([identity, os.getpid()], dtype=torch.int64), group=group)
         identities, pids = everyone[0::2], everyone[1::2].tolist()
         if int(identities.min()) < 0 or int(identities.max()) != int(identities.min()):
             return None  # another host, another namespace, or SHARDWISE_SHM=0 somewhere: gloo's sockets

@@ -1,7 +1,8 @@
 """Communicator over a torch.distributed process group: gloo on CPU, NCCL on GPU (and ucc/mpi where built in).
 
-This file, `rendezvous.py` (which creates the world group) and the two multi-step collectives it runs on background
-threads, `gloo_ring.py` and `shm_channel.py`, are the only places that call torch.distributed.
+This file, `rendezvous.py` (which creates the world group), the two multi-step collectives it runs on background
+threads (`gloo_ring.py`, `shm_channel.py` with `shm_barrier.py`) and `torch_compat.py` (names that moved between torch
+versions) are the only places that touch torch.distributed.
 Each operation is issued with `async_op=True` and, for a blocking call, waited on at once: one code path, and every
 wait gets the same timeout handling, turning torch's assorted timeout and connection errors into a CommError that
 names the operation, this rank and the group's ranks.
@@ -48,12 +49,10 @@ from .heartbeat import RankWatch
 from .shm_channel import SharedMemoryChannel, eligible
 from .streams import CommStreams, PendingWork
 from .thread_backend import ThreadCommunicator, ThreadWorld
+from .torch_compat import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["TorchCommunicator"]
 
-# torch 2.13 renamed the flat-tensor collectives; keep working back to torch 2.4.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _NATIVE_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
 
@@ -291,7 +290,7 @@ class TorchCommunicator(Communicator):
         shm = self._shared_memory(what, output, flat_in)
         if shm is not None:
             return self._issue(what, lambda: shm.all_gather(output, flat_in), None, async_op)
-        start = lambda: _all_gather_flat(output.view(-1), flat_in, group=self.group, async_op=True)  # noqa: E731
+        start = lambda: all_gather_flat(output.view(-1), flat_in, group=self.group, async_op=True)  # noqa: E731
         return self._issue(what, start, None, async_op, tensors=(output, input))
 
     def reduce_scatter(
@@ -319,7 +318,7 @@ class TorchCommunicator(Communicator):
         else:
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
         flat_in = input.reshape(-1)
-        start = lambda: _reduce_scatter_flat(output.view(-1), flat_in, native, group=self.group, async_op=True)  # noqa: E731
+        start = lambda: reduce_scatter_flat(output.view(-1), flat_in, native, group=self.group, async_op=True)  # noqa: E731
         return self._issue(what, start, then, async_op, tensors=(output, input))
 
     def _reduce_scatter_ring(self, output: torch.Tensor, input: torch.Tensor,
