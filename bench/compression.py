@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--start-iter", type=int, default=10)
     p.add_argument("--topk-ratio", type=float, default=0.01)
-    p.add_argument("--freeze-step", type=int, default=40)
+    p.add_argument("--freeze-step", type=int, default=50,
+                   help="onebit_adam's full-precision Adam warm-up in steps (default %(default)s: a quarter of the "
+                        "200 loss steps, docs/compression.md)")
     p.add_argument("--latency-ms", type=float, default=0.1)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="every row's optimizer but onebit_adam's (sgd: momentum 0.9, no weight decay)")
