@@ -177,3 +177,20 @@ def _never_opens(comm):
 def test_a_peer_missing_from_the_handshake_raises_comm_error_naming_the_collective():
     message = sw.launch(_never_opens, 2, backend="gloo", timeout=5)[0]
     assert "all_reduce" in message and "shared memory" in message and "[1]" in message
+
+
+def _repeated(comm, trials):
+    """The tiny-slot checks `trials` times on fresh channels, with both barriers: a race shows up as a wrong value."""
+    wrong = []
+    for trial in range(trials):
+        for counter_barrier in ([True, False] if ordered_stores() else [False]):
+            result, _, _ = _tiny_slots(comm, counter_barrier)
+            wrong += [f"trial {trial}: {w}" for w in result]
+    return wrong
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("world", [2, 4])
+def test_many_trials_of_uneven_pieces_stay_exact(world):
+    for wrong in sw.launch(_repeated, world, 10, backend="gloo", timeout=300):
+        assert wrong == []
