@@ -61,25 +61,9 @@ _BUDGET_BYTES = 32 * 1024 * 1024  # per buffer, all slots together: slot_bytes =
 _NONCE_BYTES = 64  # the nonce, padded to a cache line; then the barrier's counters; then the buffers
 _NAME_BYTES = 112
 
-def _sum(acc: torch.Tensor, x: torch.Tensor) -> None:
-    acc.add_(x)
-
-
-def _max(acc: torch.Tensor, x: torch.Tensor) -> None:
-    torch.maximum(acc, x, out=acc)
-
-
-def _min(acc: torch.Tensor, x: torch.Tensor) -> None:
-    torch.minimum(acc, x, out=acc)
-
-
-_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"SUM": _sum, "MAX": _max, "MIN": _min}
-# The first combination of two parts straight into the output (one pass instead of a copy and a combine).
-_PAIR: dict[Callable, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {
-    _sum: lambda x, y, out: torch.add(x, y, out=out),
-    _max: lambda x, y, out: torch.maximum(x, y, out=out),
-    _min: lambda x, y, out: torch.minimum(x, y, out=out),
-}
+# How each reduction combines two parts into an output: torch's elementwise ops with `out=` (the output may be the
+# first operand).
+_COMBINE: dict[str, Callable[..., torch.Tensor]] = {"SUM": torch.add, "MAX": torch.maximum, "MIN": torch.minimum}
 
 
 def eligible(tensors: tuple[torch.Tensor, ...]) -> bool:
@@ -97,12 +81,11 @@ def allowed_by_environment() -> bool:
 def host_identity() -> int:
     """A 63-bit hash of what makes two processes 'on one host' for shared memory (see the module docstring)."""
     parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id",):
-        try:
-            with open(path) as f:
-                parts.append(f.read().strip())
-        except OSError:
-            parts.append("")
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("")
     for path in ("/proc/self/ns/net", "/proc/self/ns/pid", "/dev/shm"):
         try:
             st = os.stat(path)
@@ -139,6 +122,8 @@ class SharedMemoryChannel:
         counter_barrier: the barrier (shm_barrier.py): counters in shared memory (True; x86-64 only, the default
         there) or gloo's all-reduce (False; the default elsewhere).
         """
+        if counter_barrier and not ordered_stores():  # before any collective: the peers would wait on this rank
+            raise ValueError(f"counter_barrier=True needs x86-64's store ordering; this is {os.uname().machine}")
         size = len(global_ranks)
         identity = host_identity() if willing and allowed_by_environment() else -1 - rank
         everyone = torch.empty(2 * size, dtype=torch.int64)
@@ -179,8 +164,6 @@ class SharedMemoryChannel:
             os.unlink(created[0])
         if not int(ok):
             return None
-        if counter_barrier and not ordered_stores():
-            raise ValueError(f"counter_barrier=True needs x86-64's store ordering; this is {os.uname().machine}")
         if counter_barrier or (counter_barrier is None and ordered_stores()):
             barrier: CounterBarrier | GlooBarrier = CounterBarrier(mapped[_NONCE_BYTES:header], rank, pids, timeout)
         else:
@@ -208,9 +191,6 @@ class SharedMemoryChannel:
         span = self.size * self.slot_bytes
         return self.buffers[buffer * span : (buffer + 1) * span].view(dtype).view(self.size, -1)
 
-    def _barrier(self) -> None:
-        self.barrier.wait()
-
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         c = shard.numel()
         step = self.slot_bytes // shard.element_size()
@@ -218,12 +198,11 @@ class SharedMemoryChannel:
             b = min(c, a + step)
             slots = self._slots(shard.dtype)
             slots[self.rank, : b - a].copy_(shard[a:b])
-            self._barrier()
+            self.barrier.wait()
             for j in range(self.size):
                 out[j * c + a : j * c + b].copy_(slots[j, : b - a])
 
-    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor,
-                        combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, combine: Callable[..., torch.Tensor]) -> None:
         c, n, r = out.numel(), self.size, self.rank
         chunks = full.view(n, c)
         others = [j for j in range(n) if j != r]
@@ -234,11 +213,11 @@ class SharedMemoryChannel:
             slots = self._slots(full.dtype)
             # Only the chunks the others reduce: rank j reads its chunk at position j - (j > r) of this slot.
             slots[r, : (n - 1) * length].view(n - 1, length).copy_(chunks[others, a:b])
-            self._barrier()
+            self.barrier.wait()
             theirs = [slots[j, (r - (r > j)) * length : (r - (r > j) + 1) * length] for j in others]
             _fold(out[a:b], [chunks[r, a:b], *theirs], combine)  # `out` may be this rank's own chunk
 
-    def _all_reduce(self, flat: torch.Tensor, combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    def _all_reduce(self, flat: torch.Tensor, combine: Callable[..., torch.Tensor]) -> None:
         total, n, r = flat.numel(), self.size, self.rank
         step = self.slot_bytes // flat.element_size()
         for a in range(0, total, step):
@@ -246,24 +225,25 @@ class SharedMemoryChannel:
             bounds = [(b - a) * j // n for j in range(n + 1)]  # part j of this piece: [bounds[j], bounds[j + 1])
             slots = self._slots(flat.dtype)
             slots[r, : b - a].copy_(flat[a:b])
-            self._barrier()
+            self.barrier.wait()
             lo, hi = bounds[r], bounds[r + 1]
             acc = flat[a + lo : a + hi]
             _fold(acc, [acc, *(slots[j, lo:hi] for j in range(n) if j != r)], combine)
             slots[r, lo:hi].copy_(acc)
-            self._barrier()
+            self.barrier.wait()
             for j in range(n):
                 if j != r:
                     flat[a + bounds[j] : a + bounds[j + 1]].copy_(slots[j, bounds[j] : bounds[j + 1]])
 
 
-def _fold(out: torch.Tensor, parts: list[torch.Tensor], combine: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-    """out = parts[0] (+) parts[1] (+) ... in that order. `out` may be parts[0] (read before written, element by
-    element), never a later part. The order is this rank's own part, then the others' in rank order: each reduced
-    element is computed by one rank only, so every rank still ends with the same bits."""
-    _PAIR[combine](parts[0], parts[1], out)
+def _fold(out: torch.Tensor, parts: list[torch.Tensor], combine: Callable[..., torch.Tensor]) -> None:
+    """out = parts[0] (+) parts[1] (+) ... in that order, the first pair straight into `out` (one pass, no copy).
+    `out` may be parts[0] (read before written, element by element), never a later part. The order is this rank's
+    own part, then the others' in rank order: each reduced element is computed by one rank only, so every rank still
+    ends with the same bits."""
+    combine(parts[0], parts[1], out=out)
     for part in parts[2:]:
-        combine(out, part)
+        combine(out, part, out=out)
 
 
 def _create(total: int) -> tuple[str, bytes] | None:
