@@ -328,8 +328,9 @@ def test_rotating_straggler_slows_each_worker_in_turn_by_its_calibrated_step(mon
 def test_rotating_straggler_refuses_bad_input():
     for kwargs, message in [({"factor": 0.5}, "RotatingStraggler: factor=0.5 must be a number >= 1"),
                             ({"worker": 4}, r"worker=4 must be an int in \[0, 4\)"),
-                            ({"every": 0}, "every=0 must be an int >= 1"),
-                            ({"calibration_steps": 0}, "calibration_steps=0 must be an int >= 1")]:
+                            ({"every": 0}, r"RotatingStraggler: every=0 must be a positive int \(1, 2, ...\)"),
+                            ({"calibration_steps": 0}, r"calibration_steps=0 must be a positive int \(1, 2, ...\)"),
+                            ({"n_workers": 0, "worker": 0}, r"n_workers=0 must be a positive int")]:
         with pytest.raises(ValueError, match=message):
             RotatingStraggler(**({"factor": 3.0, "worker": 0, "n_workers": 4} | kwargs))
 

@@ -27,6 +27,8 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+from .checks import check_positive_int
+
 __all__ = ["RotatingStraggler", "Straggler"]
 
 
@@ -69,13 +71,10 @@ class RotatingStraggler:
 
     def __init__(self, factor: float, worker: int, n_workers: int, every: int = 1, calibration_steps: int = 5) -> None:
         factor = check_factor("RotatingStraggler", factor)
-        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
-            raise ValueError(f"RotatingStraggler: n_workers={n_workers!r} must be an int >= 1")
+        for name, value in (("n_workers", n_workers), ("every", every), ("calibration_steps", calibration_steps)):
+            check_positive_int(value, name, "RotatingStraggler")
         if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < n_workers:
             raise ValueError(f"RotatingStraggler: worker={worker!r} must be an int in [0, {n_workers})")
-        for name, value in (("every", every), ("calibration_steps", calibration_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RotatingStraggler: {name}={value!r} must be an int >= 1")
         self.factor, self.worker, self.n_workers = factor, worker, n_workers
         self.every, self.calibration_steps = every, calibration_steps
         self.durations: list[float] = []  # the calibration steps' durations
