@@ -128,7 +128,7 @@ class BF16(_Cast):
 
     def _cast(self, key: str, x: torch.Tensor) -> torch.Tensor:
         if self.rounding == "nearest":
-            return x.to(self.dtype)
+            return super()._cast(key, x)
         generator = shared_generator(self.seed, f"{key}/rank{self.comm_rank}", self.iterations[key], x.device)
         return stochastic_round_bf16(x.float(), generator)
 
