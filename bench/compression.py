@@ -4,7 +4,7 @@ beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataPa
 
 Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16` (stochastic rounding, the default), `bf16_nearest`
 (`BF16(rounding="nearest")`, torch's hook's rounding), `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
-(rank --rank, start_iter --start-iter), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
+(rank --rank, start_iter --start-iter; topk, randomk and the onebit rows take --ef-start-iter exact steps first), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
 AdamW's hyperparameters; its default momentum compressor OneBit(scale="rms")), `onebit_adam_l1` (the same with the
 l1 scale, OneBit()), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer exchanging its momentum with
 TopK / RandomK at --topk-ratio instead of OneBit: sparsification where Adam's variance is frozen, so error feedback
@@ -80,6 +80,7 @@ class Config:
     seed: int = 0
     onebit_adam_block: int | None = None
     rounding_seed: int = 0
+    ef_start_iter: int = 0
 
 
 def _optimizer(params: Any, cfg: Config) -> torch.optim.Optimizer:
@@ -163,9 +164,12 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
                                             freeze_step=cfg.freeze_step, compressor=compressor), link_comm)
     method = {"none": None, "fp16": FP16(), "bf16": BF16(seed=cfg.rounding_seed),
               "bf16_nearest": BF16(rounding="nearest"), "fp16_ef": FP16(error_feedback=True),
-              "bf16_ef": BF16(error_feedback=True, seed=cfg.rounding_seed), "topk": TopK(cfg.topk_ratio),
-              "randomk": RandomK(cfg.topk_ratio), "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
-              "onebit": OneBit(), "onebit_block": OneBit(block_size=cfg.onebit_block)}[name]
+              "bf16_ef": BF16(error_feedback=True, seed=cfg.rounding_seed),
+              "topk": TopK(cfg.topk_ratio, start_iter=cfg.ef_start_iter),
+              "randomk": RandomK(cfg.topk_ratio, start_iter=cfg.ef_start_iter),
+              "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
+              "onebit": OneBit(start_iter=cfg.ef_start_iter),
+              "onebit_block": OneBit(block_size=cfg.onebit_block, start_iter=cfg.ef_start_iter)}[name]
     ddp = sw.DDP(model, link_comm, compression=method)
     return _Row(name, ddp, _optimizer(ddp.parameters(), cfg), link_comm)
 
@@ -272,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="every row's optimizer but onebit_adam's (sgd: momentum 0.9, no weight decay)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
+    p.add_argument("--ef-start-iter", type=int, default=0,
+                   help="start_iter of the topk, randomk, onebit and onebit_block rows: that many exact steps "
+                        "before compressing (default %(default)s: compress from the first step)")
     p.add_argument("--onebit-block", type=int, default=64, help="the onebit_block row's OneBit(block_size=)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (one seed per run; "
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
                  a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer, a.onebit_block,
-                 a.seed, a.onebit_adam_block, a.rounding_seed)
+                 a.seed, a.onebit_adam_block, a.rounding_seed, a.ef_start_iter)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]

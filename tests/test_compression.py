@@ -215,13 +215,29 @@ def test_powersgd_works_on_a_16_bit_bucket_in_fp32():
             assert torch.equal(g, w.bfloat16()) and torch.equal(memory, want_memory)
 
 
-def test_powersgd_start_iter_reduces_uncompressed_first():
+@pytest.mark.parametrize("method", [PowerSGD(rank=1, start_iter=2), TopK(0.1, start_iter=2),
+                                    RandomK(0.1, start_iter=2), OneBit(start_iter=2)], ids=repr)
+def test_start_iter_reduces_uncompressed_first(method):
+    """The warm-up every lossy method shares (Compressor.start_iter): exact fp32 averages, the fp32 all-reduce's
+    bytes, no residual; then the method itself, from an empty memory."""
     grads_of = random_grads(3)
-    results = exchange(PowerSGD(rank=1, start_iter=2), 2, grads_of, steps=3)[0]
+    results = exchange(method, 2, grads_of, steps=3)[0]
     for step in (0, 1):
-        torch.testing.assert_close(results[step][0], average(grads_of, 2, step))
-        assert results[step][2] is None  # no error feedback while not compressing
+        result, _, memory, measured = results[step]
+        torch.testing.assert_close(result, average(grads_of, 2, step))
+        assert memory is None  # no error feedback while not compressing
+        assert measured.wire_bytes() == 2 * (2 - 1) * NUMEL * 4 // 2
     assert not torch.allclose(results[2][0], average(grads_of, 2, 2))
+    assert results[2][1] is None and results[2][2] is not None
+    assert results[2][3].wire_bytes() == method.wire_bytes(SHAPES, 2)
+    assert method.config()["start_iter"] == 2
+
+
+def test_start_iter_is_named_in_the_config_only_when_set():
+    """Checkpoints saved before the warm-up existed carry configs without it; they must still match."""
+    for method in (TopK(0.1), RandomK(0.1), OneBit()):
+        assert "start_iter" not in method.config()
+    assert TopK(0.1, start_iter=3).config() == {"method": "topk", "ratio": 0.1, "start_iter": 3}
 
 
 def test_powersgd_sends_small_matrices_uncompressed_by_min_compression_rate():
@@ -300,7 +316,8 @@ def test_powersgd_formula_counts_the_warm_up_as_dense():
 
 
 # ---- state: per rank, saved and restored ----------------------------------------------------------------------
-@pytest.mark.parametrize("method", EF_METHODS + [PowerSGD(rank=2, start_iter=1, min_compression_rate=1)],
+@pytest.mark.parametrize("method", EF_METHODS + [PowerSGD(rank=2, start_iter=1, min_compression_rate=1),
+                                    OneBit(start_iter=3)],  # saved inside the warm-up, which resumes and ends
                          ids=lambda m: repr(m))
 def test_state_dict_resume_continues_exactly(method):
     grads_of = random_grads(5)
@@ -344,6 +361,9 @@ def test_load_state_dict_names_an_unknown_entry():
     (lambda: OneBit(block_size=2.5), r"block_size=2.5"),
     (lambda: OneBit(scale="l2"), r"OneBit: scale='l2'; allowed \['l1', 'rms'\]"),
     (lambda: PowerSGD(rank=2, start_iter=-1), r"start_iter=-1"),
+    (lambda: TopK(0.1, start_iter=1.5), r"TopK: start_iter=1.5 must be an int >= 0"),
+    (lambda: RandomK(0.1, start_iter=True), r"RandomK: start_iter=True"),
+    (lambda: OneBit(start_iter=-2), r"OneBit: start_iter=-2"),
     (lambda: PowerSGD(rank=2, min_compression_rate=-1), r"min_compression_rate=-1"),
     (lambda: PowerSGD(rank=2, warm_start="yes"), r"warm_start='yes' must be True or False"),
 ])

@@ -35,8 +35,10 @@ def run(method: TopK, world: int, steps: int = STEPS) -> list[list[tuple[torch.T
     return sw.launch(body, world)
 
 
-def reference(ratio: float, m: float, clip: float | None, world: int, steps: int = STEPS) -> list[torch.Tensor]:
-    """DGC's algorithm on dense tensors, every rank in one loop: the averaged sparse update of each step."""
+def reference(ratio: float, m: float, clip: float | None, world: int, steps: int = STEPS,
+              start_iter: int = 0) -> list[torch.Tensor]:
+    """DGC's algorithm on dense tensors, every rank in one loop: the averaged sparse update of each step (the first
+    `start_iter`: the averaged velocity, all of it sent, nothing masked: momentum SGD)."""
     u = [torch.zeros(NUMEL) for _ in range(world)]
     v = [torch.zeros(NUMEL) for _ in range(world)]
     k = math.ceil(ratio * NUMEL)
@@ -48,6 +50,9 @@ def reference(ratio: float, m: float, clip: float | None, world: int, steps: int
             if clip is not None and g.norm() > clip / math.sqrt(world):
                 g = g * (clip / math.sqrt(world) / g.norm())
             u[r] = m * u[r] + g
+            if t < start_iter:
+                total += u[r]
+                continue
             v[r] = v[r] + u[r]
             mask = torch.zeros(NUMEL, dtype=torch.bool)
             mask[v[r].abs().topk(k).indices] = True
@@ -71,6 +76,16 @@ def test_momentum_correction_follows_the_dgc_algorithm(world, clip):
     sent = state["memory/0"] == 0
     assert int(sent.sum()) >= math.ceil(0.1 * NUMEL) and bool((state["velocity/0"][sent] == 0).all())
     assert bool((state["velocity/0"][~sent] != 0).all())
+
+
+def test_a_warm_up_keeps_the_velocity_running_and_masks_nothing():
+    """TopK(start_iter=2) with momentum correction: the warm-up is momentum SGD on the averaged gradient (a
+    momentum-free optimizer would otherwise run those steps without momentum), then DGC from an empty memory."""
+    results = run(TopK(0.1, momentum_correction=0.9, clip_norm=20.0, start_iter=2), 2)
+    want = reference(0.1, 0.9, 20.0, 2, start_iter=2)
+    for (got, state), expected in zip(results[0], want):
+        torch.testing.assert_close(got, expected)
+    assert "memory/0" not in results[0][1][1] and "memory/0" in results[0][2][1]
 
 
 def test_without_momentum_correction_the_momentum_is_not_carried():

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Compressor, Payload, Shapes, ring_all_gather, tile, total_numel
+from .base import Compressor, Payload, Shapes, check_start_iter, ring_all_gather, tile, total_numel, with_start_iter
 
 __all__ = ["OneBit", "pack_signs", "unpack_signs"]
 
@@ -74,13 +74,15 @@ class OneBit(Compressor):
     block_size: None (default): one scale per tensor, EF-signSGD's; an int B >= 1: one scale per run of B elements
         of each tensor (the last run of a tensor may be shorter), 4 / B more bytes per element on the wire.
     scale: "l1" (default): mean |x| of the run, EF-signSGD's; "rms": its root mean square, DeepSpeed's 1-bit Adam's.
+    start_iter: the first reductions of each bucket done exactly (fp32 all-reduce) before sending signs.
     """
 
     name = "onebit"
     SCALES = ("l1", "rms")
 
-    def __init__(self, block_size: int | None = None, scale: str = "l1") -> None:
+    def __init__(self, block_size: int | None = None, scale: str = "l1", start_iter: int = 0) -> None:
         super().__init__()
+        self.start_iter = check_start_iter("OneBit", start_iter)
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                        or block_size < 1):
             raise ValueError(f"OneBit: block_size={block_size!r} must be None (one scale per tensor) or an int >= 1 "
@@ -93,8 +95,9 @@ class OneBit(Compressor):
     def config(self) -> dict:
         # block_size and scale appear only when not the defaults, so checkpoints of the per-tensor l1 method keep
         # their config.
-        return {"method": self.name, **({"block_size": self.block_size} if self.block_size is not None else {}),
-                **({"scale": self.scale} if self.scale != "l1" else {})}
+        return with_start_iter({"method": self.name,
+                                **({"block_size": self.block_size} if self.block_size is not None else {}),
+                                **({"scale": self.scale} if self.scale != "l1" else {})}, self.start_iter)
 
     def _counts(self, shapes: Shapes | None, numel: int) -> list[int]:
         """The element count of every run that gets its own scale, in bucket order."""

@@ -39,7 +39,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..comm.base import Communicator, ReduceOp, Work
-from .base import Compressor, Payload, PendingWork, Shapes, ring_all_reduce, shared_generator, tile, total_numel
+from .base import (Compressor, Payload, PendingWork, Shapes, check_start_iter, ring_all_reduce, shared_generator, tile,
+                   total_numel)
 
 __all__ = ["PowerSGD"]
 
@@ -126,7 +127,7 @@ class PowerSGD(Compressor):
     def __init__(self, rank: int = 4, start_iter: int = 10, min_compression_rate: float = 2.0,
                  warm_start: bool = True, seed: int = 0) -> None:
         super().__init__()
-        for what, value, low in (("rank", rank, 1), ("start_iter", start_iter, 0), ("seed", seed, 0)):
+        for what, value, low in (("rank", rank, 1), ("seed", seed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"PowerSGD: {what}={value!r} must be an int >= {low}")
         if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
@@ -136,7 +137,7 @@ class PowerSGD(Compressor):
         if not isinstance(warm_start, bool):
             raise ValueError(f"PowerSGD: warm_start={warm_start!r} must be True or False")
         self.rank = rank
-        self.start_iter = start_iter
+        self.start_iter = check_start_iter("PowerSGD", start_iter)
         self.min_compression_rate = float(min_compression_rate)
         self.warm_start = warm_start
         self.seed = seed
@@ -168,10 +169,9 @@ class PowerSGD(Compressor):
             raise ValueError(f"PowerSGD: the bucket must be a flat contiguous floating-point tensor, got "
                              f"shape {tuple(flat.shape)} {flat.dtype}")
         key = str(key)
-        iteration = self.iterations.get(key, 0)
-        self.iterations[key] = iteration + 1
-        if iteration < self.start_iter:
+        if self._warming_up(key):
             return comm.all_reduce(flat, ReduceOp.AVG, async_op=True)
+        iteration = self.iterations[key] - 1
         plan = self.plan(shapes, flat.numel())
         dtype = torch.float32 if flat.element_size() < 4 else flat.dtype  # QR needs fp32 or fp64
         scratch = self.scratch.get(key)

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Compressor, Payload, Shapes, check_ratio, ring_all_reduce, shared_generator, total_numel
+from .base import (Compressor, Payload, Shapes, check_ratio, check_start_iter, ring_all_reduce, shared_generator,
+                   total_numel, with_start_iter)
 
 __all__ = ["RandomK"]
 
@@ -32,15 +33,16 @@ class RandomK(Compressor):
 
     name = "randomk"
 
-    def __init__(self, ratio: float, seed: int = 0) -> None:
+    def __init__(self, ratio: float, seed: int = 0, start_iter: int = 0) -> None:
         super().__init__()
         self.ratio = check_ratio("RandomK", ratio)
+        self.start_iter = check_start_iter("RandomK", start_iter)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"RandomK: seed={seed!r} must be an int (the same on every rank)")
         self.seed = seed
 
     def config(self) -> dict:
-        return {"method": self.name, "ratio": self.ratio, "seed": self.seed}
+        return with_start_iter({"method": self.name, "ratio": self.ratio, "seed": self.seed}, self.start_iter)
 
     def k(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.ratio * numel))) if numel else 0

@@ -39,7 +39,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Compressor, Payload, Shapes, check_ratio, nbytes, ring_all_gather, ring_all_reduce, total_numel
+from .base import (Compressor, Payload, Shapes, check_ratio, check_start_iter, nbytes, ring_all_gather, ring_all_reduce,
+                   total_numel, with_start_iter)
 
 __all__ = ["TopK"]
 
@@ -52,14 +53,16 @@ class TopK(Compressor):
         no momentum), or None (plain error feedback of gradients; the optimizer keeps its momentum).
     clip_norm: DGC's local gradient clipping threshold C > 0 (each rank's bucket gradient clipped to norm
         C / sqrt(N) before accumulation), or None.
+    start_iter: the first reductions of each bucket done exactly (fp32 all-reduce), as DGC's warm-up.
     """
 
     name = "topk"
 
     def __init__(self, ratio: float, momentum_correction: float | None = None,
-                 clip_norm: float | None = None) -> None:
+                 clip_norm: float | None = None, start_iter: int = 0) -> None:
         super().__init__()
         self.ratio = check_ratio("TopK", ratio)
+        self.start_iter = check_start_iter("TopK", start_iter)
         if momentum_correction is not None and (isinstance(momentum_correction, bool) or not isinstance(
                 momentum_correction, (int, float)) or not 0 <= momentum_correction < 1):
             raise ValueError(f"TopK: momentum_correction={momentum_correction!r} must be None or a momentum in "
@@ -81,7 +84,7 @@ class TopK(Compressor):
             config["momentum_correction"] = self.momentum_correction
         if self.clip_norm is not None:
             config["clip_norm"] = self.clip_norm
-        return config
+        return with_start_iter(config, self.start_iter)
 
     def k(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.ratio * numel))) if numel else 0
@@ -96,7 +99,9 @@ class TopK(Compressor):
                   + ring_all_gather(k, nbytes(1, self.index_dtype(numel)), world))
         return ring_all_reduce(numel, element_size, world) < sparse
 
-    def compress(self, key: str, flat: torch.Tensor, shapes: Shapes | None, world: int) -> Payload:
+    def _corrected(self, key: str, flat: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(what enters the accumulation, the velocity or None): the bucket after DGC's local clipping and, with
+        momentum correction, the updated velocity u = m u + g."""
         grad = flat.detach()
         if self.clip_norm is not None:
             # DGC's local clipping: the threshold scaled by N^-1/2 (the ranks' gradients add up like random walks).
@@ -116,6 +121,18 @@ class TopK(Compressor):
                 velocity.mul_(self.momentum_correction).add_(grad)
             self.velocity[key] = velocity
             grad = velocity  # v accumulates velocities, not gradients
+        return grad, velocity
+
+    def _exact(self, key: str, flat: torch.Tensor, world: int) -> torch.Tensor:
+        # During a warm-up the velocity keeps running (nothing is masked: everything is sent), so with a
+        # momentum-free optimizer the warm-up is exactly momentum SGD on the averaged (clipped) gradient.
+        if self.momentum_correction is None and self.clip_norm is None:
+            return flat
+        grad, _ = self._corrected(key, flat, world)
+        return flat.copy_(grad)
+
+    def compress(self, key: str, flat: torch.Tensor, shapes: Shapes | None, world: int) -> Payload:
+        grad, velocity = self._corrected(key, flat, world)
         acc = self._with_memory(key, grad)
         numel = acc.numel()
         _, index = acc.abs().topk(self.k(numel), sorted=False)
