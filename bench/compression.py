@@ -3,7 +3,9 @@ simulated slow links (sw.comm.Throttled at 1 Gbit/s and 100 Mbit/s), loss after 
 beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataParallel in the same run.
 
 Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16` (stochastic rounding, the default), `bf16_nearest`
-(`BF16(rounding="nearest")`, torch's hook's rounding), `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
+(`BF16(rounding="nearest")`, torch's hook's rounding), `zero2` / `zero2_mp_fp16` / `zero2_mp_bf16` (sw.ZeRO stage 2, fp32
+or MixedPrecision(reduce_dtype=fp16 / bf16) reduce-scatters), `zero2_fp16` / `zero2_bf16` / `zero2_bf16_ef` (ZeRO-2
+with compression=FP16() / BF16() / BF16(error_feedback=True): 16-bit reduce-scatters in the method's rounding), `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
 (rank --rank, start_iter --start-iter; topk, randomk and the onebit rows take --ef-start-iter exact steps first), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
 AdamW's hyperparameters; its default momentum compressor OneBit(scale="rms")), `onebit_adam_l1` (the same with the
 l1 scale, OneBit()), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer exchanging its momentum with
@@ -47,13 +49,19 @@ from shardwise.models.gpt import GPT
 from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
 
 OURS = ("none", "fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit",
-        "onebit_block", "onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam")
+        "onebit_block", "onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam", "zero2", "zero2_mp_fp16",
+        "zero2_mp_bf16", "zero2_fp16", "zero2_bf16", "zero2_bf16_ef")
+# ZeRO-2's 16-bit reduce-scatters, against the same goal: MixedPrecision(reduce_dtype=...) (`zero2_mp_*`: rounds to
+# nearest, as torch FSDP) and compression=FP16() / BF16() (`zero2_fp16` / `zero2_bf16`: the method's rounding,
+# stochastic for BF16; `_ef`: with error feedback). `zero2` (fp32) checks the comparison itself.
+ZERO_ROWS = {"zero2": (None, None), "zero2_mp_fp16": (torch.float16, None), "zero2_mp_bf16": (torch.bfloat16, None),
+             "zero2_fp16": (None, FP16), "zero2_bf16": (None, BF16), "zero2_bf16_ef": (None, BF16)}
 ADAM_ROWS = ("onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam")  # OneBitAdam optimizers: they exchange momentum themselves
 TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook")
 # Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
 # 0.5% for the 16-bit casts (and torch's plain DDP, a check of the comparison itself), 3% for the others.
 HALF_PERCENT_ROWS = ("fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "torch_fp16_hook", "torch_bf16_hook",
-                     "torch_ddp")
+                     "torch_ddp", *ZERO_ROWS)
 GOALS = {row: 0.005 for row in HALF_PERCENT_ROWS}
 DEFAULT_GOAL = 0.03
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, given to OneBitAdam too: the same optimizer in every row
@@ -154,6 +162,14 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
         if name != "torch_ddp" or link.gbps is not None:  # loopback torch_ddp: torch's built-in reducer, no hook
             ddp.register_comm_hook(None, _torch_hook(kind, cfg, link, comm.size))
         return _Row(name, ddp, _optimizer(ddp.parameters(), cfg))
+    if name in ZERO_ROWS:
+        reduce_dtype, method = ZERO_ROWS[name]
+        options = {"error_feedback": True} if name.endswith("_ef") else {}
+        options.update({"seed": cfg.rounding_seed} if method is BF16 else {})
+        zero = sw.ZeRO(model, link_comm, stage=2,
+                       mixed_precision=sw.MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype else None,
+                       compression=method(**options) if method else None)
+        return _Row(name, zero, _optimizer(zero.parameters(), cfg), link_comm)
     if name in ADAM_ROWS:
         # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).
         compressor = {"onebit_adam": None if cfg.onebit_adam_block is None else OneBit(block_size=cfg.onebit_adam_block,

@@ -52,8 +52,8 @@ METHODS = [PowerSGD(rank=2, start_iter=1, min_compression_rate=1.0), TopK(0.05)]
 
 
 @pytest.mark.parametrize("strategy, method", [("ddp", METHODS[0]), ("ddp", METHODS[1]), ("zero2", METHODS[0]),
-                                              ("ddp", BF16(error_feedback=True))],
-                         ids=["ddp-powersgd", "ddp-topk", "zero2-powersgd", "ddp-bf16-ef"])
+                                              ("ddp", BF16(error_feedback=True)), ("zero2", BF16(error_feedback=True))],
+                         ids=["ddp-powersgd", "ddp-topk", "zero2-powersgd", "ddp-bf16-ef", "zero2-bf16-ef"])
 def test_resume_from_checkpoint_is_bit_identical(strategy, method, tmp_path):
     def uninterrupted(comm):
         model = ddp(comm, method, strategy)

@@ -180,11 +180,23 @@ class Compressor(abc.ABC):
         """Per-rank ring bytes one compressed reduction of a bucket of `shapes` (or a flat count) puts on the wire
         (a warm-up reduction, before `start_iter`, costs the fp32 all-reduce's instead)."""
 
-    def reduce(self, key: Hashable, flat: torch.Tensor, comm: Communicator, shapes: Shapes | None = None) -> Work:
-        """Start the compressed average of `flat` over `comm`; after `wait()` it holds the result in place."""
+    # Whether `reduce_scatter` is available: a method whose compressed contributions can be summed chunk by chunk
+    # (the 16-bit casts). The sharding engine asks, so that ZeRO and FSDP keep their reduce-scatter.
+    reduces_scatter: bool = False
+
+    def reduce_scatter(self, key: Hashable, flat: torch.Tensor, out: torch.Tensor, comm: Communicator) -> Work:
+        """Start the compressed average of `flat` over `comm`, keeping only chunk `comm.rank` (in `out`, of
+        flat.numel() / comm.size elements), for methods with `reduces_scatter`."""
+        raise NotImplementedError(f"{self.name} has no reduce-scatter (reduces_scatter is False)")
+
+    def _check_bucket(self, flat: torch.Tensor) -> None:
         if not flat.is_floating_point() or not flat.is_contiguous() or flat.dim() != 1:
             raise ValueError(f"{self.name}: the bucket must be a flat contiguous floating-point tensor, got "
                              f"shape {tuple(flat.shape)} {flat.dtype}")
+
+    def reduce(self, key: Hashable, flat: torch.Tensor, comm: Communicator, shapes: Shapes | None = None) -> Work:
+        """Start the compressed average of `flat` over `comm`; after `wait()` it holds the result in place."""
+        self._check_bucket(flat)
         key = str(key)
         if self._warming_up(key):
             return comm.all_reduce(self._exact(key, flat, comm.size), ReduceOp.AVG, async_op=True)

@@ -22,6 +22,10 @@ eps / 2 relative (`eps`: 2^-10 fp16, 2^-7 bf16), or tiny / 2 absolute where the 
 2^-24 fp16, 2^-133 bf16).
 Bytes on the wire per bucket: one all-reduce of numel x 2 bytes: 2(N-1)/N x 2 x numel per rank.
 
+In ZeRO and FSDP (every stage) the same cast feeds a 16-bit **reduce-scatter** instead (`reduce_scatter`:
+(N-1)/N x 2 x numel per rank, the bytes of MixedPrecision(reduce_dtype=...), which rounds to nearest): each rank
+keeps only its chunk of the average, and the stated error per element is the same, with one cast and N - 1 additions.
+
 `error_feedback=True` (the memory of the sparse methods, Seide et al. 2014; Karimireddy et al. 2019, applied to the
 rounding): each rank keeps, per bucket, the fp32 residual of its last cast, e, and sends cast((g + e) / N); the new
 residual is e' = (g + e) - N x cast((g + e) / N). So sum over steps of what a rank sent = sum of its gradients - e',
@@ -34,11 +38,12 @@ bucket per rank (saved in checkpoints), no extra bytes on the wire.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
-from .base import Compressor, Payload, Shapes, ring_all_reduce, shared_generator, total_numel
+from ..comm.base import Communicator, ReduceOp, Work, wire_bytes
+from .base import Compressor, Payload, PendingWork, Shapes, ring_all_reduce, shared_generator, total_numel
 from .rounding import stochastic_round_bf16
 
 __all__ = ["FP16", "BF16"]
@@ -80,6 +85,29 @@ class _Cast(Compressor):
 
     def wire_bytes(self, shapes: Shapes, world: int, element_size: int = 4) -> int:
         return ring_all_reduce(total_numel(shapes), 2, world)
+
+    # ---- ZeRO / FSDP: the same cast, reduce-scattered ---------------------------------------------------------
+    reduces_scatter = True
+
+    def reduce_scatter(self, key: Hashable, flat: torch.Tensor, out: torch.Tensor, comm: Communicator) -> Work:
+        """The cast of `compress` (this rank's share, divided by N first, in the method's rounding, with its error
+        feedback), then one reduce-scatter (SUM) in 16 bits: `out` receives this rank's chunk of the average. The
+        sharding engine's replacement for MixedPrecision(reduce_dtype=...), which rounds to nearest."""
+        self._check_bucket(flat)
+        if flat.numel() != out.numel() * comm.size:
+            raise ValueError(f"{self.name}.reduce_scatter: {flat.numel()} elements do not split into {comm.size} "
+                             f"chunks of {out.numel()}")
+        key = str(key)
+        self._warming_up(key)  # counts the reduction (the stochastic rounding's stream); casts have no warm-up
+        self.comm_rank = comm.rank
+        (half,) = self.compress(key, flat, None, comm.size).tensors
+        chunk = torch.empty(out.numel(), dtype=self.dtype, device=out.device)
+        work = comm.reduce_scatter(chunk, half, ReduceOp.SUM, async_op=True, scratch_input=True)
+        return PendingWork([work], lambda: out.copy_(chunk))
+
+    def wire_bytes_reduce_scatter(self, numel: int, world: int) -> int:
+        """Per-rank ring bytes of `reduce_scatter` of a `numel`-element buffer: (N-1)/N x 2 numel."""
+        return wire_bytes("reduce_scatter", numel * 2, world)
 
     def config(self) -> dict:
         # error_feedback appears only when on, so checkpoints of the plain cast (no state) keep their config.

@@ -165,9 +165,7 @@ class PowerSGD(Compressor):
 
         The bucket itself is the working matrix M: the residual is added into it in place, and the result is
         written back over it (no copy of the bucket, unless it is 16-bit: then an fp32 copy, for the QR)."""
-        if not flat.is_floating_point() or not flat.is_contiguous() or flat.dim() != 1:
-            raise ValueError(f"PowerSGD: the bucket must be a flat contiguous floating-point tensor, got "
-                             f"shape {tuple(flat.shape)} {flat.dtype}")
+        self._check_bucket(flat)
         key = str(key)
         if self._warming_up(key):
             return comm.all_reduce(flat, ReduceOp.AVG, async_op=True)

@@ -192,8 +192,10 @@ def ZeRO(
         (e.g. a weight tied across pipeline stages, whose copies are summed before the data-parallel average).
     max_inflight_reductions: gradient reduce-scatters in flight during backward; one more finishes the oldest and
         frees its flat buffer, bounding unsharded gradient memory (memory_stats().grad_buffer_peak).
-    compression: a `sw.compression` method (stage 1/2: TopK, RandomK, PowerSGD, OneBit) replacing each unit's
-        reduce-scatter by a compressed all-reduce, after which each rank keeps its shard (docs/compression.md).
+    compression: a `sw.compression` method: FP16() / BF16() (any stage; stage 3 without error_feedback) keep the
+        reduce-scatter, in 16 bits and the method's rounding; TopK, RandomK, PowerSGD, OneBit (stage 1/2) replace
+        each unit's reduce-scatter by a compressed all-reduce, after which each rank keeps its shard
+        (docs/compression.md).
     After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
     empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
     """
@@ -235,7 +237,8 @@ def FSDP(
         consecutive ranks, replicated across the groups: gradients are reduce-scattered in the group, then
         all-reduced across groups).
     compression: a `sw.compression` method for no_shard (any) and the replicate axis of hybrid_shard (PowerSGD
-        only with shard_size=1); refused with full_shard / shard_grad_op (docs/compression.md).
+        only with shard_size=1); with full_shard / shard_grad_op only FP16() / BF16() without error feedback, as a
+        16-bit reduce-scatter (docs/compression.md).
     The other options are those of `ZeRO`.
     """
     comm = comm_or_mesh.dp if isinstance(comm_or_mesh, Mesh) else comm_or_mesh

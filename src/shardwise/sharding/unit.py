@@ -309,6 +309,11 @@ class Unit:
             return
         self.replicated = False
         self.compressed_whole = self.compressor is not None and self.replicate_comm is None
+        if self.compressed_whole and self.compressor.reduces_scatter:  # a 16-bit cast: still a reduce-scatter
+            self.compressed_whole = False
+            self.reduce_work = self.compressor.reduce_scatter(self.index, self.grad_buffer, self.reduced_shard,
+                                                              self.shard_comm)
+            return
         if self.compressed_whole:
             assert self.compressor is not None
             self.reduce_work = self.compressor.reduce(self.index, self.grad_buffer, self.shard_comm,
