@@ -69,6 +69,38 @@ def test_cast_round_trip_within_dtype_rounding(seed, world, scale, method):
 
 
 @SETTINGS
+@given(seed=st.integers(0, 10_000), world=st.integers(1, 4), scale=st.sampled_from([1e-3, 1.0, 1e3]),
+       method=st.sampled_from([FP16, BF16]), error_feedback=st.booleans())
+def test_cast_reduce_scatter_keeps_this_ranks_chunk_within_dtype_rounding(seed, world, scale, method, error_feedback):
+    """The ZeRO / FSDP path of the casts: each rank gets its own chunk of the average, within the same bound as the
+    all-reduce, for the bytes of one 16-bit reduce-scatter; error feedback keeps what the cast dropped."""
+    numel = 12 * world
+    grads_of = random_grads(seed, numel=numel, scale=scale)
+
+    def body(comm):
+        c = method(error_feedback=error_feedback).fresh()
+        out = torch.empty(numel // world)
+        g = grads_of(comm.rank, 0).clone()
+        with comm.stats.measure() as measured:
+            c.reduce_scatter(0, g, out, comm).wait()
+        return out, c.state_dict().get("memory/0"), measured.wire_bytes()
+
+    results = sw.launch(body, world)
+    want = average(grads_of, world)
+    magnitude = sum(grads_of(r, 0).abs() for r in range(world)) / world
+    bound = (world + 1) / 2 * (method.eps * magnitude + method.tiny)
+    for rank, (out, memory, wire) in enumerate(results):
+        chunk = slice(rank * (numel // world), (rank + 1) * (numel // world))
+        assert ((out - want[chunk]).abs() <= bound[chunk]).all()
+        assert wire == method().wire_bytes_reduce_scatter(numel, world) == (world - 1) * numel * 2 // world
+        if error_feedback:  # sent + memory = gradient: the sent share is memory's complement
+            half = (grads_of(rank, 0) - memory) / world
+            assert torch.equal(half.to(method.dtype).float(), half)
+        else:
+            assert memory is None
+
+
+@SETTINGS
 @given(seed=st.integers(0, 10_000), world=st.integers(1, 4), ratio=st.sampled_from([0.01, 0.1, 0.5]),
        method=st.sampled_from([TopK, RandomK]))
 def test_sparsifiers_send_k_elements_and_average_them_exactly(seed, world, ratio, method):
