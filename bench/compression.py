@@ -60,6 +60,9 @@ ADAM_ROWS = ("onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam")  # On
 TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook")
 # Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
 # 0.5% for the 16-bit casts (and torch's plain DDP, a check of the comparison itself), 3% for the others.
+# The default run: each method of issue 15 once, and torch's rows; the variants (roundings, error feedback, blocks,
+# 1-bit Adam's compressors, ZeRO's reductions) are named with --rows.
+DEFAULT_ROWS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "onebit_adam") + TORCH
 HALF_PERCENT_ROWS = ("fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "torch_fp16_hook", "torch_bf16_hook",
                      "torch_ddp", *ZERO_ROWS)
 GOALS = {row: 0.005 for row in HALF_PERCENT_ROWS}
@@ -281,7 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--links", default="loopback,1,0.1", help="loopback and/or Gbit/s of Throttled links")
-    p.add_argument("--rows", default=",".join(OURS + TORCH))
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help="comma-separated rows (default: issue 15's methods and torch's hooks; every row: "
+                        + ",".join(OURS + TORCH) + ")")
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--start-iter", type=int, default=10)
     p.add_argument("--topk-ratio", type=float, default=0.01)
