@@ -54,8 +54,11 @@ OURS = ("none", "fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "topk", "r
 # ZeRO-2's 16-bit reduce-scatters, against the same goal: MixedPrecision(reduce_dtype=...) (`zero2_mp_*`: rounds to
 # nearest, as torch FSDP) and compression=FP16() / BF16() (`zero2_fp16` / `zero2_bf16`: the method's rounding,
 # stochastic for BF16; `_ef`: with error feedback). `zero2` (fp32) checks the comparison itself.
+# Each row: (MixedPrecision's reduce_dtype, the compression method built from the run's Config), one of them None.
 ZERO_ROWS = {"zero2": (None, None), "zero2_mp_fp16": (torch.float16, None), "zero2_mp_bf16": (torch.bfloat16, None),
-             "zero2_fp16": (None, FP16), "zero2_bf16": (None, BF16), "zero2_bf16_ef": (None, BF16)}
+             "zero2_fp16": (None, lambda cfg: FP16()),
+             "zero2_bf16": (None, lambda cfg: BF16(seed=cfg.rounding_seed)),
+             "zero2_bf16_ef": (None, lambda cfg: BF16(error_feedback=True, seed=cfg.rounding_seed))}
 ADAM_ROWS = ("onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam")  # OneBitAdam optimizers: they exchange momentum themselves
 TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook")
 # Issue 15's goal: the final loss (mean of the last 10 steps) at most this much above uncompressed training's.
@@ -167,11 +170,9 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
         return _Row(name, ddp, _optimizer(ddp.parameters(), cfg))
     if name in ZERO_ROWS:
         reduce_dtype, method = ZERO_ROWS[name]
-        options = {"error_feedback": True} if name.endswith("_ef") else {}
-        options.update({"seed": cfg.rounding_seed} if method is BF16 else {})
         zero = sw.ZeRO(model, link_comm, stage=2,
                        mixed_precision=sw.MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype else None,
-                       compression=method(**options) if method else None)
+                       compression=method(cfg) if method else None)
         return _Row(name, zero, _optimizer(zero.parameters(), cfg), link_comm)
     if name in ADAM_ROWS:
         # OneBitAdam reduces in its step: the model is plain (its replicas are made equal by the optimizer).

@@ -308,9 +308,9 @@ class Unit:
             self.replicated = True
             return
         self.replicated = False
-        self.compressed_whole = self.compressor is not None and self.replicate_comm is None
-        if self.compressed_whole and self.compressor.reduces_scatter:  # a 16-bit cast: still a reduce-scatter
-            self.compressed_whole = False
+        compressing = self.compressor is not None and self.replicate_comm is None
+        self.compressed_whole = compressing and not self.compressor.reduces_scatter
+        if compressing and self.compressor.reduces_scatter:  # a 16-bit cast: still a reduce-scatter
             self.reduce_work = self.compressor.reduce_scatter(self.index, self.grad_buffer, self.reduced_shard,
                                                               self.shard_comm)
             return
