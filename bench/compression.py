@@ -11,7 +11,8 @@ AdamW's hyperparameters; its default momentum compressor OneBit(scale="rms")), `
 l1 scale, OneBit()), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer exchanging its momentum with
 TopK / RandomK at --topk-ratio instead of OneBit: sparsification where Adam's variance is frozen, so error feedback
 sees a linear update; the 1-bit Adam paper's framework, Tang et al. 2021), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
-start iteration). Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
+start iteration), and `late1`, a diagnostic: the whole gradient applied one step late, the delay error feedback puts
+on what it holds back, without any loss. Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
 momentum SGD with --optimizer sgd) in the SAME
 processes. Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; the row reports the mean
 of the last 10 against `none`'s, and whether that meets issue 15's goal (GOALS: 16-bit rows within 0.5%, the others
@@ -44,13 +45,14 @@ import shardwise as sw
 from shardwise.comm import Throttled
 from shardwise.compression import BF16, FP16, OneBit, OneBitAdam, PowerSGD, RandomK, TopK
 from shardwise.comm.base import wire_bytes
+from shardwise.compression.base import Compressor, Payload, total_numel
 from shardwise.models.gpt import GPT
 
 from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
 
 OURS = ("none", "fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit",
         "onebit_block", "onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam", "zero2", "zero2_mp_fp16",
-        "zero2_mp_bf16", "zero2_fp16", "zero2_bf16", "zero2_bf16_ef")
+        "zero2_mp_bf16", "zero2_fp16", "zero2_bf16", "zero2_bf16_ef", "late1")
 # ZeRO-2's 16-bit reduce-scatters, against the same goal: MixedPrecision(reduce_dtype=...) (`zero2_mp_*`: rounds to
 # nearest, as torch FSDP) and compression=FP16() / BF16() (`zero2_fp16` / `zero2_bf16`: the method's rounding,
 # stochastic for BF16; `_ef`: with error feedback). `zero2` (fp32) checks the comparison itself.
@@ -95,13 +97,20 @@ class Config:
     onebit_adam_block: int | None = None
     rounding_seed: int = 0
     ef_start_iter: int = 0
+    ef_beta1: float = 0.9
 
 
-def _optimizer(params: Any, cfg: Config) -> torch.optim.Optimizer:
+# The rows whose method holds gradients back in an error-feedback memory (and the diagnostic that only delays them):
+# under AdamW they take --ef-beta1 as Adam's beta1, every other row keeps torch's 0.9.
+EF_ROWS = ("topk", "randomk", "onebit", "onebit_block", "late1")
+
+
+def _optimizer(params: Any, cfg: Config, row: str = "") -> torch.optim.Optimizer:
     """AdamW (the default), or momentum SGD: the optimizer the sparsifiers and signs were designed for."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=WEIGHT_DECAY)
+    beta1 = cfg.ef_beta1 if row in EF_ROWS else 0.9
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=WEIGHT_DECAY, betas=(beta1, 0.999))
 
 
 class _Link:
@@ -151,6 +160,25 @@ def _torch_hook(kind: str, cfg: Config, link: _Link, world: int):
     return hook
 
 
+class _OneStepLate(Compressor):
+    """A diagnostic, not a method: every rank sends its whole gradient one step late (the first step sends zeros).
+    Nothing is lost and nothing is reordered, so the `late1` row isolates the one thing error feedback adds to
+    every lossy method: gradients applied after the parameters have moved on (docs/compression.md, "Delay")."""
+
+    name = "late1"
+
+    def compress(self, key: str, flat: torch.Tensor, shapes: Any, world: int) -> Payload:
+        previous = self.memory.get(key)
+        self.memory[key] = flat.detach().clone()
+        return Payload((torch.zeros_like(flat) if previous is None else previous,), "all_reduce")
+
+    def decompress(self, payload: Payload, received: Any, out: torch.Tensor, world: int) -> None:
+        torch.div(received[0], world, out=out)
+
+    def wire_bytes(self, shapes: Any, world: int, element_size: int = 4) -> int:
+        return wire_bytes("all_reduce", total_numel(shapes) * element_size, world)
+
+
 class _Row:
     def __init__(self, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, comm: Any = None) -> None:
         self.name, self.model, self.opt, self.comm = name, model, opt, comm
@@ -189,9 +217,10 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
               "randomk": RandomK(cfg.topk_ratio, start_iter=cfg.ef_start_iter),
               "powersgd": PowerSGD(rank=cfg.rank, start_iter=cfg.start_iter),
               "onebit": OneBit(start_iter=cfg.ef_start_iter),
-              "onebit_block": OneBit(block_size=cfg.onebit_block, start_iter=cfg.ef_start_iter)}[name]
+              "onebit_block": OneBit(block_size=cfg.onebit_block, start_iter=cfg.ef_start_iter),
+              "late1": _OneStepLate()}[name]
     ddp = sw.DDP(model, link_comm, compression=method)
-    return _Row(name, ddp, _optimizer(ddp.parameters(), cfg), link_comm)
+    return _Row(name, ddp, _optimizer(ddp.parameters(), cfg, name), link_comm)
 
 
 def _step(row: _Row, corpus: Any, cfg: Config, rank: int, world: int, seq_len: int) -> float:
@@ -301,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ef-start-iter", type=int, default=0,
                    help="start_iter of the topk, randomk, onebit and onebit_block rows: that many exact steps "
                         "before compressing (default %(default)s: compress from the first step)")
+    p.add_argument("--ef-beta1", type=float, default=0.9,
+                   help="under AdamW, Adam's beta1 for the error-feedback rows (" + ", ".join(EF_ROWS) + "); every "
+                        "other row, `none` included, keeps 0.9 (default %(default)s). 0: the memory's delayed sums "
+                        "are the only momentum (docs/compression.md, \"Delay\")")
     p.add_argument("--onebit-block", type=int, default=64, help="the onebit_block row's OneBit(block_size=)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (one seed per run; "
@@ -317,6 +350,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--rows: unknown {unknown}; allowed {list(OURS + TORCH)}")
     if a.loss_steps < 1:
         p.error(f"--loss-steps={a.loss_steps} must be >= 1")
+    if not 0 <= a.ef_beta1 < 1:
+        p.error(f"--ef-beta1={a.ef_beta1} must be in [0, 1) (Adam's beta1)")
+    if a.optimizer == "sgd" and a.ef_beta1 != 0.9:
+        p.error("--ef-beta1 is Adam's beta1: it needs --optimizer adamw")
     if a.optimizer == "sgd" and set(rows) & set(ADAM_ROWS):
         p.error(f"--optimizer sgd: leave {sorted(set(rows) & set(ADAM_ROWS))} out of --rows (1-bit Adam is its own "
                 f"Adam optimizer)")
@@ -324,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
                  a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer, a.onebit_block,
-                 a.seed, a.onebit_adam_block, a.rounding_seed, a.ef_start_iter)
+                 a.seed, a.onebit_adam_block, a.rounding_seed, a.ef_start_iter, a.ef_beta1)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]

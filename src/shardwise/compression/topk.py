@@ -30,6 +30,11 @@ that its L2 norm is at most C N^(-1/2) (N ranks: the sum of N independent gradie
 norm of one). The compressor sees one bucket at a time, so the norm is the bucket's (DGC clips the whole local
 gradient); with one bucket (`bucket_mb` above the model's size) the two agree.
 Warm-up (DGC's exponentially growing sparsity): use a larger ratio for the first epochs.
+
+Under Adam: what waits in memory arrives late and summed, and the sum over the steps a coordinate waited is already
+a momentum (staleness acts as momentum: Mitliagkas et al. 2016), which Adam's own beta1 compounds. Measured on the
+demo GPT (docs/compression.md, "Delay"): AdamW with `betas=(0.0, 0.999)` cut TopK(0.01)'s gap to uncompressed AdamW
+from +13..18% to +2..9%; a sparsifier designed for SGD still does not match Adam there (prefer PowerSGD).
 """
 
 from __future__ import annotations
