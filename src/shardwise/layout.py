@@ -9,15 +9,15 @@ probe a strategy's private attributes. Each strategy declares instead, when it w
 * a :class:`Parallelized` record (its name, its communicators, the placements after it, `no_sync`, what it holds
   in memory), appended to the model's list, innermost first, and reachable only through :func:`strategies`.
 
-Geometry. A *box* is ``((start, size), ...)`` per dim of the global tensor. A tensor-parallel rank's local slice is
-its boxes concatenated along `concat_dim` (one box for a plain row/column split; k boxes for a column split of k
-fused blocks such as ``[q | k | v]``), stored permuted by `stored_perm` when the layer keeps the transpose (a
-HuggingFace Conv1D held as an nn.Linear). ZeRO then keeps the flat range ``[lo, hi)`` of the stored slice's
-flattening. :func:`held_views` turns all that back into (global box, view of the local tensor) pairs: the flat
-range is cut into at most ``2 x ndim - 1`` contiguous boxes (a partial first row, whole rows, a partial last row,
-recursively), each un-permuted and split at the block boundaries. A checkpoint piece or a state-dict slice is
-therefore always a plain N-d box of the global tensor, and any layout reloads onto any other (the idea of PyTorch
-DCP's chunk metadata and Megatron's ``sharded_state_dict``, without DTensor).
+Geometry (the box helpers live in boxes.py). A *box* is ``((start, size), ...)`` per dim of the global tensor. A
+tensor-parallel rank's local slice is its boxes concatenated along `concat_dim` (one box for a plain row/column
+split; k boxes for a column split of k fused blocks such as ``[q | k | v]``), stored permuted by `stored_perm` when
+the layer keeps the transpose (a HuggingFace Conv1D held as an nn.Linear). ZeRO then keeps the flat range ``[lo,
+hi)`` of the stored slice's flattening. :func:`held_views` turns all that back into (global box, view of the local
+tensor) pairs: the flat range is cut into at most ``2 x ndim - 1`` contiguous boxes (a partial first row, whole
+rows, a partial last row, recursively), each un-permuted and split at the block boundaries. A checkpoint piece or a
+state-dict slice is therefore always a plain N-d box of the global tensor, and any layout reloads onto any other
+(the idea of PyTorch DCP's chunk metadata and Megatron's ``sharded_state_dict``, without DTensor).
 
 Counting once. A rank counts a parameter in a global reduction (the gradient norm) only if it is rank 0 of every
 group the parameter is replicated over; the partial results are then summed over every group of every strategy
@@ -32,69 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from .boxes import Box, box_numel, box_slices, full_box, intersect, inverse_perm, split_flat_range
 from .comm.base import Communicator
 
 __all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extra_states", "strategies", "placements", "declare",
-           "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "full_box", "reduction_groups",
+           "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "box_numel", "intersect", "full_box", "reduction_groups",
            "counts_here", "record_comms", "is_partitioned", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers"]
 
-Box = tuple[tuple[int, int], ...]
 _ATTR = "_shardwise_layout"  # the one attribute a wrapped model carries; read only by this module
-
-
-def full_box(shape: Sequence[int]) -> Box:
-    return tuple((0, int(n)) for n in shape)
-
-
-def box_slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
-    """Index of `box` in a tensor covering `origin` (the whole global tensor when None)."""
-    if origin is None:
-        return tuple(slice(s, s + n) for s, n in box)
-    return tuple(slice(s - o, s - o + n) for (s, n), (o, _) in zip(box, origin))
-
-
-def box_numel(box: Box) -> int:
-    return math.prod(n for _, n in box)
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The overlap of two boxes of the same tensor, or None."""
-    out = []
-    for (sa, na), (sb, nb) in zip(a, b):
-        lo, hi = max(sa, sb), min(sa + na, sb + nb)
-        if hi <= lo:
-            return None
-        out.append((lo, hi - lo))
-    return tuple(out)
-
-
-def split_flat_range(box: Box, lo: int, hi: int) -> list[Box]:
-    """The elements [lo, hi) of `box`'s row-major flattening as boxes, in flat order (at most 2 x ndim - 1)."""
-    if hi <= lo:
-        return []
-    if not box:
-        return [()]  # a scalar: one element
-    (start, _), rest = box[0], box[1:]
-    inner = box_numel(rest)
-    first, last = lo // inner, (hi - 1) // inner
-    if first == last:
-        return [((start + first, 1), *sub) for sub in split_flat_range(rest, lo - first * inner, hi - first * inner)]
-    out: list[Box] = []
-    if lo % inner:
-        out += [((start + first, 1), *sub) for sub in split_flat_range(rest, lo % inner, inner)]
-        first += 1
-    whole_end = hi // inner
-    if whole_end > first:
-        out.append(((start + first, whole_end - first), *rest))
-    if hi % inner:
-        out += [((start + whole_end, 1), *sub) for sub in split_flat_range(rest, 0, hi % inner)]
-    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -343,13 +294,6 @@ def slice_views(pl: Placement, stored: torch.Tensor, boxes: tuple[Box, ...] | No
             out.append((tuple(glob), view[tuple(index)]))
         start += size
     return out
-
-
-def inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return tuple(inv)
 
 
 def merged_memory(modules: Any) -> MemoryView:
