@@ -30,7 +30,8 @@ from .collective_order import History
 from .strict_p2p import P2PEntry, Pairing, transfer
 
 if TYPE_CHECKING:
-    from .thread_backend import ThreadCommunicator, ThreadWorld, _Slot
+    from .thread_backend import ThreadCommunicator
+    from .thread_world import CollectiveSlot, ThreadWorld
 
 __all__ = ["StrictState", "strict_default", "Batch", "Collective", "StrictWork"]
 
@@ -50,7 +51,7 @@ def strict_default() -> bool:
 class Collective:
     """A collective on a rank's stream: it deposits its argument in the group's slot when it starts."""
 
-    def __init__(self, comm: ThreadCommunicator, seq: int, slot: _Slot, arg: Any, finish: Callable,
+    def __init__(self, comm: ThreadCommunicator, seq: int, slot: CollectiveSlot, arg: Any, finish: Callable,
                  label: str) -> None:
         self.comm, self.seq, self.slot, self.arg, self.finish, self.label = comm, seq, slot, arg, finish, label
         self.started = False
@@ -86,7 +87,7 @@ class StrictState:
         return self.histories.setdefault(group_id, History())
 
     # ---- posting -------------------------------------------------------------------------------------------------
-    def post_collective(self, comm: ThreadCommunicator, seq: int, slot: _Slot, arg: Any, finish: Callable,
+    def post_collective(self, comm: ThreadCommunicator, seq: int, slot: CollectiveSlot, arg: Any, finish: Callable,
                         label: str) -> StrictWork:
         """Queue call #seq of comm's group (its slot already holds this rank's signature) on this rank's stream."""
         item = Collective(comm, seq, slot, arg, finish, label)
