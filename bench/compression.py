@@ -6,13 +6,15 @@ Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16` (stochastic roundi
 (`BF16(rounding="nearest")`, torch's hook's rounding), `zero2` / `zero2_mp_fp16` / `zero2_mp_bf16` (sw.ZeRO stage 2, fp32
 or MixedPrecision(reduce_dtype=fp16 / bf16) reduce-scatters), `zero2_fp16` / `zero2_bf16` / `zero2_bf16_ef` (ZeRO-2
 with compression=FP16() / BF16() / BF16(error_feedback=True): 16-bit reduce-scatters in the method's rounding), `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
-(rank --rank, start_iter --start-iter; topk, randomk and the onebit rows take --ef-start-iter exact steps first), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
+(rank --rank, start_iter --start-iter), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
 AdamW's hyperparameters; its default momentum compressor OneBit(scale="rms")), `onebit_adam_l1` (the same with the
 l1 scale, OneBit()), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer exchanging its momentum with
 TopK / RandomK at --topk-ratio instead of OneBit: sparsification where Adam's variance is frozen, so error feedback
 sees a linear update; the 1-bit Adam paper's framework, Tang et al. 2021), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
 start iteration), and `late1`, a diagnostic: the whole gradient applied one step late, the delay error feedback puts
-on what it holds back, without any loss. Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
+on what it holds back, without any loss. The error-feedback rows (topk, randomk, onebit, onebit_block, late1) run
+under AdamW with the recipe docs/compression.md ("Delay") measured: Adam's beta1 --ef-beta1 (0.3) and --ef-start-iter
+(20) exact steps first; `none_ef_beta1` is the uncompressed run with that beta1, the second baseline. Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
 momentum SGD with --optimizer sgd) in the SAME
 processes. Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; the row reports the mean
 of the last 10 against `none`'s, and whether that meets issue 15's goal (GOALS: 16-bit rows within 0.5%, the others
@@ -52,7 +54,8 @@ from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loada
 
 OURS = ("none", "fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit",
         "onebit_block", "onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam", "zero2", "zero2_mp_fp16",
-        "zero2_mp_bf16", "zero2_fp16", "zero2_bf16", "zero2_bf16_ef", "late1")
+        "zero2_mp_bf16", "zero2_fp16", "zero2_bf16", "zero2_bf16_ef", "late1",
+        "none_ef_beta1")
 # ZeRO-2's 16-bit reduce-scatters, against the same goal: MixedPrecision(reduce_dtype=...) (`zero2_mp_*`: rounds to
 # nearest, as torch FSDP) and compression=FP16() / BF16() (`zero2_fp16` / `zero2_bf16`: the method's rounding,
 # stochastic for BF16; `_ef`: with error feedback). `zero2` (fp32) checks the comparison itself.
@@ -67,11 +70,12 @@ TORCH = ("torch_ddp", "torch_fp16_hook", "torch_bf16_hook", "torch_powersgd_hook
 # 0.5% for the 16-bit casts (and torch's plain DDP, a check of the comparison itself), 3% for the others.
 # The default run: each method of issue 15 once, and torch's rows; the variants (roundings, error feedback, blocks,
 # 1-bit Adam's compressors, ZeRO's reductions) are named with --rows.
-DEFAULT_ROWS = ("none", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "onebit_adam") + TORCH
+DEFAULT_ROWS = ("none", "none_ef_beta1", "fp16", "bf16", "topk", "randomk", "powersgd", "onebit", "onebit_adam") + TORCH
 HALF_PERCENT_ROWS = ("fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "torch_fp16_hook", "torch_bf16_hook",
                      "torch_ddp", *ZERO_ROWS)
 GOALS = {row: 0.005 for row in HALF_PERCENT_ROWS}
 DEFAULT_GOAL = 0.03
+BASELINES = ("none", "none_ef_beta1")  # uncompressed runs: what the goals compare with, not rows held to them
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, given to OneBitAdam too: the same optimizer in every row
 
 
@@ -96,20 +100,25 @@ class Config:
     seed: int = 0
     onebit_adam_block: int | None = None
     rounding_seed: int = 0
-    ef_start_iter: int = 0
-    ef_beta1: float = 0.9
+    ef_start_iter: int = 20
+    ef_beta1: float = 0.3
 
 
 # The rows whose method holds gradients back in an error-feedback memory (and the diagnostic that only delays them):
-# under AdamW they take --ef-beta1 as Adam's beta1, every other row keeps torch's 0.9.
+# under AdamW they take --ef-beta1 as Adam's beta1, every other row keeps torch's 0.9 but `none_ef_beta1`
+# (uncompressed with the same beta1: the other baseline they are fairly compared with).
 EF_ROWS = ("topk", "randomk", "onebit", "onebit_block", "late1")
+EF_BETA1_ROWS = EF_ROWS + ("none_ef_beta1",)
+# Issue 15's recipe for the sparsifiers and signs under AdamW (docs/compression.md, "Delay"): Adam's beta1 0.3 and
+# 20 exact steps first. Under momentum SGD they compress from the first step, as their papers do.
+ADAMW_EF_BETA1, ADAMW_EF_START_ITER = 0.3, 20
 
 
 def _optimizer(params: Any, cfg: Config, row: str = "") -> torch.optim.Optimizer:
     """AdamW (the default), or momentum SGD: the optimizer the sparsifiers and signs were designed for."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-    beta1 = cfg.ef_beta1 if row in EF_ROWS else 0.9
+    beta1 = cfg.ef_beta1 if row in EF_BETA1_ROWS else 0.9
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=WEIGHT_DECAY, betas=(beta1, 0.999))
 
 
@@ -210,7 +219,7 @@ def _build(name: str, comm: sw.Communicator, cfg: Config, link_comm: Any, link: 
                       "topk_adam": TopK(cfg.topk_ratio), "randomk_adam": RandomK(cfg.topk_ratio)}[name]
         return _Row(name, model, OneBitAdam(model.parameters(), link_comm, lr=cfg.lr, weight_decay=WEIGHT_DECAY,
                                             freeze_step=cfg.freeze_step, compressor=compressor), link_comm)
-    method = {"none": None, "fp16": FP16(), "bf16": BF16(seed=cfg.rounding_seed),
+    method = {"none": None, "none_ef_beta1": None, "fp16": FP16(), "bf16": BF16(seed=cfg.rounding_seed),
               "bf16_nearest": BF16(rounding="nearest"), "fp16_ef": FP16(error_feedback=True),
               "bf16_ef": BF16(error_feedback=True, seed=cfg.rounding_seed),
               "topk": TopK(cfg.topk_ratio, start_iter=cfg.ef_start_iter),
@@ -327,13 +336,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="every row's optimizer but onebit_adam's (sgd: momentum 0.9, no weight decay)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
-    p.add_argument("--ef-start-iter", type=int, default=0,
+    p.add_argument("--ef-start-iter", type=int, default=None,
                    help="start_iter of the topk, randomk, onebit and onebit_block rows: that many exact steps "
-                        "before compressing (default %(default)s: compress from the first step)")
-    p.add_argument("--ef-beta1", type=float, default=0.9,
-                   help="under AdamW, Adam's beta1 for the error-feedback rows (" + ", ".join(EF_ROWS) + "); every "
-                        "other row, `none` included, keeps 0.9 (default %(default)s). 0: the memory's delayed sums "
-                        "are the only momentum (docs/compression.md, \"Delay\")")
+                        f"before compressing (default {ADAMW_EF_START_ITER} under adamw, 0 under sgd)")
+    p.add_argument("--ef-beta1", type=float, default=None,
+                   help="under AdamW, Adam's beta1 for the error-feedback rows (" + ", ".join(EF_ROWS) + ") and "
+                        f"none_ef_beta1; every other row, `none` included, keeps 0.9 (default {ADAMW_EF_BETA1}: with "
+                        "0.9 on top of the memory's delayed sums the momentum is too much; docs/compression.md, "
+                        "\"Delay\")")
     p.add_argument("--onebit-block", type=int, default=64, help="the onebit_block row's OneBit(block_size=)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order (one seed per run; "
@@ -350,10 +360,15 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--rows: unknown {unknown}; allowed {list(OURS + TORCH)}")
     if a.loss_steps < 1:
         p.error(f"--loss-steps={a.loss_steps} must be >= 1")
-    if not 0 <= a.ef_beta1 < 1:
+    if a.ef_beta1 is not None and not 0 <= a.ef_beta1 < 1:
         p.error(f"--ef-beta1={a.ef_beta1} must be in [0, 1) (Adam's beta1)")
-    if a.optimizer == "sgd" and a.ef_beta1 != 0.9:
+    if a.optimizer == "sgd" and a.ef_beta1 is not None:
         p.error("--ef-beta1 is Adam's beta1: it needs --optimizer adamw")
+    if a.ef_start_iter is not None and a.ef_start_iter < 0:
+        p.error(f"--ef-start-iter={a.ef_start_iter} must be >= 0")
+    adamw = a.optimizer == "adamw"
+    ef_beta1 = a.ef_beta1 if a.ef_beta1 is not None else (ADAMW_EF_BETA1 if adamw else 0.9)
+    ef_start_iter = a.ef_start_iter if a.ef_start_iter is not None else (ADAMW_EF_START_ITER if adamw else 0)
     if a.optimizer == "sgd" and set(rows) & set(ADAM_ROWS):
         p.error(f"--optimizer sgd: leave {sorted(set(rows) & set(ADAM_ROWS))} out of --rows (1-bit Adam is its own "
                 f"Adam optimizer)")
@@ -361,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     lr = a.lr if a.lr is not None else (0.05 if a.optimizer == "sgd" else 1e-3)
     cfg = Config(a.preset, a.batch_size, a.loss_steps, a.steps, a.rounds, a.warmup, links, rows,
                  a.rank, a.start_iter, a.topk_ratio, a.freeze_step, a.latency_ms, lr, a.optimizer, a.onebit_block,
-                 a.seed, a.onebit_adam_block, a.rounding_seed, a.ef_start_iter, a.ef_beta1)
+                 a.seed, a.onebit_adam_block, a.rounding_seed, ef_start_iter, ef_beta1)
     emit({"bench": "compression", "config": dataclasses.asdict(cfg), "nproc": a.nproc, "loadavg_before": loadavg()})
     results = sw.launch(_rank_main, a.nproc, cfg, backend="gloo", timeout=600, threads_per_rank=1)
     losses = results[0]["loss"]
@@ -372,9 +387,9 @@ def main(argv: list[str] | None = None) -> None:
         final = _final(losses[name])
         goal = GOALS.get(name, DEFAULT_GOAL)
         rel = None if base is None else final / base - 1
-        met = None if rel is None or name == "none" else rel <= goal
+        met = None if rel is None or name in BASELINES else rel <= goal
         emit({"row": name, "final_loss": round(final, 5), "vs_none": None if rel is None else round(rel, 4),
-              "goal": None if name == "none" else goal, "met": met, "wire_bytes_per_step": results[0]["bytes"][name], "loss_curve": losses[name]})
+              "goal": None if name in BASELINES else goal, "met": met, "wire_bytes_per_step": results[0]["bytes"][name], "loss_curve": losses[name]})
         cells = []
         for link in cfg.links:
             per_step = max_over_ranks([r["times"][link][name] for r in results])
@@ -382,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
             emit({"row": name, "link": link, "median_ms": ms, "steps": len(per_step)})
             cells.append(f"{ms:14.1f}")
         shown = "" if rel is None else f"{100 * rel:+7.2f}%"
-        goal_cell = "" if name == "none" else f"{100 * goal:5.1f}%"
+        goal_cell = "" if name in BASELINES else f"{100 * goal:5.1f}%"
         print(f"{name:22s} {str(results[0]['bytes'][name]):>12s} {final:8.4f} {shown:>8s} {goal_cell:>6s} "
               f"{'' if met is None else ('yes' if met else 'NO'):>4s} " + " ".join(cells), file=sys.stderr)
     if a.plot:

@@ -1,6 +1,7 @@
 """bench/compression.py's diagnostics, which docs/compression.md's "Delay" section rests on: the `late1` compressor
 applies every rank's whole gradient exactly one step late (zeros first, nothing lost, the fp32 all-reduce's
-bytes), and `--ef-beta1` changes Adam's beta1 for the error-feedback rows only, never for `none`."""
+bytes), and `--ef-beta1` changes Adam's beta1 for the error-feedback rows and `none_ef_beta1` only, never for
+`none`."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_ef_beta1_reaches_the_error_feedback_rows_only():
     bench = _bench()
     cfg = bench.Config("tiny", 2, 1, 1, 1, 0, (), ("none", "topk"), 4, 0, 0.01, 1, 0.1, ef_beta1=0.0)
     params = [torch.nn.Parameter(torch.zeros(2))]
-    for row in bench.EF_ROWS:
+    for row in bench.EF_BETA1_ROWS:  # the error-feedback rows and their same-beta1 uncompressed baseline
         assert bench._optimizer(params, cfg, row).defaults["betas"] == (0.0, 0.999)
     for row in ("none", "fp16", "powersgd", "zero2"):
         assert bench._optimizer(params, cfg, row).defaults["betas"] == (0.9, 0.999)

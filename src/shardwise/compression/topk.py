@@ -32,9 +32,10 @@ gradient); with one bucket (`bucket_mb` above the model's size) the two agree.
 Warm-up (DGC's exponentially growing sparsity): use a larger ratio for the first epochs.
 
 Under Adam: what waits in memory arrives late and summed, and the sum over the steps a coordinate waited is already
-a momentum (staleness acts as momentum: Mitliagkas et al. 2016), which Adam's own beta1 compounds. Measured on the
-demo GPT (docs/compression.md, "Delay"): AdamW with `betas=(0.0, 0.999)` cut TopK(0.01)'s gap to uncompressed AdamW
-from +13..18% to +2..9%; a sparsifier designed for SGD still does not match Adam there (prefer PowerSGD).
+a momentum (staleness acts as momentum: Mitliagkas et al. 2016), which Adam's default beta1 0.9 compounds. Measured
+on the demo GPT (docs/compression.md, "Delay"): with `AdamW(betas=(0.3, 0.999))` and `TopK(0.01, start_iter=20)`
+(a tenth of the 200 steps exact) the final loss came within 3% of uncompressed AdamW on five seeds of five (worst
++1.7%), where TopK(0.01) with beta1 0.9 and no warm-up missed by 13-18%.
 """
 
 from __future__ import annotations
