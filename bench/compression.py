@@ -3,27 +3,29 @@ simulated slow links (sw.comm.Throttled at 1 Gbit/s and 100 Mbit/s), loss after 
 beside torch's own `powerSGD_hook` and `fp16_compress_hook` on DistributedDataParallel in the same run.
 
 Rows: `none` (shardwise DDP, fp32 all-reduce), `fp16`, `bf16` (stochastic rounding, the default), `bf16_nearest`
-(`BF16(rounding="nearest")`, torch's hook's rounding), `zero2` / `zero2_mp_fp16` / `zero2_mp_bf16` (sw.ZeRO stage 2, fp32
-or MixedPrecision(reduce_dtype=fp16 / bf16) reduce-scatters), `zero2_fp16` / `zero2_bf16` / `zero2_bf16_ef` (ZeRO-2
-with compression=FP16() / BF16() / BF16(error_feedback=True): 16-bit reduce-scatters in the method's rounding), `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd`
-(rank --rank, start_iter --start-iter), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up --freeze-step; its own optimizer, with
-AdamW's hyperparameters; its default momentum compressor OneBit(scale="rms")), `onebit_adam_l1` (the same with the
-l1 scale, OneBit()), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer exchanging its momentum with
-TopK / RandomK at --topk-ratio instead of OneBit: sparsification where Adam's variance is frozen, so error feedback
-sees a linear update; the 1-bit Adam paper's framework, Tang et al. 2021), `torch_ddp`, `torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and
-start iteration), and `late1`, a diagnostic: the whole gradient applied one step late, the delay error feedback puts
-on what it holds back, without any loss. The error-feedback rows (topk, randomk, onebit, onebit_block, late1) run
-under AdamW with the recipe docs/compression.md ("Delay") measured: Adam's beta1 --ef-beta1 (0.3) and --ef-start-iter
-(20) exact steps first; `none_ef_beta1` is the uncompressed run with that beta1, the second baseline. Method: every row trains its own copy of the same GPT (same seed, same per-rank batches, AdamW, or
-momentum SGD with --optimizer sgd) in the SAME
-processes. Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; the row reports the mean
-of the last 10 against `none`'s, and whether that meets issue 15's goal (GOALS: 16-bit rows within 0.5%, the others
-within 3%; 1-bit Adam after its --freeze-step warm-up). --loss-only skips the timing phase, --plot draws the
-curves. Timing phase, per link: after --warmup steps, --rounds rounds of --steps steps of every row, the order
-rotating every round (bench/_common.alternate); per step the slowest rank; the median.
-A slow link wraps each rank's Communicator in Throttled (latency --latency-ms per operation + wire bytes /
-bandwidth); torch's rows get the same delay added to each bucket's future (bytes from the same formulas), one link
-per process, so both sides pay for the same bytes. Under a real slow link (tc netem) run with --links loopback.
+(`BF16(rounding="nearest")`, torch's hook's rounding), `zero2` / `zero2_mp_fp16` / `zero2_mp_bf16` (sw.ZeRO stage 2,
+fp32 or MixedPrecision(reduce_dtype=fp16 / bf16) reduce-scatters), `zero2_fp16` / `zero2_bf16` / `zero2_bf16_ef`
+(ZeRO-2 with compression=FP16() / BF16() / BF16(error_feedback=True): 16-bit reduce-scatters in the method's
+rounding), `fp16_ef` / `bf16_ef` (error_feedback=True), `topk` (ratio --topk-ratio), `randomk`, `powersgd` (rank
+--rank, start_iter --start-iter), `onebit`, `onebit_block` (OneBit(block_size=--onebit-block)), `onebit_adam` (warm-up
+--freeze-step; its own optimizer, with AdamW's hyperparameters; its default momentum compressor OneBit(scale="rms")),
+`onebit_adam_l1` (the same with the l1 scale, OneBit()), `topk_adam` / `randomk_adam` (the same 1-bit Adam optimizer
+exchanging its momentum with TopK / RandomK at --topk-ratio instead of OneBit: sparsification where Adam's variance is
+frozen, so error feedback sees a linear update; the 1-bit Adam paper's framework, Tang et al. 2021), `torch_ddp`,
+`torch_fp16_hook`, `torch_bf16_hook`, `torch_powersgd_hook` (same rank and start iteration), and `late1`, a
+diagnostic: the whole gradient applied one step late, the delay error feedback puts on what it holds back, without any
+loss. The error-feedback rows (topk, randomk, onebit, onebit_block, late1) run under AdamW with the recipe
+docs/compression.md ("Delay") measured: Adam's beta1 --ef-beta1 (0.3) and --ef-start-iter (20) exact steps first;
+`none_ef_beta1` is the uncompressed run with that beta1, the second baseline. Method: every row trains its own copy of
+the same GPT (same seed, same per-rank batches, AdamW, or momentum SGD with --optimizer sgd) in the SAME processes.
+Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; the row reports the mean of the last
+10 against `none`'s, and whether that meets issue 15's goal (GOALS: 16-bit rows within 0.5%, the others within 3%;
+1-bit Adam after its --freeze-step warm-up). --loss-only skips the timing phase, --plot draws the curves. Timing
+phase, per link: after --warmup steps, --rounds rounds of --steps steps of every row, the order rotating every round
+(bench/_common.alternate); per step the slowest rank; the median. A slow link wraps each rank's Communicator in
+Throttled (latency --latency-ms per operation + wire bytes / bandwidth); torch's rows get the same delay added to each
+bucket's future (bytes from the same formulas), one link per process, so both sides pay for the same bytes. Under a
+real slow link (tc netem) run with --links loopback.
 stdout: JSON lines (one per row and link, one loss line per row, a header with the load average); stderr: a table.
 
     .venv/bin/python bench/compression.py                                  # the real figures (long: ~1 h on 2 cores)
