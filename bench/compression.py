@@ -49,7 +49,7 @@ import shardwise as sw
 from shardwise.comm import Throttled
 from shardwise.compression import BF16, FP16, OneBit, OneBitAdam, PowerSGD, RandomK, TopK
 from shardwise.comm.base import wire_bytes
-from shardwise.compression.base import Compressor, Payload, total_numel
+from shardwise.compression.base import Compressor, Payload, ring_all_reduce, total_numel
 from shardwise.models.gpt import GPT
 
 from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
@@ -79,6 +79,9 @@ GOALS = {row: 0.005 for row in HALF_PERCENT_ROWS}
 DEFAULT_GOAL = 0.03
 BASELINES = ("none", "none_ef_beta1")  # uncompressed runs: what the goals compare with, not rows held to them
 WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, given to OneBitAdam too: the same optimizer in every row
+# Issue 15's recipe for the sparsifiers and signs under AdamW (docs/compression.md, "Delay"): Adam's beta1 0.3 and
+# 20 exact steps first. Under momentum SGD they compress from the first step, as their papers do.
+ADAMW_EF_BETA1, ADAMW_EF_START_ITER = 0.3, 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +105,8 @@ class Config:
     seed: int = 0
     onebit_adam_block: int | None = None
     rounding_seed: int = 0
-    ef_start_iter: int = 20
-    ef_beta1: float = 0.3
+    ef_start_iter: int = ADAMW_EF_START_ITER
+    ef_beta1: float = ADAMW_EF_BETA1
     randomk_ratio: float = 0.1
 
 
@@ -112,9 +115,6 @@ class Config:
 # (uncompressed with the same beta1: the other baseline they are fairly compared with).
 EF_ROWS = ("topk", "randomk", "onebit", "onebit_block", "late1")
 EF_BETA1_ROWS = EF_ROWS + ("none_ef_beta1",)
-# Issue 15's recipe for the sparsifiers and signs under AdamW (docs/compression.md, "Delay"): Adam's beta1 0.3 and
-# 20 exact steps first. Under momentum SGD they compress from the first step, as their papers do.
-ADAMW_EF_BETA1, ADAMW_EF_START_ITER = 0.3, 20
 
 
 def _optimizer(params: Any, cfg: Config, row: str = "") -> torch.optim.Optimizer:
@@ -188,7 +188,7 @@ class _OneStepLate(Compressor):
         torch.div(received[0], world, out=out)
 
     def wire_bytes(self, shapes: Any, world: int, element_size: int = 4) -> int:
-        return wire_bytes("all_reduce", total_numel(shapes) * element_size, world)
+        return ring_all_reduce(total_numel(shapes), element_size, world)
 
 
 class _Row:
