@@ -25,14 +25,17 @@ def wrap(model, comm, name: str, **options):
     return sw.FSDP(model, comm, sharding=name, **options)
 
 
-def padded_units(name: str, world: int) -> tuple[list[int], int, int]:
-    """The GPT's units' padded element counts (creation order, the root unit last), the root unit's, and the last
-    forward unit's: the two units ZeRO-3 keeps gathered from forward into backward, so it gathers them once a step.
-    """
+def padded_units(name: str, world: int) -> tuple[list[int], int, int, list[int]]:
+    """The GPT's units' padded element counts (creation order, the root unit last), the root unit's, the last
+    forward unit's (the two units ZeRO-3 keeps gathered from forward into backward, so it gathers them once a step),
+    and each unit's reduced gradient buffer: the padded elements plus, in each of the `world` chunks, one used flag
+    per trainable tensor (every tensor of the GPT trains)."""
     units = sw.launch(lambda comm: wrap(GPT(CONFIG, seed=0), comm, name).sharding_units(), world)[0]
     padded = [-(-u["params"] // world) * world for u in units]
+    reduced = [p + world * u["tensors"] for p, u in zip(padded, units)]
+    assert [u["grad_buffer"] for u in units] == reduced, units
     assert units[-2]["unit"] == f"blocks.{CONFIG.n_layers - 1}", units  # units are made in forward order
-    return padded, padded[-1], padded[-2]
+    return padded, padded[-1], padded[-2], reduced
 
 
 def _optimizer(model, param_groups: bool) -> torch.optim.Optimizer:

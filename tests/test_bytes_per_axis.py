@@ -28,8 +28,9 @@ def measure(comm, dp_strategy, sp):
             opt.step()
             opt.zero_grad()
         per_step.append((world.as_dict(), on_tp.as_dict(), on_dp.as_dict()))
-    padded = sum(u["padded"] for u in model.sharding_units()) * 4 if dp_strategy != "ddp" else 0
-    return per_step, local_bytes, padded
+    units = model.sharding_units() if dp_strategy != "ddp" else []
+    # The gradients' reduce-scatter also carries one used flag per trainable tensor in each chunk (grad_layout.py).
+    return per_step, local_bytes, (sum(u["padded"] * 4 for u in units), sum(u["grad_buffer"] * 4 for u in units))
 
 
 def tp_formula(sp, B):
@@ -48,14 +49,14 @@ def tp_formula(sp, B):
 
 @pytest.mark.parametrize("dp_strategy, sp", [("ddp", False), ("ddp", True), ("zero2", True)])
 def test_each_axis_carries_its_formula(dp_strategy, sp):
-    for per_step, local_bytes, padded in sw.launch(measure, 4, dp_strategy, sp):
+    for per_step, local_bytes, (padded, reduced) in sw.launch(measure, 4, dp_strategy, sp):
         for world, on_tp, on_dp in per_step[1:]:  # the second step: ZeRO re-gathers what the first one updated
             assert world == {}
             assert on_tp == tp_formula(sp, 4)
             if dp_strategy == "ddp":  # ring all-reduce of the local gradient: 2 (N-1)/N x bytes, N = 2
                 assert on_dp["all_reduce"]["wire_bytes"] == local_bytes and set(on_dp) == {"all_reduce"}
             else:  # ZeRO-2: reduce-scatter of gradients + all-gather of updated parameters, (N-1)/N x padded each
-                assert on_dp["reduce_scatter"]["wire_bytes"] == padded // 2
+                assert on_dp["reduce_scatter"]["wire_bytes"] == reduced // 2
                 assert on_dp["all_gather"]["wire_bytes"] == padded // 2
 
 
@@ -64,8 +65,12 @@ def measure_pipeline(comm, dp_strategy, m):
     model = sw.parallelize(GPT(CONFIG, seed=0), mesh, dp_strategy=dp_strategy, n_microbatches=m)
     opt = make_optimizer(model.parameters())
     stages = list(model.pipe.stages.values())
-    units = sum(u["padded"] for s in stages if hasattr(s, "sharding_units") for u in s.sharding_units()) * 4
-    tied = CONFIG.vocab_size * CONFIG.d_model * 4  # the embedding / head weight, held by both pipeline ranks
+    units = [u for s in stages if hasattr(s, "sharding_units") for u in s.sharding_units()]
+    reduced = sum(u["grad_buffer"] for u in units) * 4  # padded + one used flag per tensor per chunk (grad_layout)
+    units = sum(u["padded"] for u in units) * 4
+    # The embedding / head weight, held by both pipeline ranks, and its used flag (a float32 all-reduced first, so a
+    # weight no rank used keeps grad None: unused.py); 2 ranks: an all-reduce's wire bytes equal its payload.
+    tied = CONFIG.vocab_size * CONFIG.d_model * 4 + 4
     for step in range(2):
         x, y = batch(step, mesh.coords.dp, 2)
         with mesh.dp.stats.measure() as on_dp, mesh.pp.stats.measure() as on_pp:
@@ -73,7 +78,7 @@ def measure_pipeline(comm, dp_strategy, m):
             opt.step()
             opt.zero_grad()
     stage_bytes = sum(p.numel() * 4 for s in stages for p in s.parameters()) if dp_strategy == "ddp" else units
-    return on_dp.as_dict(), on_pp.as_dict(), mesh.coords.pp, stage_bytes, tied
+    return on_dp.as_dict(), on_pp.as_dict(), mesh.coords.pp, stage_bytes, tied, reduced
 
 
 @pytest.mark.parametrize("dp_strategy", ["ddp", "zero3"])
@@ -83,7 +88,7 @@ def test_pipeline_axes_carry_their_formulas(dp_strategy):
     all-reduce of the stage), or ZeRO-3's all-gather per microbatch forward and backward plus one reduce-scatter."""
     m = 4
     act = (8 // 2 // m) * CONFIG.seq_len * CONFIG.d_model * 4  # one microbatch's activation (or its gradient)
-    for on_dp, on_pp, stage, stage_bytes, tied in sw.launch(measure_pipeline, 4, dp_strategy, m):
+    for on_dp, on_pp, stage, stage_bytes, tied, reduced in sw.launch(measure_pipeline, 4, dp_strategy, m):
         assert on_pp["send"]["calls"] == m + (1 if stage == 0 else 0)  # + the shape message stage 0 sends first
         assert on_pp["send"]["bytes"] - (80 if stage == 0 else 0) == m * act  # shape message: 10 int64 words
         assert on_pp["all_reduce"]["wire_bytes"] == tied  # tied gradient summed over the 2 pipeline ranks
@@ -91,5 +96,5 @@ def test_pipeline_axes_carry_their_formulas(dp_strategy):
             assert on_dp == {"all_reduce": {"calls": 1, "bytes": stage_bytes, "wire_bytes": stage_bytes}}
         else:
             assert on_dp["all_gather"] == {"calls": 2 * m, "bytes": 2 * m * stage_bytes, "wire_bytes": m * stage_bytes}
-            assert on_dp["reduce_scatter"]["wire_bytes"] == stage_bytes // 2
+            assert on_dp["reduce_scatter"]["wire_bytes"] == reduced // 2
             assert on_dp["all_reduce"]["wire_bytes"] == tied  # the tied weight stays whole: all-reduced as DDP

@@ -17,38 +17,41 @@ from shardwise.models import GPT
 @pytest.mark.parametrize("name", ["zero1", "zero2", "shard_grad_op"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage_1_2_bytes_equal_ddp(name, world):
-    padded, _, _ = padded_units(name, world)
-    psi_bytes = 4 * sum(padded)
+    padded, _, _, reduced = padded_units(name, world)
+    psi_bytes, flag_bytes = 4 * sum(padded), 4 * (sum(reduced) - sum(padded))
     per_step = sw.launch(train_sharded, world, name, 3)[0][1]
     for step in per_step[1:]:  # from the 2nd step on, the post-step all-gather is in every step
-        assert step["reduce_scatter"]["bytes"] == psi_bytes
+        # The reduce-scatter also carries one used flag per trainable tensor in each rank's chunk (grad_layout.py).
+        assert step["reduce_scatter"]["bytes"] == psi_bytes + flag_bytes
         assert step["all_gather"]["bytes"] == psi_bytes
         wire = step["reduce_scatter"]["wire_bytes"] + step["all_gather"]["wire_bytes"]
-        assert wire == 2 * (world - 1) * psi_bytes // world  # = DDP's all-reduce
+        assert wire == 2 * (world - 1) * psi_bytes // world + (world - 1) * flag_bytes // world  # DDP's + the flags
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_stage_3_bytes_are_one_and_a_half_ddp(world):
-    padded, root, last = padded_units("zero3", world)
-    psi_bytes = 4 * sum(padded)
+    padded, root, last, reduced = padded_units("zero3", world)
+    psi_bytes, flag_bytes = 4 * sum(padded), 4 * (sum(reduced) - sum(padded))
     kept = 4 * (root + last)
     for step in sw.launch(train_sharded, world, "zero3", 2)[0][1]:
-        assert step["reduce_scatter"]["bytes"] == psi_bytes
+        assert step["reduce_scatter"]["bytes"] == psi_bytes + flag_bytes
         # Forward gathers every unit; backward re-gathers all but the root unit and the last forward unit, which
         # stay gathered from forward into backward (they run first in backward anyway), as torchtitan's FSDP2
         # setting does for its last block.
         assert step["all_gather"]["bytes"] == 2 * psi_bytes - kept
         wire = step["reduce_scatter"]["wire_bytes"] + step["all_gather"]["wire_bytes"]
-        assert wire == (world - 1) * (3 * psi_bytes - kept) // world
+        assert wire == (world - 1) * (3 * psi_bytes - kept + flag_bytes) // world
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_no_shard_bytes_equal_ddp(world):
-    psi_bytes = 4 * sum(p.numel() for p in GPT(CONFIG, seed=0).parameters())
+    params = list(GPT(CONFIG, seed=0).parameters())
+    psi_bytes = 4 * sum(p.numel() for p in params)
+    flag_bytes = 4 * len(params)  # one used flag per trainable tensor rides in the all-reduce (grad_layout.py)
     for step in sw.launch(train_sharded, world, "no_shard", 2)[0][1]:
         assert set(step) == {"all_reduce"}  # the size-1 shard groups' trivial collectives are skipped
-        assert step["all_reduce"]["bytes"] == psi_bytes
-        assert step["all_reduce"]["wire_bytes"] == 2 * (world - 1) * psi_bytes // world
+        assert step["all_reduce"]["bytes"] == psi_bytes + flag_bytes
+        assert step["all_reduce"]["wire_bytes"] == 2 * (world - 1) * (psi_bytes + flag_bytes) // world
 
 
 def _memory_body(comm, name):
@@ -73,7 +76,10 @@ def test_memory_stats_equal_zero_formulas(name):
         owned = sum(min(u["shard"], max(0, u["params"] - rank * u["shard"])) for u in units)
         assert psi == sum(math.ceil(u["params"] / world) * world for u in units)
         assert stats.params == 4 * (psi if name in ("zero1", "zero2") else psi // world)
-        assert stats.grads == 4 * (psi if name == "zero1" else psi // world)
+        # The gradient reduction's buffer carries one used flag per trainable tensor in each rank's chunk
+        # (grad_layout.py): ZeRO-1 keeps that buffer; ZeRO-2/3's gradients view the reduced chunk, band included.
+        flags = sum(u["flags"] for u in units)
+        assert stats.grads == 4 * (psi + world * flags if name == "zero1" else psi // world + flags)
         assert stats.optimizer == 8 * owned + step_bytes
         if name == "zero3":  # at most two units gathered at once (prefetch) besides the root unit
             largest = sorted(u["padded"] for u in units[:-1])[-2:]

@@ -22,7 +22,7 @@ def peak(comm, stage, inflight, accumulate):
             model(x, y).backward()
     model(x, y).backward()
     units = model.sharding_units()
-    return sw.memory_stats(model).grad_buffer_peak, [u["padded"] * 4 for u in units]
+    return sw.memory_stats(model).grad_buffer_peak, [u["grad_buffer"] * 4 for u in units]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -93,6 +93,9 @@ class _Reducer:
         self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.reachable: set[nn.Parameter] = set()
+        # Forwards whose backward has not ended yet: a pipeline runs several before the first backward, so the
+        # parameters reachable from any of them must not be marked unused until all their backwards are done.
+        self.outstanding_forwards = 0
         self.failed = False  # a forward raised: recover before the next one
         self._reset()
 
@@ -149,12 +152,16 @@ class _Reducer:
                 bucket.work.wait()
         agree_on_recovery(self.comm, "DDP")
         self.reachable = set()
+        self.outstanding_forwards = 0
         self.failed = False
         self._reset()
 
     def after_forward(self, output: Any) -> None:
         if self.find_unused and self.require_sync and torch.is_grad_enabled():
+            # The union over the outstanding forwards: a parameter outside it gets no gradient in any of their
+            # backwards, so marking it ready early is safe; one inside it is marked at the end of backward if unused.
             self.reachable |= _reachable_parameters(output)
+            self.outstanding_forwards += 1
 
     # ---- backward side ----------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
@@ -229,7 +236,9 @@ class _Reducer:
                         bucket, i = self.location[p]
                         p.grad = bucket.views[i]
         finally:
-            self.reachable = set()
+            self.outstanding_forwards = max(0, self.outstanding_forwards - 1)
+            if self.outstanding_forwards == 0:
+                self.reachable = set()
             self._reset()
 
 

@@ -184,6 +184,10 @@ class Compressor(abc.ABC):
     # Whether `reduce_scatter` is available: a method whose compressed contributions can be summed chunk by chunk
     # (the 16-bit casts). The sharding engine asks, so that ZeRO and FSDP keep their reduce-scatter.
     reduces_scatter: bool = False
+    # Whether a 0/1 element added to what `reduce_scatter` reduces comes out zero exactly when every rank sent 0
+    # (each element rounded on its own, with no memory): the sharding engine's "used" flags (sharding/grad_layout.py)
+    # may then ride in this method's reduce-scatter instead of an all-reduce of their own.
+    keeps_flags: bool = False
 
     def reduce_scatter(self, key: Hashable, flat: torch.Tensor, out: torch.Tensor, comm: Communicator) -> Work:
         """Start the compressed average of `flat` over `comm`, keeping only chunk `comm.rank` (in `out`, of

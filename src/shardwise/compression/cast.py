@@ -89,6 +89,10 @@ class _Cast(Compressor):
     # ---- ZeRO / FSDP: the same cast, reduce-scattered ---------------------------------------------------------
     reduces_scatter = True
 
+    @property
+    def keeps_flags(self) -> bool:  # a cast keeps 0 zero and 1/N positive; error feedback would add residuals
+        return not self.error_feedback
+
     def reduce_scatter(self, key: Hashable, flat: torch.Tensor, out: torch.Tensor, comm: Communicator) -> Work:
         """The cast of `compress` (this rank's share, divided by N first, in the method's rounding, with its error
         feedback), then one reduce-scatter (SUM) in 16 bits: `out` receives this rank's chunk of the average. The

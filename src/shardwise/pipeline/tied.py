@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator, ReduceOp
+from ..unused import used_anywhere
 
 __all__ = ["TiedParameters"]
 
@@ -64,10 +65,13 @@ class TiedParameters:
         return bool(self.names)
 
     def all_reduce_grads(self) -> None:
-        """Sum each tied parameter's gradient over the ranks holding it (a missing gradient counts as zero)."""
+        """Sum each tied parameter's gradient over the ranks holding it (a missing gradient counts as zero); one
+        that no holder used keeps `grad = None`, as in one process (one small all-reduce of flags per group)."""
         for _, params, sub in self.groups:
-            for p in params:
-                if not p.requires_grad:
+            trainable = [p for p in params if p.requires_grad]
+            used = used_anywhere([p.grad is not None for p in trainable], [sub], sub.device)
+            for p, was_used in zip(trainable, used):
+                if not was_used:
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

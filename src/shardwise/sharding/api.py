@@ -76,9 +76,12 @@ class ShardedModule(MovesRefused):
             engine.require_sync = previous
 
     def sharding_units(self) -> list[dict[str, Any]]:
-        """The units in creation order (the root unit last): name, parameters, tensors, padded size, shard size."""
+        """The units in creation order (the root unit last): name, parameters, tensors, padded size, shard size,
+        the used flags each rank's chunk of the gradient reduction carries (one per trainable tensor; 0 under
+        compression, which all-reduces them apart) and the reduced buffer's elements (padded + ranks x flags)."""
         return [
-            {"unit": u.name, "params": u.numel, "tensors": len(u.infos), "padded": u.padded, "shard": u.shard_size}
+            {"unit": u.name, "params": u.numel, "tensors": len(u.infos), "padded": u.padded, "shard": u.shard_size,
+             "flags": u.grad_layout.band, "grad_buffer": u.grad_layout.numel}
             for u in self._sharding.units
         ]
 

@@ -23,8 +23,9 @@ backward
         rank, which keeps the collective order identical across ranks). Under `no_sync()` nothing is launched: the
         flat buffers accumulate.
     unit post-backward (gradient of its inputs ready): free the full buffer unless parameters are kept whole.
-    end of backward (autograd engine callback): launch what is left (units with unused parameters contribute
-        zeros), wait for every reduction, hand each shard to the shard parameters' `.grad`, free, swap shards back.
+    end of backward (autograd engine callback): launch what is left (units with parameters this rank did not use
+        contribute zeros for them, and a 0 flag), wait for every reduction, hand each shard to the shard
+        parameters' `.grad` (a parameter no rank used keeps None), free, swap shards back.
 optimizer step
     updates the master shards in place; the next forward sees their version counters changed and re-gathers (for
     stage 1/2 that is the all-gather of updated parameters that ZeRO does after the step).
@@ -43,6 +44,7 @@ from torch import nn
 from ..activation_checkpointing import checkpoint_module, every_kth
 from ..agreement import agree_on_recovery
 from ..comm.base import Communicator, ReduceOp
+from ..unused import used_anywhere
 from .policy import MixedPrecision, auto_group_mb, plan_units
 from .unit import GatheredMemory, ParamInfo, Unit
 
@@ -149,10 +151,13 @@ class ShardingEngine:
         self.next_launch = 0
         self.handles: list[Any] = []
         if mp.buffer_dtype is not None:
+            cast: dict[int, torch.Tensor] = {}  # a buffer shared by several modules stays one tensor
             for module in model.modules():
                 for key, buf in module._buffers.items():
                     if buf is not None and buf.is_floating_point():
-                        module._buffers[key] = buf.to(mp.buffer_dtype)
+                        if id(buf) not in cast:
+                            cast[id(buf)] = buf.to(mp.buffer_dtype)
+                        module._buffers[key] = cast[id(buf)]
         self._register_hooks()
 
     # ---- wiring -----------------------------------------------------------------------------------------------
@@ -367,10 +372,19 @@ class ShardingEngine:
         self._reduce_replicated()
 
     def _reduce_replicated(self) -> None:
-        for p in self.replicated_params:
+        """Average the parameters kept whole over the data-parallel groups, DDP's way; one that no rank used keeps
+        `grad = None` (a small all-reduce of flags first, only when there are such parameters)."""
+        if not self.replicated_params:
+            return
+        groups = (self.shard_comm, self.replicate_comm)
+        used = used_anywhere([p.grad is not None for p in self.replicated_params], groups,
+                             self.replicated_params[0].device)
+        for p, was_used in zip(self.replicated_params, used):
+            if not was_used:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            for comm in (self.shard_comm, self.replicate_comm):
+            for comm in groups:
                 if comm is not None and comm.size > 1:
                     comm.all_reduce(p.grad, ReduceOp.AVG)
 

@@ -18,9 +18,11 @@ Three kinds of tensors per unit:
 * with `cpu_offload="optimizer"` in stage 3, the **compute shard** (param_dtype, s elements, on the device): the
   master's values in the compute dtype, refreshed once after each optimizer step, which the all-gathers read
   (ZeRO-Offload's device-resident fp16 partition; see `offload`).
-* the **gradient buffer** (reduce_dtype, `padded` elements): unsharded gradients are added into it as they are
-  produced; one reduce-scatter (AVG) leaves this rank's averaged shard, then an all-reduce over the replicate group
-  for hybrid sharding, and the result becomes the shard parameters' `.grad`.
+* the **gradient buffer** (reduce_dtype, `padded` elements plus, in each rank's chunk, one "used" flag per
+  trainable parameter: `grad_layout`): unsharded gradients are added into it as they are produced; one
+  reduce-scatter (AVG) leaves this rank's averaged shard and the flags, then an all-reduce over the replicate group
+  for hybrid sharding, and the result becomes the shard parameters' `.grad`, except for parameters no rank used,
+  whose `.grad` stays as it was (None), as in one process.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ import math
 import torch
 from torch import nn
 
-from ..comm.base import Communicator, ReduceOp, Work
+from ..comm.base import Communicator, Work
 from ..compression.base import Compressor
+from .grad_layout import GradLayout
 from .policy import UnitPlan
+from .unit_grads import UnitGradients
 
 __all__ = ["Unit", "ParamInfo", "GatheredMemory"]
 
@@ -69,7 +73,7 @@ class ParamInfo:
     unsharded: nn.Parameter
 
 
-class Unit:
+class Unit(UnitGradients):
     """See the module docstring. `keep_full`: the full buffer is never freed (ZeRO-1/2, no_shard)."""
 
     def __init__(
@@ -159,6 +163,12 @@ class Unit:
             )
             offset += p.numel()
         self.trainable = [i for i in self.infos if i.requires_grad]
+        # One "used" flag per trainable parameter rides in each chunk of the reduction (grad_layout); under a lossy
+        # gradient compression they travel in a small exact all-reduce of their own instead.
+        in_band = compressor is None or (compressor.keeps_flags and self.replicate_comm is None)
+        self.grad_layout = GradLayout(n, self.shard_size, len(self.trainable) if in_band else 0)
+        self.flag_work: Work | None = None
+        self.flags: torch.Tensor | None = None
 
         self.gathered_version: int | None = self._master_version()  # the full buffer matches the master now
         # ZeRO-Offload's device-resident shard in the compute dtype (stage 3 with "optimizer" offload only).
@@ -262,160 +272,3 @@ class Unit:
         if self.unsharded_in_modules:
             self._install("shard_param")
             self.unsharded_in_modules = False
-
-    # ---- gradients --------------------------------------------------------------------------------------------
-    def begin_backward(self) -> None:
-        self.grad_pending = len(self.trainable)
-        self.grads_seen: set[str] = set()
-
-    def accumulate_grad(self, info: ParamInfo) -> None:
-        """Add an unsharded gradient into the flat gradient buffer (allocated, zeroed, on first use)."""
-        grad = info.unsharded.grad
-        if grad is not None:
-            self._ready_grad_buffer()
-            piece = self.grad_buffer[info.offset : info.offset + info.numel]
-            if info.name in self.grads_written:
-                piece.add_(grad.reshape(-1))  # a second backward under no_sync(): accumulate
-            else:
-                piece.copy_(grad.reshape(-1))  # first of the cycle: the buffer was never zeroed for it
-                self.grads_written.add(info.name)
-            info.unsharded.grad = None  # the flat buffer holds it now; free the unsharded gradient
-        if info.name not in self.grads_seen:
-            self.grads_seen.add(info.name)
-            self.grad_pending -= 1
-
-    def flush_unused(self) -> None:
-        """End of backward: parameters whose hook never fired contribute zeros (or a gradient left on them)."""
-        for info in self.trainable:
-            if info.name not in self.grads_seen:
-                self.accumulate_grad(info)
-
-    def start_reduce(self) -> None:
-        """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously."""
-        if not self.trainable:
-            return  # a frozen unit has nothing to reduce
-        self._ready_grad_buffer()
-        self._zero_unwritten()
-        self.reduced_shard = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
-        if self.shard_comm.size == 1 and self.replicate_comm is not None:
-            # No sharding (DDP-like): skip the trivial reduce-scatter, all-reduce over the replicas right away.
-            self.reduced_shard.copy_(self.grad_buffer)
-            if self.compressor is not None:
-                self.reduce_work = self.compressor.reduce(self.index, self.reduced_shard, self.replicate_comm,
-                                                          [info.shape for info in self.infos])
-            else:
-                self.reduce_work = self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG, async_op=True)
-            self.replicated = True
-            return
-        self.replicated = False
-        compressing = self.compressor is not None and self.replicate_comm is None
-        self.compressed_whole = compressing and not self.compressor.reduces_scatter
-        if compressing and self.compressor.reduces_scatter:  # a 16-bit cast: still a reduce-scatter
-            self.reduce_work = self.compressor.reduce_scatter(self.index, self.grad_buffer, self.reduced_shard,
-                                                              self.shard_comm)
-            return
-        if self.compressed_whole:
-            assert self.compressor is not None
-            self.reduce_work = self.compressor.reduce(self.index, self.grad_buffer, self.shard_comm,
-                                                      [info.shape for info in self.infos])
-            return
-        # The flat buffer is scratch from here on (zeroed or freed before it accumulates again): a backend may
-        # reduce in it in place (gloo then skips cloning it).
-        self.reduce_work = self.shard_comm.reduce_scatter(self.reduced_shard, self.grad_buffer, ReduceOp.AVG,
-                                                          async_op=True, scratch_input=True)
-
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter, average over replicas, and hand the shard to the shard parameters' .grad."""
-        if not self.trainable or self.reduce_work is None:
-            return  # frozen, or already finished (the engine finishes the oldest reductions early)
-        assert self.reduced_shard is not None
-        self.reduce_work.wait()
-        self.reduce_work = None
-        if self.compressed_whole:  # the compressed all-reduce left the average in the whole buffer: take our shard
-            self.reduced_shard.copy_(self.grad_buffer[self.shard_range[0] : self.shard_range[1]])
-        if self.replicate_comm is not None and not self.replicated:
-            if self.compressor is not None:
-                pieces = [torch.Size([info.shard_hi - info.shard_lo]) for info in self.infos]  # per-tensor scales
-                self.compressor.reduce(self.index, self.reduced_shard, self.replicate_comm, pieces).wait()
-            else:
-                self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG)
-        start = self.shard_range[0]
-        reduced = self.reduced_shard
-        if self.keep_grad_buffer and self.grad_buffer is not None:
-            # Gradients are not sharded (stage 1, no_shard): the averaged shard lives in the buffer's own slice and
-            # the shard parameters' .grad view it, so gradients cost exactly the one full buffer.
-            own = self.grad_buffer[start : start + self.shard_size]
-            own.copy_(reduced)
-            reduced = own
-            self.grad_buffer_dirty = True
-        # Offloaded: always a copy, so the gradient lives on the host as on a GPU, even where host is the device.
-        shard = reduced.to(self.master_device, self.master_dtype, copy=self.offload != "none")
-        for info in self.trainable:
-            piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
-            if info.shard_param.grad is None:
-                info.shard_param.grad = piece if info.shard_hi > info.shard_lo else shard[:0]
-            else:
-                info.shard_param.grad.add_(piece)
-        self.reduced_shard = None
-        if not self.keep_grad_buffer:
-            self._drop_grad_buffer()
-
-    def _drop_grad_buffer(self) -> None:
-        if self.grad_buffer is not None:
-            self.grad_memory.freed(self.grad_buffer.numel() * self.grad_buffer.element_size())
-            self.grad_buffer = None
-
-    def abandon(self) -> None:
-        """Return to the state between steps after a forward or backward that raised: wait for issued collectives
-        (every rank issued them, in order), forget the partial reduction and gradients, reshard."""
-        for work in (self.pending_gather, self.reduce_work):
-            if work is not None:
-                work.wait()
-        self.pending_gather = self.reduce_work = self.reduced_shard = None
-        self.entered = False
-        self.grads_seen = set()
-        self.grad_pending = 0
-        for info in self.infos:
-            info.unsharded.grad = None
-        if self.grad_buffer is not None:
-            if self.keep_grad_buffer:
-                self._ready_grad_buffer()
-                self.grads_written = set()  # what the abandoned pass wrote counts as never written
-            else:
-                self._drop_grad_buffer()
-        self.swap_to_sharded()
-        self.free_full()
-
-    def _ready_grad_buffer(self) -> None:
-        """Allocate the flat gradient buffer, or start a new accumulation cycle in a kept one.
-
-        The buffer is never zeroed as a whole: a parameter's first gradient of the cycle is copied into its slice
-        (`grads_written` remembers which), and `_zero_unwritten` clears only what no gradient wrote (padding,
-        frozen parameters, unused ones) just before the reduction: one pass over the memory instead of a memset
-        and an add (PyTorch DDP's buckets copy the first gradient the same way)."""
-        if self.grad_buffer is None:
-            self.grad_buffer = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.device)
-            self.grad_memory.allocated(self.grad_buffer.numel() * self.grad_buffer.element_size())
-            self.grads_written = set()
-            self.grad_buffer_dirty = False
-        elif self.grad_buffer_dirty:
-            storage = self.grad_buffer.untyped_storage().data_ptr()
-            for info in self.trainable:  # gradients the user kept (no zero_grad) must survive the new cycle
-                g = info.shard_param.grad
-                if g is not None and g.untyped_storage().data_ptr() == storage:
-                    info.shard_param.grad = g.clone()
-            self.grads_written = set()
-            self.grad_buffer_dirty = False
-
-    def _zero_unwritten(self) -> None:
-        """Zero every element of the flat buffer that no gradient of this cycle was copied into."""
-        assert self.grad_buffer is not None
-        start = 0
-        for info in self.infos:
-            if info.name in self.grads_written:
-                if info.offset > start:
-                    self.grad_buffer[start : info.offset].zero_()
-                start = info.offset + info.numel
-        if start < self.padded:
-            self.grad_buffer[start:].zero_()
-        self.grads_written = {info.name for info in self.infos}  # all of it holds this cycle's values now

@@ -1,0 +1,216 @@
+"""The gradient half of a sharding unit: flat gradient buffer, used flags, reduce-scatter, `.grad` hand-off.
+
+A mixin of `Unit` (unit.py has the parameter half and the layout both share). Per backward: `accumulate_grad`
+copies (or, under no_sync, adds) each unsharded gradient into the unit's flat gradient buffer as autograd produces
+it; `start_reduce` zeroes what no gradient wrote, writes the used flags (`grad_layout`) and launches the
+reduce-scatter (AVG), or the compressed reduction; `finish_reduce` waits, all-reduces over the replicate group
+(hybrid sharding), and hands each trainable parameter that some rank used its piece of the averaged shard as
+`.grad`; a parameter no rank used keeps its `.grad` (None after zero_grad), as in one process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..comm.base import ReduceOp
+
+if TYPE_CHECKING:
+    from .unit import ParamInfo
+
+__all__ = ["UnitGradients"]
+
+
+class UnitGradients:
+    """Mixed into `Unit`; uses its layout (infos, trainable, shard sizes, groups) and its gather state."""
+
+    def begin_backward(self) -> None:
+        self.grad_pending = len(self.trainable)
+        self.grads_seen: set[str] = set()
+
+    def accumulate_grad(self, info: ParamInfo) -> None:
+        """Add an unsharded gradient into the flat gradient buffer (allocated, zeroed, on first use)."""
+        grad = info.unsharded.grad
+        if grad is not None:
+            self._ready_grad_buffer()
+            flat = grad.reshape(-1)
+            again = info.name in self.grads_written
+            for at, src, n in self.grad_layout.runs(info.offset, info.numel):
+                piece, values = self.grad_buffer[at : at + n], flat[src : src + n]
+                if again:
+                    piece.add_(values)  # a second backward under no_sync(): accumulate
+                else:
+                    piece.copy_(values)  # first of the cycle: the buffer was never zeroed for it
+            self.grads_written.add(info.name)
+            info.unsharded.grad = None  # the flat buffer holds it now; free the unsharded gradient
+        if info.name not in self.grads_seen:
+            self.grads_seen.add(info.name)
+            self.grad_pending -= 1
+
+    def flush_unused(self) -> None:
+        """End of backward: parameters whose hook never fired contribute zeros (or a gradient left on them)."""
+        for info in self.trainable:
+            if info.name not in self.grads_seen:
+                self.accumulate_grad(info)
+
+    def start_reduce(self) -> None:
+        """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously."""
+        if not self.trainable:
+            return  # a frozen unit has nothing to reduce
+        self._ready_grad_buffer()
+        used = self._zero_unwritten()
+        self.reduced_shard = torch.empty(self.grad_layout.segment, dtype=self.reduce_dtype, device=self.device)
+        if not self.grad_layout.band:
+            self._start_flags(used)
+        if self.shard_comm.size == 1 and self.replicate_comm is not None:
+            # No sharding (DDP-like): skip the trivial reduce-scatter, all-reduce over the replicas right away.
+            self.reduced_shard.copy_(self.grad_buffer)
+            if self.compressor is not None:
+                self.reduce_work = self.compressor.reduce(self.index, self.reduced_shard, self.replicate_comm,
+                                                          [info.shape for info in self.infos])
+            else:
+                self.reduce_work = self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG, async_op=True)
+            self.replicated = True
+            return
+        self.replicated = False
+        compressing = self.compressor is not None and self.replicate_comm is None
+        self.compressed_whole = compressing and not self.compressor.reduces_scatter
+        if compressing and self.compressor.reduces_scatter:  # a 16-bit cast: still a reduce-scatter
+            self.reduce_work = self.compressor.reduce_scatter(self.index, self.grad_buffer, self.reduced_shard,
+                                                              self.shard_comm)
+            return
+        if self.compressed_whole:
+            assert self.compressor is not None
+            self.reduce_work = self.compressor.reduce(self.index, self.grad_buffer, self.shard_comm,
+                                                      [info.shape for info in self.infos])
+            return
+        # The flat buffer is scratch from here on (zeroed or freed before it accumulates again): a backend may
+        # reduce in it in place (gloo then skips cloning it).
+        self.reduce_work = self.shard_comm.reduce_scatter(self.reduced_shard, self.grad_buffer, ReduceOp.AVG,
+                                                          async_op=True, scratch_input=True)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter, average over replicas, and hand the shard to the shard parameters' .grad."""
+        if not self.trainable or self.reduce_work is None:
+            return  # frozen, or already finished (the engine finishes the oldest reductions early)
+        assert self.reduced_shard is not None
+        self.reduce_work.wait()
+        self.reduce_work = None
+        if self.compressed_whole:  # the compressed all-reduce left the average in the whole buffer: take our shard
+            self.reduced_shard.copy_(self.grad_buffer[self.shard_range[0] : self.shard_range[1]])
+        if self.replicate_comm is not None and not self.replicated:
+            if self.compressor is not None:
+                pieces = [torch.Size([info.shard_hi - info.shard_lo]) for info in self.infos]  # per-tensor scales
+                self.compressor.reduce(self.index, self.reduced_shard, self.replicate_comm, pieces).wait()
+            else:
+                self.replicate_comm.all_reduce(self.reduced_shard, ReduceOp.AVG)  # the flags' band too
+        used = self._finish_flags()
+        start = self.shard_range[0]
+        reduced = self.reduced_shard[: self.shard_size]
+        if self.keep_grad_buffer and self.grad_buffer is not None:
+            # Gradients are not sharded (stage 1, no_shard): the averaged shard lives in the buffer's own slice and
+            # the shard parameters' .grad view it, so gradients cost exactly the one full buffer.
+            own = self.grad_layout.own(self.grad_buffer, self.shard_comm.rank)
+            own.copy_(reduced)
+            reduced = own
+            self.grad_buffer_dirty = True
+        # Offloaded: always a copy, so the gradient lives on the host as on a GPU, even where host is the device.
+        shard = reduced.to(self.master_device, self.master_dtype, copy=self.offload != "none")
+        for info, was_used in zip(self.trainable, used):
+            if not was_used:
+                continue  # no rank used it: .grad stays as it was (None after zero_grad), as in one process
+            piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
+            if info.shard_param.grad is None:
+                info.shard_param.grad = piece if info.shard_hi > info.shard_lo else shard[:0]
+            else:
+                info.shard_param.grad.add_(piece)
+        self.reduced_shard = None
+        if not self.keep_grad_buffer:
+            self._drop_grad_buffer()
+
+    def _start_flags(self, used: list[bool]) -> None:
+        """Under compression: all-reduce the used flags (exact, SUM) over the group the gradients reduce over first."""
+        self.flags = torch.tensor([1.0 if u else 0.0 for u in used], dtype=torch.float32, device=self.device)
+        comm = self.shard_comm if self.shard_comm.size > 1 else self.replicate_comm
+        self.flag_work = comm.all_reduce(self.flags, ReduceOp.SUM, async_op=True) if comm is not None else None
+
+    def _finish_flags(self) -> list[bool]:
+        """Which trainable parameters some rank used this cycle: from the reduced band, or the flags' all-reduce."""
+        if self.grad_layout.band:
+            return self.grad_layout.read_flags(self.reduced_shard)
+        assert self.flags is not None
+        if self.flag_work is not None:
+            self.flag_work.wait()
+            self.flag_work = None
+        if self.replicate_comm is not None and self.shard_comm.size > 1:
+            self.replicate_comm.all_reduce(self.flags, ReduceOp.SUM)
+        used = (self.flags > 0).tolist()
+        self.flags = None
+        return used
+
+    def _drop_grad_buffer(self) -> None:
+        if self.grad_buffer is not None:
+            self.grad_memory.freed(self.grad_buffer.numel() * self.grad_buffer.element_size())
+            self.grad_buffer = None
+
+    def abandon(self) -> None:
+        """Return to the state between steps after a forward or backward that raised: wait for issued collectives
+        (every rank issued them, in order), forget the partial reduction and gradients, reshard."""
+        for work in (self.pending_gather, self.reduce_work, self.flag_work):
+            if work is not None:
+                work.wait()
+        self.pending_gather = self.reduce_work = self.reduced_shard = self.flag_work = self.flags = None
+        self.entered = False
+        self.grads_seen = set()
+        self.grad_pending = 0
+        for info in self.infos:
+            info.unsharded.grad = None
+        if self.grad_buffer is not None:
+            if self.keep_grad_buffer:
+                self._ready_grad_buffer()
+                self.grads_written = set()  # what the abandoned pass wrote counts as never written
+            else:
+                self._drop_grad_buffer()
+        self.swap_to_sharded()
+        self.free_full()
+
+    def _ready_grad_buffer(self) -> None:
+        """Allocate the flat gradient buffer, or start a new accumulation cycle in a kept one.
+
+        The buffer is never zeroed as a whole: a parameter's first gradient of the cycle is copied into its slice
+        (`grads_written` remembers which), and `_zero_unwritten` clears only what no gradient wrote (padding,
+        frozen parameters, unused ones) just before the reduction: one pass over the memory instead of a memset
+        and an add (PyTorch DDP's buckets copy the first gradient the same way)."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.empty(self.grad_layout.numel, dtype=self.reduce_dtype, device=self.device)
+            self.grad_memory.allocated(self.grad_buffer.numel() * self.grad_buffer.element_size())
+            self.grads_written = set()
+            self.grad_buffer_dirty = False
+        elif self.grad_buffer_dirty:
+            storage = self.grad_buffer.untyped_storage().data_ptr()
+            for info in self.trainable:  # gradients the user kept (no zero_grad) must survive the new cycle
+                g = info.shard_param.grad
+                if g is not None and g.untyped_storage().data_ptr() == storage:
+                    info.shard_param.grad = g.clone()
+            self.grads_written = set()
+            self.grad_buffer_dirty = False
+
+    def _zero_unwritten(self) -> list[bool]:
+        """Zero every data element of the flat buffer that no gradient of this cycle was copied into, write the
+        used flags, and return them (per trainable parameter: whether this rank wrote its gradient this cycle)."""
+        assert self.grad_buffer is not None
+        used = [info.name in self.grads_written for info in self.trainable]
+        start = 0
+        gaps = []
+        for info in self.infos:
+            if info.name in self.grads_written:
+                gaps.append((start, info.offset))
+                start = info.offset + info.numel
+        gaps.append((start, self.padded))
+        for lo, hi in gaps:
+            for at, _, n in self.grad_layout.runs(lo, hi - lo):
+                self.grad_buffer[at : at + n].zero_()
+        self.grad_layout.write_flags(self.grad_buffer, used)
+        self.grads_written = {info.name for info in self.infos}  # all of it holds this cycle's values now
+        return used
