@@ -44,5 +44,19 @@ def to_comm_device(module: nn.Module, comm: object, who: str) -> torch.device:
             f"model to {target} before wrapping (or leave it on CPU and shardwise moves it), or use a communicator "
             f"whose device holds it")
     # Only CPU tensors (and perhaps some already on the target): move them where the collectives run.
-    module.to(target)
+    move_keeping_ties(module, target)
     return target
+
+
+def move_keeping_ties(module: nn.Module, target: torch.device | str) -> None:
+    """`module.to(target)`, except that a buffer shared by several modules stays one tensor (Module.to moves each
+    module's buffer entry on its own, which unties them; parameters are moved in place through `.data` and stay
+    shared)."""
+    moved: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for key, buf in sub._buffers.items():
+            if buf is not None:
+                if id(buf) not in moved:
+                    moved[id(buf)] = buf.to(target)
+                sub._buffers[key] = moved[id(buf)]
+    module.to(target)

@@ -7,10 +7,14 @@ model starts equal to the original and keeps its parameter names. Then, under se
 ``sequence`` modules get gradient all-reduce hooks. Every rank of `comm` must call ``parallelize`` on the same
 model (same weights, same plan): nothing is communicated at wrap time, each rank just keeps its slice.
 
-Tied weights. A Parameter shared by two replaced modules (the GPT's tok_emb / head, a Llama with
+Tied parameters. A weight shared by two replaced modules (the GPT's tok_emb / head, a Llama with
 tie_word_embeddings) becomes one shared shard when both styles split it the same way (vocabulary rows = output
-rows); a tie between styles that split differently, or a tie whose other user the plan leaves dense, is a
-ValueError naming both modules (the dense user would silently train a stale copy).
+rows); a tie between styles that split differently is a ValueError naming both modules. A replaced module's
+parameter also registered on a module the plan leaves alone (BERT's LM head: ``self.bias = self.decoder.bias``)
+follows it: that registration is pointed at the new (possibly sharded) parameter, so the two names stay one
+tensor, train together and gather as one; but when that module is itself a dense layer that computes with it (an
+nn.Linear, an nn.Embedding left out of the plan), the tie is a ValueError naming both (the dense user would
+silently train a stale copy, or compute with a slice).
 
 Plan "gpt" also installs the GPT's tensor-parallel forward (vocabulary-parallel loss, sequence-parallel position
 embeddings; see `gpt.py`). Plan "llama" divides the per-rank head counts (``num_heads``, ``num_key_value_heads``,
@@ -154,7 +158,8 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     to_comm_device(model, comm, "parallelize")  # after the fingerprints (read on the host); slices go to comm.device
 
     originals: dict[int, tuple[nn.Parameter, str, tuple]] = {}  # id(dense weight) -> (shard, module name, layout)
-    keep_alive = []  # the dense weights, so their ids stay unique while we compare them
+    replaced: dict[int, tuple[nn.Parameter, str]] = {}  # id(any dense parameter replaced) -> (new one, its name)
+    keep_alive = []  # the dense parameters, so their ids stay unique while we compare them
     for name, style in styles.items():
         if isinstance(style, Sequence):
             continue
@@ -170,13 +175,14 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         else:
             originals[id(source)] = (layer.weight, name, split)
             keep_alive.append(source)
+        for attr, old in dense.named_parameters(recurse=False):
+            new = getattr(layer, "weight" if old is source else attr, None)
+            if isinstance(new, nn.Parameter) and id(old) not in replaced:
+                replaced[id(old)] = (new, f"{name}.{attr}")
+                keep_alive.append(old)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-
-    for pname, p in model.named_parameters():
-        if id(p) in originals and p is not originals[id(p)][0]:
-            raise ValueError(f"parallelize: parameter {pname} is tied to {originals[id(p)][1]}.weight, which the plan "
-                             f"splits; add the module owning {pname} to the plan")
+    _follow_ties(model, replaced)
     del keep_alive
     if sp:
         tp_params = {id(p) for m in model.modules() if isinstance(m, TensorParallelLayer) for p in m.parameters()}
@@ -197,6 +203,25 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     return model
 
 
+_DENSE_LAYERS = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)
+
+
+def _follow_ties(model: nn.Module, replaced: dict[int, tuple[nn.Parameter, str]]) -> None:
+    """Point every other registration of a replaced dense parameter at its replacement (see the module docstring),
+    or raise ValueError naming both when the other owner is a dense layer that computes with it."""
+    for owner_name, owner in model.named_modules():
+        for attr, p in list(owner._parameters.items()):
+            if p is None or id(p) not in replaced or isinstance(owner, TensorParallelLayer):
+                continue
+            new, new_name = replaced[id(p)]
+            pname = f"{owner_name}.{attr}" if owner_name else attr
+            if isinstance(owner, _DENSE_LAYERS) or is_conv1d(owner):
+                raise ValueError(f"parallelize: parameter {pname} is tied to {new_name}, which the plan splits, but "
+                                 f"{owner_name or 'the model'} is a {type(owner).__name__} left dense; add it to the "
+                                 f"plan with the same split, or untie them")
+            owner._parameters[attr] = new  # bypasses __setattr__: the registration keeps its place and name
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with every tensor-parallel parameter gathered to its original name and shape.
@@ -207,12 +232,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     tensor-parallel layer just gets a detached copy of its state dict).
     """
     gathered: dict[int, torch.Tensor] = {}
+    layers = {id(p): (m, attr) for m in model.modules() if isinstance(m, TensorParallelLayer)
+              for attr, p in m.named_parameters(recurse=False)}  # a tied name elsewhere gathers through its layer
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        path, _, attr = key.rpartition(".")
-        owner = model.get_submodule(path) if path else model
-        if isinstance(owner, TensorParallelLayer) and isinstance(getattr(owner, attr, None), nn.Parameter):
+        if id(value) in layers:
             if id(value) not in gathered:
+                owner, attr = layers[id(value)]
                 gathered[id(value)] = owner.full_tensor(attr)
             out[key] = gathered[id(value)]
         else:
