@@ -8,6 +8,10 @@ are disjoint, so their p-th powers add. The partial sums are then all-reduced ov
 strategies (`layout.reduction_groups`), which spans all ranks: every rank gets the same norm and scales its
 gradients by the same factor, so replicas stay identical. Megatron-core's clip_grad_norm counts replicated
 parameters once the same way (its "is not a tensor-parallel duplicate" filter).
+
+Dtypes. Each gradient's norm is taken in float32, or in float64 when any gradient is float64 (a float64 model's
+norm then equals torch's to float64 precision); half-precision gradients are widened, as torch's foreach norm
+accumulates them in float32. The norm is returned in that dtype.
 """
 
 from __future__ import annotations
@@ -32,13 +36,16 @@ def global_grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     counted = [pl.param.grad for pl in pls if pl.param.grad is not None and pl.param.grad.numel()
                and layout.counts_here(pl)]
     device = pls[0].param.device if pls else torch.device("cpu")
+    # Every rank must reduce in the same dtype: decided from the model's parameters, which every rank holds alike.
+    dtype = torch.float64 if any(pl.param.dtype == torch.float64 for pl in pls) else torch.float32
     if math.isinf(norm_type):
-        values = [g.detach().abs().max().float() for g in grads]
-        total = (torch.stack(values).max() if values else torch.zeros((), device=device)).reshape(1)
+        values = [g.detach().abs().max().to(dtype) for g in grads]
+        total = (torch.stack(values).max() if values else torch.zeros((), dtype=dtype, device=device)).reshape(1)
         op = ReduceOp.MAX
     else:
-        norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in counted]
-        total = (torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)).reshape(1)
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype) for g in counted]
+        total = (torch.stack(norms).pow(norm_type).sum() if norms else
+                 torch.zeros((), dtype=dtype, device=device)).reshape(1)
         op = ReduceOp.SUM
     total = total.clone()
     for group in layout.reduction_groups(model):
