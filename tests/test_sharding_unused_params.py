@@ -264,7 +264,7 @@ def _pipeline(comm, strategy: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in sw.full_state_dict(pipe).items()}
 
 
-def _pipeline_reference() -> dict[str, torch.Tensor]:
+def _pipeline_reference(prefix: str = "stages") -> dict[str, torch.Tensor]:
     layers = _layers()
     model = nn.Sequential(*layers)
     opt = _adamw(model.parameters())
@@ -275,6 +275,8 @@ def _pipeline_reference() -> dict[str, torch.Tensor]:
         _mse(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+    if prefix == "layers":  # sw.parallelize's names: the model's own
+        return {f"layers.{i}.{k}": v.detach() for i, layer in enumerate(layers) for k, v in layer.state_dict().items()}
     return {f"stages.{i // 2}.{i % 2}.{k}": v.detach() for i, layer in enumerate(layers)
             for k, v in layer.state_dict().items()}
 
@@ -289,3 +291,48 @@ def test_pipeline_stages_under_data_parallel_leave_unused_layers_alone(strategy)
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+class GatedStack(nn.Module):
+    """The gated layers as a model sw.parallelize can split: `pipeline_layers()` and a loss over the last output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_layers())
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+
+def _parallelized(comm, dp_strategy: str, find_unused: bool) -> dict[str, torch.Tensor]:
+    with _lock:
+        model = GatedStack()
+    model = sw.parallelize(model, sw.Mesh(comm, dp=2, pp=2), dp_strategy=dp_strategy, loss_fn=_mse,
+                           n_microbatches=2, **({"find_unused_parameters": True} if find_unused else {}))
+    opt = _adamw(model.parameters())
+    for step in range(3):
+        for layer in model.modules():
+            if isinstance(layer, Gated):
+                layer.on = step != 1
+        x, y = _pipeline_batch(step)
+        rows = slice(4 * model.mesh.coords.dp, 4 * model.mesh.coords.dp + 4)
+        model.step(x[rows], y[rows])
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in sw.full_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("dp_strategy", ["ddp", "zero2"])
+def test_parallelize_dp_axis_leaves_unused_layers_alone(dp_strategy):
+    """With pp > 1 the dp reduction runs once per step after the microbatches (sync_gradients): DDP's used to hand a
+    zero gradient to a layer no microbatch used."""
+    want = _pipeline_reference("layers")
+    for got in sw.launch(_parallelized, 4, dp_strategy, dp_strategy == "ddp"):
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def test_parallelize_with_ddp_refuses_an_unused_layer_without_find_unused_parameters():
+    with pytest.raises(sw.LaunchError, match=r"got no gradient in this backward pass.*find_unused_parameters=True"):
+        sw.launch(_parallelized, 4, "ddp", False)

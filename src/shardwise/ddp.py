@@ -133,15 +133,15 @@ class _Reducer:
 
     def sync_now(self) -> None:
         """All-reduce every bucket now (what backward passes under no_sync accumulated); every .grad views its
-        bucket afterwards."""
+        bucket afterwards, except a parameter no rank used (find_unused_parameters=True), which keeps None."""
+        self._check_all_used([p for p in self.params if p.grad is None])
         for p in self.params:
-            self._mark_ready(p, used=True)  # launches each bucket as it fills, in bucket order
+            self._mark_ready(p, used=p.grad is not None)  # launches each bucket as it fills, in bucket order
+        used_flags = self._start_used_flags()
         for bucket in self.buckets:
             assert bucket.work is not None
             bucket.work.wait()
-        for p in self.params:
-            bucket, i = self.location[p]
-            p.grad = bucket.views[i]
+        self._hand_out_grads(used_flags)
         self._reset()
 
     def _recover(self) -> None:
@@ -211,35 +211,48 @@ class _Reducer:
     def _finish_backward(self) -> None:
         try:
             missing = [p for p in self.params if p not in self.marked]
-            if missing and not self.find_unused:
-                names = [self.names[p] for p in missing]
-                raise RuntimeError(
-                    f"DDP: {len(names)} trainable parameter(s) got no gradient in this backward pass: {names[:8]}"
-                    f"{' ...' if len(names) > 8 else ''}. Their bucket would never be reduced. Pass "
-                    f"find_unused_parameters=True to DDP, or set requires_grad=False on parameters you do not train"
-                )
+            self._check_all_used(missing)
             for p in missing:
                 self._mark_ready(p, used=p.grad is not None)
-            used_flags = None
-            if self.find_unused:
-                used_flags = torch.tensor([p in self.used for p in self.params], dtype=torch.int32,
-                                          device=self.comm.device)
-                self.comm.all_reduce(used_flags, ReduceOp.SUM)
+            used_flags = self._start_used_flags()
             for bucket in self.buckets:
                 assert bucket.work is not None
                 bucket.work.wait()
-            if used_flags is not None:
-                for p, flag in zip(self.params, used_flags.tolist()):
-                    if flag == 0:
-                        p.grad = None  # unused on every rank: leave it as single-process training would
-                    elif p.grad is None:
-                        bucket, i = self.location[p]
-                        p.grad = bucket.views[i]
+            self._hand_out_grads(used_flags)
         finally:
             self.outstanding_forwards = max(0, self.outstanding_forwards - 1)
             if self.outstanding_forwards == 0:
                 self.reachable = set()
             self._reset()
+
+
+    def _check_all_used(self, missing: list[nn.Parameter]) -> None:
+        """Without find_unused_parameters, a trainable parameter with no gradient is an error naming it."""
+        if missing and not self.find_unused:
+            names = [self.names[p] for p in missing]
+            raise RuntimeError(
+                f"DDP: {len(names)} trainable parameter(s) got no gradient in this backward pass: {names[:8]}"
+                f"{' ...' if len(names) > 8 else ''}. Their bucket would never be reduced. Pass "
+                f"find_unused_parameters=True to DDP (to sw.parallelize or sw.distribute), or set requires_grad=False "
+                f"on parameters you do not train")
+
+    def _start_used_flags(self) -> torch.Tensor | None:
+        """With find_unused_parameters: all-reduce one used flag per parameter (which ranks used it)."""
+        if not self.find_unused:
+            return None
+        flags = torch.tensor([p in self.used for p in self.params], dtype=torch.int32, device=self.comm.device)
+        self.comm.all_reduce(flags, ReduceOp.SUM)
+        return flags
+
+    def _hand_out_grads(self, used_flags: torch.Tensor | None) -> None:
+        """Every .grad views its bucket, but a parameter unused on every rank keeps None, as in one process."""
+        flags = used_flags.tolist() if used_flags is not None else [1] * len(self.params)
+        for p, flag in zip(self.params, flags):
+            if flag == 0:
+                p.grad = None
+            else:
+                bucket, i = self.location[p]
+                p.grad = bucket.views[i]
 
 
 def _reachable_parameters(output: Any) -> set[nn.Parameter]:

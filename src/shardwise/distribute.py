@@ -51,7 +51,7 @@ WRAPPER_OPTIONS = {
     "mixed_precision": ("zero", "fsdp", "3d"), "activation_checkpointing": ("zero", "fsdp", "3d"),
     "cpu_offload": ("zero", "fsdp"), "wrap": ("zero", "fsdp"), "group_mb": ("zero", "fsdp"),
     "prefetch": ("zero", "fsdp"), "shard_size": ("fsdp",), "bucket_mb": ("ddp",),
-    "find_unused_parameters": ("ddp",), "broadcast_buffers": ("ddp",), "tp_plan": ("tp", "3d"),
+    "find_unused_parameters": ("ddp", "3d"), "broadcast_buffers": ("ddp",), "tp_plan": ("tp", "3d"),
     "sequence_parallel": ("tp", "3d"), "pp_schedule": ("3d",), "n_microbatches": ("3d",), "loss_fn": ("3d",),
     "virtual_stages": ("3d",),
 }
@@ -234,6 +234,8 @@ def _build(model: nn.Module, world: Communicator, mesh: Mesh | None, c: Candidat
     if c.kind == "tp":
         return tensor_parallel.parallelize(model, world, tp_plan, **kwargs), 0, 1, "tp"
     mesh = mesh or Mesh(world, dp=c.dp, tp=c.tp, pp=c.pp)
+    if c.dp_strategy != "ddp":  # DDP's option: the sharded strategies leave unused parameters alone unasked
+        kwargs.pop("find_unused_parameters", None)
     hybrid = parallelize(model, mesh, tp_plan=tp_plan if c.tp > 1 else None, dp_strategy=c.dp_strategy,
                          dp_shard=c.shard, **kwargs)
     return hybrid, mesh.coords.dp, mesh.sizes["dp"], "3d"

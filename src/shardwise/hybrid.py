@@ -67,6 +67,7 @@ class _Plan:
     mixed_precision: MixedPrecision | None = None
     cpu_offload: str = "none"
     compression: Any = None  # a sw.compression method for the dp axis (compression/support.py's table)
+    find_unused_parameters: bool = False  # DDP's option (the sharding engine needs none: sharding/grad_layout.py)
 
 
 def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
@@ -94,6 +95,11 @@ def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
         if plan.dp_strategy == "ddp":
             raise ValueError("parallelize: mixed_precision needs a sharded dp_strategy (zero1/2/3 or fsdp:*), whose "
                              "engine keeps fp32 master weights; DDP trains in the model's own dtype")
+    if not isinstance(plan.find_unused_parameters, bool):
+        raise ValueError(f"parallelize: find_unused_parameters={plan.find_unused_parameters!r} must be True or False")
+    if plan.find_unused_parameters and plan.dp_strategy != "ddp":
+        raise ValueError(f"parallelize: find_unused_parameters=True is DDP's option; dp_strategy="
+                         f"{plan.dp_strategy!r} already leaves parameters no rank used with grad None")
     if plan.cpu_offload != "none" and plan.dp_strategy == "ddp":
         raise ValueError(f"parallelize: cpu_offload={plan.cpu_offload!r} needs a sharded dp_strategy (zero1/2/3 or "
                          f"fsdp:*), whose engine keeps the master shards that offload moves to the host; DDP has none")
@@ -140,7 +146,7 @@ def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
 
 def _wrap_stage(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
     if plan.dp_strategy == "ddp":
-        return DDP(stage, mesh.dp, compression=plan.compression)
+        return DDP(stage, mesh.dp, compression=plan.compression, find_unused_parameters=plan.find_unused_parameters)
     mp = plan.mixed_precision
     if plan.dp_strategy.startswith("zero"):
         return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), mixed_precision=mp, cpu_offload=plan.cpu_offload,
@@ -307,6 +313,7 @@ def parallelize(
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: bool | str = False,
     compression: Any = None,
+    find_unused_parameters: bool = False,
 ) -> HybridModel:
     """Data x tensor x pipeline parallelism over `mesh`, in the documented order (see the module docstring).
 
@@ -331,6 +338,8 @@ def parallelize(
         (docs/compression.md has the table). Each stage's compressor state is declared as `stages.<s>.compressor`
         and saved by `sw.save_checkpoint`; copies of tied and tp-replicated parameters are averaged after the
         compressed reduction so they stay equal.
+    find_unused_parameters: with dp_strategy="ddp", let parameters get no gradient in some steps (DDP's option: a
+        parameter no rank used keeps grad None); the sharded strategies do that without being asked.
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
@@ -339,7 +348,7 @@ def parallelize(
         n_microbatches = 2 * mesh.sizes["pp"]
     plan = _Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
-                 offload_level(cpu_offload), compression)
+                 offload_level(cpu_offload), compression, find_unused_parameters)
     _check(mesh, plan, model)
     to_comm_device(model, mesh.world, "parallelize")  # every axis of the mesh shares the world's device
     if mesh.sizes["tp"] > 1:
