@@ -20,6 +20,7 @@ from .launch import LaunchEnvironment, LaunchError, detect_environment, get_logg
 from .hybrid import HybridModel, parallelize
 from .mesh import Coordinates, Mesh
 from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
+from .sync_batchnorm import SyncBatchNorm
 from .whole import (MemoryStats, ShardedGradScaler, clip_grad_norm_, full_state_dict, load_full_state_dict,
                     memory_stats)
 
@@ -51,6 +52,7 @@ __all__ = [
     "ShardedGradScaler",
     "ShardedModule",
     "StreamingDiLoCo",
+    "SyncBatchNorm",
     "Work",
     "ZeRO",
     "agree",
