@@ -9,6 +9,7 @@ See README.md and docs/ for the user guide.
 """
 
 from .async_sgd import AsyncSGD, DiLoCo, LocalSGD, StreamingDiLoCo
+from .check import CheckReport, check
 from .checkpoint import CheckpointError, export_full, import_full, load_checkpoint, save_checkpoint
 from .comm import CommError, CommStats, Communicator, ReduceOp, Work
 from .consensus import agree
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSGD",
+    "CheckReport",
     "CheckpointError",
     "CommError",
     "CommStats",
@@ -56,6 +58,7 @@ __all__ = [
     "Work",
     "ZeRO",
     "agree",
+    "check",
     "clip_grad_norm_",
     "compression",
     "detect_environment",

@@ -23,6 +23,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from .bench import BENCH_ROWS, add_bench
+from .check import add_check
 from .common import (DEMO_DEFAULTS, GLOO_RANKS_PER_CPU, MAX_RANKS, PRESETS, SCHEDULES, STRATEGIES, STRATEGY_ALIASES,
                      Version, max_ranks)
 from .demo import add_demo
@@ -33,7 +34,8 @@ __all__ = ["main", "build_parser", "max_ranks", "STRATEGIES", "SCHEDULES", "PRES
            "MAX_RANKS", "GLOO_RANKS_PER_CPU", "BENCH_ROWS", "STRATEGY_ALIASES", "PLAN_ATTENTION", "PLAN_DTYPES",
            "PLAN_OPTIMIZERS"]
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_demo, add_run, add_plan, add_bench)
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_demo, add_run, add_plan, add_bench,
+                                                                        add_check)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,9 +34,10 @@ def _all_gather_padded(comm: Communicator, piece: torch.Tensor, sizes: list[int]
     return [out[r * width : r * width + n] for r, n in enumerate(sizes)]
 
 
-def _local_slice(pl: layout.Placement) -> torch.Tensor:
-    """This rank's whole tensor-parallel slice, flattened: the shard group's flat ranges gathered."""
-    mine = pl.param.detach().reshape(-1)
+def _local_slice(pl: layout.Placement, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's whole tensor-parallel slice of `tensor` (default `pl.param`), flattened: the shard group's flat
+    ranges gathered."""
+    mine = (pl.param if tensor is None else tensor).detach().reshape(-1)
     group = pl.flat_group
     if group is None or group.size == 1:
         return mine
@@ -48,9 +49,12 @@ def _local_slice(pl: layout.Placement) -> torch.Tensor:
     return local
 
 
-def gather_full(pl: layout.Placement) -> torch.Tensor:
-    """The dense tensor of `pl` (global shape, the parameter's dtype and device). Collective."""
-    local = _local_slice(pl)
+def gather_full(pl: layout.Placement, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense tensor of `pl` (global shape, the parameter's dtype and device). Collective.
+
+    tensor: gather this tensor instead of `pl.param`, one shaped like it and laid out the same way on every rank (its
+    gradient: `gather_full(pl, pl.param.grad)`); every rank of the placement's groups must pass one."""
+    local = _local_slice(pl, tensor)
     group = pl.box_group
     if group is None or group.size == 1:
         whole = local.view(pl.stored_shape())

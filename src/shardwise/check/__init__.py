@@ -1,0 +1,129 @@
+"""`sw.check`: run YOUR model under a strategy on CPU ranks for a few steps against one process, before a GPU hour.
+
+    report = sw.check(build_model, batch, strategy="zero3", world_size=2, steps=3)
+    print(report)                 # header, first mismatch, notes, losses and norms per step, one row per tensor
+    report.ok                     # every value within rtol / atol
+    report.first_mismatch         # None, or (step, phase, name, index, got, want) of the first difference
+
+At every step the two runs are compared in four phases, in order: forward (the loss), gradient (every parameter's
+dense gradient by original name, None included), clip (the total norm `sw.clip_grad_norm_` returns against torch's)
+and update (every dense parameter and persistent buffer after `optimizer.step()`). Files: spec.py parses the
+strategy, inputs.py the model, batch, loss and optimizer, run.py runs the two sides, grads.py gathers gradients,
+compare.py compares them, report.py is the CheckReport. The command line is `shardwise check` (shardwise_cli).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..launch import LaunchError, launch
+from .compare import compare
+from .inputs import check_divides, check_picklable, resolve_batches
+from .report import PHASES, CheckReport, Mismatch, TensorRow
+from .run import Job, rank_trace, reference_trace
+from .spec import DP_STRATEGIES, MESH_KEYS, STRATEGIES, TP_PLANS, parse_strategy
+
+__all__ = ["check", "CheckReport", "Mismatch", "TensorRow", "PHASES", "STRATEGIES", "DP_STRATEGIES", "MESH_KEYS",
+           "TP_PLANS", "BACKENDS"]
+
+#: How the ranks run: threads of this process, or gloo processes on 127.0.0.1.
+BACKENDS = ("thread", "gloo")
+
+
+def _number(name: str, value: object, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 if positive else value >= 0):
+        raise ValueError(f"check: {name}={value!r} must be a {'positive' if positive else 'non-negative'} number")
+    return float(value)
+
+
+def check(
+    build_model: Callable[[], nn.Module],
+    batch: Any,
+    *,
+    strategy: str | dict[str, Any] | Callable[[nn.Module, Any], nn.Module] = "zero3",
+    world_size: int = 2,
+    steps: int = 3,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    max_norm: float | None = 1.0,
+    seed: int = 0,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    backend: str = "thread",
+    timeout: float = 120.0,
+) -> CheckReport:
+    """Train `build_model()` for `steps` steps under `strategy` on `world_size` ranks and in one process on the same
+    global batches; return the CheckReport of their differences (see the module docstring).
+
+    build_model: a zero-argument callable returning a fresh nn.Module; called once for one process and once per
+        rank, each under `torch.manual_seed(seed)` and one process-wide lock, so every copy starts identical.
+    batch: the global batch (a tensor, a tuple/list or dict of tensors) or `batch(step)` returning one. Data-parallel
+        rank d of D takes rows [d*b, (d+1)*b) of every tensor (b = rows / D, which must divide); tensor-parallel
+        ranks of one data-parallel group take the same rows; one process takes all of them.
+    strategy: "none" (one rank), "ddp", "ddp:find_unused", "zero1", "zero2", "zero3", "fsdp" (= "fsdp:full_shard"),
+        "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:hybrid_shard" (shards over half the ranks: world_size even and
+        >= 4), "distribute" (sw.distribute's choice), "tp" / "tp:<plan>" (tensor parallel over every rank); a dict
+        for a mesh, {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False}: tensor
+        parallel over mesh.tp then the data-parallel strategy over mesh.dp (pipelines, pp > 1, are refused); or a
+        callable (model, comm) -> wrapped model.
+    optimizer: params -> torch.optim.Optimizer, built over `model.parameters()` after wrapping; default
+        AdamW(lr=1e-3, weight_decay=0.1, eps=1e-6) (inputs.default_optimizer says why eps is 1e-6).
+    loss_fn: loss_fn(model, batch) -> scalar tensor; default: the model's output on the batch (`model(*batch)`,
+        `model(**batch)` or `model(batch)`) if it is a scalar, else its `.loss`. The forward comparison averages the
+        data-parallel ranks' losses, which equals one process's loss when the loss is a mean over examples of equal
+        weight.
+    max_norm: clip every step (`sw.clip_grad_norm_`, and torch's in one process); None: no clipping.
+    rtol, atol: an element differs when |got - want| > atol + rtol x |want|.
+    backend: "thread" (ranks are threads of this process) or "gloo" (processes: build_model, loss_fn, optimizer and
+        a callable strategy must then be top-level functions of importable modules).
+    timeout: seconds any collective may wait before the run fails.
+    Raises ValueError, naming the value and what is allowed, for bad arguments (before any rank starts where it
+    can), and a LaunchError naming the rank when a rank fails otherwise.
+    """
+    if not callable(build_model) or isinstance(build_model, nn.Module):
+        got = f"a {type(build_model).__name__} module" if isinstance(build_model, nn.Module) else \
+            repr(build_model)[:80]
+        raise ValueError(f"check: build_model must be a zero-argument callable returning a fresh torch.nn.Module "
+                         f"(e.g. lambda: MyModel(config)), got {got}; a module object cannot give each rank and the "
+                         f"reference their own identical copy")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"check: steps={steps!r} must be a positive int")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"check: seed={seed!r} must be an int")
+    for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer)):
+        if value is not None and not callable(value):
+            raise ValueError(f"check: {name}={value!r} must be a callable or None")
+    if max_norm is not None:
+        max_norm = _number("max_norm", max_norm, positive=True)
+    rtol, atol = _number("rtol", rtol), _number("atol", atol)
+    timeout = _number("timeout", timeout, positive=True)
+    if backend not in BACKENDS:
+        raise ValueError(f"check: backend={backend!r} is not supported; allowed {list(BACKENDS)}")
+    spec = parse_strategy(strategy, world_size)
+    batches = resolve_batches(batch, steps)
+    if spec.dp is not None:
+        check_divides(batches, spec.dp)
+    if backend == "gloo":
+        check_picklable(build_model=build_model, loss_fn=loss_fn, optimizer=optimizer, strategy=spec.wrapper)
+    job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed)
+    reference = reference_trace(job)
+    traces = _launch(job, backend, timeout)
+    return compare(reference, traces[0], strategy=spec.label, world_size=spec.world_size, max_norm=max_norm,
+                   rtol=rtol, atol=atol, backend=backend)
+
+
+def _launch(job: Job, backend: str, timeout: float) -> list[Any]:
+    """The ranks' traces; a ValueError a rank raised (a strategy refusing the model) is raised as itself."""
+    try:
+        return launch(rank_trace, job.spec.world_size, job, backend=backend, timeout=timeout)
+    except LaunchError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ValueError):
+            raise cause from None
+        if exc.summary.startswith("ValueError: "):
+            raise ValueError(exc.summary.removeprefix("ValueError: ")) from exc
+        raise

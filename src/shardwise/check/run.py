@@ -1,0 +1,148 @@
+"""The two runs a check compares: one process on the global batch, and the strategy on N ranks.
+
+Both run the same loop for `steps` steps and record, at every step, what the report compares:
+
+    loss = loss_fn(model, batch)        forward   the loss (ranks: the average over the data-parallel group)
+    loss.backward()                     gradient  every parameter's dense gradient, or None, by original name
+    clip_grad_norm_(model, max_norm)    clip      the total norm before clipping (ranks: sw.clip_grad_norm_)
+    opt.step(); opt.zero_grad()         update    every dense parameter and persistent buffer after the step
+
+The ranks gather what they hold to dense tensors (collectives on every rank); rank 0 keeps the record and returns
+it, so the comparison happens once, in the caller's process, after both runs. That costs host memory of about
+2 x steps x (the model's parameters + gradients): the check is for small copies of a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import layout
+from ..comm.base import Communicator, ReduceOp
+from ..placement import comm_device
+from ..whole import clip_grad_norm_, full_state_dict
+from .grads import data_parallel_group, full_gradients
+from .inputs import build_seeded, compute_loss, describe_optimizer, make_optimizer, slice_batch
+from .spec import Spec
+
+__all__ = ["Job", "StepRecord", "Trace", "reference_trace", "rank_trace"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything a rank needs (it pickles to gloo processes)."""
+
+    build_model: Callable[[], nn.Module]
+    batches: list[Any]
+    spec: Spec
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None
+    max_norm: float | None
+    seed: int
+
+
+@dataclasses.dataclass
+class StepRecord:
+    loss: float
+    grads: dict[str, torch.Tensor | None]
+    split_grads: tuple[str, ...]
+    norm: float | None
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class Trace:
+    """One run: its steps, the parameters' canonical names (model order) with their aliases, the data-parallel size,
+    the optimizer it built, and facts for the diagnoses: BatchNorm modules in training mode that are not
+    SyncBatchNorm, Dropout modules with p > 0 in training mode (module names), and the parameters whose optimizer
+    sees a flat shard (ZeRO / FSDP)."""
+
+    steps: list[StepRecord]
+    aliases: dict[str, tuple[str, ...]]
+    dp: int
+    optimizer: str
+    batchnorm: tuple[str, ...] = ()
+    dropout: tuple[str, ...] = ()
+    sharded: tuple[str, ...] = ()
+
+
+def _facts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    batchnorm = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training
+                      and "SyncBatchNorm" not in type(m).__name__)
+    dropout = tuple(n for n, m in model.named_modules()
+                    if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0)
+    return batchnorm, dropout
+
+
+def _refuse_pipelines(model: nn.Module) -> None:
+    from ..hybrid import HybridModel
+
+    if isinstance(model, HybridModel) or layout.is_partitioned(model) or layout.is_wrapped(model, "pipeline"):
+        raise ValueError("check: the strategy built a pipeline; pipelines are not supported by check yet (their "
+                         "loss runs inside the schedule, not through loss_fn); check the tp x dp layout with pp=1")
+
+
+def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Callable[[torch.Tensor], torch.Tensor],
+           clip: Callable[[], torch.Tensor], keep: bool) -> tuple[list[StepRecord], str]:
+    """The loop both runs share (see the module docstring); records only when `keep`."""
+    opt = make_optimizer(job.optimizer, model)
+    names = [pl.name for pl in layout.placements(model).values()]
+    buffers = list(layout.buffers(model))
+    records = []
+    for batch in job.batches:
+        loss = compute_loss(job.loss_fn, model, slicer(batch))
+        loss.backward()
+        value = float(average(loss.detach().to(torch.float64).reshape(1))[0])
+        grads, split = full_gradients(model)
+        norm = float(clip()) if job.max_norm is not None else None
+        opt.step()
+        state = full_state_dict(model)
+        opt.zero_grad()
+        if keep:
+            records.append(StepRecord(value, grads, split, norm, {n: state[n] for n in names},
+                                      {n: state[n] for n in buffers if n in state}))
+    return records, describe_optimizer(opt)
+
+
+def reference_trace(job: Job) -> Trace:
+    """One process, the whole global batch, torch's own clipping."""
+    model = build_seeded(job.build_model, job.seed)
+    aliases = {pl.name: pl.names for pl in layout.placements(model).values()}
+
+    def clip() -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_norm)
+
+    steps, opt = _train(model, job, lambda b: b, lambda t: t, clip, True)
+    return Trace(steps, aliases, 1, opt, *_facts(model))
+
+
+def rank_trace(comm: Communicator, job: Job) -> Trace | None:
+    """One rank of the strategy's run (the body `sw.launch` runs); rank 0 returns the Trace, the others None."""
+    model = job.spec.wrap(build_seeded(job.build_model, job.seed), comm)
+    _refuse_pipelines(model)
+    dp = data_parallel_group(model)
+    index, parts = (dp.rank, dp.size) if dp is not None else (0, 1)
+    device = comm_device(comm)
+
+    def average(value: torch.Tensor) -> torch.Tensor:
+        if dp is None or dp.size == 1:
+            return value
+        value = value.to(comm_device(dp))
+        dp.all_reduce(value, ReduceOp.AVG)
+        return value.cpu()
+
+    def clip() -> torch.Tensor:
+        return clip_grad_norm_(model, job.max_norm)
+
+    steps, opt = _train(model, job, lambda b: slice_batch(b, index, parts, device), average, clip, comm.rank == 0)
+    if comm.rank != 0:
+        return None
+    pls = layout.placements(model).values()
+    sharded = tuple(pl.name for pl in pls if pl.flat_group is not None and pl.flat_group.size > 1)
+    return Trace(steps, {pl.name: pl.names for pl in pls}, parts, opt, *_facts(model), sharded)
