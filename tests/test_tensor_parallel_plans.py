@@ -224,3 +224,17 @@ def test_full_state_dict_of_a_dense_model_is_a_copy():
     assert state.keys() == model.state_dict().keys()
     assert state["weight"].data_ptr() != model.weight.data_ptr()
     torch.testing.assert_close(state["weight"], model.weight.detach(), rtol=0, atol=0)
+
+
+def test_sequence_parallel_with_a_dict_plan_on_a_huggingface_model_is_refused_at_wrap_time():
+    """The built-in "llama" / "gpt2" plans refused it; a dict plan got through and failed at the first forward
+    ("mat1 and mat2 shapes cannot be multiplied")."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def body(comm):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2))
+        with pytest.raises(ValueError, match=r"sequence_parallel=True with a HuggingFace LlamaForCausalLM"):
+            tp.parallelize(model, comm, {"q_proj": "colwise", "o_proj": "rowwise"}, sequence_parallel=True)
+
+    sw.launch(body, 2)

@@ -147,6 +147,11 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
                              "GPT2Model adds the position embeddings of the whole sequence to the embedding output "
                              "and builds its causal mask from it, which would be a shard)")
         plan = builtin_plan(plan, model, comm.size)
+    elif sequence_parallel and type(model).__module__.startswith("transformers."):
+        raise ValueError(f"parallelize: sequence_parallel=True with a HuggingFace {type(model).__name__}: its forward "
+                         f"builds positions and attention masks from the whole sequence between the layers, which "
+                         f"would be a shard (a shape error at the first forward, or wrong masks); use "
+                         f"sequence_parallel=False, or a model written for sequence shards (shardwise's GPT)")
     styles = match_plan(model, plan)
     sp = bool(sequence_parallel)
     # Every rank slices its own copy of the dense model: the copies must be equal (values too), or the slices are
