@@ -310,3 +310,23 @@ def test_cli_file_based_functions(tmp_path, capsys):
     assert "step 0, forward: loss" in captured.err
     assert main([*argv[:1], f"{path}:nothing", *argv[2:]]) == 1
     assert "has no attribute 'nothing'" in capsys.readouterr().err
+
+
+def test_cli_wrap_finds_a_planted_bug_in_a_users_own_wrapping(tmp_path, capsys):
+    """--wrap FILE:fn checks the user's own composition: here ZeRO-3 with one gradient scaled by 1.001 by a hook
+    registered before wrapping (which ZeRO-3 used to drop silently, so this very check came back OK)."""
+    path = tmp_path / "check_cli_planted.py"
+    path.write_text(textwrap.dedent("""
+        import shardwise as sw
+
+        def buggy_zero3(model, comm):
+            model.blocks[1].mlp.fc.weight.register_hook(lambda g: g * 1.001)
+            return sw.ZeRO(model, comm, stage=3)
+    """))
+    assert main(["check", "--gpt", "--wrap", f"{path}:buggy_zero3", "-n", "2", "--steps", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "callable buggy_zero3 on 2 thread ranks" in captured.out
+    assert "first mismatch: step 0, gradient: blocks.1.mlp.fc.weight[" in captured.out
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--gpt", "--wrap", f"{path}:buggy_zero3", "--strategy", "ddp"])
+    assert info.value.code == 2 and "--wrap is the whole strategy" in capsys.readouterr().err

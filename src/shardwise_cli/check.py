@@ -3,6 +3,7 @@
     shardwise check mymodels.py:build --batch mymodels.py:batch --strategy zero3 -n 2 --steps 3
     shardwise check mypkg.models:build --batch mypkg.data:batch --loss mypkg.train:loss --tp 2 --tp-plan llama -n 4
     shardwise check --gpt --strategy zero3 -n 2          # the library's tiny GPT, a ready example
+    shardwise check mymodels.py:build --batch mymodels.py:batch --wrap mytrain.py:wrap -n 2   # your own wrapping
 
 A function is named `MODULE_OR_FILE:name`: an importable module (`mypkg.models:build`) or a Python file
 (`path/to/models.py:build`, imported as a module named after the file, its folder put first on sys.path, so gloo
@@ -69,6 +70,9 @@ def add_check(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", choices=CHECK_STRATEGIES, default="zero3", metavar="STRATEGY",
                    help=f"one of {', '.join(CHECK_STRATEGIES)}; with --tp, the data-parallel strategy over the dp "
                    f"axis (default: %(default)s)")
+    p.add_argument("--wrap", type=_function_ref, default=None, metavar="MODULE_OR_FILE:wrap_fn",
+                   help="wrap_fn(model, comm) -> the wrapped model: your own composition of strategies, checked "
+                   "instead of --strategy")
     p.add_argument("-n", "--world-size", type=int_at_least(1, max_ranks("thread")), default=2, dest="world_size",
                    help="ranks (default: %(default)s)")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps compared (default: %(default)s)")
@@ -95,6 +99,10 @@ def _strategy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
         parser.error("--gpt brings its own model and batches: give neither MODULE_OR_FILE:build_fn nor --batch")
     if not args.gpt and (args.build is None or args.batch is None):
         parser.error("give MODULE_OR_FILE:build_fn and --batch MODULE_OR_FILE:batch_fn (or --gpt for the example)")
+    if args.wrap is not None:
+        if args.tp != 1 or args.strategy != parser.get_default("strategy"):
+            parser.error("--wrap is the whole strategy: give it without --strategy and --tp")
+        return None  # loaded with the other functions
     if args.tp == 1:
         if args.tp_plan is not None or args.sequence_parallel:
             parser.error("--tp-plan and --sequence-parallel need --tp > 1")
@@ -136,22 +144,25 @@ def _run_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     strategy = _strategy(parser, args)
     from shardwise.check.spec import parse_strategy  # torch: only now that the command line is known to be good
 
-    try:
-        parse_strategy(strategy, args.world_size)  # sizes that do not fit (hybrid_shard, --tp) are usage errors
-    except ValueError as exc:
-        parser.error(str(exc).removeprefix("check: "))
+    if strategy is not None:
+        try:
+            parse_strategy(strategy, args.world_size)  # sizes that do not fit (hybrid_shard, --tp) are usage errors
+        except ValueError as exc:
+            parser.error(str(exc).removeprefix("check: "))
     from shardwise.check import check
 
-    if args.gpt:
-        from shardwise.check.example import build_gpt, gpt_batch
+    try:
+        if args.gpt:
+            from shardwise.check.example import build_gpt, gpt_batch
 
-        build, batch, loss = build_gpt, gpt_batch, None
-    else:
-        try:
+            build, batch, loss = build_gpt, gpt_batch, None
+        else:
             build, batch = _load(args.build), _load(args.batch)
             loss = _load(args.loss) if args.loss is not None else None
-        except Exception as exc:  # noqa: BLE001 - the user's code: one line naming what failed
-            return fail("check", f"cannot load a function: {type(exc).__name__}: {exc}")
+        if args.wrap is not None:
+            strategy = _load(args.wrap)
+    except Exception as exc:  # noqa: BLE001 - the user's code: one line naming what failed
+        return fail("check", f"cannot load a function: {type(exc).__name__}: {exc}")
     try:
         report = check(build, batch, strategy=strategy, world_size=args.world_size, steps=args.steps, loss_fn=loss,
                        max_norm=None if args.no_clip else args.max_norm, seed=args.seed, rtol=args.rtol,

@@ -33,7 +33,7 @@ from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
 from ..compression.base import Compressor
 from ..compression.support import check_copies, check_supported
-from .declare import engine_memory, reinstall_partial_grad_hooks, sharded_placements
+from .declare import engine_memory, sharded_placements
 from .engine import ShardingConfig, ShardingEngine
 from .offload import offload_level
 from .policy import MixedPrecision
@@ -148,7 +148,6 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     engine = ShardingEngine(module, comm, shard, replicate, config, (*replicated_params, *tied))
     kept = {id(p) for p in module.parameters()}
     mark_replaced([p for p in originals if id(p) not in kept], record_name)
-    reinstall_partial_grad_hooks(engine, before)
     mix_in(module, ShardedModule, "Sharded")
     module._sharding = engine
     comms = (shard,) if replicate is None else (shard, replicate)

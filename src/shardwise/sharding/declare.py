@@ -14,7 +14,7 @@ from .. import layout
 from ..comm.base import Communicator
 from .engine import ShardingEngine
 
-__all__ = ["sharded_placements", "reinstall_partial_grad_hooks", "engine_memory"]
+__all__ = ["sharded_placements", "engine_memory"]
 
 
 def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placement]) -> dict[str, layout.Placement]:
@@ -37,16 +37,6 @@ def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placemen
         if pl.name not in refined:  # a replicated parameter: whole on every rank of the data-parallel groups
             refined[pl.name] = dataclasses.replace(pl, replicated_over=(*pl.replicated_over, *around))
     return {pl.name: refined[pl.name] for pl in before.values()}
-
-
-def reinstall_partial_grad_hooks(engine: ShardingEngine, before: dict[str, layout.Placement]) -> None:
-    """Sequence-parallel weights sum their gradient over the tensor-parallel group in a hook on the parameter; the
-    engine computes with its own unsharded parameters, so the hook goes on those (else it would be lost)."""
-    for unit in engine.units:
-        for info in unit.infos:
-            group = before[info.name].partial_grad_over
-            if group is not None and info.requires_grad:
-                layout.register_partial_grad_sum(info.unsharded, group)
 
 
 def engine_memory(engine: ShardingEngine) -> layout.MemoryView:

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..comm.base import Communicator, Work
 from ..compression.base import Compressor
+from ..param_hooks import carry_grad_hooks
 from .grad_layout import GradLayout
 from .policy import UnitPlan
 from .unit_grads import UnitGradients
@@ -157,6 +158,7 @@ class Unit(UnitGradients):
             piece = self.master[offset + lo - start : offset + hi - start] if hi > lo else self.master[:0]
             shard_param = nn.Parameter(piece, requires_grad=p.requires_grad)
             unsharded = nn.Parameter(self.full[offset : offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+            carry_grad_hooks(p, unsharded, names[p], "ZeRO/FSDP")  # the user's (and sequence parallel's) hooks
             self.infos.append(
                 ParamInfo(names[p], p.shape, p.numel(), offset, p.requires_grad, plan.locations[p], lo, hi,
                           shard_param, unsharded)

@@ -38,6 +38,7 @@ from torch import nn
 from .. import layout
 from ..agreement import check_agreement, describe_parameters, fingerprints
 from ..comm.base import Communicator, is_communicator
+from ..param_hooks import carry_grad_hooks
 from ..placement import to_comm_device
 from .declare import tensor_parallel_placements
 from .gpt import install_gpt_forward
@@ -185,6 +186,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
             if isinstance(new, nn.Parameter) and id(old) not in replaced:
                 replaced[id(old)] = (new, f"{name}.{attr}")
                 keep_alive.append(old)
+                carry_grad_hooks(old, new, f"{name}.{attr}", "parallelize")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     _follow_ties(model, replaced)

@@ -1,0 +1,32 @@
+"""Gradient hooks a user registered on a parameter survive a strategy that replaces the parameter object.
+
+ZeRO / FSDP compute with their own unsharded parameters (views of the gathered buffer) and tensor parallel with the
+new layers' slices, so a hook registered on the original parameter before wrapping (`p.register_hook(fn)`: a
+gradient mask, a per-parameter scale, sequence parallel's partial-gradient sum) would silently never run. Each such
+hook is registered again, in order, on the tensor that now receives the gradient; it sees the gradient of the full
+parameter under ZeRO / FSDP (the unsharded copy) and of this rank's slice under tensor parallel (a hook that needs
+the full shape fails there loudly, as it should). A post-accumulate-grad hook cannot follow: the parameter the
+optimizer sees gets its `.grad` assigned by the strategy, never accumulated, so such a hook would never fire; the
+wrap refuses it naming the parameter.
+
+Reads torch's own per-tensor hook tables (`Tensor._backward_hooks`, `Tensor._post_accumulate_grad_hooks`): torch has
+no public way to list a tensor's hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["carry_grad_hooks"]
+
+
+def carry_grad_hooks(old: torch.Tensor, new: torch.Tensor, name: str, who: str) -> None:
+    """Register `old`'s gradient hooks on `new` (see the module docstring); ValueError for a post-accumulate hook."""
+    if getattr(old, "_post_accumulate_grad_hooks", None):
+        raise ValueError(f"{who}: parameter {name!r} has a post-accumulate-grad hook (register_post_accumulate_grad_"
+                         f"hook); {who} replaces the parameter and assigns its .grad, so the hook would never run. "
+                         f"Register a gradient hook (p.register_hook) instead, or act on .grad after backward")
+    if old is new:
+        return
+    for hook in (getattr(old, "_backward_hooks", None) or {}).values():
+        new.register_hook(hook)
