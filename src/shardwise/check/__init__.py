@@ -14,6 +14,9 @@ compare.py compares them, report.py is the CheckReport. The command line is `sha
 
 from __future__ import annotations
 
+import collections
+import threading
+
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +32,8 @@ from .spec import DP_STRATEGIES, MESH_KEYS, STRATEGIES, TP_PLANS, parse_strategy
 
 __all__ = ["check", "CheckReport", "Mismatch", "TensorRow", "PHASES", "STRATEGIES", "DP_STRATEGIES", "MESH_KEYS",
            "TP_PLANS", "BACKENDS"]
+
+_REFERENCES_LOCK = threading.Lock()
 
 #: How the ranks run: threads of this process, or gloo processes on 127.0.0.1.
 BACKENDS = ("thread", "gloo")
@@ -63,7 +68,9 @@ def check(
         rank, each under `torch.manual_seed(seed)` and one process-wide lock, so every copy starts identical.
     batch: the global batch (a tensor, a tuple/list or dict of tensors) or `batch(step)` returning one. Data-parallel
         rank d of D takes rows [d*b, (d+1)*b) of every tensor (b = rows / D, which must divide); tensor-parallel
-        ranks of one data-parallel group take the same rows; one process takes all of them.
+        ranks of one data-parallel group take the same rows; one process takes all of them. With a function, the
+        one-process run is computed once and reused by later checks of the same functions and options in this
+        process (checking one model under several strategies).
     strategy: "none" (one rank), "ddp", "ddp:find_unused", "zero1", "zero2", "zero3", "fsdp" (= "fsdp:full_shard"),
         "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:hybrid_shard" (shards over half the ranks: world_size even and
         >= 4), "distribute" (sw.distribute's choice), "tp" / "tp:<plan>" (tensor parallel over every rank); a dict
@@ -110,10 +117,33 @@ def check(
     if backend == "gloo":
         check_picklable(build_model=build_model, loss_fn=loss_fn, optimizer=optimizer, strategy=spec.wrapper)
     job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed)
-    reference = reference_trace(job)
+    reference = _reference(job, batch)
     traces = _launch(job, backend, timeout)
     return compare(reference, traces[0], strategy=spec.label, world_size=spec.world_size, max_norm=max_norm,
                    rtol=rtol, atol=atol, backend=backend)
+
+
+_REFERENCES: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_REFERENCES_KEPT = 4
+
+
+def _reference(job: Job, batch: Any) -> Any:
+    """The one-process run, reused when the same functions are checked again under another strategy (the model
+    matrix checks each model under a dozen): keyed by the identity of build_model, batch (a function: a tensor may
+    change in place between calls), loss_fn and optimizer, and by steps, seed and max_norm; the last few are kept."""
+    if not callable(batch):
+        return reference_trace(job)
+    key = (job.build_model, batch, job.loss_fn, job.optimizer, len(job.batches), job.seed, job.max_norm)
+    with _REFERENCES_LOCK:
+        if key in _REFERENCES:
+            _REFERENCES.move_to_end(key)
+            return _REFERENCES[key]
+    trace = reference_trace(job)
+    with _REFERENCES_LOCK:
+        _REFERENCES[key] = trace
+        while len(_REFERENCES) > _REFERENCES_KEPT:
+            _REFERENCES.popitem(last=False)
+    return trace
 
 
 def _launch(job: Job, backend: str, timeout: float) -> list[Any]:
