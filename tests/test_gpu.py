@@ -19,6 +19,7 @@ import torch
 from parity import CONFIG, batch
 
 import shardwise as sw
+from shardwise.sharded_tensor import local
 from shardwise import pipeline as pp
 from shardwise import tensor_parallel as tp
 from shardwise.comm.thread_backend import ThreadWorld
@@ -167,7 +168,8 @@ def test_zero_stages_in_fp16_with_the_sharded_scaler_track_fp32_and_skip_an_over
         loss = model(x, y)
         scaler.scale(loss).backward()
         if step == 2:  # an overflow: the found-inf flag (a CUDA tensor on NCCL) must skip the step and halve the scale
-            next(p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()).view(-1)[0] = float("inf")
+            next(local(p.grad) for p in model.parameters() if p.grad is not None and local(p.grad).numel()).view(
+                -1)[0] = float("inf")
         before = scaler.get_scale()
         taken.append(scaler.step(opt))
         scaler.update()

@@ -15,6 +15,7 @@ from parity import CONFIG, RTOL, batch
 from sharding_cases import wrap
 
 import shardwise as sw
+from shardwise.sharded_tensor import local
 from shardwise import layout
 from shardwise import tensor_parallel as tp
 from shardwise.models import GPT
@@ -98,7 +99,8 @@ def test_placements_describe_tensor_parallel_and_zero():
         assert qkv.shape == (3 * d, d) and qkv.box_group is mesh.tp and qkv.flat_group is mesh.dp
         assert qkv.boxes == tuple(((k * d + mesh.coords.tp * per, per), (0, d)) for k in range(3))
         lo, hi = qkv.flat
-        assert hi - lo == qkv.param.numel() and sum(h - l for l, h in qkv.flat_by_rank) == 3 * per * d
+        assert hi - lo == local(qkv.param).numel() and sum(h - l for l, h in qkv.flat_by_rank) == 3 * per * d
+        assert qkv.param.shape == (3 * d, d)  # the piece answers for the original tensor (sharded_tensor.py)
         assert ln.boxes is None and mesh.tp in ln.replicated_over and ln.partial_grad_over is mesh.tp
         assert tied.names == ("tok_emb.weight", "head.weight")
         assert layout.reduction_groups(model) == [mesh.tp, mesh.dp]
@@ -107,8 +109,8 @@ def test_placements_describe_tensor_parallel_and_zero():
         with pytest.raises(ValueError, match=r"already wrapped by a data-parallel strategy \(tensor_parallel \+ zero3\)"):
             sw.DDP(model, mesh.dp)
         stats = sw.memory_stats(model)
-        local = sum(p.numel() for p in model.parameters()) * 4
-        assert stats.params >= local and stats.gathered_peak > 0
+        held = sum(local(p).numel() for p in model.parameters()) * 4
+        assert stats.params >= held and stats.gathered_peak > 0
 
     sw.launch(body, 4)
 
@@ -133,11 +135,12 @@ def test_grad_scaler_over_the_model_skips_on_every_rank():
         x, y = batch(0, mesh.coords.dp, 2)
         scaler.scale(model(x, y)).backward()
         if comm.rank == 3:
-            next(p for p in model.parameters() if p.grad is not None and p.grad.numel()).grad[0] = float("inf")
+            next(local(p.grad) for p in model.parameters() if p.grad is not None and local(p.grad).numel())[0] = \
+                float("inf")
         before = [p.detach().clone() for p in model.parameters()]
         took = scaler.step(opt)
         scaler.update()
         assert not took and scaler.get_scale() == 2.0
-        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert all(torch.equal(local(a), local(p)) for a, p in zip(before, model.parameters()))
 
     sw.launch(body, 4)

@@ -11,6 +11,7 @@ from sharding_cases import CONFIGS, reference, train_sharded, wrap
 from torch import nn
 
 import shardwise as sw
+from shardwise.sharded_tensor import local
 from shardwise.models import GPT
 
 
@@ -128,7 +129,7 @@ def test_parameter_count_not_divisible_by_world(world, stage):
         model = _Odd()
         model.load_state_dict(init)
         model = sw.ZeRO(model, comm, stage=stage, wrap=nn.Linear)
-        shards = {n: p.numel() for n, p in model.named_parameters()}
+        shards = {n: local(p).numel() for n, p in model.named_parameters()}  # this rank's piece
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         for _ in range(3):
             b = 12 // comm.size
@@ -156,18 +157,23 @@ def _shard_shapes(comm):
     plain = GPT(CONFIG, seed=0)
     names = [n for n, _ in plain.named_parameters()]
     model = wrap(plain, comm, "zero3")
-    shards = {n: (p.dim(), p.numel(), isinstance(p, nn.Parameter)) for n, p in model.named_parameters()}
+    shards = {n: (p.shape, p.dim(), p.numel(), local(p).numel(), isinstance(p, nn.Parameter))
+              for n, p in model.named_parameters()}
     return names, shards, model.tok_emb.weight is model.head.weight
 
 
-def test_named_parameters_are_shards_with_original_names():
+def test_named_parameters_are_pieces_that_answer_for_the_original_tensors():
+    """Each rank trains a 1-D piece, but shape, dim() and numel() are the original tensor's (as FSDP2's DTensor
+    parameters answer), so grouping by p.dim() and counting parameters give one process's answers."""
     results = sw.launch(_shard_shapes, 4)
     names = results[0][0]
+    plain = dict(GPT(CONFIG, seed=0).named_parameters())
     for _, shards, _ in results:
         assert list(shards) == names
-        assert all(dim == 1 and is_param for dim, _, is_param in shards.values())
-    total = sum(numel for _, shards, _ in results for _, numel, _ in shards.values())
-    assert total == sum(p.numel() for p in GPT(CONFIG, seed=0).parameters())  # every element on exactly one rank
+        for name, (shape, dim, numel, _, is_param) in shards.items():
+            assert (shape, dim, numel, is_param) == (plain[name].shape, plain[name].dim(), plain[name].numel(), True)
+    total = sum(piece for _, shards, _ in results for *_, piece, _ in shards.values())
+    assert total == sum(p.numel() for p in plain.values())  # every element on exactly one rank
 
 
 def test_tied_weights_stay_tied():

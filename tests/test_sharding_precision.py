@@ -6,6 +6,7 @@ import torch
 from parity import CONFIG, batch
 
 import shardwise as sw
+from shardwise.sharded_tensor import local
 from shardwise.models import GPT
 from shardwise.models.gpt import Block
 
@@ -51,11 +52,11 @@ def _fp16_with_injected_overflow(comm):
         x, y = batch(step, comm.rank, comm.size)
         scaler.scale(model(x, y)).backward()
         if step == 2 and comm.rank == 1:
-            grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
-            grads[0].view(-1)[0] = float("inf")  # an overflow in rank 1's shard only
-        before = [p.detach().clone() for p in model.parameters()]
+            grads = [local(p.grad) for p in model.parameters() if p.grad is not None and local(p.grad).numel()]
+            grads[0].view(-1)[0] = float("inf")  # an overflow in rank 1's shard only (its piece: local)
+        before = [local(p).detach().clone() for p in model.parameters()]
         taken.append(scaler.step(opt))
-        changed.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+        changed.append(any(not torch.equal(a, local(p)) for a, p in zip(before, model.parameters())))
         scaler.update()
         scales.append(scaler.get_scale())
         opt.zero_grad()

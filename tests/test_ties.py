@@ -99,7 +99,9 @@ def test_a_tied_bias_stays_tied_under_a_row_parallel_decoder():
 def test_a_tie_to_a_layer_the_plan_leaves_dense_is_refused_naming_both():
     def body(comm):
         model = build()
-        other = nn.Linear(4, 8)
+        with _lock:  # both ranks' copies must agree (parallelize checks their fingerprints first)
+            torch.manual_seed(1)
+            other = nn.Linear(4, 8)
         other.bias = model.decoder.bias  # a dense Linear computing with the bias the plan would split
         model.other = other
         with pytest.raises(ValueError, match=r"parameter other.bias is tied to decoder.bias, which the plan splits, "

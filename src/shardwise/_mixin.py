@@ -11,6 +11,8 @@ import threading
 
 from torch import nn
 
+from .sharded_tensor import local
+
 __all__ = ["mix_in"]
 
 _CACHE: dict[tuple[type, type], type] = {}
@@ -35,7 +37,7 @@ class MovesRefused(nn.Module):
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - torch.nn.Module's signature
         probe = next(iter(self.parameters()), None)
         if probe is not None:
-            moved = fn(probe.detach()[:0])
+            moved = fn(local(probe).detach()[:0])  # an empty probe of its dtype and device
             if moved.dtype != probe.dtype or moved.device != probe.device:
                 raise ValueError(f"{type(self).__name__}: cannot move or cast a wrapped model ({probe.dtype} on "
                                  f"{probe.device} -> {moved.dtype} on {moved.device}); move or cast the model before "

@@ -40,6 +40,7 @@ from torch import nn
 
 from .boxes import Box, box_numel, box_slices, full_box, intersect, inverse_perm, split_flat_range
 from .comm.base import Communicator
+from .sharded_tensor import local
 
 __all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extra_states", "strategies", "placements", "declare",
            "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "box_numel", "intersect", "full_box", "reduction_groups",
@@ -278,6 +279,7 @@ def slice_views(pl: Placement, stored: torch.Tensor, boxes: tuple[Box, ...] | No
     """(global box, view) for each of `boxes` in a slice tensor `stored` (stored layout, shaped per `boxes`), or in
     the sub-box of the slice starting at `origin` (slice coordinates) that `stored` covers."""
     boxes = boxes if boxes is not None else pl.local_boxes
+    stored = local(stored)
     if not pl.shape:
         return [((), stored.reshape(()))]
     view = stored if pl.stored_perm is None else stored.permute(inverse_perm(pl.stored_perm))
@@ -308,6 +310,7 @@ def merged_memory(modules: Any) -> MemoryView:
 def held_views(pl: Placement, tensor: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
     """(global box, writable view of `tensor`) for every element this rank holds; `tensor` is shaped like pl.param
     (the parameter itself, its gradient, or optimizer state that follows it)."""
+    tensor = local(tensor)  # a sharded piece's own storage (sharded_tensor.py)
     lo, hi = pl.flat_range
     if pl.flat is None or (lo, hi) == (0, pl.local_numel):
         return slice_views(pl, tensor.view(pl.stored_shape()))

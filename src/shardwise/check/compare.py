@@ -22,9 +22,6 @@ from .run import Trace
 __all__ = ["compare"]
 
 _MISSING = object()
-#: torch optimizers whose step is elementwise given the gradient: a shard steps exactly as the whole tensor would.
-_ELEMENTWISE = ("SGD(", "Adam(", "AdamW(", "Adamax(", "RMSprop(", "Adagrad(", "Adadelta(", "NAdam(", "RAdam(",
-                "ASGD(", "Rprop(")
 
 
 def _max_abs(t: torch.Tensor | None) -> float | None:
@@ -149,11 +146,6 @@ def _diagnose(report: CheckReport, ref: Trace, got: Trace) -> list[str]:
     if m.phase == "clip":  # the first mismatch: every gradient of this step matched
         notes.append("every gradient matches but the norm differs: the norm counts some gradient pieces more than "
                      "once or misses some (each piece must count once: layout.counts_here)")
-    if m.phase == "update" and m.name in got.sharded and not report.optimizer.startswith(_ELEMENTWISE):
-        notes.append(f"every gradient matches but the update of {m.name} differs, and under this strategy the "
-                     f"optimizer steps each rank's flat shard of it (ZeRO / FSDP): an optimizer that computes "
-                     f"per-tensor quantities (norms, shapes: LARS, LAMB, Adafactor, Muon) computes them over the "
-                     f"shard, not the tensor; elementwise optimizers (SGD, Adam, AdamW) are unaffected")
     if m.phase == "update" and m.index is not None and "Adam" in report.optimizer:
         grads = ref.steps[m.step].grads
         want = grads.get(m.name)

@@ -60,8 +60,7 @@ class StepRecord:
 class Trace:
     """One run: its steps, the parameters' canonical names (model order) with their aliases, the data-parallel size,
     the optimizer it built, and facts for the diagnoses: BatchNorm modules in training mode that are not
-    SyncBatchNorm, Dropout modules with p > 0 in training mode (module names), and the parameters whose optimizer
-    sees a flat shard (ZeRO / FSDP)."""
+    SyncBatchNorm, Dropout modules with p > 0 in training mode (module names)."""
 
     steps: list[StepRecord]
     aliases: dict[str, tuple[str, ...]]
@@ -69,7 +68,6 @@ class Trace:
     optimizer: str
     batchnorm: tuple[str, ...] = ()
     dropout: tuple[str, ...] = ()
-    sharded: tuple[str, ...] = ()
 
 
 def _facts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -144,5 +142,4 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     if comm.rank != 0:
         return None
     pls = layout.placements(model).values()
-    sharded = tuple(pl.name for pl in pls if pl.flat_group is not None and pl.flat_group.size > 1)
-    return Trace(steps, {pl.name: pl.names for pl in pls}, parts, opt, *_facts(model), sharded)
+    return Trace(steps, {pl.name: pl.names for pl in pls}, parts, opt, *_facts(model))

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..sharded_tensor import local
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json
 from .optim_load import stage_optimizer
@@ -94,9 +95,10 @@ class Staged:
             what = f"parameter {pl.name!r}"
             entry = self.match(f"param/{pl.name}", what, pl.shape, pl.param.dtype)
             if entry is not None:
-                staged = torch.empty(pl.param.shape, dtype=pl.param.dtype)
+                held = local(pl.param)  # this rank's piece (sharded_tensor.py)
+                staged = torch.empty(held.shape, dtype=held.dtype)
                 fill_held(reader, entry, what, pl, staged)
-                self.copies.append((pl.param, staged))
+                self.copies.append((held, staged))
         for name, b in layout.buffers(self.model).items():
             entry = self.match(f"buffer/{name}", f"buffer {name!r}", tuple(b.shape), b.dtype)
             if entry is not None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import layout
+from ..sharded_tensor import local
 from .pieces import optimizer_names
 from .reader import Reader, fill_held
 from .validate import tensor_dtype
@@ -129,7 +130,8 @@ def _stage_one(staged: Staged, reader: Reader, key: str, pl: layout.Placement, p
         staged.problems[key] = (f"optimizer state {key!r} has shape {tuple(entry['shape'])} in the checkpoint but "
                                 f"its parameter has {tuple(pl.shape)}")
         return None
-    local_shape = p.shape if follows else torch.Size(entry["shape"])
+    old = local(old)  # pieces of a sharded parameter's state are this rank's (sharded_tensor.py)
+    local_shape = local(p).shape if follows else torch.Size(entry["shape"])
     if isinstance(old, torch.Tensor) and old.shape == local_shape:
         if old.dtype != dtype:
             staged.problems[key] = (f"optimizer state {key!r} is {str(old.dtype).removeprefix('torch.')} in the "

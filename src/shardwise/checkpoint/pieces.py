@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..sharded_tensor import local
 
 __all__ = ["Piece", "local_pieces", "dtype_name", "follows_param", "optimizer_names"]
 
@@ -46,7 +47,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def follows_param(value: torch.Tensor, param: torch.Tensor) -> bool:
-    """Optimizer state sharded like its parameter (exp_avg), as opposed to a replicated scalar (step)."""
+    """Optimizer state sharded like its parameter (exp_avg), as opposed to a replicated scalar (step): compared on
+    this rank's pieces (a ZeRO piece answers for the whole tensor's shape; sharded_tensor.py)."""
+    value, param = local(value), local(param)
     return value.dim() > 0 and value.shape == param.shape
 
 

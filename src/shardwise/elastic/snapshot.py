@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..sharded_tensor import local
 from ..checkpoint.pieces import follows_param
 
 __all__ = ["Snapshot", "capture"]
@@ -125,11 +126,11 @@ def restore(snap: Snapshot, model: nn.Module, optimizer: torch.optim.Optimizer |
             sampler: Any) -> None:
     """Copy `snap` back into the same (unchanged) model, optimizer, scheduler, sampler and RNGs."""
     placements = list(layout.placements(model).values())
-    if [pl.param.shape for pl in placements] != [t.shape for t in snap.params]:
+    if [local(pl.param).shape for pl in placements] != [local(t).shape for t in snap.params]:
         raise ValueError("ElasticState.rollback: the model's layout changed since the commit (a new world?); "
                          "use ElasticState.resize with the rewrapped model instead")
     for pl, saved in zip(placements, snap.params):
-        pl.param.detach().copy_(saved)
+        local(pl.param).detach().copy_(local(saved))
         pl.param.grad = None
     for name, b in layout.buffers(model).items():
         b.copy_(snap.buffers[name])

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .. import layout
+from ..sharded_tensor import ShardSpec, set_spec
 from ..comm.base import Communicator
 from .engine import ShardingEngine
 
 __all__ = ["sharded_placements", "engine_memory"]
+
+_STRATEGY_NAMES = {"zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "full_shard": "FSDP full_shard",
+                   "shard_grad_op": "FSDP shard_grad_op", "no_shard": "FSDP no_shard",
+                   "hybrid_shard": "FSDP hybrid_shard"}
 
 
 def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placement]) -> dict[str, layout.Placement]:
@@ -27,6 +34,10 @@ def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placemen
         group = unit.shard_comm
         for info in unit.infos:
             pl = before[info.name]
+            # The piece answers for the ORIGINAL tensor (its name, its shape before tensor parallel split it too).
+            if not unit.whole_pieces:
+                set_spec(info.shard_param, ShardSpec(torch.Size(pl.shape), pl.name, _STRATEGY_NAMES.get(
+                    engine.config.name, engine.config.name)))
             refined[pl.name] = dataclasses.replace(
                 pl, param=info.shard_param, flat=(info.shard_lo, info.shard_hi), flat_group=group,
                 flat_by_rank=tuple(unit.piece_of(info.offset, info.numel, r) for r in range(group.size)),

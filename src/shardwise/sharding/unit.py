@@ -36,6 +36,7 @@ from torch import nn
 from ..comm.base import Communicator, Work
 from ..compression.base import Compressor
 from ..param_hooks import carry_grad_hooks
+from ..sharded_tensor import ShardSpec, as_sharded
 from .grad_layout import GradLayout
 from .policy import UnitPlan
 from .unit_grads import UnitGradients
@@ -152,11 +153,17 @@ class Unit(UnitGradients):
                     offset += p.numel()
 
         self.infos: list[ParamInfo] = []
+        self.whole_pieces = n == 1
         offset = 0
         for p in plan.params:
             lo, hi = self.piece_of(offset, p.numel(), shard_comm.rank)
             piece = self.master[offset + lo - start : offset + hi - start] if hi > lo else self.master[:0]
-            shard_param = nn.Parameter(piece, requires_grad=p.requires_grad)
+            if self.whole_pieces:  # no_shard, or a group of one: the piece is the whole tensor, in its own shape
+                shard_param = nn.Parameter(piece.view(p.shape), requires_grad=p.requires_grad)
+            else:  # this rank's piece, answering for the whole parameter (shape, dim, numel: sharded_tensor.py);
+                # the strategy re-describes it with the original name and global shape once placements are known
+                shard_param = as_sharded(piece, ShardSpec(p.shape, names[p]), parameter=True,
+                                         requires_grad=p.requires_grad)
             unsharded = nn.Parameter(self.full[offset : offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
             carry_grad_hooks(p, unsharded, names[p], "ZeRO/FSDP")  # the user's (and sequence parallel's) hooks
             self.infos.append(

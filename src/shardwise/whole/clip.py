@@ -24,6 +24,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import ReduceOp
 from ..placement import comm_device
+from ..sharded_tensor import local
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
@@ -32,9 +33,10 @@ def global_grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The single-process gradient norm of `model` (collective over the model's groups)."""
     norm_type = float(norm_type)
     pls = list(layout.placements(model).values())
-    grads = [pl.param.grad for pl in pls if pl.param.grad is not None and pl.param.grad.numel()]
-    counted = [pl.param.grad for pl in pls if pl.param.grad is not None and pl.param.grad.numel()
-               and layout.counts_here(pl)]
+    # The pieces this rank holds (a sharded gradient answers for the whole tensor; its norm is over the piece).
+    held = [(pl, local(pl.param.grad)) for pl in pls if pl.param.grad is not None]
+    grads = [g for _, g in held if g.numel()]
+    counted = [g for pl, g in held if g.numel() and layout.counts_here(pl)]
     device = pls[0].param.device if pls else torch.device("cpu")
     # Every rank must reduce in the same dtype: decided from the model's parameters, which every rank holds alike.
     dtype = torch.float64 if any(pl.param.dtype == torch.float64 for pl in pls) else torch.float32
@@ -70,5 +72,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if scale < 1:
         for pl in layout.placements(model).values():
             if pl.param.grad is not None:
-                pl.param.grad.detach().mul_(scale)
+                local(pl.param.grad).detach().mul_(scale)
     return norm

@@ -16,6 +16,7 @@ import torch
 from .. import layout
 from ..comm.base import Communicator
 from ..placement import comm_device
+from ..sharded_tensor import local as local_piece
 
 __all__ = ["gather_full", "write_held"]
 
@@ -37,7 +38,7 @@ def _all_gather_padded(comm: Communicator, piece: torch.Tensor, sizes: list[int]
 def _local_slice(pl: layout.Placement, tensor: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's whole tensor-parallel slice of `tensor` (default `pl.param`), flattened: the shard group's flat
     ranges gathered."""
-    mine = (pl.param if tensor is None else tensor).detach().reshape(-1)
+    mine = local_piece(pl.param if tensor is None else tensor).detach().reshape(-1)
     group = pl.flat_group
     if group is None or group.size == 1:
         return mine

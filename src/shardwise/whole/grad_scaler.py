@@ -21,6 +21,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import Communicator, ReduceOp
 from ..placement import comm_device
+from ..sharded_tensor import local
 
 __all__ = ["ShardedGradScaler"]
 
@@ -67,10 +68,11 @@ class ShardedGradScaler:
         inverse = 1.0 / self.scale_value
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is None or p.grad.numel() == 0:
+                grad = local(p.grad)  # this rank's piece of a sharded gradient
+                if grad is None or grad.numel() == 0:
                     continue
-                p.grad.mul_(inverse)
-                if not local_inf and not torch.isfinite(p.grad).all():
+                grad.mul_(inverse)
+                if not local_inf and not torch.isfinite(grad).all():
                     local_inf = True
         for group in self.groups:  # a skip on any rank skips on all: an OR over each group in turn
             # On the group's device (NCCL reduces CUDA tensors only), whatever device the gradients are on.

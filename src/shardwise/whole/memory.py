@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..sharded_tensor import local
 
 __all__ = ["MemoryStats", "memory_stats", "peak_rss_bytes"]
 
@@ -61,7 +62,7 @@ class MemoryStats:
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         if storage.nbytes():  # freed (resized-to-zero) buffers hold nothing
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(seen.values())

@@ -1,0 +1,261 @@
+"""Sharded parameters that look like the model's: this rank's piece of a tensor, answering for the whole tensor.
+
+Why. Under ZeRO and FSDP each rank's optimizer trains a flat, 1-D piece of every parameter. If the parameters
+`model.parameters()` yields said so (`dim() == 1`, `numel()` = the piece), ordinary training scripts would be
+silently wrong: weight-decay groups chosen by `p.dim() >= 2` would decay nothing, a parameter count (MFU) would
+count one rank's share, and `torch.nn.utils.clip_grad_norm_` would clip each rank by the norm of its own piece.
+So the pieces are `ShardedParameter`s (and their gradients `ShardedTensor`s): tensors whose storage is the local
+piece, exactly as before (every torch kernel, every optimizer, runs on it unchanged, with no copy), but whose
+`shape`, `size()`, `dim()`, `ndim`, `numel()` and `len()` answer for the original tensor, as FSDP2's DTensor
+parameters do.
+
+What may be computed on them (`__torch_function__`, Python-level, so one call per operation):
+* elementwise operations (aten ops tagged pointwise, every `torch._foreach_*` except the norms and maxima, fills,
+  copies, casts, clones, random fills): what optimizers do. They run on the local piece; a result of an out-of-place
+  elementwise operation is sharded again (`p.grad.abs()` still knows it is a piece), a result of `zeros_like` and
+  the like, or of a `torch._foreach_*` call, is plain (an optimizer's state and intermediates: local, as it needs);
+* metadata (dtype, device, requires_grad, `.grad`, `.data`, strides, storage): as they are;
+* anything else, in particular reductions (`norm`, `sum`, `max`, `_foreach_norm`: torch's clip), indexing, views
+  and reshapes, `item()`, pickling (`torch.save` of the piece): refused with a RuntimeError naming the operation and
+  the shardwise way (`sw.clip_grad_norm_`, `sw.ShardedGradScaler`, `sw.full_state_dict`). A wrong number is
+  impossible to get silently; an unlisted operation that would have been right fails loudly instead, and the
+  library's own code reads the plain piece through `local(t)`.
+
+Not DTensor: DTensor needs a torch.distributed process group (shardwise's thread and MPI communicators are not),
+and its placements split whole dims into even chunks, while a ZeRO piece is any flat range of a unit's buffer (the
+layout contract's `flat` range), which lets the engine gather straight into views with no copy-in / copy-out.
+The cost is one Python `__torch_function__` call per torch operation touching a sharded tensor (docs/sharding.md
+has the measured figure); torch kernels themselves run unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """What a sharded piece answers for. shape: the original tensor's (global) shape. name: its name in the model,
+    for messages. what: which strategy holds the piece ("ZeRO-3", ...)."""
+
+    shape: torch.Size
+    name: str
+    what: str = "ZeRO/FSDP"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+_SPEC = "_sw_spec"
+_run_plain = torch._C._disabled_torch_function_impl
+_KINDS: dict[Any, str] = {}  # per torch function: "elementwise", "plain", "meta" or "refuse" (see _kind)
+
+
+class _Sharded:
+    """The metadata half shared by ShardedTensor and ShardedParameter (see the module docstring)."""
+
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return getattr(self, _SPEC).shape
+
+    def size(self, dim: int | None = None) -> Any:  # type: ignore[override]
+        shape = getattr(self, _SPEC).shape
+        return shape if dim is None else shape[dim]
+
+    def dim(self) -> int:  # type: ignore[override]
+        return len(getattr(self, _SPEC).shape)
+
+    def ndimension(self) -> int:  # type: ignore[override]
+        return self.dim()
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        return self.dim()
+
+    def numel(self) -> int:  # type: ignore[override]
+        return getattr(self, _SPEC).numel
+
+    def nelement(self) -> int:  # type: ignore[override]
+        return self.numel()
+
+    def __len__(self) -> int:
+        shape = getattr(self, _SPEC).shape
+        if not shape:
+            raise TypeError("len() of a 0-d tensor")
+        return shape[0]
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        spec = getattr(self, _SPEC)
+        return (f"{type(self).__name__}({spec.name}: shape {tuple(spec.shape)}, this rank holds "
+                f"{local(self).numel()} of its {spec.numel} elements under {spec.what}; sw.full_state_dict(model) "
+                f"has the whole tensor)")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        spec = getattr(self, _SPEC)
+        raise RuntimeError(
+            f"pickling {spec.name}, a {spec.what} shard ({local(self).numel()} of {spec.numel} elements on this rank), "
+            f"would save one rank's piece: save the model with sw.save_checkpoint(path, model, optimizer) (sharded, "
+            f"any layout reloads) or sw.full_state_dict(model) / sw.full_optimizer_state_dict(model, optimizer) (whole "
+            f"tensors)")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
+            _refuse(func, args, kwargs or {})
+        # torch's C implementation of "run with __torch_function__ off" (what nn.Parameter uses): the cheapest way.
+        out = _run_plain(func, types, args, kwargs) if kwargs else _run_plain(func, types, args)
+        if kind == "elementwise" and out is not None and not (args and out is args[0]):
+            return _reshard(out, args, kwargs or {})
+        return out  # in-place results, metadata, getters and setters, like-factories: as torch gives them
+
+
+class ShardedTensor(_Sharded, torch.Tensor):
+    """A sharded piece that is not a parameter: a gradient, or an elementwise result of a sharded tensor."""
+
+
+class ShardedParameter(_Sharded, nn.Parameter):
+    """What `model.parameters()` yields under ZeRO / FSDP: this rank's piece, answering for the whole parameter."""
+
+
+def as_sharded(piece: torch.Tensor, spec: ShardSpec, parameter: bool = False, requires_grad: bool = False) -> Any:
+    """`piece` (its storage, no copy) as a ShardedParameter / ShardedTensor answering for `spec`."""
+    piece = local(piece)
+    out = torch.Tensor._make_subclass(ShardedParameter if parameter else ShardedTensor, piece.detach(), requires_grad)
+    setattr(out, _SPEC, spec)
+    return out
+
+
+def set_spec(t: torch.Tensor, spec: ShardSpec) -> None:
+    """Re-describe a sharded tensor (a strategy learns the original name and shape after making the piece)."""
+    setattr(t, _SPEC, spec)
+
+
+def is_sharded(t: Any) -> bool:
+    return isinstance(t, _Sharded)
+
+
+def spec_of(t: torch.Tensor) -> ShardSpec | None:
+    return getattr(t, _SPEC, None) if isinstance(t, _Sharded) else None
+
+
+def local(t: Any) -> Any:
+    """The plain tensor of this rank's piece (a view of the same storage; no copy), or `t` itself when not sharded."""
+    if isinstance(t, _Sharded):
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.as_subclass(t, torch.Tensor)
+    return t
+
+
+# ---- which operations run on the piece -------------------------------------------------------------------------
+_IDENTITY = frozenset({
+    "detach", "detach_", "clone", "contiguous", "conj", "conj_physical", "resolve_conj", "resolve_neg", "to", "cpu",
+    "cuda", "float", "double", "half", "bfloat16", "type_as", "_to_copy", "copy_", "zero_", "fill_", "normal_",
+    "uniform_", "bernoulli_", "exponential_", "random_", "log_normal_", "geometric_", "cauchy_", "requires_grad_",
+    "masked_fill_", "lerp_", "div_", "mul_", "add_", "sub_", "clamp_min_", "clamp_max_", "sign_", "pow_",
+})
+_PLAIN = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"})
+_META = frozenset({
+    "__get__", "__set__", "__delete__", "data_ptr", "element_size", "untyped_storage", "storage_offset", "stride",
+    "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "dim_order", "is_pinned",
+    "pin_memory", "share_memory_", "is_shared", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+    "_is_view", "is_set_to", "_version", "__hash__", "__eq_id__", "__deepcopy__", "__setstate__", "is_nonzero_free",
+    "record_stream", "backward", "__format__", "_backward_hooks", "grad_fn", "_has_compatible_shallow_copy_type",
+    "is_inference", "is_neg", "is_conj", "_is_zerotensor", "has_names", "is_meta", "is_cuda", "is_cpu",
+})
+_CLIP = ("torch.nn.utils.clip_grad_norm_ over a sharded model would clip each rank by its own piece's norm: use "
+         "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
+         "sw.full_state_dict(model))")
+_MESSAGES = {
+    "_foreach_norm": _CLIP, "linalg_vector_norm": _CLIP, "norm": _CLIP, "vector_norm": _CLIP,
+    "_amp_foreach_non_finite_check_and_unscale_": "torch.amp.GradScaler over a sharded model lets each rank decide "
+                     "alone whether to skip the step: use sw.ShardedGradScaler(model) (the same API; every rank "
+                     "skips together)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _kind_of_name(name: str) -> str:
+    if name in _META or name in ("__repr__",):
+        return "meta"
+    if name in _PLAIN:
+        return "plain"
+    if name in _IDENTITY:
+        return "elementwise"
+    if name.startswith("_foreach_"):
+        return "refuse" if name in ("_foreach_norm", "_foreach_max") else "elementwise"
+    if name.startswith("__") and name.endswith("__"):
+        inner = name[2:-2]
+        if inner.startswith("i") and hasattr(torch.ops.aten, inner[1:] + "_"):
+            name = inner[1:] + "_"
+        elif inner.startswith("r") and hasattr(torch.ops.aten, inner[1:]):
+            name = inner[1:]
+        else:
+            name = inner
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None or not hasattr(packet, "overloads"):
+        return "refuse"
+    tags = {tag for overload in packet.overloads() for tag in getattr(packet, overload).tags}
+    if torch.Tag.pointwise in tags and torch.Tag.reduction not in tags:
+        return "elementwise"
+    return "refuse"
+
+
+def _kind(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__" or name == "__set__":
+        return "meta"
+    if name == "__setitem__":  # elementwise when the index is a mask made from a piece (Rprop: grad[sign < 0] = 0)
+        return "masked"
+    return _kind_of_name(name)
+
+
+def _first_spec(args: Any, kwargs: dict) -> ShardSpec | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, _Sharded):
+            return getattr(a, _SPEC)
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, _Sharded):
+                    return getattr(b, _SPEC)
+    return None
+
+
+def _reshard(out: Any, args: tuple, kwargs: dict) -> Any:
+    """An elementwise result is a piece of the same tensor: sharded again (in-place results are the input)."""
+    if isinstance(out, _Sharded) or out is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        if args and out is args[0]:
+            return out
+        spec = _first_spec(args, kwargs)
+        return as_sharded(out, spec, requires_grad=out.requires_grad) if spec is not None else out
+    # Lists (torch._foreach_* results) stay plain: they are an optimizer's intermediates, and wrapping each tensor
+    # of every foreach call would cost more than the call saves (bench/sharded_params.py).
+    return out
+
+
+def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
+    name = getattr(func, "__name__", str(func))
+    spec = _first_spec(args, kwargs)
+    assert spec is not None
+    piece = next(local(a).numel() for a in (*args, *kwargs.values(), *(b for a in args if isinstance(a, (list, tuple))
+                                                                       for b in a)) if isinstance(a, _Sharded))
+    why = _MESSAGES.get(name, "read the whole tensor with sw.full_state_dict(model) (collective), clip with "
+                              "sw.clip_grad_norm_(model, max_norm), scale losses with sw.ShardedGradScaler(model)")
+    why += ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, while an "
+            "optimizer that needs whole tensors (per-tensor norms: LARS, LAMB; factored moments: Adafactor; Muon) "
+            "cannot step pieces: train it with sw.DDP or FSDP(sharding='no_shard')")
+    raise RuntimeError(f"{name}() on {spec.name}, a {spec.what} shard (this rank holds {piece} of its {spec.numel} "
+                       f"elements, shape {tuple(spec.shape)}), would see only this rank's piece: {why}")
