@@ -43,3 +43,10 @@ class MovesRefused(nn.Module):
                                  f"{probe.device} -> {moved.dtype} on {moved.device}); move or cast the model before "
                                  f"wrapping it (for mixed precision use sw.MixedPrecision)")
         return super()._apply(fn, recurse)
+
+    @property
+    def module(self) -> nn.Module:
+        """torch DDP / FSDP1's `model.module`, the model inside the wrapper: shardwise wraps in place, so it is the
+        model itself (a submodule the model names `module` wins, as attribute lookup would give it)."""
+        own = self._modules.get("module")
+        return own if own is not None else self

@@ -307,6 +307,16 @@ class DDPModule(MovesRefused):
         finally:
             self._ddp.require_sync = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, the one `no_sync()` sets: False makes backward accumulate locally (nanoGPT sets it to
+        `micro_step == last` instead of entering no_sync)."""
+        return self._ddp.require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._ddp.require_sync = bool(value)
+
     def sync_gradients(self) -> None:
         """All-reduce, now, the gradients that backward passes under `no_sync()` accumulated (collective): a
         pipeline calls it once per step, after its last microbatch."""

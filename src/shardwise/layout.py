@@ -54,7 +54,9 @@ class Placement:
     """Where one parameter of the original model lives on this rank (see the module docstring).
 
     names: its names in the original model (a tied parameter has several; the first is canonical).
-    shape: the global (original) shape. param: the tensor this rank trains (what the optimizer sees).
+    shape: the global (original) shape. param: the tensor this rank trains (what the optimizer sees); under ZeRO /
+        FSDP a `sharded_tensor.ShardedParameter` answering for the whole tensor: tools read its piece through
+        `sharded_tensor.local(param)` (held_views does).
     boxes: this rank's tensor-parallel boxes (None: the whole tensor); box_group: the group across which boxes differ,
         boxes_by_rank: every rank of box_group's boxes, in group-rank order (to gather the whole tensor).
     concat_dim: the dim along which the boxes are concatenated into the local slice (their other sizes agree).

@@ -104,8 +104,7 @@ class _Sharded:
         raise RuntimeError(
             f"pickling {spec.name}, a {spec.what} shard ({local(self).numel()} of {spec.numel} elements on this rank), "
             f"would save one rank's piece: save the model with sw.save_checkpoint(path, model, optimizer) (sharded, "
-            f"any layout reloads) or sw.full_state_dict(model) / sw.full_optimizer_state_dict(model, optimizer) (whole "
-            f"tensors)")
+            f"any layout reloads) or sw.full_state_dict(model) (whole tensors, collective)")
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -60,6 +60,16 @@ class ShardedModule(MovesRefused):
 
     _sharding: ShardingEngine
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, the one `no_sync()` sets: False makes backward accumulate unsharded gradients locally
+        (nanoGPT sets it to `micro_step == last` instead of entering no_sync)."""
+        return self._sharding.require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sharding.require_sync = bool(value)
+
     def sync_gradients(self) -> None:
         """Reduce, now, the gradients backward passes under `no_sync()` accumulated (collective)."""
         self._sharding.sync_gradients()

@@ -1,0 +1,76 @@
+"""torch DDP's own idioms on shardwise's wrappers (issue 29): `model.module` and `require_backward_grad_sync`,
+the flag `no_sync()` sets, one mechanism: gradient accumulation written nanoGPT's way reduces once per step and
+trains like one process."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+
+_lock = threading.Lock()
+X = torch.randn(4, 8, 6, generator=torch.Generator().manual_seed(0))  # 4 micro-batches of 8 rows
+WRAPS = {"ddp": lambda m, c: sw.DDP(m, c), "zero2": lambda m, c: sw.ZeRO(m, c, stage=2),
+         "zero3": lambda m, c: sw.ZeRO(m, c, stage=3), "fsdp": lambda m, c: sw.FSDP(m, c)}
+
+
+def build() -> nn.Module:
+    with _lock:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _accumulate(model: nn.Module, rows, flag) -> None:
+    """nanoGPT's loop: sync only on the last micro-batch, by setting the flag or entering no_sync()."""
+    for micro in range(4):
+        loss = model(rows(micro)).square().mean() / 4
+        if flag:
+            model.require_backward_grad_sync = micro == 3
+            loss.backward()
+        elif micro < 3:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+
+
+@pytest.mark.parametrize("name", list(WRAPS))
+@pytest.mark.parametrize("flag", [True, False], ids=["require_backward_grad_sync", "no_sync"])
+def test_accumulation_by_the_flag_reduces_once_and_matches_one_process(name, flag):
+    def body(comm):
+        model = WRAPS[name](build(), comm)
+        assert model.module is model  # in place: the model is its own .module
+        with comm.stats.measure() as one:  # the reductions of one synced backward
+            model(X[0, :2]).square().mean().backward()
+        model.zero_grad()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        with comm.stats.measure() as step:
+            _accumulate(model, lambda m: X[m, 4 * comm.rank : 4 * comm.rank + 4], flag)
+        assert model.require_backward_grad_sync
+        opt.step()
+        reductions = [s.calls("all_reduce") + s.calls("reduce_scatter") for s in (one, step)]
+        return reductions, sw.full_state_dict(model)
+
+    ref = build()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    for micro in range(4):
+        (ref(X[micro]).square().mean() / 4).backward()
+    opt.step()
+    for (once, accumulated), state in sw.launch(body, 2):
+        assert accumulated == once > 0  # one synced backward's reductions, not one set per micro-batch
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_submodule_named_module_wins():
+    def body(comm):
+        outer = nn.Module()
+        outer.module = nn.Linear(2, 2)
+        model = sw.DDP(outer, comm)
+        return model.module is outer.module
+
+    assert sw.launch(body, 2) == [True, True]
