@@ -68,7 +68,7 @@ def measure_pipeline(comm, dp_strategy, m):
     units = [u for s in stages if hasattr(s, "sharding_units") for u in s.sharding_units()]
     reduced = sum(u["grad_buffer"] for u in units) * 4  # padded + one used flag per tensor per chunk (grad_layout)
     units = sum(u["padded"] for u in units) * 4
-    # The embedding / head weight, held by both pipeline ranks, and its used flag (a float32 all-reduced first, so a
+    # The embedding / head weight, held by both pipeline ranks, and its used flag (an int32 all-reduced first, so a
     # weight no rank used keeps grad None: unused.py); 2 ranks: an all-reduce's wire bytes equal its payload.
     tied = CONFIG.vocab_size * CONFIG.d_model * 4 + 4
     for step in range(2):

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from parity import assert_state_close
 from torch import nn
 
 import shardwise as sw
@@ -65,8 +66,7 @@ def test_gradient_hooks_registered_before_wrapping_still_run(name):
     if mask:
         assert torch.equal(want["0.weight"][:, 3:], build()[0].weight.detach()[:, 3:])  # the mask froze them
     for got in sw.launch(body, 2):
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(got, want)
 
 
 def test_a_post_accumulate_grad_hook_is_refused_by_zero():

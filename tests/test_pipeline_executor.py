@@ -124,7 +124,7 @@ def test_tied_embedding_gradient_is_summed_between_first_and_last_stage():
         return groups, None if grad is None else grad.clone(), pipe.tied.names
 
     results = sw.launch(body, 4)
-    emb_bytes = CONFIG.vocab_size * CONFIG.d_model * 4 + 4  # + its used flag (unused.py): a float32 all-reduced first
+    emb_bytes = CONFIG.vocab_size * CONFIG.d_model * 4 + 4  # + its used flag (unused.py): an int32 all-reduced first
     assert [r[0] for r in results] == [[((0, 3), emb_bytes)], [], [], [((0, 3), emb_bytes)]]
     assert results[0][2] == ["stage 0 <-> stage 3: 16384 elements"]
     model = GPT(CONFIG, seed=0)

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from parity import assert_state_close
 from torch import nn
 
 import shardwise as sw
@@ -66,8 +67,7 @@ def test_a_training_scripts_own_idioms_give_one_process_answers(name):
     for got in sw.launch(body, 4 if name == "hybrid_shard" else 2):
         assert (got["params"], got["decayed"], got["not_decayed"], got["shapes"]) == \
             (want["params"], want["decayed"], want["not_decayed"], want["shapes"])
-        for key, value in want["state"].items():
-            torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(got["state"], want["state"])
 
 
 OPTIMIZERS = {
@@ -106,8 +106,7 @@ def test_every_elementwise_torch_optimizer_steps_the_pieces_like_one_process(nam
 
     want = _train_with(_mlp(), OPTIMIZERS[name], 0, 1)
     for got in sw.launch(body, 2):
-        for key, value in want.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(got, want)
 
 
 def _after_backward(comm):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parity import assert_state_close
 from torch import nn
 
 import shardwise as sw
@@ -70,8 +71,7 @@ def test_a_layer_unused_in_step_1_is_left_alone_as_in_one_process(name):
     world = 4 if name == "hybrid_shard" else 2
     for got, grads_none in sw.launch(_two_layers, world, STRATEGIES[name]):
         assert grads_none == [False, True]
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(got, want)
 
 
 COMPRESSED = {
@@ -189,9 +189,7 @@ def test_parameters_used_on_some_ranks_or_steps_match_one_process(name):
     world = 4 if name == "hybrid_shard" else 2
     want = _train_whole(world)
     for got in sw.launch(_sharded, world, name):
-        assert got.keys() == want.keys()
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(got, want)
 
 
 # ---- compositions: the dp axis under tensor parallel, and pipeline stages ---------------------------------------
@@ -209,8 +207,7 @@ def test_tensor_parallel_with_zero3_on_the_dp_axis_leaves_an_unused_layer_alone(
     (want, _), = sw.launch(_two_layers, 1, lambda m, c: m)
     for got, grads_none in sw.launch(_tp_then_zero3, 4):
         assert grads_none == [False, True]
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(got, want)
 
 
 class Gated(nn.Module):
@@ -288,9 +285,7 @@ _lock = __import__("threading").Lock()
 def test_pipeline_stages_under_data_parallel_leave_unused_layers_alone(strategy):
     want = _pipeline_reference()
     for got in sw.launch(_pipeline, 4, strategy):
-        assert got.keys() == want.keys()
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(got, want)
 
 
 class GatedStack(nn.Module):
@@ -328,9 +323,7 @@ def test_parallelize_dp_axis_leaves_unused_layers_alone(dp_strategy):
     zero gradient to a layer no microbatch used."""
     want = _pipeline_reference("layers")
     for got in sw.launch(_parallelized, 4, dp_strategy, dp_strategy == "ddp"):
-        assert got.keys() == want.keys()
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(got, want)
 
 
 def test_parallelize_with_ddp_refuses_an_unused_layer_without_find_unused_parameters():

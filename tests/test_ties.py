@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from parity import assert_state_close
 from torch import nn
 
 import shardwise as sw
@@ -84,10 +85,8 @@ def test_a_tied_bias_stays_tied_under_a_column_parallel_decoder_and_trains_as_on
     want = _reference()
     for tied_before, tied_after, full, tp_full in sw.launch(_tp, 2, "colwise_gathered"):
         assert tied_before and tied_after
-        assert set(full) == set(want)  # both names of each tie
-        for key in want:
-            torch.testing.assert_close(full[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
-            torch.testing.assert_close(tp_full[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(full, want)  # both names of each tie
+        assert_state_close(tp_full, want)
 
 
 def test_a_tied_bias_stays_tied_under_a_row_parallel_decoder():
@@ -142,9 +141,7 @@ def test_ties_survive_every_data_parallel_strategy(name):
     world = 4 if name in ("hybrid_shard", "tp_zero3") else 2
     for ties, full in sw.launch(_data_parallel, world, name):
         assert ties == (True, True)
-        assert set(full) == set(want)
-        for key in want:
-            torch.testing.assert_close(full[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        assert_state_close(full, want)
 
 
 class SharedBuffer(nn.Module):

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from parity import assert_state_close
 from torch import nn
 
 import shardwise as sw
@@ -62,8 +63,7 @@ def test_accumulation_by_the_flag_reduces_once_and_matches_one_process(name, fla
     opt.step()
     for (once, accumulated), state in sw.launch(body, 2):
         assert accumulated == once > 0  # one synced backward's reductions, not one set per micro-batch
-        for key, value in ref.state_dict().items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+        assert_state_close(state, ref.state_dict())
 
 
 def test_a_submodule_named_module_wins():

@@ -48,6 +48,7 @@ from .compression.base import Compressor
 from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
 from .placement import to_comm_device
+from .unused import used_anywhere
 
 __all__ = ["DDP", "DDPModule"]
 
@@ -225,7 +226,6 @@ class _Reducer:
                 self.reachable = set()
             self._reset()
 
-
     def _check_all_used(self, missing: list[nn.Parameter]) -> None:
         """Without find_unused_parameters, a trainable parameter with no gradient is an error naming it."""
         if missing and not self.find_unused:
@@ -236,19 +236,16 @@ class _Reducer:
                 f"find_unused_parameters=True to DDP (to sw.parallelize or sw.distribute), or set requires_grad=False "
                 f"on parameters you do not train")
 
-    def _start_used_flags(self) -> torch.Tensor | None:
-        """With find_unused_parameters: all-reduce one used flag per parameter (which ranks used it)."""
+    def _start_used_flags(self) -> list[bool] | None:
+        """With find_unused_parameters: which parameters some rank used (one small all-reduce of flags)."""
         if not self.find_unused:
             return None
-        flags = torch.tensor([p in self.used for p in self.params], dtype=torch.int32, device=self.comm.device)
-        self.comm.all_reduce(flags, ReduceOp.SUM)
-        return flags
+        return used_anywhere([p in self.used for p in self.params], [self.comm], self.comm.device)
 
-    def _hand_out_grads(self, used_flags: torch.Tensor | None) -> None:
+    def _hand_out_grads(self, used: list[bool] | None) -> None:
         """Every .grad views its bucket, but a parameter unused on every rank keeps None, as in one process."""
-        flags = used_flags.tolist() if used_flags is not None else [1] * len(self.params)
-        for p, flag in zip(self.params, flags):
-            if flag == 0:
+        for p, was_used in zip(self.params, used if used is not None else [True] * len(self.params)):
+            if not was_used:
                 p.grad = None
             else:
                 bucket, i = self.location[p]

@@ -11,6 +11,8 @@ both devices. Parameters are moved in place (`Module.to`), so their identities, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -52,11 +54,17 @@ def move_keeping_ties(module: nn.Module, target: torch.device | str) -> None:
     """`module.to(target)`, except that a buffer shared by several modules stays one tensor (Module.to moves each
     module's buffer entry on its own, which unties them; parameters are moved in place through `.data` and stay
     shared)."""
-    moved: dict[int, torch.Tensor] = {}
+    map_buffers(module, lambda buf: buf.to(target))
+    module.to(target)
+
+
+def map_buffers(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every buffer of `module` by `fn(buffer)`, once per tensor: a buffer shared by several modules (one
+    tensor under several names) gets one result, registered under each of its names, so it stays shared."""
+    done: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for key, buf in sub._buffers.items():
             if buf is not None:
-                if id(buf) not in moved:
-                    moved[id(buf)] = buf.to(target)
-                sub._buffers[key] = moved[id(buf)]
-    module.to(target)
+                if id(buf) not in done:
+                    done[id(buf)] = fn(buf)
+                sub._buffers[key] = done[id(buf)]

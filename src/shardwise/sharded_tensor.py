@@ -186,7 +186,7 @@ _MESSAGES = {
 
 @functools.lru_cache(maxsize=None)
 def _kind_of_name(name: str) -> str:
-    if name in _META or name in ("__repr__",):
+    if name in _META:  # getters and setters (`__get__`, `__set__`) included
         return "meta"
     if name in _PLAIN:
         return "plain"
@@ -213,33 +213,28 @@ def _kind_of_name(name: str) -> str:
 
 def _kind(func: Any) -> str:
     name = getattr(func, "__name__", "")
-    if name == "__get__" or name == "__set__":
-        return "meta"
     if name == "__setitem__":  # elementwise when the index is a mask made from a piece (Rprop: grad[sign < 0] = 0)
         return "masked"
     return _kind_of_name(name)
 
 
-def _first_spec(args: Any, kwargs: dict) -> ShardSpec | None:
+def _first_sharded(args: Any, kwargs: dict) -> Any:
+    """The first sharded tensor among the arguments (lists of tensors included), or None."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, _Sharded):
-            return getattr(a, _SPEC)
+            return a
         if isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, _Sharded):
-                    return getattr(b, _SPEC)
+                    return b
     return None
 
 
 def _reshard(out: Any, args: tuple, kwargs: dict) -> Any:
-    """An elementwise result is a piece of the same tensor: sharded again (in-place results are the input)."""
-    if isinstance(out, _Sharded) or out is None:
-        return out
-    if isinstance(out, torch.Tensor):
-        if args and out is args[0]:
-            return out
-        spec = _first_spec(args, kwargs)
-        return as_sharded(out, spec, requires_grad=out.requires_grad) if spec is not None else out
+    """The result of an out-of-place elementwise operation is a piece of the same tensor: sharded again."""
+    if isinstance(out, torch.Tensor) and not isinstance(out, _Sharded):
+        source = _first_sharded(args, kwargs)
+        return as_sharded(out, getattr(source, _SPEC), requires_grad=out.requires_grad) if source is not None else out
     # Lists (torch._foreach_* results) stay plain: they are an optimizer's intermediates, and wrapping each tensor
     # of every foreach call would cost more than the call saves (bench/sharded_params.py).
     return out
@@ -247,10 +242,8 @@ def _reshard(out: Any, args: tuple, kwargs: dict) -> Any:
 
 def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
     name = getattr(func, "__name__", str(func))
-    spec = _first_spec(args, kwargs)
-    assert spec is not None
-    piece = next(local(a).numel() for a in (*args, *kwargs.values(), *(b for a in args if isinstance(a, (list, tuple))
-                                                                       for b in a)) if isinstance(a, _Sharded))
+    source = _first_sharded(args, kwargs)
+    spec, piece = getattr(source, _SPEC), local(source).numel()
     why = _MESSAGES.get(name, "read the whole tensor with sw.full_state_dict(model) (collective), clip with "
                               "sw.clip_grad_norm_(model, max_norm), scale losses with sw.ShardedGradScaler(model)")
     why += ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, while an "

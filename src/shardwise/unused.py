@@ -24,7 +24,7 @@ def used_anywhere(used_here: Sequence[bool], groups: Sequence[Communicator | Non
                   device: torch.device | str) -> list[bool]:
     """Which of the parameters (this rank's flags, `used_here`) some rank of all `groups` together used. Collective
     over each group of more than one rank, in order (their product spans the ranks to agree over)."""
-    flags = torch.tensor([1.0 if u else 0.0 for u in used_here], dtype=torch.float32, device=device)
+    flags = torch.tensor([1 if u else 0 for u in used_here], dtype=torch.int32, device=device)  # counts of users
     for group in groups:
         if group is not None and group.size > 1 and flags.numel():
             group.all_reduce(flags, ReduceOp.SUM)

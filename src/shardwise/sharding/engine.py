@@ -44,6 +44,7 @@ from torch import nn
 from ..activation_checkpointing import checkpoint_module, every_kth
 from ..agreement import agree_on_recovery
 from ..comm.base import Communicator, ReduceOp
+from ..placement import map_buffers
 from ..unused import used_anywhere
 from .policy import MixedPrecision, auto_group_mb, plan_units
 from .unit import GatheredMemory, ParamInfo, Unit
@@ -150,14 +151,9 @@ class ShardingEngine:
         self.launch_order: list[Unit] = []
         self.next_launch = 0
         self.handles: list[Any] = []
-        if mp.buffer_dtype is not None:
-            cast: dict[int, torch.Tensor] = {}  # a buffer shared by several modules stays one tensor
-            for module in model.modules():
-                for key, buf in module._buffers.items():
-                    if buf is not None and buf.is_floating_point():
-                        if id(buf) not in cast:
-                            cast[id(buf)] = buf.to(mp.buffer_dtype)
-                        module._buffers[key] = cast[id(buf)]
+        if mp.buffer_dtype is not None:  # a buffer shared by several modules stays one tensor
+            dtype = mp.buffer_dtype
+            map_buffers(model, lambda buf: buf.to(dtype) if buf.is_floating_point() else buf)
         self._register_hooks()
 
     # ---- wiring -----------------------------------------------------------------------------------------------
