@@ -330,3 +330,16 @@ def test_cli_wrap_finds_a_planted_bug_in_a_users_own_wrapping(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["check", "--gpt", "--wrap", f"{path}:buggy_zero3", "--strategy", "ddp"])
     assert info.value.code == 2 and "--wrap is the whole strategy" in capsys.readouterr().err
+
+
+def test_a_device_other_than_cpu_needs_thread_ranks():
+    with pytest.raises(ValueError, match="device='cuda:0' needs backend='thread'"):
+        sw.check(lambda: torch.nn.Linear(4, 2), torch.randn(4, 4), backend="gloo", device="cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
+def test_thread_ranks_on_cuda_without_cuda_are_refused_by_name():
+    with pytest.raises(ValueError, match="device='cuda' but this torch sees no CUDA device"):
+        sw.launch(lambda comm: None, 2, device="cuda")
+    with pytest.raises(ValueError, match="is for thread ranks"):
+        sw.launch(lambda comm: None, 2, backend="gloo", device="cuda")

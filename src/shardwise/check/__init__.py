@@ -60,6 +60,7 @@ def check(
     atol: float = 1e-6,
     backend: str = "thread",
     timeout: float = 120.0,
+    device: str | torch.device | None = None,
 ) -> CheckReport:
     """Train `build_model()` for `steps` steps under `strategy` on `world_size` ranks and in one process on the same
     global batches; return the CheckReport of their differences (see the module docstring).
@@ -88,6 +89,9 @@ def check(
     backend: "thread" (ranks are threads of this process) or "gloo" (processes: build_model, loss_fn, optimizer and
         a callable strategy must then be top-level functions of importable modules).
     timeout: seconds any collective may wait before the run fails.
+    device: where both runs compute (thread ranks only): None or "cpu" (default), or "cuda" / "cuda:N": the one
+        process and every thread rank on that GPU (the ranks share it; `comm.device` is it), the strategy's CUDA
+        paths checked on one device.
     Raises ValueError, naming the value and what is allowed, for bad arguments (before any rank starts where it
     can), and a LaunchError naming the rank when a rank fails otherwise.
     """
@@ -110,15 +114,18 @@ def check(
     timeout = _number("timeout", timeout, positive=True)
     if backend not in BACKENDS:
         raise ValueError(f"check: backend={backend!r} is not supported; allowed {list(BACKENDS)}")
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cpu" and backend != "thread":
+        raise ValueError(f"check: device={str(device)!r} needs backend='thread' (gloo processes compute on the cpu)")
     spec = parse_strategy(strategy, world_size)
     batches = resolve_batches(batch, steps)
     if spec.dp is not None:
         check_divides(batches, spec.dp)
     if backend == "gloo":
         check_picklable(build_model=build_model, loss_fn=loss_fn, optimizer=optimizer, strategy=spec.wrapper)
-    job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed)
+    job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed, device)
     reference = _reference(job, batch)
-    traces = _launch(job, backend, timeout)
+    traces = _launch(job, backend, timeout, device)
     return compare(reference, traces[0], strategy=spec.label, world_size=spec.world_size, max_norm=max_norm,
                    rtol=rtol, atol=atol, backend=backend)
 
@@ -133,7 +140,7 @@ def _reference(job: Job, batch: Any) -> Any:
     change in place between calls), loss_fn and optimizer, and by steps, seed and max_norm; the last few are kept."""
     if not callable(batch):
         return reference_trace(job)
-    key = (job.build_model, batch, job.loss_fn, job.optimizer, len(job.batches), job.seed, job.max_norm)
+    key = (job.build_model, batch, job.loss_fn, job.optimizer, len(job.batches), job.seed, job.max_norm, job.device)
     with _REFERENCES_LOCK:
         if key in _REFERENCES:
             _REFERENCES.move_to_end(key)
@@ -146,10 +153,10 @@ def _reference(job: Job, batch: Any) -> Any:
     return trace
 
 
-def _launch(job: Job, backend: str, timeout: float) -> list[Any]:
+def _launch(job: Job, backend: str, timeout: float, device: torch.device | None) -> list[Any]:
     """The ranks' traces; a ValueError a rank raised (a strategy refusing the model) is raised as itself."""
     try:
-        return launch(rank_trace, job.spec.world_size, job, backend=backend, timeout=timeout)
+        return launch(rank_trace, job.spec.world_size, job, backend=backend, timeout=timeout, device=device)
     except LaunchError as exc:
         cause = exc.__cause__
         if isinstance(cause, ValueError):

@@ -44,6 +44,7 @@ class Job:
     optimizer: Callable[[Any], torch.optim.Optimizer] | None
     max_norm: float | None
     seed: int
+    device: torch.device | None = None  # None: cpu
 
 
 @dataclasses.dataclass
@@ -111,12 +112,14 @@ def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Ca
 def reference_trace(job: Job) -> Trace:
     """One process, the whole global batch, torch's own clipping."""
     model = build_seeded(job.build_model, job.seed)
+    if job.device is not None:
+        model = model.to(job.device)
     aliases = {pl.name: pl.names for pl in layout.placements(model).values()}
 
     def clip() -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_norm)
 
-    steps, opt = _train(model, job, lambda b: b, lambda t: t, clip, True)
+    steps, opt = _train(model, job, lambda b: slice_batch(b, 0, 1, job.device), lambda t: t, clip, True)
     return Trace(steps, aliases, 1, opt, *_facts(model))
 
 

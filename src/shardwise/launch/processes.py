@@ -56,6 +56,7 @@ def launch(
     backend: str = "thread",
     timeout: float = 60.0,
     threads_per_rank: int | None = None,
+    device: str | torch.device | None = None,
 ) -> list[Any]:
     """Run `fn(comm, *args)` on `world_size` ranks and return the results in rank order.
 
@@ -64,6 +65,8 @@ def launch(
     results must be picklable, and `fn` must be importable by module and name (or defined in the main script).
     timeout: seconds any collective may wait before raising CommError.
     threads_per_rank: torch intra-op threads of each spawned process (default: cores // world_size, at least 1).
+    device: thread ranks only: the device of every rank's `comm.device` (e.g. "cuda:0": all ranks share one GPU, each
+        thread made current on it; the multi-rank logic of a strategy on real CUDA tensors). Default cpu.
     Raises LaunchError naming the first rank that failed by time (a process that died: its signal or exit code; a
     rank that raised: its traceback; a rank that stalled while its peers waited) and listing the other ranks' errors.
     A stalled thread rank cannot be stopped: launch returns without it once the others are done.
@@ -74,15 +77,29 @@ def launch(
         raise ValueError(f"launch: backend={backend!r} is not supported; allowed {LAUNCH_BACKENDS}")
     if not timeout > 0:
         raise ValueError(f"launch: timeout={timeout!r} must be a positive number of seconds")
+    if device is not None and backend != "thread" and torch.device(device).type != "cpu":
+        raise ValueError(f"launch: device={device!r} is for thread ranks (backend='thread'); {backend} processes "
+                         f"choose their device from the backend (gloo: cpu, NCCL under sw.init: the local GPU)")
     if backend == "thread":
-        return _launch_threads(fn, world_size, args, timeout)
+        return _launch_threads(fn, world_size, args, timeout, _thread_device(device))
     if backend == "mpi":
         return launch_mpi(fn, world_size, args, timeout, threads_per_rank)
     return _launch_processes(fn, world_size, args, timeout, threads_per_rank)
 
 
-def _launch_threads(fn: Callable[..., Any], n: int, args: tuple, timeout: float) -> list[Any]:
-    world = ThreadWorld(n, timeout)
+def _thread_device(device: str | torch.device | None) -> torch.device:
+    """The thread ranks' device, with its index (tensors on cuda:0 do not equal a device "cuda")"""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"launch: device={str(device)!r} but this torch sees no CUDA device; use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _launch_threads(fn: Callable[..., Any], n: int, args: tuple, timeout: float, device: torch.device) -> list[Any]:
+    world = ThreadWorld(n, timeout, device=device)
     comms = world.communicators()
     results: list[Any] = [None] * n
     raised: dict[int, BaseException] = {}
@@ -91,6 +108,12 @@ def _launch_threads(fn: Callable[..., Any], n: int, args: tuple, timeout: float)
     def run(rank: int) -> None:
         set_log_rank(rank, thread_only=True)
         try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread; a new one starts on none
+                # Backward on CUDA runs on autograd's one worker thread per device, shared by every rank of this GPU:
+                # rank 0's backward would block in a collective while rank 1's waits in the queue behind it. Each
+                # rank runs its own backward instead (thread-local).
+                torch.autograd.set_multithreading_enabled(False)
             results[rank] = fn(comms[rank], *args)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller, named by rank
             raised[rank] = exc
