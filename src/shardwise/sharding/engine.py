@@ -158,19 +158,24 @@ class ShardingEngine:
 
     # ---- wiring -----------------------------------------------------------------------------------------------
     def _register_hooks(self) -> None:
+        # The forward hooks gather, free and swap parameters and issue collectives: under torch.compile they run
+        # eagerly (torch.compiler.disable: a graph break at each unit's edges, the layers between them compiled),
+        # as inductor cannot lower what they do (record_stream, attribute swaps) and must not try.
+        eager = torch.compiler.disable
         for unit in self.units:
             if unit.is_root:
                 continue
             for module in unit.modules:
-                self.handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
-            self.handles.append(unit.modules[-1].register_forward_hook(self._make_post_forward(unit)))
+                self.handles.append(module.register_forward_pre_hook(eager(self._make_pre_forward(unit)),
+                                                                     with_kwargs=True))
+            self.handles.append(unit.modules[-1].register_forward_hook(eager(self._make_post_forward(unit))))
         # Activation checkpointing of every k-th unit (k = 1: all of them), each unit's modules recomputed.
         units = [u for u in self.units if not u.is_root]
         for unit in every_kth(units, int(self.config.activation_checkpointing)):
             for module in unit.modules:
                 checkpoint_module(module)
-        self.handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
-        self.handles.append(self.model.register_forward_hook(self._make_post_forward(self.root)))
+        self.handles.append(self.model.register_forward_pre_hook(eager(self._root_pre_forward), with_kwargs=True))
+        self.handles.append(self.model.register_forward_hook(eager(self._make_post_forward(self.root))))
         for unit in self.units:
             for info in unit.trainable:
                 hook = self._make_grad_hook(unit, info)
