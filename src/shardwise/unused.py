@@ -24,8 +24,10 @@ def used_anywhere(used_here: Sequence[bool], groups: Sequence[Communicator | Non
                   device: torch.device | str) -> list[bool]:
     """Which of the parameters (this rank's flags, `used_here`) some rank of all `groups` together used. Collective
     over each group of more than one rank, in order (their product spans the ranks to agree over)."""
-    flags = torch.tensor([1 if u else 0 for u in used_here], dtype=torch.int32, device=device)  # counts of users
+    flags = torch.tensor([1 if u else 0 for u in used_here], dtype=torch.int32)  # counts of users
+    flags = flags.to(device, non_blocking=True)  # from pageable memory: staged, the host does not wait for the GPU
     for group in groups:
         if group is not None and group.size > 1 and flags.numel():
             group.all_reduce(flags, ReduceOp.SUM)
-    return (flags > 0).tolist()
+    # Used here means used somewhere: the host reads the counts (waiting for the GPU) only when it must.
+    return list(map(bool, used_here)) if all(used_here) else (flags > 0).tolist()

@@ -54,11 +54,21 @@ class GradLayout:
         return buffer[begin : begin + self.shard]
 
     def write_flags(self, buffer: torch.Tensor, used: list[bool]) -> None:
-        """Put this rank's flags into every chunk's band (only when the flags travel in band)."""
-        if self.band:
-            flags = torch.tensor([1.0 if u else 0.0 for u in used], dtype=buffer.dtype, device=buffer.device)
-            buffer.view(self.ranks, self.segment)[:, self.shard :].copy_(flags)
+        """Put this rank's flags into every chunk's band (only when the flags travel in band). Filled in runs of
+        equal flags on the device (one fill when all were used): a host list copied to a GPU would block the host
+        until the GPU caught up, once per unit in the middle of backward."""
+        if not self.band:
+            return
+        band = buffer.view(self.ranks, self.segment)[:, self.shard :]
+        start = 0
+        for i in range(1, len(used) + 1):
+            if i == len(used) or used[i] != used[start]:
+                band[:, start:i].fill_(1.0 if used[start] else 0.0)
+                start = i
 
-    def read_flags(self, reduced: torch.Tensor) -> list[bool]:
-        """Which parameters some rank used, from a reduced chunk (`segment` elements: data, then the band)."""
+    def read_flags(self, reduced: torch.Tensor, used_here: list[bool]) -> list[bool]:
+        """Which parameters some rank used, from a reduced chunk (`segment` elements: data, then the band). When this
+        rank used them all, so did "some rank": no read (reading a GPU tensor on the host waits for the GPU)."""
+        if all(used_here):
+            return list(used_here)
         return (reduced[self.shard : self.segment] > 0).tolist()

@@ -178,6 +178,7 @@ class Unit(UnitGradients):
         self.grad_layout = GradLayout(n, self.shard_size, len(self.trainable) if in_band else 0)
         self.flag_work: Work | None = None
         self.flags: torch.Tensor | None = None
+        self.used_here: list[bool] = []  # this rank's used flags of the reduction in flight (unit_grads)
 
         self.gathered_version: int | None = self._master_version()  # the full buffer matches the master now
         # ZeRO-Offload's device-resident shard in the compute dtype (stage 3 with "optimizer" offload only).

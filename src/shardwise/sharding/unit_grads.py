@@ -60,7 +60,7 @@ class UnitGradients:
         if not self.trainable:
             return  # a frozen unit has nothing to reduce
         self._ready_grad_buffer()
-        used = self._zero_unwritten()
+        used = self.used_here = self._zero_unwritten()
         self.reduced_shard = torch.empty(self.grad_layout.segment, dtype=self.reduce_dtype, device=self.device)
         if not self.grad_layout.band:
             self._start_flags(used)
@@ -134,21 +134,23 @@ class UnitGradients:
 
     def _start_flags(self, used: list[bool]) -> None:
         """Under compression: all-reduce the used flags (exact, SUM) over the group the gradients reduce over first."""
-        self.flags = torch.tensor([1.0 if u else 0.0 for u in used], dtype=torch.float32, device=self.device)
+        self.flags = torch.tensor([1.0 if u else 0.0 for u in used], dtype=torch.float32).to(self.device,
+                                                                                             non_blocking=True)
         comm = self.shard_comm if self.shard_comm.size > 1 else self.replicate_comm
         self.flag_work = comm.all_reduce(self.flags, ReduceOp.SUM, async_op=True) if comm is not None else None
 
     def _finish_flags(self) -> list[bool]:
         """Which trainable parameters some rank used this cycle: from the reduced band, or the flags' all-reduce."""
         if self.grad_layout.band:
-            return self.grad_layout.read_flags(self.reduced_shard)
+            return self.grad_layout.read_flags(self.reduced_shard, self.used_here)
         assert self.flags is not None
         if self.flag_work is not None:
             self.flag_work.wait()
             self.flag_work = None
         if self.replicate_comm is not None and self.shard_comm.size > 1:
             self.replicate_comm.all_reduce(self.flags, ReduceOp.SUM)
-        used = (self.flags > 0).tolist()
+        # Used here means used somewhere: the host reads the flags (waiting for the GPU) only when it must.
+        used = list(self.used_here) if all(self.used_here) else (self.flags > 0).tolist()
         self.flags = None
         return used
 
