@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # on launches and timeouts, which the other worker fills (410 s serial -> 267 s). TEST_WORKERS=0 runs it serially.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-gpu soak bench clean
+.PHONY: demo test test-gpu gpu-check soak bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,14 @@ test: $(VENV)/.installed $(VENV)/.mpi
 # CUDA build of torch in the venv: on a GPU machine install it first, e.g. pip install torch==$(TORCH_VERSION).
 test-gpu: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m gpu -rs $(PYTEST_ARGS)
+
+# The GPU check for a lent GPU machine (no network: it creates no venv and installs nothing): bench/gpu_check.py with
+# the Python given as PYTHON= (default: .venv/bin/python when it exists, else python3), shardwise from src/. Report
+# folder: GPU_CHECK_OUT= (default runs/gpu-check-<time>/). Without CUDA it runs the CPU dry run and exits 0.
+GPU_CHECK_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(if $(wildcard $(BIN)/python),$(BIN)/python,python3))
+GPU_CHECK_OUT ?=
+gpu-check:
+	PYTHONPATH=src $(GPU_CHECK_PYTHON) bench/gpu_check.py $(if $(GPU_CHECK_OUT),--out "$(GPU_CHECK_OUT)")
 
 # Fault injection over many seeds (kill -9, raise, stall of one of 3 gloo ranks: launch must blame that rank).
 # SHARDWISE_SOAK_TRIALS sets the trials per fault (default 10).

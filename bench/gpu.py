@@ -12,6 +12,8 @@ Implementations (--impls, comma list):
   sw_zero3  shardwise.ZeRO(stage=3, wrap=Block) over a process group of one (NCCL on cuda, gloo on cpu)
   sw_ddp    shardwise.DDP over the same group
   fsdp2     torch.distributed.fsdp.fully_shard per Block + root, over a device mesh of one
+--compile wraps each row's model in torch.compile (the first --warmup steps compile; shardwise's hooks run eagerly
+between compiled graphs).
 Every row trains its own copy of the same model (same seed) on the same batches (row k sees batch k at its k-th step)
 with AdamW (lr 1e-4, torch's default foreach implementation), fp32 master parameters.
 Precision (--precision): `autocast` (default) runs every row's forward under torch.autocast(bfloat16): the same maths
@@ -84,6 +86,7 @@ class Config:
     lr: float = 1e-4
     seed: int = 0
     n_batches: int = 4
+    compile: bool = False
 
 
 def model_config(preset: str, seq_len: int | None) -> GPTConfig:
@@ -112,7 +115,7 @@ def world_of_one(device: torch.device):
     from shardwise.comm.torch_backend import TorchCommunicator
 
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # set_device refuses a bare "cuda"
         if not dist.is_nccl_available():
             raise SystemExit("bench/gpu.py: this PyTorch build has no NCCL (use --device cpu for the smoke run)")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
@@ -120,7 +123,8 @@ def world_of_one(device: torch.device):
     try:
         yield TorchCommunicator(None, timeout=120.0)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a failed collective may have taken the group down already
+            dist.destroy_process_group()
 
 
 class Row:
@@ -128,6 +132,7 @@ class Row:
 
     def __init__(self, name: str, model: torch.nn.Module, autocast: bool, lr: float, **info: Any) -> None:
         self.name, self.model, self.autocast, self.info = name, model, autocast, info
+        self.forward = model  # torch.compile(model) under --compile
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr)
         self.step_no = 0
         self.times: list[float] = []
@@ -137,6 +142,14 @@ class Row:
 
 
 def build(name: str, comm: shardwise.Communicator, cfg: Config, mcfg: GPTConfig) -> Row:
+    row = _build(name, comm, cfg, mcfg)
+    if cfg.compile:  # the whole wrapped model; a wrapper's hooks may break the graph (counted by torch._dynamo)
+        row.forward = torch.compile(row.model)
+        row.info["compiled"] = True
+    return row
+
+
+def _build(name: str, comm: shardwise.Communicator, cfg: Config, mcfg: GPTConfig) -> Row:
     device = torch.device(cfg.device)
     model = GPT(mcfg, seed=cfg.seed)
     sharded_bf16 = cfg.precision == "params"
@@ -184,7 +197,7 @@ def step(row: Row, batches: list, device: torch.device, record: bool) -> None:
     _sync(device)
     t0 = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=row.autocast):
-        loss = row.model(x, y)
+        loss = row.forward(x, y)
     loss.backward()
     row.opt.step()
     row.opt.zero_grad(set_to_none=True)
@@ -253,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                          "in the sharded rows")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="bf16 peak TFLOP/s for MFU (default: from the table by GPU name; e.g. H100/H200 SXM 989)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each row's model (the first steps compile: raise --warmup)")
     args = ap.parse_args(argv)
     impls = tuple(comma_list(args.impls))
     bad = [n for n in impls if n not in ALL]
@@ -270,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = model_config(args.preset, args.seq_len)
     batch_size = args.batch_size or (4 if args.preset == "tiny" else 8)
     cfg = Config(args.device, args.preset, batch_size, mcfg.seq_len, args.steps, args.rounds, args.warmup, impls,
-                 args.precision)
+                 args.precision, compile=args.compile)
     device = torch.device(cfg.device)
     nparams = GPT(mcfg, seed=0).num_parameters() if args.preset != "gpt2" else _gpt2_params(mcfg)
     peak, peak_src = peak_tflops(device, args.peak_tflops)
@@ -278,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     flops_6n = 6 * nparams * tokens
     flops_attn = flops_6n + 12 * mcfg.n_layers * mcfg.d_model * cfg.seq_len * tokens
     common = {"preset": cfg.preset, "params": nparams, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-              "tokens_per_step": tokens, "precision": cfg.precision, "device": _device_name(device),
+              "tokens_per_step": tokens, "precision": cfg.precision, "compile": cfg.compile, "device": _device_name(device),
               "peak_tflops": peak, "peak_source": peak_src, "torch": torch.__version__, "loadavg_at_start": loadavg()}
     t0 = time.time()
     rows, parity = run(cfg)

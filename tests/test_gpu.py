@@ -48,7 +48,8 @@ def nccl_world_of_one():
     try:
         yield TorchCommunicator(None, timeout=60.0)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a failed collective may have taken the group down already
+            dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -124,6 +125,7 @@ def _thread_ranks_on_cuda(n, body, *args):
 
     def main(rank):
         torch.cuda.set_device(0)  # a new thread starts on the current device of none in particular
+        torch.autograd.set_multithreading_enabled(False)  # each rank's backward on its own thread (launch says why)
         try:
             out[rank] = body(comms[rank], *args)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, named by rank
@@ -213,7 +215,9 @@ def test_tensor_parallel_on_thread_ranks_with_cuda_tensors_matches_one_gpu(cuda0
 def test_a_pipeline_on_thread_ranks_with_cuda_tensors_matches_one_gpu(cuda0, schedule):
     config = CONFIG.__class__(**{**CONFIG.__dict__, "n_layers": 4})
     ref = GPT(config, seed=0).cuda()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    # eps 1e-5: microbatches run other cuBLAS kernels than the whole batch, and with eps 1e-8 Adam turns that rounding
+    # on a near-zero gradient into an lr-sized step (one element of 16384 off by 2.7e-5 on an H100 at eps 1e-8)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
     want_losses = []
     for step in range(3):
         x, y = (t.cuda() for t in batch(step))
@@ -227,7 +231,7 @@ def test_a_pipeline_on_thread_ranks_with_cuda_tensors_matches_one_gpu(cuda0, sch
     def body(comm, base):
         pipe = pp.Pipeline(pp.partition(base.cuda().pipeline_layers(), comm.size), comm, schedule=schedule,
                            n_microbatches=4, loss_fn=lm_loss)
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-5)
         losses = []
         for step in range(3):
             x, y = (t.cuda() for t in batch(step))
@@ -298,3 +302,22 @@ def test_torch_compile_of_a_unit_wrapped_zero3_model_matches_eager(nccl_world_of
     # Inductor fuses elementwise ops (another rounding order), so not bit-equal; a wrong gather or a stale shard
     # would be off by far more than this after 4 AdamW steps.
     torch.testing.assert_close(torch.tensor(got), torch.tensor(eager), rtol=1e-4, atol=1e-5)
+
+
+def test_a_zero3_forward_and_backward_never_block_the_host(nccl_world_of_one):
+    """The CPU runs ahead of the GPU through a whole forward and backward (gathers, reduce-scatters, used flags):
+    torch's sync debug mode raises on any operation that would make the host wait for the device. (A used flag read
+    back per unit did that once, halving ZeRO-3's tokens/s on an H100.)"""
+    model = sw.ZeRO(GPT(CONFIG, seed=0), nccl_world_of_one, stage=3, wrap=Block)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = (t.cuda() for t in batch(0))
+    model(x, y).backward()  # the first step records the order units run in
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x, y).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    opt.step()
