@@ -87,6 +87,7 @@ class Config:
     seed: int = 0
     n_batches: int = 4
     compile: bool = False
+    profile: str | None = None  # a folder: after the timed rounds, 3 profiled steps per row, tables written there
 
 
 def model_config(preset: str, seq_len: int | None) -> GPTConfig:
@@ -222,6 +223,29 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max((a[k] - b[k]).abs().max().item() for k in a) / max(b[k].abs().max().item() for k in b)
 
 
+def profile_row(row: Row, batches: list, device: torch.device, folder: str) -> None:
+    """3 steps of `row` under torch.profiler (host and CUDA activity): the operators by self host time and by device
+    time, and the host's wall time per step beside the device's busy time, into <folder>/profile-<row>.txt. Where the
+    host time exceeds the device's, the step is bound by host work (hooks, bookkeeping, waits), not by the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step(row, batches, device, record=False)
+    wall = (time.perf_counter() - t0) / 3
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / 3
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"profile-{row.name}.txt"), "w") as f:
+        f.write(f"{row.name}: {wall * 1e3:.1f} ms wall per step (profiled), device busy {device_us / 1e3:.1f} ms\n\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+        if device.type == "cuda":
+            f.write(events.table(sort_by="self_device_time_total", row_limit=25) + "\n")
+
+
 def run(cfg: Config) -> tuple[list[Row], dict[str, float]]:
     device = torch.device(cfg.device)
     mcfg = model_config(cfg.preset, cfg.seq_len)
@@ -243,6 +267,9 @@ def run(cfg: Config) -> tuple[list[Row], dict[str, float]]:
                 row.peak_growth.append(row.peak[-1] - row.info.pop("_start"))
 
         alternate(rows, cfg.rounds, cfg.steps, block, comm.barrier)
+        if cfg.profile:
+            for row in rows:
+                profile_row(row, batches, device, cfg.profile)
         parity: dict[str, float] = {}
         by = {r.name: r for r in rows}
         if "plain" in by:
@@ -268,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="bf16 peak TFLOP/s for MFU (default: from the table by GPU name; e.g. H100/H200 SXM 989)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile each row's model (the first steps compile: raise --warmup)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed rounds, profile 3 steps of each row: tables in DIR/profile-<row>.txt")
     args = ap.parse_args(argv)
     impls = tuple(comma_list(args.impls))
     bad = [n for n in impls if n not in ALL]
@@ -285,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = model_config(args.preset, args.seq_len)
     batch_size = args.batch_size or (4 if args.preset == "tiny" else 8)
     cfg = Config(args.device, args.preset, batch_size, mcfg.seq_len, args.steps, args.rounds, args.warmup, impls,
-                 args.precision, compile=args.compile)
+                 args.precision, compile=args.compile, profile=args.profile)
     device = torch.device(cfg.device)
     nparams = GPT(mcfg, seed=0).num_parameters() if args.preset != "gpt2" else _gpt2_params(mcfg)
     peak, peak_src = peak_tflops(device, args.peak_tflops)

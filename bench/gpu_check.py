@@ -3,13 +3,15 @@ command that installs nothing and needs no network, with one report to carry bac
 
 It runs with the Python it is started by (`make gpu-check PYTHON=python3`: on a GPU machine, the system Python that
 already has a CUDA build of torch), with shardwise from `src/` (PYTHONPATH), and never calls pip or creates a venv.
-Stages, each a subprocess under its own time limit (7.5 minutes in all by default), in this order (the figures
+Stages, each a subprocess under its own time limit (8 minutes in all by default), in this order (the figures
 first, then the tests, which may find a hang that costs their whole limit):
 
   env      torch and CUDA versions, device name and capability, NCCL version (in-process, seconds)
   bench    bench/gpu.py: GPT-2 small in bf16, tokens/s, MFU and peak memory of plain PyTorch, shardwise ZeRO-3 and
            DDP and PyTorch FSDP2, alternating in one process, with the ZeRO-3 / plain and ZeRO-3 / FSDP2 ratios
   compile  bench/gpu.py --compile on plain PyTorch and ZeRO-3 (torch.compile of the whole model)
+  profile  bench/gpu.py --profile: 3 profiled steps of plain, ZeRO-3 and FSDP2 (host vs device time, operators)
+           into profile/profile-<row>.txt, to see where a gap to plain PyTorch goes
   tests    pytest -m gpu on tests/test_gpu.py and tests/test_gpu_matrix.py: the CUDA paths (NCCL in a world of one,
            streams, offload, bf16 / fp16, checkpoints, torch.compile) and the parity matrix on thread ranks holding
            CUDA tensors (DDP, ZeRO-1/2/3, FSDP, TP, SP, pipelines, 3-D, sw.distribute, compression, local SGD);
@@ -39,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("bench", "compile", "tests")
-#: Seconds each stage may run (the defaults sum to 7.5 minutes: the check must leave a 15-minute lease room for a
+STAGES = ("bench", "compile", "tests", "profile")
+#: Seconds each stage may run (the defaults sum to 8 minutes: the check must leave a 15-minute lease room for a
 #: machine start and one rerun of a stage).
-LIMITS = {"tests": 190, "bench": 150, "compile": 80, "dry_run": 150}
+LIMITS = {"tests": 190, "bench": 150, "compile": 80, "profile": 60, "dry_run": 150}
 GPU_TESTS = ("tests/test_gpu.py", "tests/test_gpu_matrix.py")
 
 
@@ -131,6 +133,8 @@ def stage_commands(py: str, out: Path, cuda: bool) -> dict[str, list[str]]:
                   "no:cacheprovider", "-p", "gpu_check_plugin", f"--junitxml={out / 'tests.xml'}", *GPU_TESTS],
         "bench": [py, "bench/gpu.py"],
         "compile": [py, "bench/gpu.py", "--impls", "plain,sw_zero3", "--compile", "--warmup", "3", "--rounds", "3"],
+        "profile": [py, "bench/gpu.py", "--impls", "plain,sw_zero3,fsdp2", "--rounds", "1", "--steps", "3",
+                    "--profile", str(out / "profile")],
     }
 
 
