@@ -55,3 +55,17 @@ def test_a_compiled_wrapped_model_trains_exactly_as_eager(kind):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     # the model's 2 Blocks + the root's pieces between them: a handful of graphs, not one per layer or step
     assert 1 <= counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero3", "tp", "local_sgd"])
+def test_wrapping_a_compiled_module_is_refused_naming_the_order_that_works(kind):
+    from shardwise.async_sgd import LocalSGD
+
+    comm = ThreadWorld(1).communicators()[0]
+    compiled = torch.compile(GPT(CONFIG, seed=0), backend="eager")
+    wrap = {"ddp": lambda m: sw.DDP(m, comm), "zero3": lambda m: sw.ZeRO(m, comm, stage=3),
+            "tp": lambda m: sw.tensor_parallel.parallelize(m, comm, "gpt"),
+            "local_sgd": lambda m: LocalSGD(m, comm, sync_every=2)}[kind]
+    with pytest.raises(ValueError, match=r"torch.compile\(\)d GPT .*compile what the wrapper returns"):
+        wrap(compiled)
+    wrap(compiled._orig_mod)  # the plain module inside is fine

@@ -22,8 +22,8 @@ from .hybrid import HybridModel, parallelize
 from .mesh import Coordinates, Mesh
 from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
 from .sync_batchnorm import SyncBatchNorm
-from .whole import (MemoryStats, ShardedGradScaler, clip_grad_norm_, full_state_dict, load_full_state_dict,
-                    memory_stats)
+from .whole import (MemoryStats, ShardedGradScaler, clip_grad_norm_, full_optimizer_state_dict, full_state_dict,
+                    load_full_optimizer_state_dict, load_full_state_dict, memory_stats)
 
 from . import compression, elastic, layout, pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
 
@@ -66,6 +66,7 @@ __all__ = [
     "elastic",
     "estimate_memory",
     "export_full",
+    "full_optimizer_state_dict",
     "full_state_dict",
     "get_logger",
     "import_full",
@@ -73,6 +74,7 @@ __all__ = [
     "launch",
     "layout",
     "load_checkpoint",
+    "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "memory_stats",
     "parallelize",

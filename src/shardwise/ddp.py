@@ -47,6 +47,7 @@ from .comm.coalesced import broadcast_coalesced
 from .compression.base import Compressor
 from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
+from .compiled import refuse_compiled
 from .placement import to_comm_device
 from .unused import used_anywhere
 
@@ -352,6 +353,7 @@ def DDP(
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"DDP: module must be a torch.nn.Module, got {type(module).__name__}")
+    refuse_compiled(module, "sw.DDP")
     if not is_communicator(comm):
         raise ValueError(f"DDP: comm must be a shardwise Communicator (sw.init(), sw.launch's argument, mesh.dp), "
                          f"got {type(comm).__name__}")

@@ -12,12 +12,20 @@ the first wrap, never at import) then checks each step:
 
 The first check is a few attribute reads per parameter and is cached per optimizer (re-done when its parameter
 list changes); the second runs only when the optimizer has no gradient at all (a step that would do nothing).
+
+An optimizer over pieces of sharded parameters (ZeRO / FSDP shards, tensor-parallel slices) also gets, at its first
+step, torch's state-dict hooks (whole/optim_state.py says why): `state_dict()` raises, naming
+`sw.full_optimizer_state_dict`, since it would hold this rank's pieces only; `load_state_dict()` of a full dict (a
+one-process optimizer's, or a saved `full_optimizer_state_dict`) slices it into this rank's pieces; state loaded in
+full before that first step is sliced there. shardwise's own tools read the pieces inside `local_state_dict()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,7 +34,7 @@ from torch import nn
 
 from . import layout
 
-__all__ = ["mark_replaced", "register_wrapped", "check_step"]
+__all__ = ["mark_replaced", "register_wrapped", "check_step", "local_state_dict"]
 
 _MARK = "_shardwise_replaced_by"
 _local = threading.local()  # the models wrapped in this thread (thread ranks each have their own)
@@ -58,6 +66,52 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+@contextlib.contextmanager
+def local_state_dict() -> Iterator[None]:
+    """Inside: `optimizer.state_dict()` / `load_state_dict()` of a sharded model's optimizer act on this rank's
+    pieces, as torch's do (for shardwise's own checkpoint and snapshot code)."""
+    previous = getattr(_local, "raw", False)
+    _local.raw = True
+    try:
+        yield
+    finally:
+        _local.raw = previous
+
+
+def _sharded_model(params: list[torch.Tensor]) -> nn.Module | None:
+    """The model wrapped in this thread that holds one of `params` as a piece of a larger tensor, if any."""
+    ids = {id(p) for p in params}
+    for model in list(getattr(_local, "models", ())):
+        for pl in layout.placements(model).values():
+            if id(pl.param) in ids and pl.sharded_over:
+                return model
+    return None
+
+
+def _watch_state_dicts(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    from .whole.optim_state import to_local_optimizer_state
+
+    def refuse_save(opt: torch.optim.Optimizer) -> None:
+        if not getattr(_local, "raw", False):
+            raise RuntimeError("optimizer.state_dict(): this optimizer holds this rank's pieces of sharded "
+                               "parameters, so its state dict would be one rank's slices under full parameter "
+                               "indices; call sw.full_optimizer_state_dict(model, optimizer) on every rank "
+                               "(collective; torch's format, full shapes) and save that on rank 0, or sw.save for a "
+                               "sharded checkpoint")
+
+    def slice_on_load(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        if getattr(_local, "raw", False):
+            return None
+        return to_local_optimizer_state(model, opt, state_dict)
+
+    optimizer.register_state_dict_pre_hook(refuse_save)
+    optimizer.register_load_state_dict_pre_hook(slice_on_load)
+    # State loaded in full before this first step (the hooks were not there yet): slice it now.
+    loaded = {"state": {i: optimizer.state[p] for i, p in enumerate(_params(optimizer)) if p in optimizer.state}}
+    for i, entry in to_local_optimizer_state(model, optimizer, loaded)["state"].items():
+        optimizer.state[_params(optimizer)[i]].update(entry)
+
+
 def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The step pre-hook (see the module docstring)."""
     params = _params(optimizer)
@@ -68,6 +122,10 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
                              f"{getattr(stale[0], _MARK)} replaced when it wrapped the model (shape "
                              f"{tuple(stale[0].shape)}, ...): it would train nothing; build the optimizer after "
                              f"wrapping, over model.parameters()")
+        if optimizer not in _checked:
+            model = _sharded_model(params)
+            if model is not None:
+                _watch_state_dicts(optimizer, model)
         _checked[optimizer] = len(params)
     if any(p.grad is not None for p in params):
         return

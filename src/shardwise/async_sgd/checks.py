@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from .. import layout
+from ..compiled import refuse_compiled
 from ..comm.base import Communicator, is_communicator
 
 __all__ = ["check_whole_model", "check_comm", "check_positive_int", "check_anchor_names"]
@@ -45,6 +46,7 @@ def check_whole_model(module: object, comm: Communicator, who: str) -> None:
     """ValueError unless every rank holds `module`'s parameters whole and nothing synchronises it over `comm`."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"{who}: module must be a torch.nn.Module, got {type(module).__name__}")
+    refuse_compiled(module, who)
     allowed = (f"allowed: a plain module, or one wrapped by DDP over other ranks than {who}'s comm (every parameter "
                f"whole on every rank)")
     records = layout.strategies(module)

@@ -28,6 +28,7 @@ from torch import nn
 from .. import layout
 from ..sharded_tensor import local
 from ..checkpoint.pieces import follows_param
+from ..optimizer_guard import local_state_dict
 
 __all__ = ["Snapshot", "capture"]
 
@@ -113,7 +114,8 @@ def capture(step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None
     buffers = {name: b.detach().clone() for name, b in layout.buffers(model).items()}
     opt_state = None
     if optimizer is not None:
-        opt_state = copy.deepcopy(optimizer.state_dict())  # deepcopy clones the tensors
+        with local_state_dict():  # this rank's pieces: the snapshot restores this very layout
+            opt_state = copy.deepcopy(optimizer.state_dict())  # deepcopy clones the tensors
     return Snapshot(step=step, placements=placements, params=params, buffers=buffers, optimizer=opt_state,
                     owner_of_index=optimizer_owners(model, optimizer, live),
                     scheduler=None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
@@ -135,7 +137,8 @@ def restore(snap: Snapshot, model: nn.Module, optimizer: torch.optim.Optimizer |
     for name, b in layout.buffers(model).items():
         b.copy_(snap.buffers[name])
     if optimizer is not None and snap.optimizer is not None:
-        optimizer.load_state_dict(copy.deepcopy(snap.optimizer))  # keep the snapshot intact for a second rollback
+        with local_state_dict():
+            optimizer.load_state_dict(copy.deepcopy(snap.optimizer))  # keep the snapshot intact for a second rollback
     if scheduler is not None and snap.scheduler is not None:
         scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
     if sampler is not None and snap.sampler is not None:

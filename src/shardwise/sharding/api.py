@@ -28,6 +28,7 @@ from ..activation_checkpointing import check_interval
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
 from ..optimizer_guard import mark_replaced, register_wrapped
+from ..compiled import refuse_compiled
 from ..placement import to_comm_device
 from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
@@ -105,6 +106,7 @@ def _check_common(module: nn.Module, comm: Any, mixed_precision: Any, cpu_offloa
                   flags: dict[str, Any]) -> MixedPrecision:
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    refuse_compiled(module, "sw.ZeRO / sw.FSDP")
     if not is_communicator(comm):
         raise ValueError(f"comm must be a shardwise Communicator (sw.init(), sw.launch's argument, mesh.dp), got "
                          f"{type(comm).__name__}")

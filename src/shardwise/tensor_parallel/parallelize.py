@@ -38,6 +38,8 @@ from torch import nn
 from .. import layout
 from ..agreement import check_agreement, describe_parameters, fingerprints
 from ..comm.base import Communicator, is_communicator
+from ..compiled import refuse_compiled
+from ..optimizer_guard import register_wrapped
 from ..param_hooks import carry_grad_hooks
 from ..placement import to_comm_device
 from .declare import tensor_parallel_placements
@@ -123,6 +125,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     Raises ValueError (at wrap time) for a tp size that does not divide the heads, hidden sizes or vocabulary, for a
     plan pattern that matches nothing, a style on the wrong module type, or a model already parallelised.
     """
+    refuse_compiled(model, "tensor_parallel.parallelize")
     from ..models.gpt import GPT
 
     if not isinstance(model, nn.Module):
@@ -207,6 +210,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         options={"plan": plan_name, "sequence_parallel": sp, "tp": comm.size}))
     if plan_name == "gpt":
         install_gpt_forward(model)
+    register_wrapped(model)  # the optimizer guard: its state dicts hold slices (optimizer_guard.py)
     return model
 
 

@@ -4,7 +4,9 @@ clipping, the sharded grad scaler and memory statistics work for every strategy 
 from .clip import clip_grad_norm_, global_grad_norm
 from .grad_scaler import ShardedGradScaler
 from .memory import MemoryStats, memory_stats, peak_rss_bytes
+from .optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
 from .state_dict import full_state_dict, load_full_state_dict
 
-__all__ = ["MemoryStats", "ShardedGradScaler", "clip_grad_norm_", "full_state_dict", "global_grad_norm",
-           "load_full_state_dict", "memory_stats", "peak_rss_bytes"]
+__all__ = ["MemoryStats", "ShardedGradScaler", "clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict",
+           "global_grad_norm", "load_full_optimizer_state_dict", "load_full_state_dict", "memory_stats",
+           "peak_rss_bytes"]

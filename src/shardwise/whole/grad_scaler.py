@@ -35,7 +35,10 @@ class ShardedGradScaler:
 
     def __init__(self, comm_or_model: Communicator | nn.Module, *, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True) -> None:
+        if not isinstance(enabled, bool):
+            raise ValueError(f"ShardedGradScaler: enabled={enabled!r} must be True or False")
+        self.enabled = enabled  # False: every method passes through, as torch.amp.GradScaler(enabled=False)
         if not init_scale > 0:
             raise ValueError(f"ShardedGradScaler: init_scale={init_scale!r} must be positive")
         if not growth_factor > 1:
@@ -57,14 +60,19 @@ class ShardedGradScaler:
         self.found_inf: bool | None = None  # per step: None until unscale_ ran
         self.skipped_steps = 0
 
+    def is_enabled(self) -> bool:
+        return self.enabled
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale_value
+        return loss * self.scale_value if self.enabled else loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide this rank's gradients by the scale and agree with every rank whether any of them overflowed."""
-        if self.found_inf is not None:
+        """Divide this rank's gradients by the scale and agree with every rank whether any of them overflowed.
+        The overflow test stays on the gradients' device until the one agreement (a per-tensor host read would make
+        the host wait for the GPU once per parameter)."""
+        if self.found_inf is not None or not self.enabled:
             return
-        local_inf = False
+        found: torch.Tensor | None = None
         inverse = 1.0 / self.scale_value
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -72,17 +80,21 @@ class ShardedGradScaler:
                 if grad is None or grad.numel() == 0:
                     continue
                 grad.mul_(inverse)
-                if not local_inf and not torch.isfinite(grad).all():
-                    local_inf = True
+                bad = torch.logical_not(torch.isfinite(grad)).any().to(torch.float32).reshape(1)
+                found = bad if found is None else torch.maximum(found, bad.to(found.device))
+        flag = found
         for group in self.groups:  # a skip on any rank skips on all: an OR over each group in turn
             # On the group's device (NCCL reduces CUDA tensors only), whatever device the gradients are on.
-            flag = torch.tensor([1.0 if local_inf else 0.0], device=comm_device(group))
+            device = comm_device(group)
+            flag = torch.zeros(1, device=device) if flag is None else flag.to(device)
             group.all_reduce(flag, ReduceOp.MAX)
-            local_inf = bool(flag.item())
-        self.found_inf = local_inf
+        self.found_inf = bool(flag.item()) if flag is not None else False
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale (if not done) and step unless any rank found inf/nan. Returns whether the step was taken."""
+        if not self.enabled:
+            optimizer.step()
+            return True
         self.unscale_(optimizer)
         if self.found_inf:
             self.skipped_steps += 1
@@ -92,6 +104,8 @@ class ShardedGradScaler:
 
     def update(self) -> None:
         """Back off after an overflow, grow after `growth_interval` clean steps; ready for the next step."""
+        if not self.enabled:
+            return
         if self.found_inf is None:
             raise RuntimeError("ShardedGradScaler.update() called before step() or unscale_()")
         if self.found_inf:
@@ -105,4 +119,4 @@ class ShardedGradScaler:
         self.found_inf = None
 
     def get_scale(self) -> float:
-        return self.scale_value
+        return self.scale_value if self.enabled else 1.0

@@ -1,0 +1,111 @@
+"""Full optimizer state dicts of a sharded model, in torch's own format, and loading them back into any layout.
+
+Under ZeRO / FSDP (and tensor parallel) each rank's optimizer holds state for its pieces only: AdamW's `exp_avg` of
+a ZeRO-3 parameter is this rank's flat slice. torch's `optimizer.state_dict()` would save those slices under the
+parameters' indices, a checkpoint that looks whole and resumes into a size mismatch or, worse, into the wrong
+elements. So:
+
+* `full_optimizer_state_dict(model, optimizer)` (collective: every rank calls it) returns what a one-process
+  optimizer over the unwrapped model would return from `state_dict()`: the same `{"state", "param_groups"}`
+  structure and indices, every state tensor shaped like its parameter gathered to the full shape (on CPU), scalars
+  (`step`) as they are. Save it from rank 0 with torch.save, as a plain script does.
+* `load_full_optimizer_state_dict(model, optimizer, state)` (no communication) slices each full state tensor into
+  the piece this rank holds and loads the result with torch's `load_state_dict`; a full dict handed straight to
+  `optimizer.load_state_dict` is converted the same way (optimizer_guard's load hook), so nanoGPT's resume works
+  unchanged.
+* `optimizer.state_dict()` itself, on an optimizer over sharded pieces, raises naming these (optimizer_guard).
+
+Indices follow torch's rule: the optimizer's parameters numbered in param-group order. They match a one-process
+optimizer's when both were built over the parameters in the same order (the wrapped model yields its parameters in
+the original model's order). Pipeline-partitioned models hold other stages' parameters elsewhere: use `sw.save`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import layout
+from ..sharded_tensor import local
+from .gather import gather_full, write_held
+
+__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "to_local_optimizer_state"]
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _owners(model: nn.Module, who: str) -> dict[int, layout.Placement]:
+    if layout.is_partitioned(model):
+        raise ValueError(f"{who}: the model is split into pipeline stages, whose optimizers each hold one stage's "
+                         f"parameters; save and load it with sw.save / sw.load (sharded checkpoints of any layout)")
+    return {id(pl.param): pl for pl in layout.placements(model).values()}
+
+
+def _follows(value: Any, param: torch.Tensor) -> bool:
+    """Whether an optimizer state value is laid out like its parameter's piece (exp_avg: yes; step: no)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(local(value).shape) == \
+        tuple(local(param).shape)
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict as one process would have it (see the module docstring). Collective."""
+    from ..optimizer_guard import local_state_dict
+
+    owners = _owners(model, "full_optimizer_state_dict")
+    params = _params(optimizer)
+    with local_state_dict():
+        packed = optimizer.state_dict()
+    state: dict[int, dict[str, Any]] = {}
+    # Every rank walks the same parameters in the same order, so the gathers pair up; a parameter no rank has state
+    # for (never stepped: no gradient anywhere) has none on every rank, as the used flags agree.
+    for index, param in enumerate(params):
+        pl = owners.get(id(param))
+        entry = packed["state"].get(index)
+        if entry is None:
+            continue
+        out = {}
+        for key, value in entry.items():
+            if pl is not None and _follows(value, param):
+                out[key] = gather_full(pl, value).detach().cpu().clone()
+            else:
+                out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+        state[index] = out
+    return {"state": state, "param_groups": packed["param_groups"]}
+
+
+def to_local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                             state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with every full-shaped state tensor replaced by the piece this rank holds (tensors already shaped
+    like the pieces pass through). No communication."""
+    owners = _owners(model, "load_full_optimizer_state_dict")
+    params = _params(optimizer)
+    state = {}
+    for index, entry in state_dict.get("state", {}).items():
+        param = params[int(index)] if int(index) < len(params) else None
+        pl = owners.get(id(param)) if param is not None else None
+        out = {}
+        for key, value in entry.items():
+            if pl is not None and isinstance(value, torch.Tensor) and value.dim() > 0 and \
+                    tuple(value.shape) == tuple(pl.shape) and not _follows(value, param):
+                piece = torch.empty_like(local(param), dtype=value.dtype)
+                write_held(pl, piece, value.to(piece.device))
+                out[key] = piece
+            else:
+                out[key] = value
+        state[index] = out
+    return {**state_dict, "state": state}
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   state_dict: dict[str, Any]) -> None:
+    """Load a full optimizer state dict (from `full_optimizer_state_dict`, or a one-process optimizer's
+    `state_dict()`) into this rank's optimizer over the wrapped model's pieces. No communication."""
+    from ..optimizer_guard import local_state_dict
+
+    converted = to_local_optimizer_state(model, optimizer, state_dict)
+    with local_state_dict():
+        optimizer.load_state_dict(converted)
