@@ -66,17 +66,18 @@ def inner_optimizer(params, inner: str) -> torch.optim.Optimizer:
 
 
 def train_inner_steps(model, comm, steps: int, inner: str = "adamw") -> list[InnerStep]:
-    """`steps` steps: forward, backward, inner optimizer step, then `model.step()` under `comm.stats.measure()`."""
+    """`steps` steps: forward, backward, then the inner optimizer step (which counts the inner step and synchronises
+    when one is due) and `model.step()` (returning whether it did) under `comm.stats.measure()`."""
     opt = inner_optimizer(model.parameters(), inner)
     out = []
     for step in range(steps):
         x, y = batch(step, comm.rank, comm.size)
         loss = model(x, y)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
         with comm.stats.measure() as measured:
+            opt.step()
             synced = model.step()
+        opt.zero_grad()
         out.append(InnerStep(float(loss.detach()), measured, synced))
     return out
 

@@ -203,3 +203,59 @@ def test_ddp_inside_sites_with_diloco_across_sites():
     states = sw.launch(_ddp_within_site, 4)
     for state in states[1:]:
         assert_state_close(state, states[0])
+
+
+def _plain_loop(comm, wrap: str, steps: int, call_step: bool):
+    """The one-process loop, unchanged: no model.step() unless `call_step` (the loop written for the old API)."""
+    model = GPT(CONFIG, seed=0)
+    model = LocalSGD(model, comm, sync_every=1) if wrap == "average" else \
+        sw.async_sgd.StreamingDiLoCo(model, comm, sync_every=2, fragments=2)
+    opt = sgd(model.parameters())
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.size)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if call_step:
+            model.step()
+    return state_of(model), model.inner_steps
+
+
+def test_the_plain_loop_synchronises_through_the_optimizers_step():
+    """Issue 29: without model.step() the replicas used to train apart (0.042 after 3 steps); the inner optimizer's
+    step now counts, so averaging every step is DDP's update again, and an old loop calling model.step() too counts
+    each step once."""
+    steps = 3
+    reference = reference_sgd(steps)
+    for call_step in (False, True):
+        for state, inner_steps in sw.launch(_plain_loop, 2, "average", steps, call_step):
+            assert inner_steps == steps
+            assert_state_close(state, reference)
+
+
+def test_streaming_diloco_counts_the_same_with_and_without_model_step():
+    plain = sw.launch(_plain_loop, 2, "streaming", 6, False)
+    old = sw.launch(_plain_loop, 2, "streaming", 6, True)
+    for (a, na), (b, nb) in zip(plain, old):
+        assert na == nb == 6
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_an_optimizer_over_an_async_sgd_worker_refuses_to_step():
+    from shardwise.async_sgd import AsyncSGD
+
+    def body(comm):
+        model = AsyncSGD(GPT(CONFIG, seed=0), comm, optimizer=sgd, n_servers=1)
+        if model.is_server:
+            model.serve()  # its own optimizer over the whole model steps freely here
+            return None
+        opt = sgd(model.parameters())
+        model(*batch(0, 0, 1)).backward()
+        with pytest.raises(ValueError, match=r"AsyncSGD worker's parameters.*Call model.step\(\) after backward"):
+            opt.step()
+        model.step()  # the worker's way
+        model.finish()
+        return True
+
+    assert sw.launch(body, 2)[0] is True

@@ -50,6 +50,7 @@ from ..placement import to_comm_device
 from .checks import check_anchor_names, check_comm, check_positive_int, check_whole_model
 from .extra_state import declare_local_sgd
 from .flat import group_by_dtype, pack, unpack
+from .step_hook import register_counting, take_counted
 
 __all__ = ["LocalSGD", "LocalSGDModule", "OuterOptimizerFactory", "Reduce"]
 
@@ -158,9 +159,14 @@ class LocalSGDModule(MovesRefused):
     _local_sgd: _State
 
     def step(self) -> bool:
-        """Count one inner step; every `sync_every`-th call synchronises the workers (collective) and returns True.
+        """Count one inner step; every `sync_every`-th count synchronises the workers (collective) and returns True.
 
-        Call it once per iteration, right after the inner `optimizer.step()`, on every rank."""
+        Not needed in a plain loop: the inner optimizer's `step()` counts (step_hook.py). Right after it, this
+        returns what that count returned without counting again; without one (an update by hand) it counts."""
+        counted = take_counted(self)
+        return self._advance() if counted is None else counted
+
+    def _advance(self) -> bool:
         state = self._local_sgd
         state.inner_steps += 1
         if state.inner_steps % state.sync_every == 0:
@@ -244,8 +250,9 @@ def LocalSGD(
     compression: a `sw.compression` method (e.g. `sw.compression.TopK(ratio=0.01)`) that sends the outer gradients
         (anchor - local) compressed, with error feedback per rank; buffers stay exact. Without an outer optimizer
         the anchors are kept and stepped by outer SGD at lr 1 (plain averaging of the decompressed deltas).
-    Loop: `loss.backward(); opt.step(); opt.zero_grad(); model.step()` with any torch.optim inner optimizer built
-    over `model.parameters()` after wrapping. See the module docstring for what a synchronisation does.
+    Loop: `loss.backward(); opt.step(); opt.zero_grad()` with any torch.optim inner optimizer built over
+    `model.parameters()` after wrapping: its step counts the inner steps (step_hook.py); `model.step()` after it is
+    allowed and does not count twice. See the module docstring for what a synchronisation does.
     """
     comm = check_comm(comm, "LocalSGD")
     check_whole_model(module, comm, "LocalSGD")
@@ -275,6 +282,7 @@ def LocalSGD(
                    None if compression is None else compression.fresh())
     mix_in(module, LocalSGDModule, "LocalSGD")
     module._local_sgd = state
+    register_counting(module)  # the inner optimizer's step counts (step_hook.py)
     # Declared to the layout contract: its outer state travels in sw.save_checkpoint (extra_state.py).
     declare_local_sgd(module, comm, {"sync_every": sync_every, "outer_optimizer": state.outer is not None,
                                      "compression": None if compression is None else compression.config()})

@@ -45,6 +45,7 @@ from ..placement import to_comm_device
 from .checks import check_comm, check_whole_model
 from .protocol import DONE, PULL_TAG, PUSH, PUSH_TAG, decode_into, encode, header, message_bytes
 from .server import Server, ServerReport, assign_shards, full_lr, per_worker_scale, staleness_scale
+from .step_hook import register_refusing
 
 __all__ = ["AsyncSGD", "AsyncSGDModule"]
 
@@ -259,6 +260,8 @@ def AsyncSGD(
     mix_in(module, AsyncSGDModule, "AsyncSGD")
     module._async_sgd = {"comm": comm, "server": server, "worker": worker, "n_workers": n_workers,
                          "server_ranks": server_ranks}
+    if worker is not None:
+        register_refusing(module)  # a torch optimizer over a worker would train it alone (step_hook.py)
     log.debug("AsyncSGD over %d ranks: %d worker(s), servers %s, staleness %s", comm.size, n_workers, server_ranks,
               staleness)
     return module

@@ -51,6 +51,7 @@ from .checks import check_comm, check_positive_int, check_whole_model
 from .flat import group_by_dtype, pack, unpack
 from .fragments import split_fragments
 from .local_sgd import LocalSGDModule
+from .step_hook import register_counting
 from .streaming_state import declare_streaming
 
 __all__ = ["StreamingDiLoCo", "StreamingDiLoCoModule"]
@@ -220,10 +221,10 @@ class StreamingDiLoCoModule(LocalSGDModule):
 
     _local_sgd: _StreamingState  # type: ignore[assignment]
 
-    def step(self) -> bool:
+    def _advance(self) -> bool:
         """Count one inner step: start the all-reduce of every fragment due to synchronise now and apply those whose
-        overlap has elapsed (collectives). Returns True when an outer update was applied at this step. Call it once
-        per iteration, right after the inner `optimizer.step()`, on every rank."""
+        overlap has elapsed (collectives). True when an outer update was applied at this step. The inner optimizer's
+        step calls it (step_hook.py); `model.step()` after that returns its result."""
         return self._local_sgd.step()
 
     def sync(self) -> None:
@@ -332,7 +333,8 @@ def StreamingDiLoCo(
     outer_lr, outer_momentum, nesterov: each fragment's outer SGD (DiLoCo's defaults: 0.7, Nesterov 0.9).
     compression: a `sw.compression` method for the outer gradients (the paper quantises them), one bucket per
         fragment and dtype with its error feedback on each rank; buffers stay exact.
-    Loop: `loss.backward(); opt.step(); opt.zero_grad(); model.step()`; `model.sync()` before evaluating the global
+    Loop: `loss.backward(); opt.step(); opt.zero_grad()` (the optimizer's step counts; `model.step()` after it is
+    allowed); `model.sync()` before evaluating the global
     model. See the module docstring for the schedule and what is sent.
     """
     who = "StreamingDiLoCo"
@@ -374,6 +376,7 @@ def StreamingDiLoCo(
                 anchor.copy_(p)  # the anchors were taken before the broadcast
     mix_in(module, StreamingDiLoCoModule, "StreamingDiLoCo")
     module._local_sgd = state
+    register_counting(module)  # the inner optimizer's step counts (step_hook.py)
     declare_streaming(module, comm, options)
     log.debug("StreamingDiLoCo over %d ranks: H=%d, %d fragments at steps %s, overlap %d, alpha %g", comm.size,
               sync_every, fragments, [f.offset for f in state.fragments], overlap_steps, alpha)
