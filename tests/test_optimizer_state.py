@@ -133,3 +133,17 @@ def test_the_sharded_grad_scaler_disabled_passes_everything_through():
         torch.testing.assert_close(off[0][key], on[0][key], rtol=1e-5, atol=1e-6)  # scaling is exact in fp32
     with pytest.raises(ValueError, match="enabled='yes' must be True or False"):
         sw.ShardedGradScaler(torch.nn.Linear(2, 2), enabled="yes")
+
+
+def test_torchs_load_state_dict_of_a_one_process_checkpoint_loads_each_ranks_piece():
+    want = GPT(CONFIG, seed=3).state_dict()
+
+    def body(comm):
+        model = sw.ZeRO(GPT(CONFIG, seed=0), comm, stage=3)
+        result = model.load_state_dict(want)  # torch's own call, a full state dict, no collective
+        return result, sw.full_state_dict(model)
+
+    for result, got in sw.launch(body, 2):
+        assert not result.missing_keys and not result.unexpected_keys
+        for key in want:
+            assert torch.equal(got[key], want[key]), key

@@ -17,15 +17,14 @@ An optimizer over pieces of sharded parameters (ZeRO / FSDP shards, tensor-paral
 step, torch's state-dict hooks (whole/optim_state.py says why): `state_dict()` raises, naming
 `sw.full_optimizer_state_dict`, since it would hold this rank's pieces only; `load_state_dict()` of a full dict (a
 one-process optimizer's, or a saved `full_optimizer_state_dict`) slices it into this rank's pieces; state loaded in
-full before that first step is sliced there. shardwise's own tools read the pieces inside `local_state_dict()`.
+full before that first step is sliced there. shardwise's own tools read the pieces inside
+`whole.optim_state.local_state_dict()`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,8 +32,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
 from . import layout
+from .whole.optim_state import reading_pieces, to_local_optimizer_state
 
-__all__ = ["mark_replaced", "register_wrapped", "check_step", "local_state_dict"]
+__all__ = ["mark_replaced", "register_wrapped", "check_step"]
 
 _MARK = "_shardwise_replaced_by"
 _local = threading.local()  # the models wrapped in this thread (thread ranks each have their own)
@@ -66,18 +66,6 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-@contextlib.contextmanager
-def local_state_dict() -> Iterator[None]:
-    """Inside: `optimizer.state_dict()` / `load_state_dict()` of a sharded model's optimizer act on this rank's
-    pieces, as torch's do (for shardwise's own checkpoint and snapshot code)."""
-    previous = getattr(_local, "raw", False)
-    _local.raw = True
-    try:
-        yield
-    finally:
-        _local.raw = previous
-
-
 def _sharded_model(params: list[torch.Tensor]) -> nn.Module | None:
     """The model wrapped in this thread that holds one of `params` as a piece of a larger tensor, if any."""
     ids = {id(p) for p in params}
@@ -89,10 +77,8 @@ def _sharded_model(params: list[torch.Tensor]) -> nn.Module | None:
 
 
 def _watch_state_dicts(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    from .whole.optim_state import to_local_optimizer_state
-
     def refuse_save(opt: torch.optim.Optimizer) -> None:
-        if not getattr(_local, "raw", False):
+        if not reading_pieces():
             raise RuntimeError("optimizer.state_dict(): this optimizer holds this rank's pieces of sharded "
                                "parameters, so its state dict would be one rank's slices under full parameter "
                                "indices; call sw.full_optimizer_state_dict(model, optimizer) on every rank "
@@ -100,7 +86,7 @@ def _watch_state_dicts(optimizer: torch.optim.Optimizer, model: nn.Module) -> No
                                "sharded checkpoint")
 
     def slice_on_load(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
-        if getattr(_local, "raw", False):
+        if reading_pieces():
             return None
         return to_local_optimizer_state(model, opt, state_dict)
 

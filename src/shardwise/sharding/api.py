@@ -29,6 +29,7 @@ from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
 from ..optimizer_guard import mark_replaced, register_wrapped
 from ..compiled import refuse_compiled
+from ..whole.state_dict import load_full_into_pieces
 from ..placement import to_comm_device
 from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
@@ -170,6 +171,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
             comm, sharding=config.name, units=len(engine.units), shard=shard.size,
             replicate=None if replicate is None else replicate.size),)))
     register_wrapped(module)
+    load_full_into_pieces(module)  # torch's load_state_dict of a full (one-process) state dict: each rank's piece
     return module
 
 

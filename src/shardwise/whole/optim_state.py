@@ -13,7 +13,8 @@ elements. So:
   the piece this rank holds and loads the result with torch's `load_state_dict`; a full dict handed straight to
   `optimizer.load_state_dict` is converted the same way (optimizer_guard's load hook), so nanoGPT's resume works
   unchanged.
-* `optimizer.state_dict()` itself, on an optimizer over sharded pieces, raises naming these (optimizer_guard).
+* `optimizer.state_dict()` itself, on an optimizer over sharded pieces, raises naming these (optimizer_guard);
+  shardwise's own code reads the pieces inside `local_state_dict()`.
 
 Indices follow torch's rule: the optimizer's parameters numbered in param-group order. They match a one-process
 optimizer's when both were built over the parameters in the same order (the wrapped model yields its parameters in
@@ -22,6 +23,9 @@ the original model's order). Pipeline-partitioned models hold other stages' para
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +35,28 @@ from .. import layout
 from ..sharded_tensor import local
 from .gather import gather_full, write_held
 
-__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "to_local_optimizer_state"]
+__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "local_state_dict", "reading_pieces",
+           "to_local_optimizer_state"]
+
+_raw = threading.local()
+
+
+@contextlib.contextmanager
+def local_state_dict() -> Iterator[None]:
+    """Inside: `optimizer.state_dict()` / `load_state_dict()` of a sharded model's optimizer act on this rank's
+    pieces, as torch's do (for shardwise's own code: this module, the elastic snapshot); the optimizer guard's
+    hooks stand aside."""
+    previous = getattr(_raw, "on", False)
+    _raw.on = True
+    try:
+        yield
+    finally:
+        _raw.on = previous
+
+
+def reading_pieces() -> bool:
+    """Whether this thread is inside `local_state_dict()`."""
+    return getattr(_raw, "on", False)
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -53,8 +78,6 @@ def _follows(value: Any, param: torch.Tensor) -> bool:
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state dict as one process would have it (see the module docstring). Collective."""
-    from ..optimizer_guard import local_state_dict
-
     owners = _owners(model, "full_optimizer_state_dict")
     params = _params(optimizer)
     with local_state_dict():
@@ -104,8 +127,6 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
                                    state_dict: dict[str, Any]) -> None:
     """Load a full optimizer state dict (from `full_optimizer_state_dict`, or a one-process optimizer's
     `state_dict()`) into this rank's optimizer over the wrapped model's pieces. No communication."""
-    from ..optimizer_guard import local_state_dict
-
     converted = to_local_optimizer_state(model, optimizer, state_dict)
     with local_state_dict():
         optimizer.load_state_dict(converted)

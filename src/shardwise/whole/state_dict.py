@@ -5,6 +5,12 @@ each of their names, as PyTorch does): every placement is gathered to its dense 
 stage's rank then exchanges what it holds with the other stages, so every rank gets the whole model.
 `load_full_state_dict(model, sd)` copies into each parameter the boxes its placement holds: no communication. A
 state dict therefore moves freely between strategies, world sizes and layouts (DDP, ZeRO, FSDP, TP, pipeline).
+
+torch's own `model.load_state_dict(full)` does the same on a ZeRO / FSDP model (`load_full_into_pieces`, a load
+pre-hook the sharding engine installs: each full tensor becomes this rank's piece, answering for the whole, before
+torch copies it), so a one-process checkpoint resumes unchanged. `model.state_dict()` there holds the pieces
+(ShardedTensors that refuse to be pickled, naming sw.full_state_dict), since gathering would be a collective a
+rank-0-only save would leave unmatched.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from torch import nn
 
 from .. import layout
 from ..comm.objects import all_gather_json
+from ..sharded_tensor import as_sharded, local, spec_of
 from .gather import gather_full, write_held
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
+__all__ = ["full_state_dict", "load_full_into_pieces", "load_full_state_dict"]
 
 
 def _exchange_partitions(model: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,3 +95,22 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         unexpected = [] if partitioned else sorted(state_dict.keys() - expected)
         if missing or unexpected:
             raise ValueError(f"load_full_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+
+
+def load_full_into_pieces(model: nn.Module) -> None:
+    """Make torch's `model.load_state_dict(sd)` accept full tensors for the sharded parameters of `model` (see the
+    module docstring): a load pre-hook turns each into this rank's piece. No communication."""
+
+    def hook(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
+        for pl in layout.placements(model).values():
+            spec = spec_of(pl.param)
+            if spec is None:
+                continue
+            for name in pl.names:
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and spec_of(value) is None and tuple(value.shape) == pl.shape:
+                    piece = torch.empty_like(local(pl.param))
+                    write_held(pl, piece, value.to(piece.device, piece.dtype))
+                    state_dict[prefix + name] = as_sharded(piece, spec)
+
+    model.register_load_state_dict_pre_hook(hook)
