@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
 from . import layout
-from .whole.optim_state import reading_pieces, to_local_optimizer_state
+from .whole.optim_state import localize_loaded_state, reading_pieces, to_local_optimizer_state
 
 __all__ = ["mark_replaced", "register_wrapped", "check_step"]
 
@@ -92,10 +92,7 @@ def _watch_state_dicts(optimizer: torch.optim.Optimizer, model: nn.Module) -> No
 
     optimizer.register_state_dict_pre_hook(refuse_save)
     optimizer.register_load_state_dict_pre_hook(slice_on_load)
-    # State loaded in full before this first step (the hooks were not there yet): slice it now.
-    loaded = {"state": {i: optimizer.state[p] for i, p in enumerate(_params(optimizer)) if p in optimizer.state}}
-    for i, entry in to_local_optimizer_state(model, optimizer, loaded)["state"].items():
-        optimizer.state[_params(optimizer)[i]].update(entry)
+    localize_loaded_state(model, optimizer)  # state loaded in full before this first step (no hooks yet)
 
 
 def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import layout
 from ..sharded_tensor import local
+from ..whole.optim_state import localize_loaded_state
 
 __all__ = ["Piece", "local_pieces", "dtype_name", "follows_param", "optimizer_names"]
 
@@ -71,6 +72,7 @@ def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> l
     for name, b in layout.buffers(model).items():
         pieces.append(_whole(f"buffer/{name}", b))
     if optimizer is not None:
+        localize_loaded_state(model, optimizer)  # full-size state torch's load_state_dict left: this rank's pieces
         owners = optimizer_names(model)
         for group in optimizer.param_groups:
             for p in group["params"]:

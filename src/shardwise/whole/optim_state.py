@@ -35,8 +35,8 @@ from .. import layout
 from ..sharded_tensor import local
 from .gather import gather_full, write_held
 
-__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "local_state_dict", "reading_pieces",
-           "to_local_optimizer_state"]
+__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "local_state_dict", "localize_loaded_state",
+           "reading_pieces", "to_local_optimizer_state"]
 
 _raw = threading.local()
 
@@ -63,8 +63,10 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _owners(model: nn.Module, who: str) -> dict[int, layout.Placement]:
-    if layout.is_partitioned(model):
+def _owners(model: nn.Module, who: str | None = None) -> dict[int, layout.Placement]:
+    """Placements by the id of the tensor the optimizer holds; `who` refuses pipeline-partitioned models, whose
+    other stages' parameters no rank here can gather."""
+    if who is not None and layout.is_partitioned(model):
         raise ValueError(f"{who}: the model is split into pipeline stages, whose optimizers each hold one stage's "
                          f"parameters; save and load it with sw.save / sw.load (sharded checkpoints of any layout)")
     return {id(pl.param): pl for pl in layout.placements(model).values()}
@@ -76,9 +78,21 @@ def _follows(value: Any, param: torch.Tensor) -> bool:
         tuple(local(param).shape)
 
 
+def localize_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Slice state that torch's `load_state_dict` put in full into this rank's pieces, in place (a full dict loaded
+    before the optimizer guard watched this optimizer: before its first step). No communication. Every reader of
+    the state calls it first: a full-size state would otherwise look like a piece on the rank whose piece is the
+    whole tensor and like something else on the others, and their gathers would not pair."""
+    params = _params(optimizer)
+    loaded = {"state": {i: optimizer.state[p] for i, p in enumerate(params) if p in optimizer.state}}
+    for i, entry in to_local_optimizer_state(model, optimizer, loaded)["state"].items():
+        optimizer.state[params[i]].update(entry)
+
+
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state dict as one process would have it (see the module docstring). Collective."""
     owners = _owners(model, "full_optimizer_state_dict")
+    localize_loaded_state(model, optimizer)
     params = _params(optimizer)
     with local_state_dict():
         packed = optimizer.state_dict()
@@ -104,7 +118,7 @@ def to_local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                              state_dict: dict[str, Any]) -> dict[str, Any]:
     """`state_dict` with every full-shaped state tensor replaced by the piece this rank holds (tensors already shaped
     like the pieces pass through). No communication."""
-    owners = _owners(model, "load_full_optimizer_state_dict")
+    owners = _owners(model)  # slicing is local: a pipeline stage slices the parameters it holds
     params = _params(optimizer)
     state = {}
     for index, entry in state_dict.get("state", {}).items():
