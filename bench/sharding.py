@@ -15,6 +15,8 @@ Implementations (--impls, comma list; pairs are compared shardwise / peer):
   local                  (not default) plain GPT, no communication: every rank trains its own replica; compute floor
   sw_*_sockets           (not default) a shardwise row on gloo's loopback sockets, with same-host shared memory off
                          (the peers' transport; the plain sw_* rows use shared memory between ranks of one host)
+  sw_*_unchecked         (not default) a shardwise row without the collective check (comm/collective_check.py): its
+                         cost, as the ratio sw_* / sw_*_unchecked
 DeepSpeed runs with DS_ACCELERATOR=cpu and TORCH_EXTENSIONS_DIR (defaults set below), config as in PEERS.md with
 "torch_adam": true (so its optimizer is torch.optim.AdamW, as ours), on the already-initialised gloo group, and with
 "gradient_clipping": 0.0: DeepSpeed 0.19 clips to norm 1.0 by default, which the other rows do not (--ds-clip).
@@ -74,7 +76,10 @@ ALL = ("sw_zero1", "ds_zero1", "sw_zero2", "ds_zero2", "sw_zero3", "ds_zero3", "
 # A shardwise row with "_sockets" appended runs on a communicator over the same gloo group with same-host shared
 # memory off (comm/shm_channel.py): gloo's loopback sockets, the transport the peers use.
 SOCKETS = "_sockets"
-KNOWN = ALL + ("local",) + tuple(n + SOCKETS for n in ALL if n.startswith("sw_"))
+# A shardwise row with "_unchecked" appended runs on a communicator over the same group without the collective check
+# (comm/collective_check.py: a 32-byte descriptor all-gather before each collective): the check's cost.
+UNCHECKED = "_unchecked"
+KNOWN = ALL + ("local",) + tuple(n + suffix for n in ALL if n.startswith("sw_") for suffix in (SOCKETS, UNCHECKED))
 PEER = {"sw_zero1": "ds_zero1", "sw_zero2": "ds_zero2", "sw_zero3": "ds_zero3", "sw_fsdp": "fsdp2"}
 # The engine issue's targets: ZeRO-3 <= 0.8 x DeepSpeed ZeRO-3 and <= 0.85 x FSDP2; ZeRO-1/2 <= 0.9 x DeepSpeed's same
 # stage; peak RSS <= FSDP2's.
@@ -158,6 +163,14 @@ def _build_one(name: str, comm: shardwise.Communicator, cfg: Config) -> _Impl:
                           cfg)
         impl.name = name
         impl.info["transport"] = "gloo sockets (shared memory off)"
+        return impl
+    if name.endswith(UNCHECKED) and name.startswith("sw_"):
+        from shardwise.comm.torch_backend import TorchCommunicator
+
+        impl = _build_one(name[: -len(UNCHECKED)], TorchCommunicator(None, timeout=comm.timeout,
+                                                                      check_collectives=False), cfg)
+        impl.name = name
+        impl.info["collective_check"] = "off"
         return impl
     model = GPT(_model_config(cfg), seed=cfg.seed)
     if name.startswith("sw_zero"):
@@ -696,6 +709,11 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"{name}/{name}{SOCKETS}"] = {
                 "ratio": round(by_name[name]["median_ms"] / by_name[name + SOCKETS]["median_ms"], 3),
                 "paired_per_round": paired(name, name + SOCKETS)}
+    for name in PEER:
+        if name in by_name and name + UNCHECKED in by_name:  # the collective check's cost (unchecked = 1)
+            ratio = by_name[name]["median_ms"] / by_name[name + UNCHECKED]["median_ms"]
+            ratios[f"{name}/{name}{UNCHECKED}"] = {"ratio": round(ratio, 3), "goal": 1.02, "meets_goal": ratio <= 1.02,
+                                                   "paired_per_round": paired(name, name + UNCHECKED)}
     if "local" in by_name:
         for name in by_name:
             if name.startswith("sw_"):

@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised on machines without M
 # After the guarded import above, so that a missing mpi4py gets its install hint rather than a bare ImportError.
 from .mpi_buffers import SIXTEEN_BIT, cuda_aware_mpi, finisher, mpi_buffer, mpi_reduction  # noqa: E402
 from .mpi_failure import Family  # noqa: E402
+from .collective_check import CollectiveCheck, checks_enabled  # noqa: E402
 
 __all__ = ["MPICommunicator", "cuda_aware_mpi", "bcast_json"]
 
@@ -155,6 +156,9 @@ class MPICommunicator(Communicator):
         self.device = torch.device("cpu")
         self._family = Family(self.mpi_comm, self.global_ranks) if _family is None else _family
         self._calls = 0  # operations issued, named in the answer to a peer's "what are you waiting in?"
+        # Every rank's call agreed before each collective (collective_check.py): mismatches raise, never pair.
+        self._check = (CollectiveCheck(self.size, self.rank, self.global_ranks, self._exchange)
+                       if checks_enabled("mpi") else None)
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _peers(self) -> list[int]:
@@ -189,9 +193,21 @@ class MPICommunicator(Communicator):
             raise self._fail(f"{what} timed out after {limit:g}s", what, peers, answers +
                              "; MPI cannot cancel the operation, so the job is aborted when this process exits")
 
+    def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor) -> Callable[[], None]:
+        """The collective check's all-gather of small int64 tensors: started now, polled under the communicator's
+        deadline by the function returned (issued and waited before the collective on MPI: see _issue)."""
+        what = "all_gather [agreeing on the next collective]"
+        self._check_usable(what)
+        self._calls += 1
+        seq = self._calls
+        requests = [self.mpi_comm.Iallgather([mine.numpy(), MPI.INT64_T], [everyone.numpy(), MPI.INT64_T])]
+        return lambda: self._wait(requests, what, self._peers(), self.timeout, seq)
+
     def _issue(self, what: str, start: Callable[[], list], peers: Sequence[int], then: Callable[[], None] | None,
                keep: tuple, async_op: bool) -> Work | None:
         self._check_usable(what)
+        if self._check is not None and not what.startswith(("send(", "recv(")):
+            self._check.before(what, [t for t in keep if isinstance(t, torch.Tensor)][:1])
         self._calls += 1
         try:
             requests = start()

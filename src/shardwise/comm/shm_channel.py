@@ -42,12 +42,14 @@ import logging
 import os
 import secrets
 import socket
+import zlib
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from .background import SerialWorker, ThreadWork
+from .base import CommError
 from .shm_barrier import CounterBarrier, GlooBarrier, counters_fit, ordered_stores
 from .torch_compat import all_gather_flat
 
@@ -60,6 +62,7 @@ MIN_BYTES = 32 * 1024  # smaller collectives stay on gloo: one gloo call beats a
 _BUDGET_BYTES = 32 * 1024 * 1024  # per buffer, all slots together: slot_bytes = budget / N, within 1..8 MiB
 _NONCE_BYTES = 64  # the nonce, padded to a cache line; then the barrier's counters; then the buffers
 _NAME_BYTES = 112
+_DESC_BYTES = 256  # one rank's descriptor of a call: number, hash (16 bytes), then its text
 
 # How each reduction combines two parts into an output: torch's elementwise ops with `out=` (the output may be the
 # first operand).
@@ -100,7 +103,7 @@ class SharedMemoryChannel:
     """The mapped buffers, the barrier group and the worker thread of one same-host group (module docstring)."""
 
     def __init__(self, buffers: torch.Tensor, slot_bytes: int, rank: int, global_ranks: tuple[int, ...],
-                 barrier: CounterBarrier | GlooBarrier, path: str) -> None:
+                 barrier: CounterBarrier | GlooBarrier, path: str, tables: torch.Tensor | None = None) -> None:
         self.path = path  # the file's name while it existed (unlinked once every rank had mapped it)
         self.buffers = buffers  # the two buffers' bytes, each `size` slots of `slot_bytes`
         self.slot_bytes = slot_bytes
@@ -109,6 +112,11 @@ class SharedMemoryChannel:
         self.barrier = barrier
         self.pieces = 0  # pieces done: which of the two buffers the next one uses
         self.worker = SerialWorker(f"shardwise-shm{list(global_ranks)}")
+        self.global_ranks = global_ranks
+        # Per operation, each rank's descriptor (number, hash, text) in its row of one of two tables, written with
+        # the first piece and compared after its first barrier: a mismatched call raises before any data is read.
+        self.tables = tables if tables is not None else torch.zeros(2, self.size, _DESC_BYTES, dtype=torch.uint8)
+        self.ops = 0
 
     # ---- setup --------------------------------------------------------------------------------------------------
     @classmethod
@@ -135,7 +143,8 @@ class SharedMemoryChannel:
             slot_bytes = min(8 << 20, max(1 << 20, _BUDGET_BYTES // size))
         slot_bytes = max(64, slot_bytes // 64 * 64)  # every dtype's elements aligned in every slot
         header = _NONCE_BYTES + counters_fit(size)
-        total = header + 2 * size * slot_bytes
+        tables = 2 * size * _DESC_BYTES  # the calls' descriptors (collective_check.py's, in band), double-buffered
+        total = header + tables + 2 * size * slot_bytes
         info = torch.zeros(_NAME_BYTES + 16, dtype=torch.uint8)
         created = None
         if rank == 0:
@@ -171,17 +180,47 @@ class SharedMemoryChannel:
                                   timeout)
         log.debug("shared memory: group %s on one host, %d-byte slots, %s", list(global_ranks), slot_bytes,
                   type(barrier).__name__)
-        return cls(mapped[header:], slot_bytes, rank, global_ranks, barrier, name)
+        return cls(mapped[header + tables:], slot_bytes, rank, global_ranks, barrier, name,
+                   mapped[header:header + tables].view(2, size, _DESC_BYTES))
 
     # ---- the collectives (queued; run by the worker thread in submission order) ---------------------------------
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ThreadWork:
-        return self.worker.submit(lambda: self._all_gather(output.view(-1), input.reshape(-1)))
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, what: str = "all_gather") -> ThreadWork:
+        return self.worker.submit(lambda: self._all_gather(output.view(-1), input.reshape(-1), self._post(what)))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> ThreadWork:
-        return self.worker.submit(lambda: self._reduce_scatter(output.view(-1), input.reshape(-1), _COMBINE[op]))
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str,
+                       what: str = "reduce_scatter") -> ThreadWork:
+        return self.worker.submit(lambda: self._reduce_scatter(output.view(-1), input.reshape(-1), _COMBINE[op],
+                                                               self._post(what)))
 
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> ThreadWork:
-        return self.worker.submit(lambda: self._all_reduce(tensor.view(-1), _COMBINE[op]))
+    def all_reduce(self, tensor: torch.Tensor, op: str, what: str = "all_reduce") -> ThreadWork:
+        return self.worker.submit(lambda: self._all_reduce(tensor.view(-1), _COMBINE[op], self._post(what)))
+
+    # ---- the calls' agreement (in band: no extra barrier) -----------------------------------------------------------
+    def _post(self, what: str) -> torch.Tensor:
+        """Write this rank's descriptor of the operation starting now (worker side); the table it went into."""
+        self.ops += 1
+        table = self.tables[self.ops % 2]
+        raw = what.encode()[: _DESC_BYTES - 16]
+        row = table[self.rank]
+        row[16:].zero_()
+        row[16 : 16 + len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        row[:16].view(torch.int64).copy_(torch.tensor([self.ops, zlib.crc32(raw)], dtype=torch.int64))
+        return table
+
+    def _verify(self, table: torch.Tensor) -> None:
+        """After the operation's first barrier: every rank's descriptor equals this rank's, or CommError naming
+        each rank's call (every rank sees the same table, so all raise together)."""
+        heads = table[:, :16].contiguous().view(torch.int64).view(self.size, 2)
+        if bool((heads == heads[self.rank]).all()):
+            return
+        calls = [bytes(table[j, 16:].tolist()).rstrip(b"\0").decode(errors="replace") for j in range(self.size)]
+        named = ", ".join(f"rank {self.global_ranks[j]} called {calls[j]} (its collective #{int(heads[j, 0])} "
+                          f"through shared memory)" for j in range(self.size))
+        raise CommError(f"collectives do not match across the group {list(self.global_ranks)}: {named}. Every rank "
+                        f"must call the same collectives in the same order (a forward of a ZeRO-3 / FSDP model, an "
+                        f"evaluation, a state dict gather are collectives: run them on every rank)",
+                        op=calls[self.rank].split("(")[0], rank=self.global_ranks[self.rank],
+                        peers=[self.global_ranks[j] for j in range(self.size) if j != self.rank], waited=0.0)
 
     # ---- worker side -----------------------------------------------------------------------------------------------
     def _slots(self, dtype: torch.dtype) -> torch.Tensor:
@@ -191,7 +230,7 @@ class SharedMemoryChannel:
         span = self.size * self.slot_bytes
         return self.buffers[buffer * span : (buffer + 1) * span].view(dtype).view(self.size, -1)
 
-    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor, table: torch.Tensor) -> None:
         c = shard.numel()
         step = self.slot_bytes // shard.element_size()
         for a in range(0, c, step):
@@ -199,10 +238,13 @@ class SharedMemoryChannel:
             slots = self._slots(shard.dtype)
             slots[self.rank, : b - a].copy_(shard[a:b])
             self.barrier.wait()
+            if a == 0:
+                self._verify(table)
             for j in range(self.size):
                 out[j * c + a : j * c + b].copy_(slots[j, : b - a])
 
-    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, combine: Callable[..., torch.Tensor]) -> None:
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, combine: Callable[..., torch.Tensor],
+                        table: torch.Tensor) -> None:
         c, n, r = out.numel(), self.size, self.rank
         chunks = full.view(n, c)
         others = [j for j in range(n) if j != r]
@@ -214,10 +256,12 @@ class SharedMemoryChannel:
             # Only the chunks the others reduce: rank j reads its chunk at position j - (j > r) of this slot.
             slots[r, : (n - 1) * length].view(n - 1, length).copy_(chunks[others, a:b])
             self.barrier.wait()
+            if a == 0:
+                self._verify(table)
             theirs = [slots[j, (r - (r > j)) * length : (r - (r > j) + 1) * length] for j in others]
             _fold(out[a:b], [chunks[r, a:b], *theirs], combine)  # `out` may be this rank's own chunk
 
-    def _all_reduce(self, flat: torch.Tensor, combine: Callable[..., torch.Tensor]) -> None:
+    def _all_reduce(self, flat: torch.Tensor, combine: Callable[..., torch.Tensor], table: torch.Tensor) -> None:
         total, n, r = flat.numel(), self.size, self.rank
         step = self.slot_bytes // flat.element_size()
         for a in range(0, total, step):
@@ -226,6 +270,8 @@ class SharedMemoryChannel:
             slots = self._slots(flat.dtype)
             slots[r, : b - a].copy_(flat[a:b])
             self.barrier.wait()
+            if a == 0:
+                self._verify(table)
             lo, hi = bounds[r], bounds[r + 1]
             acc = flat[a + lo : a + hi]
             _fold(acc, [acc, *(slots[j, lo:hi] for j in range(n) if j != r)], combine)

@@ -44,6 +44,7 @@ from .base import (
     check_reduce_op,
     tensor_bytes,
 )
+from .collective_check import CollectiveCheck, checks_enabled
 from .gloo_ring import GlooRing
 from .heartbeat import RankWatch
 from .shm_channel import SharedMemoryChannel, eligible
@@ -93,6 +94,10 @@ class _TorchWork(Work):
         began, start = time.time(), time.monotonic()
         try:
             ok = self.work.wait(datetime.timedelta(seconds=limit))
+        except CommError:  # the shared-memory channel's own (a call mismatch, named): as it is
+            if activity is not None:
+                activity.fail()
+            raise
         except Exception as exc:  # torch raises RuntimeError / DistBackendError subclasses with backend text
             ok, error = False, exc
         else:
@@ -152,7 +157,8 @@ class TorchCommunicator(Communicator):
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 60.0, _cache: dict | None = None,
                  _watch: RankWatch | None = None, backend_timeout: float | None = None,
-                 _streams: CommStreams | None = None, shared_memory: bool = True):
+                 _streams: CommStreams | None = None, shared_memory: bool = True,
+                 check_collectives: bool | None = None):
         if not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs torch.distributed initialised; use shardwise.init()")
         self.group = group
@@ -176,6 +182,11 @@ class TorchCommunicator(Communicator):
         # first one; False once the group found it cannot (another host, SHARDWISE_SHM=0, no /dev/shm room).
         self._shm: SharedMemoryChannel | bool | None = None
         self._shm_allowed = shared_memory  # False: this group and the groups split from it stay on sockets
+        # Every rank's call agreed before each collective (collective_check.py): mismatches raise, never pair.
+        # check_collectives=None: on for gloo unless SHARDWISE_CHECK_COLLECTIVES=0; False: off (bench/sharding.py
+        # measures the check beside an unchecked communicator on the same group).
+        checked = checks_enabled(self.backend) if check_collectives is None else check_collectives
+        self._check = CollectiveCheck(self.size, self.rank, self.global_ranks, self._exchange) if checked else None
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _error(self, what: str, limit: float, exc: BaseException | None, peers: Sequence[int] | None = None,
@@ -224,7 +235,11 @@ class TorchCommunicator(Communicator):
             pass
 
     def _issue(self, what: str, start: Callable[[], dist.Work], then: Callable[[], None] | None, async_op: bool,
-               peers: Sequence[int] | None = None, tensors: Sequence[torch.Tensor] = ()):
+               peers: Sequence[int] | None = None, tensors: Sequence[torch.Tensor] = (), checked_in_band: bool = False):
+        # A group collective on gloo: every rank's call agreed before it is issued (collective_check.py); the
+        # shared-memory channel agrees in band, inside the collective's own first barrier (`checked_in_band`).
+        if peers is None and self._check is not None and not checked_in_band:
+            self._check.before(what, tensors)
         peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else peers
         if self._streams.enabled:
             late = self._pending.overdue()
@@ -240,6 +255,25 @@ class TorchCommunicator(Communicator):
             return handle
         handle.wait()
         return None
+
+    def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor) -> Callable[[], None]:
+        """The collective check's all-gather of small int64 tensors (CPU, gloo), straight on the group: started
+        now, waited (under the communicator's timeout) by the function returned."""
+        what = "all_gather [agreeing on the next collective]"
+        try:
+            work = all_gather_flat(everyone, mine, group=self.group, async_op=True)
+        except Exception as exc:
+            raise self._error(what, self.timeout, exc) from exc
+
+        def wait() -> None:
+            try:
+                ok = work.wait(datetime.timedelta(seconds=self.timeout))
+            except Exception as exc:
+                raise self._error(what, self.timeout, exc) from exc
+            if ok is False:
+                raise self._error(what, self.timeout, None)
+
+        return wait
 
     def _native(self, op: ReduceOp, tensor: torch.Tensor, name: str) -> tuple[dist.ReduceOp, Callable[[], None] | None]:
         """The torch op to issue, and the finishing step (AVG as SUM then divide on backends without AVG)."""
@@ -277,7 +311,8 @@ class TorchCommunicator(Communicator):
         what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
         shm = self._shared_memory(what, tensor)
         if shm is not None:
-            return self._issue(what, lambda: shm.all_reduce(tensor, _combine_name(op)), then, async_op)
+            return self._issue(what, lambda: shm.all_reduce(tensor, _combine_name(op), what), then, async_op,
+                               checked_in_band=True)
         return self._issue(what, lambda: dist.all_reduce(tensor, native, group=self.group, async_op=True), then, async_op,
                            tensors=(tensor,))
 
@@ -289,7 +324,8 @@ class TorchCommunicator(Communicator):
         what = f"all_gather(numel={input.numel()})"
         shm = self._shared_memory(what, output, flat_in)
         if shm is not None:
-            return self._issue(what, lambda: shm.all_gather(output, flat_in), None, async_op)
+            return self._issue(what, lambda: shm.all_gather(output, flat_in, what), None, async_op,
+                               checked_in_band=True)
         start = lambda: all_gather_flat(output.view(-1), flat_in, group=self.group, async_op=True)  # noqa: E731
         return self._issue(what, start, None, async_op, tensors=(output, input))
 
@@ -304,7 +340,8 @@ class TorchCommunicator(Communicator):
         shm = self._shared_memory(what, output, input)
         if shm is not None:  # reduces from the input as it is (never clones it): the ring formula's bytes
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
-            return self._issue(what, lambda: shm.reduce_scatter(output, input, _combine_name(op)), then, async_op)
+            return self._issue(what, lambda: shm.reduce_scatter(output, input, _combine_name(op), what), then,
+                               async_op, checked_in_band=True)
         if self.backend == "gloo":
             # gloo has no reduce-scatter: reduce_scatter_tensor clones the input and all-reduces the clone, moving
             # an all-reduce's bytes (counted as transport). With a scratch input, a ring over point-to-point
@@ -314,7 +351,8 @@ class TorchCommunicator(Communicator):
             moved = (1 if ring else 2) * (self.size - 1) * tensor_bytes(input) // self.size
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size, transport_bytes=moved)
             if ring:
-                return self._issue(what, *self._reduce_scatter_ring(output, input, then), async_op)
+                return self._issue(what, *self._reduce_scatter_ring(output, input, then), async_op,
+                                   tensors=(output, input))
         else:
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
         flat_in = input.reshape(-1)

@@ -1,0 +1,105 @@
+"""Mismatched collectives never pair silently on gloo and MPI: every collective is preceded by a tiny exchange of what each
+rank is about to call, and a difference raises a CommError naming every rank's call.
+
+Why. gloo pairs the n-th collective of every rank of a group whatever they are: a rank evaluating a ZeRO-3 model
+alone (its all-gathers) while its peer trains (reduce-scatters of other sizes) got numbers from the wrong operation
+for 35 steps before anything failed (issue 29). NCCL has the same ordering rule; shardwise's thread ranks check it
+in strict mode (strict_stream.py), which is how the CPU suite catches it, but a real gloo job ran unchecked.
+
+Mechanism. Before issuing collective k on a group, each rank all-gathers 4 int64s over the same group: (k, a hash of
+the call's description, element count, dtype code). Every rank alternates descriptor, collective, descriptor, ...,
+so descriptor exchanges always pair with descriptor exchanges (same size), even when the collectives that follow
+them would not; the data collective is issued only after every rank's descriptor agreed (issuing it first and
+checking later is not safe: gloo aborts the process when sizes differ, and the naming exchange would pair with
+whatever the others do next). On a difference each rank holds all descriptors, so all raise together, after one
+more exchange of the calls' text to name them: "rank 0 called all_gather(numel=18560) float32 ..., rank 1 called
+reduce_scatter(op=AVG, numel=9280) float32 ...". Large collectives between ranks of one host go through the
+shared-memory channel (shm_channel.py), which checks in band instead: each rank writes its call's descriptor
+beside its data and compares the others' after the collective's own first barrier, before reading any data, at no
+extra synchronisation. The idea is PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL (ProcessGroupWrapper, which checks on a
+side gloo group).
+
+Cost: one 32-byte all-gather per collective that does not go through shared memory (its latency: 1.2 ms on this
+2-core machine's loopback gloo, 1 thread per rank), and the rank waits there for the others to reach the same call;
+bench/sharding.py's sw_zero3 / sw_zero3_unchecked rows measure it (docs/benchmarks.md).
+`SHARDWISE_CHECK_COLLECTIVES=0` turns the exchange off (the shared-memory check, which costs nothing measurable,
+stays). Point-to-point is not checked (it pairs by peer and tag, not by order), nor NCCL (its kernels are ordered
+on the GPU; the descriptor exchange would be a host round trip per collective).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .base import CommError
+
+__all__ = ["CollectiveCheck", "checks_enabled"]
+
+_DTYPES = {dt: i for i, dt in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                                          torch.complex64, torch.complex128))}
+
+
+def checks_enabled(backend: str) -> bool:
+    """Whether collectives on a group of `backend` are checked (gloo and MPI, unless SHARDWISE_CHECK_COLLECTIVES=0)."""
+    return backend in ("gloo", "mpi") and os.environ.get("SHARDWISE_CHECK_COLLECTIVES", "1") != "0"
+
+
+_TEXT = 64  # int64 words of a call's text in the naming exchange (512 bytes)
+
+
+class CollectiveCheck:
+    """The descriptor exchange of one group (see the module docstring). `exchange(mine, everyone)` starts the
+    backend's all-gather of small int64 tensors over the group and returns the function that waits for it (raising
+    the backend's CommError on failure or timeout). The same-host shared-memory channel checks its calls in band
+    (shm_channel.py), so its collectives skip this exchange."""
+
+    def __init__(self, size: int, rank: int, global_ranks: Sequence[int],
+                 exchange: Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]) -> None:
+        self.size = size
+        self.rank = rank
+        self.global_ranks = tuple(global_ranks)
+        self.exchange = exchange
+        self.count = 0
+
+    def before(self, what: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Agree with every rank of the group on collective number `count` before it is issued; raise a CommError
+        naming every rank's call when they differ."""
+        if self.size == 1:
+            return
+        self.count += 1
+        dtype = tensors[0].dtype if tensors else None
+        mine = torch.tensor([self.count, zlib.crc32(what.encode()), sum(t.numel() for t in tensors),
+                             -1 if dtype is None else _DTYPES.get(dtype, 99)], dtype=torch.int64)
+        everyone = torch.empty(4 * self.size, dtype=torch.int64)
+        self.exchange(mine, everyone)()
+        rows = everyone.view(self.size, 4)
+        if bool((rows == mine).all()):
+            return
+        others = [self.global_ranks[i] for i in range(self.size) if not bool((rows[i] == mine).all())]
+        raise CommError(self.describe(what, dtype, rows), op=what.split("(")[0], rank=self.global_ranks[self.rank],
+                        peers=others, waited=0.0)
+
+    def describe(self, what: str, dtype: torch.dtype | None, rows: torch.Tensor) -> str:
+        """Every rank's call, by text: one more exchange, which every rank makes (each saw the same rows)."""
+        text = f"{what} {str(dtype).removeprefix('torch.')}" if dtype is not None else what
+        raw = text.encode()[: 8 * _TEXT]
+        mine = torch.zeros(8 * _TEXT, dtype=torch.uint8)
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        everyone = torch.empty(_TEXT * self.size, dtype=torch.int64)
+        try:
+            self.exchange(mine.view(torch.int64), everyone)()
+            calls = [bytes(everyone.view(torch.uint8)[i * 8 * _TEXT:(i + 1) * 8 * _TEXT].tolist()).rstrip(b"\0")
+                     .decode(errors="replace") for i in range(self.size)]
+        except Exception:  # noqa: BLE001 - the texts are a courtesy; the mismatch is the news
+            calls = [f"a call described by hash {int(r[1])}, {int(r[2])} elements" for r in rows]
+        named = ", ".join(f"rank {self.global_ranks[i]} called {calls[i]} (its collective #{int(rows[i, 0])} on this "
+                          f"group)" for i in range(self.size))
+        return (f"collectives do not match across the group {list(self.global_ranks)}: {named}. Every rank must "
+                f"call the same collectives in the same order (a forward of a ZeRO-3 / FSDP model, an evaluation, "
+                f"a state dict gather are collectives: run them on every rank)")
+
