@@ -53,13 +53,14 @@ _TEXT = 64  # int64 words of a call's text in the naming exchange (512 bytes)
 
 
 class CollectiveCheck:
-    """The descriptor exchange of one group (see the module docstring). `exchange(mine, everyone)` starts the
+    """The descriptor exchange of one group (see the module docstring). `exchange(mine, everyone, what)` starts the
     backend's all-gather of small int64 tensors over the group and returns the function that waits for it (raising
-    the backend's CommError on failure or timeout). The same-host shared-memory channel checks its calls in band
+    the backend's CommError for the collective `what` on failure or timeout: a peer that never comes leaves this rank
+    waiting in that call, and is named as any wait of it would name it). The same-host shared-memory channel checks its calls in band
     (shm_channel.py), so its collectives skip this exchange."""
 
     def __init__(self, size: int, rank: int, global_ranks: Sequence[int],
-                 exchange: Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]) -> None:
+                 exchange: Callable[[torch.Tensor, torch.Tensor, str], Callable[[], None]]) -> None:
         self.size = size
         self.rank = rank
         self.global_ranks = tuple(global_ranks)
@@ -76,7 +77,7 @@ class CollectiveCheck:
         mine = torch.tensor([self.count, zlib.crc32(what.encode()), sum(t.numel() for t in tensors),
                              -1 if dtype is None else _DTYPES.get(dtype, 99)], dtype=torch.int64)
         everyone = torch.empty(4 * self.size, dtype=torch.int64)
-        self.exchange(mine, everyone)()
+        self.exchange(mine, everyone, what)()
         rows = everyone.view(self.size, 4)
         if bool((rows == mine).all()):
             return
@@ -92,7 +93,7 @@ class CollectiveCheck:
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         everyone = torch.empty(_TEXT * self.size, dtype=torch.int64)
         try:
-            self.exchange(mine.view(torch.int64), everyone)()
+            self.exchange(mine.view(torch.int64), everyone, f"{what} [naming the calls that differ]")()
             calls = [bytes(everyone.view(torch.uint8)[i * 8 * _TEXT:(i + 1) * 8 * _TEXT].tolist()).rstrip(b"\0")
                      .decode(errors="replace") for i in range(self.size)]
         except Exception:  # noqa: BLE001 - the texts are a courtesy; the mismatch is the news

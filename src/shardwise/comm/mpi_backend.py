@@ -193,10 +193,9 @@ class MPICommunicator(Communicator):
             raise self._fail(f"{what} timed out after {limit:g}s", what, peers, answers +
                              "; MPI cannot cancel the operation, so the job is aborted when this process exits")
 
-    def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor) -> Callable[[], None]:
+    def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor, what: str) -> Callable[[], None]:
         """The collective check's all-gather of small int64 tensors: started now, polled under the communicator's
-        deadline by the function returned (issued and waited before the collective on MPI: see _issue)."""
-        what = "all_gather [agreeing on the next collective]"
+        deadline by the function returned. A failure or timeout there is the collective `what`'s."""
         self._check_usable(what)
         self._calls += 1
         seq = self._calls

@@ -256,24 +256,16 @@ class TorchCommunicator(Communicator):
         handle.wait()
         return None
 
-    def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor) -> Callable[[], None]:
+    def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor, what: str) -> Callable[[], None]:
         """The collective check's all-gather of small int64 tensors (CPU, gloo), straight on the group: started
-        now, waited (under the communicator's timeout) by the function returned."""
-        what = "all_gather [agreeing on the next collective]"
+        now, waited by the function returned. A failure or timeout there is the collective `what`'s (the call this
+        rank was about to make is what its peers left it waiting in), named as any wait of it would be."""
+        peers = [r for r in self.global_ranks if r != self.global_rank]
         try:
             work = all_gather_flat(everyone, mine, group=self.group, async_op=True)
         except Exception as exc:
-            raise self._error(what, self.timeout, exc) from exc
-
-        def wait() -> None:
-            try:
-                ok = work.wait(datetime.timedelta(seconds=self.timeout))
-            except Exception as exc:
-                raise self._error(what, self.timeout, exc) from exc
-            if ok is False:
-                raise self._error(what, self.timeout, None)
-
-        return wait
+            raise self._error(what, self.timeout, exc, peers) from exc
+        return _TorchWork(self, work, what, None, peers).wait
 
     def _native(self, op: ReduceOp, tensor: torch.Tensor, name: str) -> tuple[dist.ReduceOp, Callable[[], None] | None]:
         """The torch op to issue, and the finishing step (AVG as SUM then divide on backends without AVG)."""
