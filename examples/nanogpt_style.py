@@ -102,8 +102,7 @@ def train(comm: sw.Communicator, args: argparse.Namespace) -> dict[str, Any]:
         optimizer.load_state_dict(checkpoint["optimizer"])
         start = checkpoint["iter_num"]
     n_params = sum(p.numel() for p in raw_model.parameters())
-    if args.compile:
-        model = torch.compile(model)
+    forward = torch.compile(model) if args.compile else model  # compile the wrapped model (wrap first)
     tokens_per_step = args.batch_size * comm.size * args.accum * cfg.seq_len
     train_log: dict[int, float] = {}
     eval_log: dict[int, float] = {}
@@ -111,7 +110,7 @@ def train(comm: sw.Communicator, args: argparse.Namespace) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = get_lr(step, args)
         if step % args.eval_interval == 0:
-            eval_log[step] = estimate_loss(model, args, cfg)
+            eval_log[step] = estimate_loss(forward, args, cfg)
             checkpoint = {"model": sw.full_state_dict(raw_model),  # collective: every rank calls, rank 0 saves
                           "optimizer": sw.full_optimizer_state_dict(raw_model, optimizer), "iter_num": step}
             if master and step > start:
@@ -122,7 +121,7 @@ def train(comm: sw.Communicator, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         for micro in range(args.accum):
             model.require_backward_grad_sync = micro == args.accum - 1  # reduce once, on the last micro-batch
-            loss = model(*get_batch(args, cfg, step, micro, comm.rank, comm.size)) / args.accum
+            loss = forward(*get_batch(args, cfg, step, micro, comm.rank, comm.size)) / args.accum
             scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         sw.clip_grad_norm_(model, 1.0)

@@ -69,3 +69,21 @@ def test_wrapping_a_compiled_module_is_refused_naming_the_order_that_works(kind)
     with pytest.raises(ValueError, match=r"torch.compile\(\)d GPT .*compile what the wrapper returns"):
         wrap(compiled)
     wrap(compiled._orig_mod)  # the plain module inside is fine
+
+
+def test_shardwise_tools_see_through_a_compiled_wrapped_model():
+    """sw.clip_grad_norm_ / sw.full_state_dict / sw.ShardedGradScaler given torch.compile(wrapped) act on the wrapped
+    model's layout (found by tests/test_nanogpt_example.py's compiled run: the clip fell back to torch's)."""
+    def body(comm):
+        model = sw.ZeRO(GPT(CONFIG, seed=0), comm, stage=3, wrap=Block)
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled(*batch(0, comm.rank, comm.size)).backward()
+        norm = sw.clip_grad_norm_(compiled, 1e9)
+        return float(norm), sorted(sw.full_state_dict(compiled)) == sorted(GPT(CONFIG, seed=0).state_dict())
+
+    ref = GPT(CONFIG, seed=0)
+    ref(*batch(0)).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    for norm, same_keys in sw.launch(body, 2):
+        assert same_keys
+        assert abs(norm - want) <= 1e-5 * want

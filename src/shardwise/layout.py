@@ -194,9 +194,15 @@ class Parallelized:
     extra_state: tuple[ExtraState, ...] | Callable[[], tuple[ExtraState, ...]] = ()
 
 
+def _inner(model: nn.Module) -> nn.Module:
+    """The module itself, or the one torch.compile wrapped (an OptimizedModule's `_orig_mod`): tools given the compiled
+    model (sw.clip_grad_norm_(torch.compile(wrapped), ...)) must see the wrapped model's layout."""
+    return model._orig_mod if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod") else model
+
+
 def strategies(model: nn.Module) -> list[Parallelized]:
     """The strategies applied to `model`, innermost (first applied) first; [] for a plain module."""
-    return list(model.__dict__.get(_ATTR, ()))
+    return list(_inner(model).__dict__.get(_ATTR, ()))
 
 
 def extra_states(model: nn.Module) -> dict[str, ExtraState]:
@@ -241,7 +247,7 @@ def base_placements(model: nn.Module) -> dict[str, Placement]:
     """One placement per unique parameter of a plain module: whole tensors, nothing sharded or replicated."""
     names: dict[int, list[str]] = {}
     objects: dict[int, nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in _inner(model).named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
         objects[id(p)] = p
     return {ns[0]: Placement(tuple(ns), tuple(objects[pid].shape), objects[pid]) for pid, ns in names.items()}
@@ -268,7 +274,7 @@ def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
         if record.buffer_names:
             rename.update(record.buffer_names)
     out = {}
-    for prefix, module in model.named_modules():
+    for prefix, module in _inner(model).named_modules():
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
                 key = f"{prefix}.{name}" if prefix else name
