@@ -181,3 +181,26 @@ def test_bad_save_arguments():
         sw.save_checkpoint("x", model, step=1, keep_last=0)
     with pytest.raises(ValueError, match="JSON-serialisable"):
         sw.save_checkpoint("x", model, step=1, data=object())
+
+
+def test_writes_never_follow_a_planted_link(tmp_path):
+    """Issue 33: a link planted under the temporary name of the `latest` pointer or of an exported file (both named
+    by the writer's pid) is removed, never written through: the file outside stays as it was."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("untouched")
+    ckpt, export = tmp_path / "ckpt", tmp_path / "export"
+    ckpt.mkdir()
+    export.mkdir()
+    (ckpt / f".latest.tmp-{os.getpid()}").symlink_to(outside)  # thread ranks: rank 0 is this process
+    (export / f".m.safetensors.tmp-{os.getpid()}").symlink_to(outside)
+
+    def body(comm):
+        model = sw.ZeRO(GPT(SMALL, seed=0), comm, stage=3)
+        sw.save_checkpoint(ckpt, model, step=2)
+        sw.export_full(export / "m.safetensors", model)
+
+    sw.launch(body, 2)
+    assert outside.read_text() == "untouched"
+    latest = ckpt / "latest"
+    assert not latest.is_symlink() and latest.read_text().strip() == "step-00000002"
+    assert not (export / "m.safetensors").is_symlink() and load_file(str(export / "m.safetensors"))

@@ -205,6 +205,9 @@ def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Mo
     if comm.rank != 0:
         root.mkdir(parents=True, exist_ok=True)
     tmp.mkdir(exist_ok=True)
+    if tmp.is_symlink():  # a link planted under this save's name: never write through it
+        raise CheckpointError(f"save_checkpoint: {tmp} is a symbolic link; a save writes only into a directory it "
+                              f"made (remove the link)")
 
     pieces = local_pieces(model, optimizer)
     states = declared_states(model, optimizer)

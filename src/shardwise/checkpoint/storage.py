@@ -79,9 +79,19 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_bytes_durably(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file in the same directory, fsync, rename: all or nothing."""
+    """Write `data` to `path` via a temporary file in the same directory, fsync, rename: all or nothing.
+
+    The temporary file is created new (O_CREAT | O_EXCL | O_NOFOLLOW): a file or link already there under its name
+    (left by a dead writer, or planted to point elsewhere) is removed, never written through; the rename replaces a
+    link at `path` itself, not what it points to."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileExistsError:
+        os.unlink(tmp)  # a link is removed itself; its target is untouched
+        fd = os.open(tmp, flags, 0o644)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
