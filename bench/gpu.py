@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     flops_6n = 6 * nparams * tokens
     flops_attn = flops_6n + 12 * mcfg.n_layers * mcfg.d_model * cfg.seq_len * tokens
     common = {"preset": cfg.preset, "params": nparams, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-              "tokens_per_step": tokens, "precision": cfg.precision, "compile": cfg.compile, "device": _device_name(device),
+              "tokens_per_step": tokens, "precision": cfg.precision, "compile": cfg.compile,
+              "device": _device_name(device),
               "peak_tflops": peak, "peak_source": peak_src, "torch": torch.__version__, "loadavg_at_start": loadavg()}
     t0 = time.time()
     rows, parity = run(cfg)

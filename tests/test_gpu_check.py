@@ -40,12 +40,12 @@ def test_make_gpu_check_without_cuda_runs_the_dry_run_and_installs_nothing(scrat
     work, fake, tmp = scratch
     out = tmp / "report"
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
-    dry = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", f"PYTHON={sys.executable}", f"GPU_CHECK_OUT={out}"], cwd=work,
-                         capture_output=True, text=True, env=env, timeout=30)
+    make = ["make", "--no-print-directory"]
+    args = ["gpu-check", f"PYTHON={sys.executable}", f"GPU_CHECK_OUT={out}"]
+    dry = subprocess.run([*make, "-n", *args], cwd=work, capture_output=True, text=True, env=env, timeout=30)
     assert dry.returncode == 0, dry.stderr
     assert "pip" not in dry.stdout and "venv" not in dry.stdout.replace(".venv/bin/python", ""), dry.stdout
-    proc = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PYTHON={sys.executable}", f"GPU_CHECK_OUT={out}"], cwd=work,
-                          capture_output=True, text=True, env=env, timeout=160)
+    proc = subprocess.run([*make, *args], cwd=work, capture_output=True, text=True, env=env, timeout=160)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "no CUDA device here" in proc.stdout
     assert not (work / ".venv").exists()

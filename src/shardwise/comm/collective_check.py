@@ -1,5 +1,5 @@
-"""Mismatched collectives never pair silently on gloo and MPI: every collective is preceded by a tiny exchange of what each
-rank is about to call, and a difference raises a CommError naming every rank's call.
+"""Mismatched collectives never pair silently on gloo and MPI: every collective is preceded by a tiny exchange of what
+each rank is about to call, and a difference raises a CommError naming every rank's call.
 
 Why. gloo pairs the n-th collective of every rank of a group whatever they are: a rank evaluating a ZeRO-3 model
 alone (its all-gathers) while its peer trains (reduce-scatters of other sizes) got numbers from the wrong operation
@@ -55,9 +55,11 @@ _TEXT = 64  # int64 words of a call's text in the naming exchange (512 bytes)
 class CollectiveCheck:
     """The descriptor exchange of one group (see the module docstring). `exchange(mine, everyone, what)` starts the
     backend's all-gather of small int64 tensors over the group and returns the function that waits for it (raising
-    the backend's CommError for the collective `what` on failure or timeout: a peer that never comes leaves this rank
-    waiting in that call, and is named as any wait of it would name it). The same-host shared-memory channel checks its calls in band
-    (shm_channel.py), so its collectives skip this exchange."""
+    the backend's CommError for the collective `what` on failure or timeout: a peer that never comes leaves this
+    rank waiting in that call, and is named as any wait of it would name it). The same-host shared-memory channel
+    checks its calls in band (shm_channel.py), so its collectives skip this exchange; a rank in a shared-memory
+    collective while a peer waits in this exchange (one rank's call large, the other's small) is found by the
+    timeout instead, the heartbeat naming what each waits in."""
 
     def __init__(self, size: int, rank: int, global_ranks: Sequence[int],
                  exchange: Callable[[torch.Tensor, torch.Tensor, str], Callable[[], None]]) -> None:
