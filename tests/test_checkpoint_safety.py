@@ -204,3 +204,24 @@ def test_writes_never_follow_a_planted_link(tmp_path):
     latest = ckpt / "latest"
     assert not latest.is_symlink() and latest.read_text().strip() == "step-00000002"
     assert not (export / "m.safetensors").is_symlink() and load_file(str(export / "m.safetensors"))
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "tp"])
+def test_replicas_that_drifted_apart_are_named_at_save(tmp_path, wrap):
+    """Issue 33: copies made to differ by 1e-3 in one tensor on one rank: save raises naming the tensor and the ranks
+    (DDP: every parameter replicated over dp; tensor parallel: the LayerNorms replicated over tp); replicas that
+    agree pass sw.check_replicas and save."""
+    def body(comm):
+        model = GPT(SMALL, seed=0)
+        model = sw.DDP(model, comm) if wrap == "ddp" else sw.tensor_parallel.parallelize(model, comm, "gpt")
+        sw.check_replicas(model)  # equal copies: nothing to say
+        sw.save_checkpoint(tmp_path / "good", model, step=1)
+        if comm.rank == 1:
+            with torch.no_grad():
+                dict(model.named_parameters())["ln_f.weight"][3] += 1e-3
+        with pytest.raises(sw.ReplicaMismatch, match=r"ln_f.weight: ranks \[0\] / \[1\] hold different copies"):
+            sw.save_checkpoint(tmp_path / "bad", model, step=2)
+        return True
+
+    assert sw.launch(body, 2) == [True, True]
+    assert not (tmp_path / "bad" / "step-00000002").exists()

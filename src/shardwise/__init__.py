@@ -22,8 +22,9 @@ from .hybrid import HybridModel, parallelize
 from .mesh import Coordinates, Mesh
 from .sharding import FSDP, MixedPrecision, ShardedModule, ZeRO
 from .sync_batchnorm import SyncBatchNorm
-from .whole import (MemoryStats, ShardedGradScaler, clip_grad_norm_, full_optimizer_state_dict, full_state_dict,
-                    load_full_optimizer_state_dict, load_full_state_dict, memory_stats)
+from .whole import (MemoryStats, ReplicaMismatch, ShardedGradScaler, check_replicas, clip_grad_norm_,
+                    full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict, load_full_state_dict,
+                    memory_stats)
 
 from . import compression, elastic, layout, pipeline, tensor_parallel  # or `from shardwise import pipeline as pp, tensor_parallel as tp`
 
@@ -51,6 +52,7 @@ __all__ = [
     "MixedPrecision",
     "Mesh",
     "ReduceOp",
+    "ReplicaMismatch",
     "ShardedGradScaler",
     "ShardedModule",
     "StreamingDiLoCo",
@@ -59,6 +61,7 @@ __all__ = [
     "ZeRO",
     "agree",
     "check",
+    "check_replicas",
     "clip_grad_norm_",
     "compression",
     "detect_environment",

@@ -37,6 +37,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json, broadcast_json
+from ..whole.replicas import check_replicas
 from .barrier import DEFAULT_IO_TIMEOUT, io_barrier
 from .pieces import local_pieces, optimizer_names
 from .strategy_state import declared_states, merge_indexes, save_problems, snapshot
@@ -209,6 +210,7 @@ def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Mo
         raise CheckpointError(f"save_checkpoint: {tmp} is a symbolic link; a save writes only into a directory it "
                               f"made (remove the link)")
 
+    check_replicas(model)  # copies that drifted apart raise, naming the tensor: never save one rank's as everyone's
     pieces = local_pieces(model, optimizer)
     states = declared_states(model, optimizer)
     # What is wrong with this rank's strategy state travels with its pieces: every rank then raises, none waits.
