@@ -40,6 +40,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from shardwise.benchmarks.timing import loadavg
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("bench", "compile", "tests", "profile")
 #: Seconds each stage may run (the defaults sum to 8 minutes: the check must leave a 15-minute lease room for a
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = stage_commands(sys.executable, out, cuda)
     if cuda:
         commands = {k: commands[k] for k in stages}
-    report: dict[str, Any] = {"started": started, "env": env, "loadavg": _loadavg(), "stages": {}}
+    report: dict[str, Any] = {"started": started, "env": env, "loadavg": loadavg(), "stages": {}}
     for name, cmd in commands.items():
         st = run_stage(name, cmd, out, limits[name])
         if name == "tests":
@@ -211,19 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             st["result"] = f"{len(st['rows'])} rows" + (f", parity {st['parity']}" if st["parity"] else "")
         report["stages"][name] = st
         (out / "report.json").write_text(json.dumps(report, indent=1, default=str))  # kept if a later stage hangs
-    report["loadavg_end"] = _loadavg()
+    report["loadavg_end"] = loadavg()
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     text = markdown(report)
     (out / "report.md").write_text(text)
     print(f"\n[gpu-check] report: {out}/report.md\n\n{text}", flush=True)
     return 0 if all(st["rc"] == 0 for st in report["stages"].values()) else 1
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
 
 
 if __name__ == "__main__":

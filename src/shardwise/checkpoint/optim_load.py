@@ -17,7 +17,7 @@ import torch
 
 from .. import layout
 from ..sharded_tensor import local
-from .pieces import optimizer_names
+from ..whole.optim_state import optimizer_names
 from .reader import Reader, fill_held
 from .validate import tensor_dtype
 

@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from .. import layout
-from ..sharded_tensor import local
-from ..whole.optim_state import localize_loaded_state
+from ..whole.optim_state import follows_param, localize_loaded_state, optimizer_names
 
-__all__ = ["Piece", "local_pieces", "dtype_name", "follows_param", "optimizer_names"]
+__all__ = ["Piece", "local_pieces", "dtype_name"]
 
 
 @dataclasses.dataclass
@@ -45,18 +44,6 @@ class Piece:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def follows_param(value: torch.Tensor, param: torch.Tensor) -> bool:
-    """Optimizer state sharded like its parameter (exp_avg), as opposed to a replicated scalar (step): compared on
-    this rank's pieces (a ZeRO piece answers for the whole tensor's shape; sharded_tensor.py)."""
-    value, param = local(value), local(param)
-    return value.dim() > 0 and value.shape == param.shape
-
-
-def optimizer_names(model: nn.Module) -> dict[int, layout.Placement]:
-    """id(trained tensor) -> its placement, to name what an optimizer holds."""
-    return {id(pl.param): pl for pl in layout.placements(model).values()}
 
 
 def _whole(name: str, value: torch.Tensor) -> Piece:

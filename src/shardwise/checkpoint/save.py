@@ -39,7 +39,8 @@ from ..comm.base import Communicator
 from ..comm.objects import all_gather_json, broadcast_json
 from ..whole.replicas import check_replicas
 from .barrier import DEFAULT_IO_TIMEOUT, io_barrier
-from .pieces import local_pieces, optimizer_names
+from ..whole.optim_state import optimizer_names
+from .pieces import local_pieces
 from .strategy_state import declared_states, merge_indexes, save_problems, snapshot
 from .storage import (
     FORMAT,

@@ -37,7 +37,7 @@ import torch
 
 from .base import CommError
 
-__all__ = ["CollectiveCheck", "checks_enabled"]
+__all__ = ["CollectiveCheck", "checks_enabled", "mismatch_message"]
 
 _DTYPES = {dt: i for i, dt in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -100,9 +100,14 @@ class CollectiveCheck:
                      .decode(errors="replace") for i in range(self.size)]
         except Exception:  # noqa: BLE001 - the texts are a courtesy; the mismatch is the news
             calls = [f"a call described by hash {int(r[1])}, {int(r[2])} elements" for r in rows]
-        named = ", ".join(f"rank {self.global_ranks[i]} called {calls[i]} (its collective #{int(rows[i, 0])} on this "
-                          f"group)" for i in range(self.size))
-        return (f"collectives do not match across the group {list(self.global_ranks)}: {named}. Every rank must "
-                f"call the same collectives in the same order (a forward of a ZeRO-3 / FSDP model, an evaluation, "
-                f"a state dict gather are collectives: run them on every rank)")
+        return mismatch_message(self.global_ranks, calls, [int(n) for n in rows[:, 0]], "on this group")
+
+
+def mismatch_message(global_ranks: Sequence[int], calls: Sequence[str], numbers: Sequence[int], where: str) -> str:
+    """The CommError text of calls that differ across a group (this exchange's, and the shared-memory channel's)."""
+    named = ", ".join(f"rank {r} called {call} (its collective #{n} {where})"
+                      for r, call, n in zip(global_ranks, calls, numbers))
+    return (f"collectives do not match across the group {list(global_ranks)}: {named}. Every rank must call the same "
+            f"collectives in the same order (a forward of a ZeRO-3 / FSDP model, an evaluation, a state dict gather "
+            f"are collectives: run them on every rank)")
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from .background import SerialWorker, ThreadWork
 from .base import CommError
+from .collective_check import mismatch_message
 from .shm_barrier import CounterBarrier, GlooBarrier, counters_fit, ordered_stores
 from .torch_compat import all_gather_flat
 
@@ -214,12 +215,8 @@ class SharedMemoryChannel:
         if bool((heads == heads[self.rank]).all()):
             return
         calls = [bytes(table[j, 16:].tolist()).rstrip(b"\0").decode(errors="replace") for j in range(self.size)]
-        named = ", ".join(f"rank {self.global_ranks[j]} called {calls[j]} (its collective #{int(heads[j, 0])} "
-                          f"through shared memory)" for j in range(self.size))
-        raise CommError(f"collectives do not match across the group {list(self.global_ranks)}: {named}. Every rank "
-                        f"must call the same collectives in the same order (a forward of a ZeRO-3 / FSDP model, an "
-                        f"evaluation, a state dict gather are collectives: run them on every rank)",
-                        op=calls[self.rank].split("(")[0], rank=self.global_ranks[self.rank],
+        message = mismatch_message(self.global_ranks, calls, [int(n) for n in heads[:, 0]], "through shared memory")
+        raise CommError(message, op=calls[self.rank].split("(")[0], rank=self.global_ranks[self.rank],
                         peers=[self.global_ranks[j] for j in range(self.size) if j != self.rank], waited=0.0)
 
     # ---- worker side -----------------------------------------------------------------------------------------------

@@ -27,8 +27,7 @@ from torch import nn
 
 from .. import layout
 from ..sharded_tensor import local
-from ..checkpoint.pieces import follows_param
-from ..whole.optim_state import local_state_dict
+from ..whole.optim_state import follows_param, local_state_dict
 
 __all__ = ["Snapshot", "capture"]
 

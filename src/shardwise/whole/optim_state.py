@@ -35,8 +35,8 @@ from .. import layout
 from ..sharded_tensor import local
 from .gather import gather_full, write_held
 
-__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "local_state_dict", "localize_loaded_state",
-           "reading_pieces", "to_local_optimizer_state"]
+__all__ = ["follows_param", "full_optimizer_state_dict", "load_full_optimizer_state_dict", "local_state_dict",
+           "localize_loaded_state", "optimizer_names", "reading_pieces", "to_local_optimizer_state"]
 
 _raw = threading.local()
 
@@ -63,19 +63,25 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _owners(model: nn.Module, who: str | None = None) -> dict[int, layout.Placement]:
-    """Placements by the id of the tensor the optimizer holds; `who` refuses pipeline-partitioned models, whose
-    other stages' parameters no rank here can gather."""
-    if who is not None and layout.is_partitioned(model):
-        raise ValueError(f"{who}: the model is split into pipeline stages, whose optimizers each hold one stage's "
-                         f"parameters; save and load it with sw.save / sw.load (sharded checkpoints of any layout)")
+def optimizer_names(model: nn.Module) -> dict[int, layout.Placement]:
+    """id(trained tensor) -> its placement, to name what an optimizer holds."""
     return {id(pl.param): pl for pl in layout.placements(model).values()}
 
 
-def _follows(value: Any, param: torch.Tensor) -> bool:
-    """Whether an optimizer state value is laid out like its parameter's piece (exp_avg: yes; step: no)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(local(value).shape) == \
-        tuple(local(param).shape)
+def follows_param(value: Any, param: torch.Tensor) -> bool:
+    """Optimizer state sharded like its parameter (exp_avg), as opposed to a replicated scalar (step): compared on
+    this rank's pieces (a ZeRO piece answers for the whole tensor's shape; sharded_tensor.py)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    value, param = local(value), local(param)
+    return value.dim() > 0 and value.shape == param.shape
+
+
+def _refuse_pipelines(model: nn.Module, who: str) -> None:
+    """A pipeline stage's optimizer holds one stage's parameters: no rank here can gather the others'."""
+    if layout.is_partitioned(model):
+        raise ValueError(f"{who}: the model is split into pipeline stages, whose optimizers each hold one stage's "
+                         f"parameters; save and load it with sw.save / sw.load (sharded checkpoints of any layout)")
 
 
 def localize_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -91,7 +97,8 @@ def localize_loaded_state(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state dict as one process would have it (see the module docstring). Collective."""
-    owners = _owners(model, "full_optimizer_state_dict")
+    _refuse_pipelines(model, "full_optimizer_state_dict")
+    owners = optimizer_names(model)
     localize_loaded_state(model, optimizer)
     params = _params(optimizer)
     with local_state_dict():
@@ -106,7 +113,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             continue
         out = {}
         for key, value in entry.items():
-            if pl is not None and _follows(value, param):
+            if pl is not None and follows_param(value, param):
                 out[key] = gather_full(pl, value).detach().cpu().clone()
             else:
                 out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
@@ -118,7 +125,7 @@ def to_local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                              state_dict: dict[str, Any]) -> dict[str, Any]:
     """`state_dict` with every full-shaped state tensor replaced by the piece this rank holds (tensors already shaped
     like the pieces pass through). No communication."""
-    owners = _owners(model)  # slicing is local: a pipeline stage slices the parameters it holds
+    owners = optimizer_names(model)  # slicing is local: a pipeline stage slices the parameters it holds
     params = _params(optimizer)
     state = {}
     for index, entry in state_dict.get("state", {}).items():
@@ -127,7 +134,7 @@ def to_local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         out = {}
         for key, value in entry.items():
             if pl is not None and isinstance(value, torch.Tensor) and value.dim() > 0 and \
-                    tuple(value.shape) == tuple(pl.shape) and not _follows(value, param):
+                    tuple(value.shape) == tuple(pl.shape) and not follows_param(value, param):
                 piece = torch.empty_like(local(param), dtype=value.dtype)
                 write_held(pl, piece, value.to(piece.device))
                 out[key] = piece
