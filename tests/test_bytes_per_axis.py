@@ -12,12 +12,13 @@ from sharding_cases import wrap
 import shardwise as sw
 from shardwise import tensor_parallel as tp
 from shardwise.models import GPT
+from shardwise.sharded_tensor import local
 
 
 def measure(comm, dp_strategy, sp):
     mesh = sw.Mesh(comm, dp=2, tp=2)
     model = tp.parallelize(GPT(CONFIG, seed=0), mesh.tp, "gpt", sequence_parallel=sp)
-    local_bytes = sum(p.numel() * 4 for p in model.parameters())
+    local_bytes = sum(local(p).numel() * 4 for p in model.parameters())  # this rank's slices
     model = sw.DDP(model, mesh.dp) if dp_strategy == "ddp" else wrap(model, mesh.dp, dp_strategy)
     opt = make_optimizer(model.parameters())
     per_step = []
@@ -77,7 +78,7 @@ def measure_pipeline(comm, dp_strategy, m):
             model.step(x, y)
             opt.step()
             opt.zero_grad()
-    stage_bytes = sum(p.numel() * 4 for s in stages for p in s.parameters()) if dp_strategy == "ddp" else units
+    stage_bytes = sum(local(p).numel() * 4 for s in stages for p in s.parameters()) if dp_strategy == "ddp" else units
     return on_dp.as_dict(), on_pp.as_dict(), mesh.coords.pp, stage_bytes, tied, reduced
 
 

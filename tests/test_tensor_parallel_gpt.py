@@ -20,6 +20,7 @@ import torch
 from parity import ATOL, CONFIG, RTOL, batch
 
 import shardwise as sw
+from shardwise.sharded_tensor import local
 from shardwise import tensor_parallel as tp
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.gpt import Block
@@ -120,7 +121,9 @@ def test_parallelised_model_starts_equal_and_computes_the_same_logits():
     def body(comm, sp):
         model = tp.parallelize(GPT(CONFIG, seed=0), comm, "gpt", sequence_parallel=sp)
         assert model.tok_emb.weight is model.head.weight  # one shard for the tied embedding / head
-        assert model.tok_emb.weight.shape == (CONFIG.vocab_size // comm.size, CONFIG.d_model)
+        # The slice answers for the dense table (what one process's model reports); its storage is this rank's rows.
+        assert model.tok_emb.weight.shape == (CONFIG.vocab_size, CONFIG.d_model)
+        assert local(model.tok_emb.weight).shape == (CONFIG.vocab_size // comm.size, CONFIG.d_model)
         return tp.full_state_dict(model), model(x).detach(), model(x, y).detach()
 
     for sp in (False, True):

@@ -18,6 +18,7 @@ import transformers
 from parity import ATOL, RTOL
 
 import shardwise as sw
+from shardwise.sharded_tensor import local
 from shardwise import tensor_parallel as tp
 from shardwise.models import GPT, GPTConfig
 
@@ -74,7 +75,10 @@ def test_forward_logits_and_hf_loss_equal_the_dense_model():
                   "wte": type(model.transformer.wte).__name__, "lm_head": type(model.lm_head).__name__,
                   "tied": model.lm_head.weight is model.transformer.wte.weight,
                   "sizes": (attn.split_size, attn.num_heads, attn.embed_dim, attn.head_dim),
-                  "c_attn.weight": tuple(attn.c_attn.weight.shape), "wte.weight": tuple(model.transformer.wte.weight.shape)}
+                  "c_attn.weight": tuple(local(attn.c_attn.weight).shape),
+                  "wte.weight": tuple(local(model.transformer.wte.weight).shape),
+                  # what the slices answer for: the dense Conv1D (in, out) and embedding shapes
+                  "c_attn.whole": tuple(attn.c_attn.weight.shape), "wte.whole": tuple(model.transformer.wte.weight.shape)}
         state = tp.full_state_dict(model)
         with torch.no_grad():
             got = model(ids, labels=ids)
@@ -85,7 +89,8 @@ def test_forward_logits_and_hf_loss_equal_the_dense_model():
                           "c_fc": "Conv1DColumnParallelLinear", "mlp.c_proj": "Conv1DRowParallelLinear",
                           "wte": "VocabParallelEmbedding", "lm_head": "ColumnParallelLinear", "tied": True,
                           "sizes": (D // 2, HEADS // 2, D // 2, D // HEADS),
-                          "c_attn.weight": (3 * D // 2, D), "wte.weight": (VOCAB // 2, D)}
+                          "c_attn.weight": (3 * D // 2, D), "wte.weight": (VOCAB // 2, D),
+                          "c_attn.whole": (D, 3 * D), "wte.whole": (VOCAB, D)}
         # the gathered state is the dense one, HuggingFace names and Conv1D (in, out) shapes included
         assert_state_close(state, base.state_dict(), rtol=0, atol=0)
         torch.testing.assert_close(logits, out.logits, rtol=1e-12, atol=1e-12)

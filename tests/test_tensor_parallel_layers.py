@@ -16,6 +16,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise import tensor_parallel as tp
+from shardwise.sharded_tensor import local as piece
 
 B, T, D_IN, D_OUT, VOCAB = 2, 8, 12, 24, 32
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -61,8 +62,8 @@ def check_column(comm, sp: bool, gather_output: bool, fused: int):
     (y * gy).sum().backward()
     torch.testing.assert_close(y, want_y if gather_output else local_features(want_y), **TOL)
     torch.testing.assert_close(xin.grad, shard(want_dx, 1, comm) if sp else want_dx, **TOL)
-    torch.testing.assert_close(layer.weight.grad, local_features(want_dp["weight"].T).T, **TOL)
-    torch.testing.assert_close(layer.bias.grad, local_features(want_dp["bias"]), **TOL)
+    torch.testing.assert_close(piece(layer.weight.grad), local_features(want_dp["weight"].T).T, **TOL)
+    torch.testing.assert_close(piece(layer.bias.grad), local_features(want_dp["bias"]), **TOL)
     torch.testing.assert_close(layer.full_weight(), dense.weight, rtol=0, atol=0)
     torch.testing.assert_close(layer.full_state()["bias"], dense.bias, rtol=0, atol=0)
 
@@ -77,9 +78,9 @@ def check_row(comm, sp: bool, input_is_parallel: bool, bias: bool):
     (y * (shard(g, 1, comm) if sp else g)).sum().backward()
     torch.testing.assert_close(y, shard(want_y, 1, comm) if sp else want_y, **TOL)
     torch.testing.assert_close(xin.grad, shard(want_dx, -1, comm) if input_is_parallel else want_dx, **TOL)
-    torch.testing.assert_close(layer.weight.grad, shard(want_dp["weight"], -1, comm), **TOL)
+    torch.testing.assert_close(piece(layer.weight.grad), shard(want_dp["weight"], -1, comm), **TOL)
     if bias:  # replicated; under sequence parallel its partial gradient is all-reduced by a hook
-        torch.testing.assert_close(layer.bias.grad, want_dp["bias"], **TOL)
+        torch.testing.assert_close(piece(layer.bias.grad), want_dp["bias"], **TOL)
     torch.testing.assert_close(layer.full_weight(), dense.weight, rtol=0, atol=0)
 
 
@@ -95,7 +96,7 @@ def check_embedding(comm, sp: bool, padding_idx):
     y = layer(ids)
     (y * (shard(g, 1, comm) if sp else g)).sum().backward()
     torch.testing.assert_close(y, shard(want_y, 1, comm) if sp else want_y, **TOL)
-    torch.testing.assert_close(layer.weight.grad, shard(want_dp["weight"], 0, comm), **TOL)
+    torch.testing.assert_close(piece(layer.weight.grad), shard(want_dp["weight"], 0, comm), **TOL)
     torch.testing.assert_close(layer.full_weight(), dense.weight, rtol=0, atol=0)
 
 

@@ -49,6 +49,7 @@ from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
 from .compiled import refuse_compiled
 from .placement import to_comm_device
+from .sharded_tensor import grad_like, local
 from .unused import used_anywhere
 
 __all__ = ["DDP", "DDPModule"]
@@ -63,13 +64,17 @@ class _Bucket:
     def __init__(self, index: int, params: list[nn.Parameter]) -> None:
         self.index = index
         self.params = params
-        numel = sum(p.numel() for p in params)
+        pieces = [local(p) for p in params]  # a tensor-parallel slice's own storage (sharded_tensor.py)
+        numel = sum(p.numel() for p in pieces)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         self.views: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []  # the views as each parameter's .grad (answering for the whole, if sliced)
         offset = 0
-        for p in params:
-            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for p, piece in zip(params, pieces):
+            view = self.buffer[offset : offset + piece.numel()].view_as(piece)
+            self.views.append(view)
+            self.grads.append(grad_like(view, p))
+            offset += piece.numel()
         self.pending = len(params)
         self.work: Work | None = None
 
@@ -112,7 +117,7 @@ class _Reducer:
                 buckets.append(_Bucket(len(buckets), current))
                 current, size = [], 0
             current.append(p)
-            size += p.numel() * p.element_size()
+            size += local(p).numel() * p.element_size()
         if current:
             buckets.append(_Bucket(len(buckets), current))
         return buckets
@@ -191,8 +196,8 @@ class _Reducer:
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-            param.grad = view
+            view.copy_(local(grad))
+            param.grad = bucket.grads[i]
         self.marked.add(param)
         if used:
             self.used.add(param)
@@ -205,7 +210,7 @@ class _Reducer:
             bucket = self.buckets[self.next_bucket]
             if self.compressor is not None:
                 bucket.work = self.compressor.reduce(bucket.index, bucket.buffer, self.comm,
-                                                     [p.shape for p in bucket.params])
+                                                     [local(p).shape for p in bucket.params])
             else:
                 bucket.work = self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
             self.next_bucket += 1
@@ -250,7 +255,7 @@ class _Reducer:
                 p.grad = None
             else:
                 bucket, i = self.location[p]
-                p.grad = bucket.views[i]
+                p.grad = bucket.grads[i]
 
 
 def _reachable_parameters(output: Any) -> set[nn.Parameter]:

@@ -7,7 +7,8 @@ hook is registered again, in order, on the tensor that now receives the gradient
 parameter under ZeRO / FSDP (the unsharded copy) and of this rank's slice under tensor parallel (a hook that needs
 the full shape fails there loudly, as it should). A post-accumulate-grad hook cannot follow: the parameter the
 optimizer sees gets its `.grad` assigned by the strategy, never accumulated, so such a hook would never fire; the
-wrap refuses it naming the parameter.
+wrap refuses it naming the parameter. Hooks shardwise itself put there (marked by `internal_hook`: a
+tensor-parallel slice re-describing its gradient) belong to the old parameter and stay behind.
 
 Reads torch's own per-tensor hook tables (`Tensor._backward_hooks`, `Tensor._post_accumulate_grad_hooks`): torch has
 no public way to list a tensor's hooks.
@@ -17,16 +18,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["carry_grad_hooks"]
+__all__ = ["carry_grad_hooks", "internal_hook"]
+
+_INTERNAL = "_shardwise_internal_hook"
+
+
+def internal_hook(fn):  # noqa: ANN001, ANN201
+    """Mark `fn` as a hook of shardwise's own, which `carry_grad_hooks` neither carries nor refuses."""
+    setattr(fn, _INTERNAL, True)
+    return fn
 
 
 def carry_grad_hooks(old: torch.Tensor, new: torch.Tensor, name: str, who: str) -> None:
     """Register `old`'s gradient hooks on `new` (see the module docstring); ValueError for a post-accumulate hook."""
-    if getattr(old, "_post_accumulate_grad_hooks", None):
+    if any(not getattr(h, _INTERNAL, False) for h in (getattr(old, "_post_accumulate_grad_hooks", None) or {}).values()):
         raise ValueError(f"{who}: parameter {name!r} has a post-accumulate-grad hook (register_post_accumulate_grad_"
                          f"hook); {who} replaces the parameter and assigns its .grad, so the hook would never run. "
                          f"Register a gradient hook (p.register_hook) instead, or act on .grad after backward")
     if old is new:
         return
     for hook in (getattr(old, "_backward_hooks", None) or {}).values():
-        new.register_hook(hook)
+        if not getattr(hook, _INTERNAL, False):
+            new.register_hook(hook)

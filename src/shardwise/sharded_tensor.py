@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of"]
+__all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
+           "grad_like"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +148,13 @@ def is_sharded(t: Any) -> bool:
 
 def spec_of(t: torch.Tensor) -> ShardSpec | None:
     return getattr(t, _SPEC, None) if isinstance(t, _Sharded) else None
+
+
+def grad_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`grad` (a plain tensor shaped like `param`'s piece) as `param`'s gradient: a ShardedTensor answering for the
+    whole when `param` is a sharded piece, `grad` itself otherwise. No copy."""
+    spec = spec_of(param)
+    return grad if spec is None else as_sharded(grad, spec)
 
 
 def local(t: Any) -> Any:

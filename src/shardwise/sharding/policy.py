@@ -23,6 +23,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from ..sharded_tensor import local  # a tensor-parallel slice holds its own bytes, not the dense tensor's
+
 __all__ = ["MixedPrecision", "plan_units"]
 
 MB = 1024 * 1024
@@ -65,7 +67,7 @@ class UnitPlan:
 
 
 def _subtree_bytes(module: nn.Module, claimed: set[nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p not in claimed)
+    return sum(local(p).numel() * p.element_size() for p in module.parameters() if p not in claimed)
 
 
 def _choose_unit_roots(model: nn.Module, wrap: object, group_mb: float) -> list[tuple[str, list[nn.Module]]]:
@@ -154,7 +156,7 @@ def auto_group_mb(model: nn.Module, exclude: frozenset[nn.Parameter] = frozenset
     reduce-scatter overlap another unit's compute; above 25 MiB one unit's gather would dominate the step. Whole
     repeating blocks at least this big still get a unit each.
     """
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p not in exclude)
+    total = sum(local(p).numel() * p.element_size() for p in model.parameters() if p not in exclude)
     return min(MAX_GROUP_MB, max(MIN_GROUP_MB, total / TARGET_UNITS / MB))
 
 

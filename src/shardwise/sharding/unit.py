@@ -36,7 +36,7 @@ from torch import nn
 from ..comm.base import Communicator, Work
 from ..compression.base import Compressor
 from ..param_hooks import carry_grad_hooks
-from ..sharded_tensor import ShardSpec, as_sharded
+from ..sharded_tensor import ShardSpec, as_sharded, local, spec_of
 from .grad_layout import GradLayout
 from .policy import UnitPlan
 from .unit_grads import UnitGradients
@@ -121,7 +121,10 @@ class Unit(UnitGradients):
             raise ValueError(f"unit {self.name!r} mixes parameter dtypes {sorted({str(p.dtype) for p in plan.params})}")
 
         n = shard_comm.size
-        self.numel = sum(p.numel() for p in plan.params)
+        # A tensor-parallel slice is flattened as the slice it stores (sharded_tensor.local), not the dense
+        # tensor it answers for.
+        pieces = {p: local(p) for p in plan.params}
+        self.numel = sum(pieces[p].numel() for p in plan.params)
         self.padded = math.ceil(self.numel / n) * n
         self.shard_size = self.padded // n
         start = shard_comm.rank * self.shard_size
@@ -132,8 +135,8 @@ class Unit(UnitGradients):
         offset = 0
         with torch.no_grad():
             for p in plan.params:
-                self.full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-                offset += p.numel()
+                self.full[offset : offset + pieces[p].numel()].copy_(pieces[p].detach().reshape(-1))
+                offset += pieces[p].numel()
         self.master_is_view = keep_full and self.param_dtype == self.master_dtype and offload == "none"
         if self.master_is_view:
             self.master = self.full.data[start : start + self.shard_size]
@@ -147,30 +150,34 @@ class Unit(UnitGradients):
             offset = 0
             with torch.no_grad():
                 for p in plan.params:
-                    lo, hi = max(start, offset), min(start + self.shard_size, offset + p.numel())
+                    lo, hi = max(start, offset), min(start + self.shard_size, offset + pieces[p].numel())
                     if lo < hi:
-                        self.master[lo - start : hi - start].copy_(p.detach().reshape(-1)[lo - offset : hi - offset])
-                    offset += p.numel()
+                        self.master[lo - start : hi - start].copy_(
+                            pieces[p].detach().reshape(-1)[lo - offset : hi - offset])
+                    offset += pieces[p].numel()
 
         self.infos: list[ParamInfo] = []
         self.whole_pieces = n == 1
         offset = 0
         for p in plan.params:
-            lo, hi = self.piece_of(offset, p.numel(), shard_comm.rank)
+            shape, numel = pieces[p].shape, pieces[p].numel()
+            lo, hi = self.piece_of(offset, numel, shard_comm.rank)
             piece = self.master[offset + lo - start : offset + hi - start] if hi > lo else self.master[:0]
-            if self.whole_pieces:  # no_shard, or a group of one: the piece is the whole tensor, in its own shape
-                shard_param = nn.Parameter(piece.view(p.shape), requires_grad=p.requires_grad)
+            if self.whole_pieces and spec_of(p) is not None:  # a tensor-parallel slice, whole: still a slice
+                shard_param = as_sharded(piece.view(shape), spec_of(p), parameter=True, requires_grad=p.requires_grad)
+            elif self.whole_pieces:  # no_shard, or a group of one: the piece is the whole tensor, in its own shape
+                shard_param = nn.Parameter(piece.view(shape), requires_grad=p.requires_grad)
             else:  # this rank's piece, answering for the whole parameter (shape, dim, numel: sharded_tensor.py);
                 # the strategy re-describes it with the original name and global shape once placements are known
                 shard_param = as_sharded(piece, ShardSpec(p.shape, names[p]), parameter=True,
                                          requires_grad=p.requires_grad)
-            unsharded = nn.Parameter(self.full[offset : offset + p.numel()].view(p.shape), requires_grad=p.requires_grad)
+            unsharded = nn.Parameter(self.full[offset : offset + numel].view(shape), requires_grad=p.requires_grad)
             carry_grad_hooks(p, unsharded, names[p], "ZeRO/FSDP")  # the user's (and sequence parallel's) hooks
             self.infos.append(
-                ParamInfo(names[p], p.shape, p.numel(), offset, p.requires_grad, plan.locations[p], lo, hi,
+                ParamInfo(names[p], shape, numel, offset, p.requires_grad, plan.locations[p], lo, hi,
                           shard_param, unsharded)
             )
-            offset += p.numel()
+            offset += numel
         self.trainable = [i for i in self.infos if i.requires_grad]
         # One "used" flag per trainable parameter rides in each chunk of the reduction (grad_layout); under a lossy
         # gradient compression they travel in a small exact all-reduce of their own instead.

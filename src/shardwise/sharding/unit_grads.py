@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm.base import ReduceOp
-from ..sharded_tensor import as_sharded, spec_of
+from ..sharded_tensor import as_sharded, grad_like, spec_of
 
 if TYPE_CHECKING:
     from .unit import ParamInfo
@@ -124,8 +124,8 @@ class UnitGradients:
             piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
             if info.shard_param.grad is None:  # shaped like its parameter: whole, or a piece answering for it
                 piece = piece if info.shard_hi > info.shard_lo else shard[:0]
-                info.shard_param.grad = piece.view(info.shape) if self.whole_pieces else \
-                    as_sharded(piece, spec_of(info.shard_param))
+                info.shard_param.grad = grad_like(piece.view(info.shape), info.shard_param) if self.whole_pieces \
+                    else as_sharded(piece, spec_of(info.shard_param))
             else:
                 info.shard_param.grad.add_(piece)
         self.reduced_shard = None

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
+from ..sharded_tensor import local
 from .layer_base import TensorParallelLayer, as_param, check_split, seeded_generator
 from .mappings import all_gather_along, reduce_from_region, reduce_scatter_to_sequence_region
 
@@ -51,6 +52,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
                 full[self.padding_idx] = 0.0
             with torch.no_grad():
                 self.weight.copy_(self.shard(full))
+        self.slices_answer_for_whole()
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, comm: Communicator, *, sequence_parallel: bool = False,
@@ -63,14 +65,15 @@ class VocabParallelEmbedding(TensorParallelLayer):
                     sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, device="meta",
                     dtype=embedding.weight.dtype)
         layer.weight = as_param(layer.shard(embedding.weight), embedding.weight)
+        layer.slices_answer_for_whole()
         return layer
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (V, ...) tensor."""
-        return full.detach()[self.vocab_start:self.vocab_end].clone()
+        return local(full).detach()[self.vocab_start:self.vocab_end].clone()
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        return all_gather_along(getattr(self, name).detach(), 0, self.comm)
+        return all_gather_along(local(getattr(self, name)).detach(), 0, self.comm)
 
     def full_weight(self) -> torch.Tensor:
         """The dense (V, dim) table, gathered from every rank. Collective."""
@@ -84,11 +87,12 @@ class VocabParallelEmbedding(TensorParallelLayer):
         return (((rank * per, per), (0, self.embedding_dim)),)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = local(self.weight)  # this rank's rows (layer_base.py)
         if self.comm.size == 1:
-            return F.embedding(ids, self.weight, self._local_padding_idx)
+            return F.embedding(ids, weight, self._local_padding_idx)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight, self._local_padding_idx)
+        own_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(own_ids, weight, self._local_padding_idx)
         # Rows this rank does not own contribute zeros; the reduction below fills them in from their owner.
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:

@@ -2,6 +2,15 @@
 
 Every layer can be built from a dense layer (``from_dense``) or directly, drawing the full dense weight from a
 seeded generator exactly as the dense layer would, then keeping its slice; see `layers.py` for the overview.
+
+Parameters that look like the model's. A split parameter (a column, row or vocabulary slice) is a
+`ShardedParameter` (sharded_tensor.py): its storage is this rank's slice and every kernel the layer runs reads that
+slice through `local()`, but `shape`, `dim()` and `numel()` answer for the dense tensor, as FSDP2's DTensor
+parameters do, and so does its gradient (a post-accumulate-grad hook re-describes the slice autograd produced). A
+script's `sum(p.numel() for p in model.parameters())` then counts one process's parameters, weight-decay groups by
+`p.dim()` are one process's, and torch's `clip_grad_norm_` / `GradScaler` / pickling of a slice raise, naming the
+shardwise way, instead of clipping each rank by its own slice's norm. Replicated parameters (LayerNorms, a
+row-parallel bias) stay plain `nn.Parameter`s, as does everything in a group of one.
 """
 
 from __future__ import annotations
@@ -12,8 +21,11 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
+from ..param_hooks import internal_hook
+from ..sharded_tensor import ShardSpec, as_sharded, is_sharded, local, set_spec, spec_of
 
-__all__ = ["TensorParallelLayer", "check_split", "seeded_generator", "dense_linear_init", "as_param"]
+__all__ = ["TensorParallelLayer", "check_split", "seeded_generator", "dense_linear_init", "as_param",
+           "name_slices"]
 
 
 def check_split(layer: str, what: str, value: int, parts: int, size: int) -> None:
@@ -66,6 +78,35 @@ class TensorParallelLayer(nn.Module):
         """(dim along which this rank's boxes are concatenated, permutation its tensor is stored in); see layout.py."""
         return 0, None
 
+    def slices_answer_for_whole(self) -> None:
+        """Make each split parameter of this layer a ShardedParameter answering for its dense shape (the module
+        docstring says why); its storage, and so every value, stays as it is. Idempotent."""
+        if self.comm.size == 1:
+            return
+        for name, p in list(self.named_parameters(recurse=False)):
+            if is_sharded(p) or p.device.type == "meta" or self.boxes(name, self.comm.rank) is None:
+                continue
+            spec = ShardSpec(torch.Size(self.global_shape(name)), name, f"tensor parallel (tp={self.comm.size})")
+            sliced = as_sharded(p, spec, parameter=True, requires_grad=p.requires_grad)
+            sliced.register_post_accumulate_grad_hook(_gradient_answers_for_whole)
+            setattr(self, name, sliced)
+
+
+@internal_hook
+def _gradient_answers_for_whole(param: torch.Tensor) -> None:
+    """Autograd accumulated a plain slice into `param.grad`: describe it as the slice of the dense gradient."""
+    grad, spec = param.grad, spec_of(param)
+    if grad is not None and spec is not None and not is_sharded(grad):
+        param.grad = as_sharded(grad, spec)
+
+
+def name_slices(model: nn.Module) -> None:
+    """Give every tensor-parallel slice of `model` its name in the model (for the messages that name it)."""
+    for name, p in model.named_parameters():
+        spec = spec_of(p)
+        if spec is not None and spec.what.startswith("tensor parallel"):
+            set_spec(p, ShardSpec(spec.shape, name, spec.what))
+
 
 def as_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
-    return nn.Parameter(data, requires_grad=like.requires_grad)
+    return nn.Parameter(local(data), requires_grad=like.requires_grad)

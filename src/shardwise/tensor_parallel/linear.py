@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator, ReduceOp
+from ..sharded_tensor import local
 from .layer_base import TensorParallelLayer, as_param, check_split, dense_linear_init
 from .mappings import all_gather_along, gather_from_region, reduce_scatter_along, scatter_to_region
 from .sequence_parallel import reduce_sequence_parallel_grads
@@ -114,6 +115,7 @@ class ColumnParallelLinear(TensorParallelLayer):
                 self.weight.copy_(self.shard(w))
                 if b is not None:
                     self.bias.copy_(self.shard(b))
+        self.slices_answer_for_whole()
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, comm: Communicator, *, gather_output: bool = False,
@@ -125,12 +127,13 @@ class ColumnParallelLinear(TensorParallelLayer):
         layer.weight = as_param(layer.shard(linear.weight), linear.weight)
         if linear.bias is not None:
             layer.bias = as_param(layer.shard(linear.bias), linear.bias)
+        layer.slices_answer_for_whole()
         return layer
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full (out, ...) tensor: its slice of each of the `fused` blocks."""
         n, r = self.comm.size, self.comm.rank
-        blocks = full.detach().reshape(self.fused, n, self.out_features // (self.fused * n), *full.shape[1:])
+        blocks = local(full).detach().reshape(self.fused, n, self.out_features // (self.fused * n), *full.shape[1:])
         return blocks[:, r].reshape(self.out_features // n, *full.shape[1:]).clone()
 
     def _unshard(self, gathered: torch.Tensor, dim: int) -> torch.Tensor:
@@ -144,8 +147,8 @@ class ColumnParallelLinear(TensorParallelLayer):
         return x.reshape(shape)
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        local = getattr(self, name).detach()
-        return self._unshard(all_gather_along(local, 0, self.comm), 0)
+        piece = local(getattr(self, name)).detach()
+        return self._unshard(all_gather_along(piece, 0, self.comm), 0)
 
     def full_weight(self) -> torch.Tensor:
         """The dense (out, in) weight, gathered from every rank. Collective."""
@@ -160,10 +163,11 @@ class ColumnParallelLinear(TensorParallelLayer):
         return tuple(((k * block + rank * per, per), *rest) for k in range(self.fused))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = local(self.weight), local(self.bias)  # this rank's slices (layer_base.py)
         if self.comm.size == 1:
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, weight, bias)
         else:
-            y = _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel,
+            y = _ColumnParallelLinearFn.apply(x, weight, bias, self.comm, self.sequence_parallel,
                                               self.sequence_dim % x.dim())
         if self.gather_output:
             y = self._unshard(gather_from_region(y, self.comm, -1), y.dim() - 1)
@@ -171,7 +175,7 @@ class ColumnParallelLinear(TensorParallelLayer):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
-                f"{self.weight.shape[0]}), tp={self.comm.size}, bias={self.bias is not None}, "
+                f"{local(self.weight).shape[0]}), tp={self.comm.size}, bias={self.bias is not None}, "
                 f"gather_output={self.gather_output}, fused={self.fused}, sequence_parallel={self.sequence_parallel}")
 
 
@@ -208,6 +212,7 @@ class RowParallelLinear(TensorParallelLayer):
                 if b is not None:
                     self.bias.copy_(b)
             self._hook_bias()
+        self.slices_answer_for_whole()
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, comm: Communicator, *, input_is_parallel: bool = True,
@@ -220,6 +225,7 @@ class RowParallelLinear(TensorParallelLayer):
         if linear.bias is not None:
             layer.bias = as_param(linear.bias.detach().clone(), linear.bias)
         layer._hook_bias()
+        layer.slices_answer_for_whole()
         return layer
 
     def _hook_bias(self) -> None:
@@ -230,13 +236,13 @@ class RowParallelLinear(TensorParallelLayer):
         """This rank's columns of a full (out, in) weight."""
         n, r = self.comm.size, self.comm.rank
         chunk = self.in_features // n
-        return full.detach()[:, r * chunk:(r + 1) * chunk].clone()
+        return local(full).detach()[:, r * chunk:(r + 1) * chunk].clone()
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        local = getattr(self, name).detach()
+        piece = local(getattr(self, name)).detach()
         if name == "bias":
-            return local.clone()
-        return all_gather_along(local, 1, self.comm)
+            return piece.clone()
+        return all_gather_along(piece, 1, self.comm)
 
     def full_weight(self) -> torch.Tensor:
         """The dense (out, in) weight, gathered from every rank. Collective."""
@@ -254,14 +260,15 @@ class RowParallelLinear(TensorParallelLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.comm, -1)
+        weight = local(self.weight)  # this rank's slice (layer_base.py)
         if self.comm.size == 1:
-            y = F.linear(x, self.weight)
+            y = F.linear(x, weight)
         else:
-            y = _RowParallelLinearFn.apply(x, self.weight, self.comm, self.sequence_parallel,
+            y = _RowParallelLinearFn.apply(x, weight, self.comm, self.sequence_parallel,
                                            self.sequence_dim % x.dim())
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+        return (f"in_features={self.in_features} (local {local(self.weight).shape[1]}), out_features={self.out_features}, "
                 f"tp={self.comm.size}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}")

@@ -42,10 +42,12 @@ from ..compiled import refuse_compiled
 from ..optimizer_guard import register_wrapped
 from ..param_hooks import carry_grad_hooks
 from ..placement import to_comm_device
+from ..whole.state_dict import load_full_into_pieces
 from .declare import tensor_parallel_placements
 from .gpt import install_gpt_forward
 from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear,
                       is_conv1d)
+from .layer_base import name_slices
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding
 from .plans import Colwise, Rowwise, Sequence, Style, Vocab, builtin_plan, match_plan
 from .sequence_parallel import reduce_sequence_parallel_grads
@@ -204,6 +206,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         _adjust_head_counts(model, comm.size)
     if plan_name == "gpt2":
         _adjust_head_counts(model, comm.size, "c_attn", GPT2_ATTENTION_SIZES)
+    name_slices(model)  # the split parameters answer for the dense ones (layer_base.py), under their model names
     object.__setattr__(model, "_shardwise_tp", TensorParallelState(comm, sp, sequence_dim, plan_name, styles))
     layout.declare(model, layout.Parallelized(
         "tensor_parallel", (comm,), tensor_parallel_placements(model, comm), world=comm,
@@ -211,6 +214,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     if plan_name == "gpt":
         install_gpt_forward(model)
     register_wrapped(model)  # the optimizer guard: its state dicts hold slices (optimizer_guard.py)
+    load_full_into_pieces(model)  # torch's load_state_dict of a full (one-process) state dict: each rank's slices
     return model
 
 
