@@ -9,7 +9,8 @@ Semantics shared by every backend
 * Collectives are called by every rank of the group in the same order (as with MPI and torch.distributed).
 * `all_reduce(t)` reduces in place. `all_gather(out, inp)` writes rank r's `inp` into
   `out[r * inp.numel():(r + 1) * inp.numel()]` (one flat output). `reduce_scatter(out, inp)` reduces the flat `inp`
-  of `size * out.numel()` elements and leaves chunk `rank` in `out`.
+  of `size * out.numel()` elements and leaves chunk `rank` in `out`. `all_to_all(outputs, inputs)` takes lists of
+  `size` tensors: `inputs[j]` goes to rank j, `outputs[i]` receives rank i's `inputs[rank]` (all_to_all.py).
 * `async_op=True` returns a `Work`; the tensors must not be read or written until `Work.wait()` returns.
   Without it the call blocks and returns None.
 * Every wait honours the communicator's timeout (seconds) and raises `CommError` naming the operation, this rank
@@ -122,6 +123,8 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> int:
     * all_reduce: reduce-scatter then all-gather around the ring, 2(N-1)/N x payload.
     * all_gather / reduce_scatter: (N-1)/N x the full (gathered / unreduced) size, which is the payload we count.
     * broadcast: a pipelined chain forwards the payload once per rank, (N-1)/N x payload averaged over ranks.
+    * all_to_all: what goes to the other ranks, (N-1)/N x the total input for equal splits (uneven splits pass
+      their exact count to `CommStats.record`).
     * send / recv: the payload itself, counted on the sending side only (recv counts 0 to avoid double counting).
     A group of one sends nothing.
     """
@@ -130,7 +133,7 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> int:
         return 0
     if op == "all_reduce":
         return 2 * (n - 1) * payload_bytes // n
-    if op in ("all_gather", "reduce_scatter", "broadcast"):
+    if op in ("all_gather", "reduce_scatter", "broadcast", "all_to_all"):
         return (n - 1) * payload_bytes // n
     if op == "send":
         return payload_bytes
@@ -164,12 +167,14 @@ class CommStats:
     def __init__(self) -> None:
         self.ops: dict[str, OpCount] = {}
 
-    def record(self, op: str, payload_bytes: int, group_size: int, *, transport_bytes: int | None = None) -> None:
-        """Count one `op`; `transport_bytes`: what the implementation moves per rank when it is not the ring cost."""
+    def record(self, op: str, payload_bytes: int, group_size: int, *, transport_bytes: int | None = None,
+               wire: int | None = None) -> None:
+        """Count one `op`; `transport_bytes`: what the implementation moves per rank when it is not the ring cost;
+        `wire`: the textbook per-rank cost when the payload alone does not give it (an uneven all_to_all)."""
         count = self.ops.setdefault(op, OpCount())
         count.calls += 1
         count.bytes += payload_bytes
-        wire = wire_bytes(op, payload_bytes, group_size)
+        wire = wire_bytes(op, payload_bytes, group_size) if wire is None else wire
         count.wire_bytes += wire
         count.transport_bytes += wire if transport_bytes is None else transport_bytes
 
@@ -300,6 +305,13 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         """Copy rank `src`'s `tensor` into every rank's `tensor` (src is a rank of this group)."""
+
+    @abc.abstractmethod
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                   async_op: bool = False) -> Work | None:
+        """Send `inputs[j]` to rank j and receive rank i's tensor for this rank in `outputs[i]` (lists of `size`
+        tensors of one dtype, as torch.distributed.all_to_all; splits may be uneven: rank i's `inputs[j]` has the
+        shape of rank j's `outputs[i]`). MoE token dispatch (GShard); see all_to_all.py."""
 
     @abc.abstractmethod
     def barrier(self) -> None:

@@ -16,8 +16,10 @@ more exchange of the calls' text to name them: "rank 0 called all_gather(numel=1
 reduce_scatter(op=AVG, numel=9280) float32 ...". Large collectives between ranks of one host go through the
 shared-memory channel (shm_channel.py), which checks in band instead: each rank writes its call's descriptor
 beside its data and compares the others' after the collective's own first barrier, before reading any data, at no
-extra synchronisation. The idea is PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL (ProcessGroupWrapper, which checks on a
-side gloo group).
+extra synchronisation. all_to_all's splits may differ per rank, so its descriptor carries a balance instead of an
+element count: hashes of the shapes this rank sends to each peer minus those it expects from each. Summed over the
+group it is zero only when every pair agrees (`before_all_to_all`). The idea is PyTorch's
+TORCH_DISTRIBUTED_DEBUG=DETAIL (ProcessGroupWrapper, which checks on a side gloo group).
 
 Cost: one 32-byte all-gather per collective that does not go through shared memory (its latency: 1.2 ms on this
 2-core machine's loopback gloo, 1 thread per rank), and the rank waits there for the others to reach the same call;
@@ -29,6 +31,7 @@ on the GPU; the descriptor exchange would be a host round trip per collective).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import zlib
 from collections.abc import Callable, Sequence
@@ -50,6 +53,13 @@ def checks_enabled(backend: str) -> bool:
 
 
 _TEXT = 64  # int64 words of a call's text in the naming exchange (512 bytes)
+_BALANCE = 2**62  # all_to_all's balance is summed modulo this (one int64 word per rank, no overflow)
+
+
+def _pair(src: int, dst: int, shape: torch.Size) -> int:
+    """The hash of "rank src sends rank dst a tensor of `shape`", as both ends compute it."""
+    digest = hashlib.blake2b(f"{src}>{dst}:{tuple(shape)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % _BALANCE
 
 
 class CollectiveCheck:
@@ -86,6 +96,32 @@ class CollectiveCheck:
         others = [self.global_ranks[i] for i in range(self.size) if not bool((rows[i] == mine).all())]
         raise CommError(self.describe(what, dtype, rows), op=what.split("(")[0], rank=self.global_ranks[self.rank],
                         peers=others, waited=0.0)
+
+    def before_all_to_all(self, what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        """`before` for all_to_all (see the module docstring): the op and dtype must agree on every rank and the
+        pairs' shapes must balance; `what` names this rank's call with its shapes."""
+        if self.size == 1:
+            return
+        self.count += 1
+        me, dtype = self.rank, inputs[0].dtype
+        balance = (sum(_pair(me, j, t.shape) for j, t in enumerate(inputs))
+                   - sum(_pair(i, me, t.shape) for i, t in enumerate(outputs))) % _BALANCE
+        mine = torch.tensor([self.count, zlib.crc32(f"all_to_all(size={self.size})".encode()), balance,
+                             _DTYPES.get(dtype, 99)], dtype=torch.int64)
+        everyone = torch.empty(4 * self.size, dtype=torch.int64)
+        self.exchange(mine, everyone, what)()
+        rows = everyone.view(self.size, 4)
+        agree = (rows[:, [0, 1, 3]] == mine[[0, 1, 3]]).all(dim=1)
+        if bool(agree.all()) and sum(rows[:, 2].tolist()) % _BALANCE == 0:
+            return
+        # Another call: the ranks that made it; the same call with shapes that do not pair: every other rank.
+        same_call = bool(agree.all())
+        others = [self.global_ranks[i] for i in range(self.size) if i != me and (same_call or not bool(agree[i]))]
+        text = self.describe(what, dtype, rows)
+        if same_call:
+            text += (" (here every rank called all_to_all with one dtype, but the shapes do not pair: rank i's "
+                     "send[j] must be rank j's recv[i])")
+        raise CommError(text, op="all_to_all", rank=self.global_ranks[me], peers=others, waited=0.0)
 
     def describe(self, what: str, dtype: torch.dtype | None, rows: torch.Tensor) -> str:
         """Every rank's call, by text: one more exchange, which every rank makes (each saw the same rows)."""

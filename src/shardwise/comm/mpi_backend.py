@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import all_to_all as a2a
 from .base import (AnySourceWork, Communicator, CommError, CommStats, ReduceOp, Work, check_color, check_contiguous,
                    tensor_bytes)
 
@@ -203,9 +204,9 @@ class MPICommunicator(Communicator):
         return lambda: self._wait(requests, what, self._peers(), self.timeout, seq)
 
     def _issue(self, what: str, start: Callable[[], list], peers: Sequence[int], then: Callable[[], None] | None,
-               keep: tuple, async_op: bool) -> Work | None:
+               keep: tuple, async_op: bool, checked: bool = False) -> Work | None:
         self._check_usable(what)
-        if self._check is not None and not what.startswith(("send(", "recv(")):
+        if self._check is not None and not checked and not what.startswith(("send(", "recv(")):
             self._check.before(what, [t for t in keep if isinstance(t, torch.Tensor)][:1])
         self._calls += 1
         try:
@@ -274,6 +275,21 @@ class MPICommunicator(Communicator):
         peers = [self.global_ranks[src]] if self.rank != src else self._peers()
         start = lambda: [self.mpi_comm.Ibcast(buf, root=src)]  # noqa: E731
         return self._issue(what, start, peers, finisher(tensor, work_t, 1), (work_t, buf), async_op)
+
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                   async_op: bool = False) -> Work | None:
+        """MPI_Ialltoallv over the inputs packed as bytes, unpacked into the outputs on completion (all_to_all.py)."""
+        a2a.check_arguments(self, outputs, inputs)
+        a2a.record(self, inputs)
+        what = a2a.describe(outputs, inputs)
+        if self._check is not None:  # its own descriptor (uneven splits differ by rank): agreed here, not in _issue
+            self._check.before_all_to_all(what, outputs, inputs)
+        send, recv = a2a.pack(inputs, outputs[0].device), a2a.empty_bytes(outputs, outputs[0].device)
+        (smem, stype), (rmem, rtype) = self._buffer(what, send), self._buffer(what, recv)
+        sspec, rspec = [smem, a2a.byte_layout(inputs), stype], [rmem, a2a.byte_layout(outputs), rtype]
+        start = lambda: [self.mpi_comm.Ialltoallv(sspec, rspec)]  # noqa: E731
+        return self._issue(what, start, self._peers(), lambda: a2a.unpack(outputs, recv), (send, recv, sspec, rspec),
+                           async_op, checked=True)
 
     def barrier(self) -> None:
         self.stats.record("barrier", 0, self.size)

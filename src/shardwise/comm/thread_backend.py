@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from . import all_to_all as a2a
 from .base import (
     AnySourceWork,
     Communicator,
@@ -263,6 +264,20 @@ class ThreadCommunicator(Communicator):
 
         sig = f"(src={src}, numel={tensor.numel()}, dtype={tensor.dtype})"
         return self._finish_or_wait(self._collective("broadcast", sig, tensor, finish), async_op)
+
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                   async_op: bool = False) -> Work | None:
+        """The last rank to arrive checks every pair's shapes and copies each rank's inputs (all_to_all.py)."""
+        dtype = a2a.check_arguments(self, outputs, inputs)
+        self._on_device("all_to_all", *outputs, *inputs)
+        a2a.record(self, inputs)
+        if self.size == 1:
+            return a2a.copy_local(outputs, inputs, async_op)
+        members = self.global_ranks
+        sig = f"(size={self.size}, dtype={dtype})"  # per-pair shapes differ by rank: checked when combining
+        work = self._collective("all_to_all", sig, (list(outputs), list(inputs)),
+                                lambda args: a2a.exchange_local(args, members))
+        return self._finish_or_wait(work, async_op)
 
     def barrier(self) -> None:
         self.stats.record("barrier", 0, self.size)

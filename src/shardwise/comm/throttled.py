@@ -18,6 +18,7 @@ network namespaces and `tc netem` (docs/compression.md).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -116,6 +117,10 @@ class Throttled(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         return self._run(lambda: self.inner.broadcast(tensor, src, async_op=async_op), async_op)
+
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                   async_op: bool = False) -> Work | None:
+        return self._run(lambda: self.inner.all_to_all(outputs, inputs, async_op=async_op), async_op)
 
     def barrier(self) -> None:
         self.inner.barrier()

@@ -1,8 +1,8 @@
 """Communicator over a torch.distributed process group: gloo on CPU, NCCL on GPU (and ucc/mpi where built in).
 
 This file, `rendezvous.py` (which creates the world group), the two multi-step collectives it runs on background
-threads (`gloo_ring.py`, `shm_channel.py` with `shm_barrier.py`) and `torch_compat.py` (names that moved between torch
-versions) are the only places that touch torch.distributed.
+threads (`gloo_ring.py`, `shm_channel.py` with `shm_barrier.py`), `all_to_all.py` and `torch_compat.py` (names that
+moved between torch versions) are the only places that touch torch.distributed.
 Each operation is issued with `async_op=True` and, for a blocking call, waited on at once: one code path, and every
 wait gets the same timeout handling, turning torch's assorted timeout and connection errors into a CommError that
 names the operation, this rank and the group's ranks.
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import all_to_all as a2a
 from .base import (
     AnySourceWork,
     Communicator,
@@ -372,6 +373,19 @@ class TorchCommunicator(Communicator):
         what = f"broadcast(src={src}, numel={tensor.numel()})"
         return self._issue(what, lambda: dist.broadcast(tensor, root, group=self.group, async_op=True), None, async_op,
                            tensors=(tensor,))
+
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                   async_op: bool = False) -> Work | None:
+        """gloo: all_to_all_single on packed bytes; NCCL: the list all_to_all; others: pairwise (all_to_all.py)."""
+        a2a.check_arguments(self, outputs, inputs)
+        a2a.record(self, inputs)
+        if self.size == 1:
+            return a2a.copy_local(outputs, inputs, async_op)
+        what = a2a.describe(outputs, inputs)
+        if self._check is not None:  # its own descriptor (uneven splits differ by rank): agreed here, not in _issue
+            self._check.before_all_to_all(what, outputs, inputs)
+        start, then, keep = a2a.torch_start(self.group, self.rank, self.global_ranks, self.backend, outputs, inputs)
+        return self._issue(what, start, then, async_op, tensors=keep, checked_in_band=True)
 
     def barrier(self) -> None:
         self.stats.record("barrier", 0, self.size)
