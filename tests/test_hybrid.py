@@ -175,7 +175,7 @@ def test_describe_shows_layers_and_the_512_rank_dry_run():
     assert "stage 0 (pp rank 0): tok_emb" in text and "stage 1 (pp rank 1): blocks.1, ln_f, head" in text
     big = sw.Mesh.dry_run(512, dp=None, tp=8, pp=8)
     described = big.describe()
-    assert big.sizes == {"dp": 8, "tp": 8, "pp": 8} and "over 512 ranks" in described
+    assert big.sizes == {"dp": 8, "cp": 1, "ep": 1, "edp": 8, "tp": 8, "pp": 8} and "over 512 ranks" in described
     assert "dp 7: [504 505 506 507 508 509 510 511]" in described
 
 

@@ -166,7 +166,7 @@ def _decide(world: Communicator, mesh: Mesh | None, model: nn.Module, strategy: 
         if mesh is not None and given.kind == "dp" and mesh.sizes["tp"] * mesh.sizes["pp"] > 1:
             s = mesh.sizes
             given = Candidate("3d", given.dp_strategy, s["dp"], s["tp"], s["pp"], shard=given.shard)
-        if given.kind == "3d" and mesh is not None and (given.dp, given.tp, given.pp) != tuple(mesh.sizes.values()):
+        if given.kind == "3d" and mesh is not None and (given.dp, given.tp, given.pp) != (mesh.sizes["dp"], mesh.sizes["tp"], mesh.sizes["pp"]):
             raise ValueError(f"distribute: strategy={strategy!r} does not match the mesh given ({mesh.sizes})")
     machine = probe(world, memory_gb)
     node = node or machine.devices_per_node

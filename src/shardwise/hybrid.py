@@ -79,6 +79,11 @@ def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
     if plan.dp_strategy not in DP_STRATEGIES:
         raise ValueError(f"parallelize: dp_strategy={plan.dp_strategy!r} is not supported; allowed {DP_STRATEGIES}")
     dp = mesh.sizes["dp"]
+    if mesh.sizes["cp"] > 1 or mesh.sizes["ep"] > 1:
+        raise ValueError(f"parallelize: the mesh has cp={mesh.sizes['cp']}, ep={mesh.sizes['ep']}; sw.parallelize "
+                         f"composes dp x tp x pp (cp=1, ep=1) for now: apply context parallel "
+                         f"(shardwise.context_parallel) or expert parallel (shardwise.experts) over mesh.cp / mesh.ep "
+                         f"and DDP over mesh.dp_cp yourself")
     if plan.dp_strategy == "fsdp:hybrid_shard":
         if isinstance(plan.dp_shard, bool) or not isinstance(plan.dp_shard, int) or plan.dp_shard < 1 \
                 or dp % plan.dp_shard:
