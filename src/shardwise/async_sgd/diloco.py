@@ -62,5 +62,7 @@ def DiLoCo(
     def outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=use_nesterov)
 
-    return LocalSGD(module, comm, sync_every=sync_every, outer_optimizer=outer, reduce=reduce,
-                    compression=compression)
+    model = LocalSGD(module, comm, sync_every=sync_every, outer_optimizer=outer, reduce=reduce,
+                     compression=compression)
+    model._local_sgd.method = "DiLoCo"  # errors name it as the user called it
+    return model

@@ -1,6 +1,9 @@
 """Local SGD's state declared to whole-model tools (layout.py): a "local_sgd" record whose extra state is the outer
 state (step counters, anchors, the outer optimizer's state), so `sw.save_checkpoint` / `sw.load_checkpoint` carry it.
 
+A skipped inner step (a loss scaler found inf/nan) must not count: the record is a `StepBoundState` whose settle
+tells `model.step()` so (`follows_steps`).
+
 The outer state is equal on every rank after each synchronisation (anchors and outer optimizer are stepped with the
 same averaged outer gradient everywhere), so it is declared "replicated": written once, reloadable on any world
 size (DiLoCo's outer momentum stays meaningful with more or fewer workers). The record adds no communicator: local SGD
@@ -13,6 +16,7 @@ The checkpoint's format is a flat {key: tensor or JSON value}; `outer_state_dict
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -20,8 +24,20 @@ from torch import nn
 
 from .. import layout
 from ..comm.base import Communicator
+from ..whole.grad_scaler import StepBoundState
+from .step_hook import mark_skipped
 
-__all__ = ["declare_local_sgd", "flatten_outer", "unflatten_outer"]
+__all__ = ["declare_local_sgd", "flatten_outer", "follows_steps", "unflatten_outer"]
+
+
+def follows_steps(record: layout.ExtraState, module: nn.Module) -> layout.ExtraState:
+    """`record` as a StepBoundState whose settle marks a skipped step, so that `model.step()` after
+    `sw.ShardedGradScaler(model).step(opt)` does not count it (step_hook.mark_skipped)."""
+    def settle(taken: bool) -> None:
+        if not taken:
+            mark_skipped(module)
+
+    return StepBoundState(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)}, settle=settle)
 
 
 def flatten_outer(saved: dict[str, Any]) -> dict[str, Any]:
@@ -96,9 +112,10 @@ def declare_local_sgd(module: nn.Module, comm: Communicator, options: dict[str, 
         check=lambda flat: _check(module, flat),
         config={"outer_optimizer": type(module.outer_optimizer).__name__ if has_outer else None},
         group=comm)
-    extra = [state]
+    extra = [follows_steps(state, module)]
     if module.compressor is not None:  # the outer gradients' error-feedback memory: each rank's own
         sizes = [sum(p.numel() for p in module.parameters() if p.requires_grad and p.dtype == dtype)
                  for dtype in dict.fromkeys(p.dtype for p in module.parameters() if p.requires_grad)]
-        extra.append(module.compressor.extra_state(comm, buckets=sizes))
+        # Outer gradients are not loss-scaled and each synchronisation settles its own reduction.
+        extra.append(module.compressor.extra_state(comm, follows_gradients=False, buckets=sizes))
     layout.declare(module, layout.Parallelized("local_sgd", (), before, options=options, extra_state=tuple(extra)))

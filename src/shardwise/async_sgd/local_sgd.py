@@ -30,6 +30,11 @@ Distributed Low-Communication Training of Language Models", arXiv 2311.08105)
 
 With an inner SGD without momentum and H = 1, plain averaging (or an outer SGD with lr 1 and no momentum) is the
 same update as DDP: the mean of `p - lr g_i` is `p - lr mean(g_i)`.
+
+Non-finite values (finite.py): an averaged result holding inf or nan raises NonFiniteStateError on every rank, naming
+the parameter, before it is written anywhere, so the anchors and the outer momentum stay finite. A step skipped by a
+loss scaler is not counted as an inner step (the optimizer did not step), also when the loop calls `model.step()`
+after `scaler.step(opt)` with a scaler built from the model, which tells the model the step was skipped.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from ..compression.base import Compressor
 from ..placement import to_comm_device
 from .checks import check_anchor_names, check_comm, check_positive_int, check_whole_model
 from .extra_state import declare_local_sgd
+from .finite import check_averaged
 from .flat import group_by_dtype, pack, unpack
 from .step_hook import register_counting, take_counted
 
@@ -78,8 +84,10 @@ class _State:
             # Compress differences, never values: averaging is outer SGD at lr 1 on the averaged outer gradient.
             def outer_optimizer(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
                 return torch.optim.SGD(ps, lr=1.0)
+        self.method = "LocalSGD"  # how errors name it (sw.DiLoCo says "DiLoCo")
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.buffer_names = [n for n, b in module.named_buffers() if b.is_floating_point()]
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
         # Parameters and floating buffers travel together: one all-reduce per dtype.
         self.groups = group_by_dtype([*self.params, *self.buffers])
@@ -100,6 +108,7 @@ class _State:
             self._sync_compressed()
             return
         n_params = len(self.params)
+        flats = []
         for group in self.groups:
             # Parameters send their outer gradient (anchor - local) with an outer optimizer, else their value.
             parts = []
@@ -112,6 +121,11 @@ class _State:
                     parts.append(self.params[i])
             flat = pack(parts)
             self.reduce(self.comm, flat)
+            flats.append(flat)
+        what = "outer gradient" if self.outer is not None else "parameters"
+        check_averaged(self.method, [what] * len(flats), flats, [self._members(g) for g in self.groups],
+                       self._at())
+        for group, flat in zip(self.groups, flats):
             targets = []
             for i in group:
                 if i >= n_params:
@@ -130,23 +144,43 @@ class _State:
                 p.copy_(anchor)
         self.syncs += 1
 
+    def _members(self, group: list[int]) -> list[tuple[str, int]]:
+        """(name, numel) of what a packed group holds, parameters' indices first then buffers' (offset by their
+        count), for naming a non-finite value."""
+        n = len(self.params)
+        return [(self.names[i], self.params[i].numel()) if i < n else
+                (self.buffer_names[i - n], self.buffers[i - n].numel()) for i in group]
+
+    def _at(self) -> str:
+        return f"sync {self.syncs + 1} (inner step {self.inner_steps})"
 
     @torch.no_grad()
     def _sync_compressed(self) -> None:
         """Outer gradients through the compressor (one bucket per dtype), buffers averaged exactly apart."""
         assert self.compressor is not None and self.outer is not None
-        for k, group in enumerate(group_by_dtype(self.params)):
+        n = len(self.params)
+        param_groups = group_by_dtype(self.params)
+        buffer_groups = [[n + i for i in g] for g in group_by_dtype(self.buffers)]
+        flats = []
+        for k, group in enumerate(param_groups):
             deltas = [self.anchors[i] - self.params[i] for i in group]
             flat = pack(deltas)
             self.compressor.reduce(f"outer/{k}", flat, self.comm, [d.shape for d in deltas]).wait()
+            flats.append(flat)
+        for group in buffer_groups:
+            flat = pack([self.buffers[i - n] for i in group])
+            self.comm.all_reduce(flat, ReduceOp.AVG)
+            flats.append(flat)
+        # One host read: the averaged results and the compressor's new state (restored if any is not finite).
+        check_averaged(self.method, ["outer gradient"] * len(param_groups) + ["buffers"] * len(buffer_groups), flats,
+                       [self._members(g) for g in (*param_groups, *buffer_groups)], self._at(), self.compressor)
+        for group, flat in zip(param_groups, flats):
             for i in group:
                 if self.anchors[i].grad is None:
                     self.anchors[i].grad = torch.empty_like(self.anchors[i])
             unpack(flat, [self.anchors[i].grad for i in group])
-        for group in group_by_dtype(self.buffers):
-            flat = pack([self.buffers[i] for i in group])
-            self.comm.all_reduce(flat, ReduceOp.AVG)
-            unpack(flat, [self.buffers[i] for i in group])
+        for group, flat in zip(buffer_groups, flats[len(param_groups):]):
+            unpack(flat, [self.buffers[i - n] for i in group])
         self.outer.step()
         for p, anchor in zip(self.params, self.anchors):
             p.copy_(anchor)

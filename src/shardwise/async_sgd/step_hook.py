@@ -8,7 +8,7 @@ post-hook (`torch.optim.optimizer.register_optimizer_step_post_hook`, installed 
 step for the wrapped model whose trainable parameters the optimizer holds, and synchronises when one is due.
 `model.step()` remains, for loops that call it: right after an optimizer step it returns what that step's count
 returned instead of counting again (so old loops keep their schedule), and without one (a hand-written update) it
-counts as before.
+counts as before. After a step `sw.ShardedGradScaler(model)` skipped (`mark_skipped`), it counts nothing.
 
 An AsyncSGD worker has no inner optimizer: the servers step. A torch optimizer over a worker's parameters would
 train it alone, away from the servers: its step raises, naming `model.step()`.
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-__all__ = ["register_counting", "register_refusing", "take_counted"]
+__all__ = ["mark_skipped", "register_counting", "register_refusing", "take_counted"]
 
 _COUNTED = "_shardwise_counted_step"  # on the model: what the hook's count returned, until model.step() takes it
 _counting: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -57,6 +57,12 @@ def register_refusing(model: nn.Module) -> None:
     """An optimizer over `model`'s (an AsyncSGD worker's) parameters raises at its step."""
     _refusing.add(model)
     _install()
+
+
+def mark_skipped(model: nn.Module) -> None:
+    """The optimizer step of this iteration was skipped (a loss scaler found inf/nan): a following `model.step()`
+    returns False without counting, as if the hook had counted nothing (a skipped step is not an inner step)."""
+    model.__dict__[_COUNTED] = False
 
 
 def take_counted(model: nn.Module) -> bool | None:

@@ -48,6 +48,7 @@ from ..comm.coalesced import broadcast_coalesced
 from ..compression.base import Compressor
 from ..placement import to_comm_device
 from .checks import check_comm, check_positive_int, check_whole_model
+from .finite import check_averaged
 from .flat import group_by_dtype, pack, unpack
 from .fragments import split_fragments
 from .local_sgd import LocalSGDModule
@@ -164,6 +165,11 @@ class _StreamingState:
         pending = self.pending.pop(frag.index)
         self.wait(pending)
         n = len(self.params)
+        # Nothing non-finite reaches the anchors or the outer momentum (finite.py): raises on every rank alike.
+        check_averaged("StreamingDiLoCo", ["outer gradient" if g[0] < n else "buffers" for g in frag.groups],
+                       pending.flats, [[(self.names[i], self.params[i].numel()) if i < n else (
+                           self.buffer_names[i - n], self.buffers[i - n].numel()) for i in g] for g in frag.groups],
+                       f"fragment {frag.index}'s sync (inner step {self.inner_steps})")
         for group, flat in zip(frag.groups, pending.flats):
             targets = []
             for i in group:

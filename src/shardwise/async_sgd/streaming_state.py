@@ -22,6 +22,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import Communicator
 from .checks import check_anchor_names
+from .extra_state import follows_steps
 
 __all__ = ["check_outer", "declare_streaming", "flatten_streaming", "unflatten_streaming"]
 
@@ -174,7 +175,8 @@ def declare_streaming(module: nn.Module, comm: Communicator, options: dict[str, 
         check=lambda flat: _check_local(module, flat),
         config={"values": len(_local_values(module))},
         group=comm)
-    extra = [outer, local]
+    extra = [follows_steps(outer, module), local]  # a skipped inner step is not counted (extra_state.py)
     if module.compressor is not None:  # the outer gradients' error-feedback memory: each rank's own
-        extra.append(module.compressor.extra_state(comm, buckets=module._local_sgd.compressed_buckets()))
+        extra.append(module.compressor.extra_state(comm, follows_gradients=False,
+                                                    buckets=module._local_sgd.compressed_buckets()))
     layout.declare(module, layout.Parallelized("local_sgd", (), before, options=options, extra_state=tuple(extra)))

@@ -27,6 +27,11 @@ before `sw.launch` serves every thread rank without sharing memory between them.
 `load_state_dict()` carry the state as a flat {name: tensor} dict (safetensors-ready) so that a resumed run
 continues exactly.
 
+The state follows the step (transaction.py): a reduction stages its new state beside the old, `settle(taken)` keeps
+it or restores the old (`sw.ShardedGradScaler(model)` settles at each step, so a skipped step leaves the state
+exactly as before), and state that is not finite raises NonFiniteStateError naming it. Residuals are kept in
+gradient units (`set_loss_scale`), so a changed loss scale finds them right.
+
 Every method states its bytes on the wire per step as a formula, `wire_bytes(shapes, world)`, built from the ring
 cost of each collective it issues (`comm.base.wire_bytes`), which the tests compare with `CommStats`.
 """
@@ -44,6 +49,7 @@ from typing import Any, Literal
 import torch
 
 from ..comm.base import Communicator, ReduceOp, Work
+from .transaction import StagedState
 
 __all__ = ["Compressor", "Payload", "PendingWork", "tile", "check_ratio", "check_start_iter", "shared_generator",
            "Shapes", "with_start_iter"]
@@ -133,9 +139,10 @@ def nbytes(numel: int, dtype: torch.dtype) -> int:
     return numel * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8)
 
 
-class Compressor(abc.ABC):
+class Compressor(StagedState, abc.ABC):
     """See the module docstring. Subclasses implement `compress`, `decompress` and `wire_bytes`; lossy ones keep
-    their residual in `self.memory[key]` (one flat tensor per bucket), which `state_dict` saves."""
+    their residual in `self.memory[key]` (one flat tensor per bucket), which `state_dict` saves. State is written
+    through `_stage` (a new tensor per step, never one the state before the step refers to: transaction.py)."""
 
     name: str = "compressor"
     # Reductions of each bucket done exactly (a plain fp32 all-reduce) before compressing: the warm-up that
@@ -147,6 +154,8 @@ class Compressor(abc.ABC):
         self.memory: dict[str, torch.Tensor] = {}  # error feedback: per bucket, what was not sent yet
         self.iterations: dict[str, int] = {}  # reductions done per bucket (PowerSGD's start_iter, RandomK's seed)
         self.comm_rank = 0  # this rank in the current reduction's communicator (set by `reduce`: per-rank randomness)
+        self.loss_scale = 1.0  # what the gradients are multiplied by (set_loss_scale); residuals are kept without it
+        self._reset_transaction()
 
     # ---- configuration ----------------------------------------------------------------------------------------
     def fresh(self) -> Compressor:
@@ -158,6 +167,10 @@ class Compressor(abc.ABC):
 
     def _reset_extra_state(self) -> None:
         """Subclasses holding more state than memory/iterations clear it here."""
+
+    def state_kinds(self) -> tuple[str, ...]:
+        """The attributes holding state, each a {bucket: value} dict (what a skipped step restores)."""
+        return ("memory", "iterations", *self._extra_kind_names())
 
     def config(self) -> dict[str, Any]:
         """The options, as plain values (what ranks compare at wrap time and logs show)."""
@@ -216,11 +229,17 @@ class Compressor(abc.ABC):
                 gathered = torch.empty(t.numel() * comm.size, dtype=t.dtype, device=t.device)
                 works.append(comm.all_gather(gathered, t.reshape(-1), async_op=True))
                 received.append(gathered)
-        return PendingWork(works, lambda: self.decompress(payload, received, flat, comm.size))
+
+        def finish() -> None:
+            self.decompress(payload, received, flat, comm.size)
+            self._observe(key, received)
+
+        return PendingWork(works, finish)
 
     def _warming_up(self, key: str) -> bool:
         """Count this reduction of bucket `key`; True while it is one of the first `start_iter`, which are exact
         fp32 averages (the residual stays empty: nothing was left out)."""
+        self._begin(key)
         iteration = self.iterations.get(key, 0)
         self.iterations[key] = iteration + 1
         return iteration < self.start_iter
@@ -232,14 +251,15 @@ class Compressor(abc.ABC):
 
     # ---- error feedback ---------------------------------------------------------------------------------------
     def _with_memory(self, key: str, flat: torch.Tensor) -> torch.Tensor:
-        """A new tensor: the bucket plus what this rank has not sent of earlier steps."""
+        """A new tensor: the bucket plus what this rank has not sent of earlier steps (kept in gradient units: times
+        the loss scale here, in the bucket's)."""
         residual = self.memory.get(key)
         if residual is None:
             return flat.detach().clone()
         if residual.shape != flat.shape:
             raise ValueError(f"{self.name}: bucket {key!r} has {flat.numel()} elements but its error-feedback memory "
                              f"{residual.numel()}: the model's buckets changed after a resume")
-        return flat.detach() + residual
+        return torch.add(flat.detach(), residual, alpha=self.loss_scale)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -273,6 +293,8 @@ class Compressor(abc.ABC):
         self.check_state_dict(state)
         self.memory, self.iterations = {}, {}
         self._reset_extra_state()
+        self._close()  # nothing of an open step survives a load
+        self._deferred = None
         for name, value in state.items():
             kind, _, key = name.partition("/")
             if kind == "memory":
@@ -282,13 +304,17 @@ class Compressor(abc.ABC):
             else:
                 self._load_extra(kind, key, value)
 
-    def extra_state(self, group: Communicator, **config: Any) -> Any:
+    def extra_state(self, group: Communicator, follows_gradients: bool = True, **config: Any) -> Any:
         """This rank's state declared for checkpoints (a `layout.ExtraState`, per rank: the residuals are each
-        rank's own), valid under this method's configuration and the strategy's `config` (its bucket sizes)."""
-        from ..layout import ExtraState
+        rank's own), valid under this method's configuration and the strategy's `config` (its bucket sizes).
+        follows_gradients: the compressor reduces the loss-scaled gradients of the model's optimizer step (DDP,
+        ZeRO, FSDP): the record then lets `sw.ShardedGradScaler(model)` settle each step and announce the scale;
+        False for other reductions (local SGD's outer gradients, 1-bit Adam's momentum), which settle themselves."""
+        from ..whole.grad_scaler import StepBoundState
 
-        return ExtraState("compressor", "per_rank", self.state_dict, self.load_state_dict, self.check_state_dict,
-                          config={"compressor": self.config(), **config}, group=group)
+        hooks = {"settle": self.settle, "loss_scale": self.set_loss_scale} if follows_gradients else {}
+        return StepBoundState("compressor", "per_rank", self.state_dict, self.load_state_dict, self.check_state_dict,
+                              config={"compressor": self.config(), **config}, group=group, **hooks)
 
     def _load_extra(self, kind: str, key: str, value: torch.Tensor) -> bool:
         return False

@@ -75,9 +75,11 @@ class _Cast(Compressor):
             if residual.shape != acc.shape:
                 raise ValueError(f"{self.name}: bucket {key!r} has {acc.numel()} elements but its error-feedback "
                                  f"memory {residual.numel()}: the model's buckets changed after a resume")
-            acc += residual
+            acc.add_(residual, alpha=self.loss_scale)  # kept in gradient units
         half = self._cast(key, acc / world)
-        self.memory[key] = acc.sub_(half.float(), alpha=world)  # in place: acc is this step's own tensor
+        # In place: acc is this step's own tensor, which becomes the new residual (the old one stays untouched until
+        # the step is settled). A non-finite acc is in `half` too, so every rank's result shows it.
+        self._stage("memory", key, acc.sub_(half.float(), alpha=world), scaled=True)
         return Payload((half,), "all_reduce")
 
     def decompress(self, payload: Payload, received: Sequence[torch.Tensor], out: torch.Tensor, world: int) -> None:
@@ -107,7 +109,12 @@ class _Cast(Compressor):
         (half,) = self.compress(key, flat, None, comm.size).tensors
         chunk = torch.empty(out.numel(), dtype=self.dtype, device=out.device)
         work = comm.reduce_scatter(chunk, half, ReduceOp.SUM, async_op=True, scratch_input=True)
-        return PendingWork([work], lambda: out.copy_(chunk))
+
+        def finish() -> None:
+            out.copy_(chunk)
+            self._observe(key, [chunk])  # this rank's chunk only: it sees another rank's NaN that lands in it
+
+        return PendingWork([work], finish)
 
     def wire_bytes_reduce_scatter(self, numel: int, world: int) -> int:
         """Per-rank ring bytes of `reduce_scatter` of a `numel`-element buffer: (N-1)/N x 2 numel."""

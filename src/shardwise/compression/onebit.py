@@ -115,8 +115,10 @@ class OneBit(Compressor):
         acc = self._with_memory(key, flat)
         counts = self._counts(shapes, acc.numel())
         compressed, scales = sign_compress(acc, counts, self.scale)
-        self.memory[key] = acc - compressed
-        return Payload((pack_signs(acc), scales), "all_gather", context=counts)
+        bits = pack_signs(acc)
+        # A non-finite acc makes its run's scale non-finite: every rank's result shows it.
+        self._stage("memory", key, acc.sub_(compressed), scaled=True)
+        return Payload((bits, scales), "all_gather", context=counts)
 
     def decompress(self, payload: Payload, received: Sequence[torch.Tensor], out: torch.Tensor, world: int) -> None:
         bits, scales = received

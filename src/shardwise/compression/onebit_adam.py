@@ -22,6 +22,12 @@ error-feedback guarantee; (N-1)/8 bytes per element per rank instead of ~2/8: se
 State: the Adam moments (per parameter, in `state_dict()["state"]`, as torch's Adam keeps them) and the
 compressor's error feedback (`state_dict()["compressor"]`), so a resumed run continues exactly; `sw.save_checkpoint`
 saves the step count and the per-rank error feedback too (`extra_state()`).
+
+Non-finite values: a step skipped by a loss scaler (`sw.ShardedGradScaler(comm)`: every rank skips when any found an
+inf/nan) never calls `step()`, so nothing changes. A step taken with gradients that are not finite raises
+NonFiniteStateError naming the parameter, checked on what every rank agrees on (the averaged gradient during the
+warm-up: before the moments change; the averaged momentum after: the error feedback is restored), one host read per
+step, so every rank raises at the same step.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from ..comm.base import Communicator, ReduceOp, is_communicator
 from ..comm.coalesced import broadcast_coalesced
 from .base import Compressor
 from .onebit import OneBit
+from .transaction import NonFiniteStateError, first_nonfinite
 
 __all__ = ["OneBitAdam"]
 
@@ -90,10 +97,19 @@ class OneBitAdam(torch.optim.Optimizer):
         # Every rank must contribute every parameter, in the same order: a missing gradient counts as zeros.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         warm = self.steps <= self.freeze_step
-        if warm and self.comm.size > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.comm.all_reduce(flat, ReduceOp.AVG)
-            grads = _unflatten(flat, params)
+        if warm:
+            if self.comm.size > 1:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                self.comm.all_reduce(flat, ReduceOp.AVG)
+                grads = _unflatten(flat, params)
+            # The averaged gradient, the same on every rank (so is the verdict): one sum, one host read.
+            bad = first_nonfinite([flat] if self.comm.size > 1 else grads)
+            bad = bad if bad is None or self.comm.size == 1 else first_nonfinite(grads)  # which parameter
+            if bad is not None:
+                message = self._message("averaged gradient", bad, params)
+                self.steps -= 1  # refused: the step count and the moments are as they were
+                raise NonFiniteStateError(message + "; the step is refused and the moments are as they were. Skip "
+                                          "steps whose gradients are not finite: sw.ShardedGradScaler(comm)")
         for p, g in zip(params, grads):
             state = self.state[p]
             if not state:
@@ -107,7 +123,12 @@ class OneBitAdam(torch.optim.Optimizer):
             momenta = [self.state[p]["exp_avg"] for p in params]
             flat = torch.cat([m.reshape(-1) for m in momenta])
             self.compressor.reduce("momentum", flat, self.comm, [p.shape for p in params]).wait()
-            for m, avg in zip(momenta, _unflatten(flat, params)):
+            averaged = _unflatten(flat, params)
+            # One host read checks the averaged momentum (the same on every rank) and the error feedback.
+            self.compressor.settle(True, [(m, lambda count, i=i: self._message(
+                "momentum (exp_avg)", (i, count), params) + "; its error feedback is as before this step. Skip "
+                "steps whose gradients are not finite: sw.ShardedGradScaler(comm)") for i, m in enumerate(averaged)])
+            for m, avg in zip(momenta, averaged):
                 m.copy_(avg)
         variance_steps = min(self.steps, self.freeze_step)
         for p in params:
@@ -119,6 +140,11 @@ class OneBitAdam(torch.optim.Optimizer):
             v_hat = state["exp_avg_sq"] / (1 - beta2**variance_steps)
             p.addcdiv_(m_hat, v_hat.sqrt().add_(group["eps"]), value=-group["lr"])
         return loss
+
+    def _message(self, what: str, bad: tuple[int, int], params: list[torch.Tensor]) -> str:
+        index, count = bad
+        return (f"OneBitAdam's {what} of parameter {index} (shape {tuple(params[index].shape)}) holds {count} "
+                f"non-finite values after step {self.steps}")
 
     @property
     def frozen(self) -> bool:
@@ -141,7 +167,8 @@ class OneBitAdam(torch.optim.Optimizer):
 
         return (ExtraState("onebit_adam", "replicated", lambda: {"steps": self.steps}, load, check,
                            config={"freeze_step": self.freeze_step}, group=self.comm),
-                dataclasses.replace(self.compressor.extra_state(self.comm), name="onebit_adam_compressor"))
+                dataclasses.replace(self.compressor.extra_state(self.comm, follows_gradients=False),
+                                    name="onebit_adam_compressor"))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

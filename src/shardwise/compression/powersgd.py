@@ -26,7 +26,12 @@ CPU cost (what decides the step time once the bytes are few; measured against to
 the bucket itself is the working matrix (the residual is added in place, the result written back over it, so no
 copy of the bucket is made); P, Q and the residual live in buffers allocated once per bucket (fresh megabyte tensors
 every step cost page faults); same-shape matrices are grouped, so one batched QR orthogonalizes a group's P's; the
-error is one fused `addmm` per matrix (M - P Q^T, written into the memory in place).
+error is one fused `addmm` per matrix ((M - P Q^T) / loss scale: the residual is kept in gradient units).
+
+A skipped step leaves the residual and the warm-start Q as they were (transaction.py): the averaged Q and the residual
+each alternate between two buffers, and a step writes into the one the state before it does not hold, so restoring
+is a matter of references. Cost: one more residual-sized buffer per bucket than a single in-place residual would
+need (and two more Q-sized ones, small).
 
 Bytes on the wire per bucket (a compressing step): 2(N-1)/N x 4 x (sum n r + sum m r + uncompressed numel) per
 rank, in two or three all-reduces.
@@ -91,12 +96,13 @@ class _Plan:
 
 
 class _Scratch:
-    """A bucket's working buffers, allocated once and reused every step (not state: every step overwrites them).
+    """A bucket's working buffers, allocated once and reused every step.
 
     Fresh multi-megabyte tensors every step cost page faults on first touch (glibc serves them by mmap), which
     profiling showed to be the largest share of PowerSGD's CPU time; torch's hook keeps its P and Q the same way.
-    The Q buffers are two, used in turn: one holds the warm start (this step's local Q overwrites it once P is
-    computed), the other the copy that is all-reduced, which becomes the next step's warm start.
+    `local` holds this rank's Q (and, for one step, a warm start copied in: one loaded or freshly drawn). The averaged
+    Q (state: the next step's warm start) and the residual (state) each alternate between two buffers: a step
+    writes into the one the state before it does not hold (`other`), so a skipped step is undone by references.
     """
 
     def __init__(self, plan: _Plan, bucket: torch.Tensor, dtype: torch.dtype) -> None:
@@ -104,12 +110,20 @@ class _Scratch:
         empty = lambda k, d=dtype: torch.empty(k, dtype=d, device=bucket.device)  # noqa: E731
         self.p = empty(plan.p_numel)
         self.q = [empty(plan.q_numel), empty(plan.q_numel)]
+        self.local = empty(plan.q_numel)
+        self.errors = [empty(plan.m_numel), empty(plan.m_numel)] if plan.matrices else []
         self.plain = empty(plan.plain_numel, bucket.dtype) if plan.plain else None  # sent as the bucket's dtype
         # An fp32 copy of a 16-bit bucket to work in (QR needs fp32 or fp64).
         self.work = empty(bucket.numel()) if bucket.dtype != dtype else None
         self.ps = [self.p[g.p_start : g.p_start + len(g.offsets) * g.n * g.r].view(len(g.offsets), g.n, g.r)
                    for g in plan.groups]
-        self.qs = [[[q[k : k + g.m * g.r].view(g.m, g.r) for k in g.q_starts] for g in plan.groups] for q in self.q]
+        self.views = {id(q): [[q[k : k + g.m * g.r].view(g.m, g.r) for k in g.q_starts] for g in plan.groups]
+                      for q in (*self.q, self.local)}
+
+    @staticmethod
+    def other(pair: list[torch.Tensor], held: torch.Tensor | None) -> torch.Tensor:
+        """The buffer of `pair` that `held` (the state before the step) is not."""
+        return pair[1] if held is pair[0] else pair[0]
 
 
 class PowerSGD(Compressor):
@@ -185,17 +199,17 @@ class PowerSGD(Compressor):
         work = flat if scratch.work is None else scratch.work.copy_(flat)
         ms = [[work[o : o + g.n * g.m].view(g.n, g.m) for o in g.offsets] for g in plan.groups]
         memory = self.memory.get(key)
+        scale = self.loss_scale  # the bucket's units; the residual is kept in gradient units
         if memory is not None:
             if memory.numel() != plan.m_numel:
                 raise ValueError(f"PowerSGD: bucket {key!r} compresses {plan.m_numel} elements but its "
                                  f"error-feedback memory has {memory.numel()}: the buckets changed after a resume")
-            memory = memory.to(dtype)  # a no-op unless loaded from another dtype; updated in place below
+            memory = memory.to(dtype)  # a no-op unless loaded from another dtype
             for g, group in zip(plan.groups, ms):
                 for i, m in enumerate(group):
-                    m.add_(_residual(memory, g, i))
-        current = self._previous_q(key, plan, scratch, iteration)
-        qs = scratch.qs[current]
-        for p, q, group in zip(scratch.ps, qs, ms):
+                    m.add_(_residual(memory, g, i), alpha=scale)
+        warm = scratch.views[id(self._warm_q(key, plan, scratch, iteration))]
+        for p, q, group in zip(scratch.ps, warm, ms):
             for i, m in enumerate(group):
                 torch.mm(m, q[i], out=p[i])
         works.append(comm.all_reduce(scratch.p, ReduceOp.SUM, async_op=True))
@@ -203,24 +217,26 @@ class PowerSGD(Compressor):
         def finish() -> None:
             for w in works:
                 w.wait()
-            error = memory if memory is not None else torch.empty(plan.m_numel, dtype=dtype, device=flat.device)
-            for p, q, group in zip(scratch.ps, qs, ms):
+            # Both written into the buffer the state before this step does not hold (it is read above already).
+            error = scratch.other(scratch.errors, self._held("memory", key))
+            wire = scratch.other(scratch.q, self._held("q", key))
+            local = scratch.views[id(scratch.local)]
+            for p, q, group in zip(scratch.ps, local, ms):
                 # An orthonormal basis of each P's column span (reduced QR: robust when the span is rank-deficient),
                 # one batched call per shape.
                 p.copy_(torch.linalg.qr(p, mode="reduced").Q)
                 for i, m in enumerate(group):
                     torch.mm(m.T, p[i], out=q[i])
             # Q's all-reduce runs while this rank computes its error from its own Q (the paper's residual).
-            wire = scratch.q[1 - current]
-            wire.copy_(scratch.q[current])
+            wire.copy_(scratch.local)
             q_work = comm.all_reduce(wire, ReduceOp.AVG, async_op=True)
-            for g, p, q, group in zip(plan.groups, scratch.ps, qs, ms):
+            for g, p, q, group in zip(plan.groups, scratch.ps, local, ms):
                 for i, m in enumerate(group):
-                    torch.addmm(m, p[i], q[i].T, alpha=-1, out=_residual(error, g, i))
-            self.memory[key] = error
+                    torch.addmm(m, p[i], q[i].T, beta=1 / scale, alpha=-1 / scale, out=_residual(error, g, i))
+            self._stage("memory", key, error)  # already in gradient units
             q_work.wait()
-            self.q[key] = wire  # identical on every rank: the next step's warm start
-            for p, q, group in zip(scratch.ps, scratch.qs[1 - current], ms):
+            self._stage("q", key, wire)  # identical on every rank: the next step's warm start
+            for p, q, group in zip(scratch.ps, scratch.views[id(wire)], ms):
                 for i, m in enumerate(group):
                     torch.mm(p[i], q[i].T, out=m)
             self._write_plain(work, plan, plain)
@@ -229,18 +245,22 @@ class PowerSGD(Compressor):
 
         return PendingWork([], finish)
 
-    def _previous_q(self, key: str, plan: _Plan, scratch: _Scratch, iteration: int) -> int:
-        """Which of the scratch's two Q buffers holds this step's starting Q: last step's averaged Q (warm start),
-        or one drawn from the generator every rank seeds alike (the first time, or every step without warm start)."""
+    def _warm_q(self, key: str, plan: _Plan, scratch: _Scratch, iteration: int) -> torch.Tensor:
+        """The buffer holding this step's starting Q, only read: last step's averaged Q (warm start), or one drawn
+        from the generator every rank seeds alike (the first time, or every step without warm start) or loaded from
+        a checkpoint, copied into the scratch's `local` (which this step's local Q overwrites once P is computed)."""
         q = self.q.get(key) if self.warm_start else None
-        for i, buffer in enumerate(scratch.q):
-            if q is buffer:
-                return i
+        if any(q is buffer for buffer in scratch.q):
+            return q
         if q is None or q.numel() != plan.q_numel:
             generator = shared_generator(self.seed, key, 0 if self.warm_start else iteration)
             q = torch.randn(plan.q_numel, generator=generator, dtype=torch.float64)
-        scratch.q[0].copy_(q)  # a Q loaded from a checkpoint, or a fresh one
-        return 0
+        return scratch.local.copy_(q)
+
+    def _held(self, kind: str, key: str) -> torch.Tensor | None:
+        """The tensor the state before this step holds for (kind, bucket), which this step must not overwrite."""
+        before = self._before[kind] if self._before is not None else getattr(self, kind)
+        return before.get(key)
 
     @staticmethod
     def _write_plain(flat: torch.Tensor, plan: _Plan, plain: torch.Tensor | None) -> None:

@@ -54,7 +54,9 @@ class RandomK(Compressor):
         index = torch.randperm(numel, generator=generator)[: self.k(numel)].to(acc.device)
         values = acc[index]
         acc[index] = 0
-        self.memory[key] = acc
+        # An unsent NaN would stay in this rank's memory with a finite result everywhere: the memory's sum times 0
+        # (NaN exactly when the memory is not finite) rides in the values, so every rank's result shows it.
+        values.add_(self._stage("memory", key, acc, scaled=True).mul(0))
         return Payload((values,), "all_reduce", context=index)
 
     def decompress(self, payload: Payload, received: Sequence[torch.Tensor], out: torch.Tensor, world: int) -> None:

@@ -107,11 +107,13 @@ class TopK(Compressor):
 
     def _corrected(self, key: str, flat: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(what enters the accumulation, the velocity or None): the bucket after DGC's local clipping and, with
-        momentum correction, the updated velocity u = m u + g."""
+        momentum correction, the updated velocity u = m u + g: a new tensor in the bucket's (loss-scaled) units,
+        which the caller stages once it is final."""
         grad = flat.detach()
         if self.clip_norm is not None:
-            # DGC's local clipping: the threshold scaled by N^-1/2 (the ranks' gradients add up like random walks).
-            limit = self.clip_norm / math.sqrt(world)
+            # DGC's local clipping: the threshold scaled by N^-1/2 (the ranks' gradients add up like random walks),
+            # in the bucket's units (times the loss scale).
+            limit = self.clip_norm * self.loss_scale / math.sqrt(world)
             norm = float(torch.linalg.vector_norm(grad))
             if norm > limit:
                 grad = grad * (limit / norm)
@@ -123,9 +125,8 @@ class TopK(Compressor):
             elif velocity.shape != grad.shape:
                 raise ValueError(f"TopK: bucket {key!r} has {grad.numel()} elements but its velocity "
                                  f"{velocity.numel()}: the model's buckets changed after a resume")
-            else:
-                velocity.mul_(self.momentum_correction).add_(grad)
-            self.velocity[key] = velocity
+            else:  # a new tensor: the velocity before the step stays untouched until the step is settled
+                velocity = torch.add(grad, velocity, alpha=self.momentum_correction * self.loss_scale)
             grad = velocity  # v accumulates velocities, not gradients
         return grad, velocity
 
@@ -134,8 +135,11 @@ class TopK(Compressor):
         # momentum-free optimizer the warm-up is exactly momentum SGD on the averaged (clipped) gradient.
         if self.momentum_correction is None and self.clip_norm is None:
             return flat
-        grad, _ = self._corrected(key, flat, world)
-        return flat.copy_(grad)
+        grad, velocity = self._corrected(key, flat, world)
+        flat.copy_(grad)
+        if velocity is not None:
+            self._stage("velocity", key, velocity, scaled=True)
+        return flat
 
     def compress(self, key: str, flat: torch.Tensor, shapes: Shapes | None, world: int) -> Payload:
         grad, velocity = self._corrected(key, flat, world)
@@ -144,9 +148,13 @@ class TopK(Compressor):
         _, index = acc.abs().topk(self.k(numel), sorted=False)
         values = acc[index]
         acc[index] = 0
-        self.memory[key] = acc  # what was not sent
+        # What was not sent; a NaN left in it would not show in the result, so the new state's sum times 0 (NaN
+        # exactly when the state is not finite) rides in the values and every rank's result shows it.
+        poison = self._stage("memory", key, acc, scaled=True).mul(0)
         if velocity is not None:
             velocity[index] = 0  # momentum factor masking: a sent coordinate starts its velocity afresh
+            poison = poison + self._stage("velocity", key, velocity, scaled=True).mul(0)
+        values.add_(poison)
         if self._dense_is_cheaper(numel, acc.element_size(), world):
             dense = torch.zeros_like(acc)
             dense[index] = values
