@@ -219,6 +219,7 @@ class HybridModel(nn.Module):
                 stage.sync_gradients()
         if self.plan.compression is not None:
             self._average_copies_gradients()
+        self.pipe.grads_answer_for_stages()  # after the reduction: torch's clip and GradScaler refuse a stage's part
         return loss
 
     def _overlaps_last_microbatch(self) -> bool:

@@ -45,11 +45,14 @@ __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharde
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
     """What a sharded piece answers for. shape: the original tensor's (global) shape. name: its name in the model,
-    for messages. what: which strategy holds the piece ("ZeRO-3", ...)."""
+    for messages. what: which strategy holds the piece ("ZeRO-3", ...). whole: the tensor is whole, but part of a
+    model spread over ranks (a pipeline stage's gradient): everything runs on it but what combines tensors into one
+    model-wide figure (torch's clip and GradScaler, `_ACROSS_RANKS`), which would see only this rank's part."""
 
     shape: torch.Size
     name: str
     what: str = "ZeRO/FSDP"
+    whole: bool = False
 
     @property
     def numel(self) -> int:
@@ -102,6 +105,8 @@ class _Sharded:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         spec = getattr(self, _SPEC)
+        if spec.whole:
+            return local(self).__reduce_ex__(protocol)
         raise RuntimeError(
             f"pickling {spec.name}, a {spec.what} shard ({local(self).numel()} of {spec.numel} elements on this rank), "
             f"would save one rank's piece: save the model with sw.save_checkpoint(path, model, optimizer) (sharded, "
@@ -113,7 +118,8 @@ class _Sharded:
         if kind is None:
             kind = _KINDS[func] = _kind(func)
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
-            _refuse(func, args, kwargs or {})
+            if not _whole_and_local(func, args, kwargs or {}):
+                _refuse(func, args, kwargs or {})
         # torch's C implementation of "run with __torch_function__ off" (what nn.Parameter uses): the cheapest way.
         out = _run_plain(func, types, args, kwargs) if kwargs else _run_plain(func, types, args)
         if kind == "elementwise" and out is not None and not (args and out is args[0]):
@@ -248,10 +254,25 @@ def _reshard(out: Any, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+# What torch's clip_grad_norm_ (foreach or per tensor) and GradScaler's unscale_ run: on a whole tensor that is part
+# of a model spread over ranks they would produce this rank's figure where the model's is meant.
+_ACROSS_RANKS = frozenset({"_foreach_norm", "linalg_vector_norm", "_amp_foreach_non_finite_check_and_unscale_"})
+
+
+def _whole_and_local(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an otherwise refused operation may run: on whole tensors, anything but `_ACROSS_RANKS`."""
+    source = _first_sharded(args, kwargs)
+    return (source is not None and getattr(source, _SPEC).whole
+            and getattr(func, "__name__", "") not in _ACROSS_RANKS)
+
+
 def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
     name = getattr(func, "__name__", str(func))
     source = _first_sharded(args, kwargs)
     spec, piece = getattr(source, _SPEC), local(source).numel()
+    if spec.whole:
+        raise RuntimeError(f"{name}() on {spec.name}, under {spec.what}, would combine only this rank's part of the "
+                           f"model: {_MESSAGES.get(name, _CLIP)}")
     why = _MESSAGES.get(name, "read the whole tensor with sw.full_state_dict(model) (collective), clip with "
                               "sw.clip_grad_norm_(model, max_norm), scale losses with sw.ShardedGradScaler(model)")
     why += ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, while an "

@@ -64,6 +64,7 @@ from .split_backward import WeightGrad, backward_inputs
 from .structure import call, concat, flatten, split, unflatten
 from .declare import declare_pipeline
 from .tied import TiedParameters
+from .stage_grads import grads_answer_for_stages
 from .timeline import Event, Timeline
 
 __all__ = ["Pipeline"]
@@ -164,6 +165,7 @@ class Pipeline(nn.Module):
         self._last_rank = schedule.rank_of(self.n_stages - 1)
         self._forward_schedules: dict[int, Schedule] = {}  # predict's forward-only schedule by microbatch count
         self._st: _StepState | None = None
+        self._grad_specs: dict = {}  # stage_grads.py's descriptions, by parameter
 
     # ---- public ----------------------------------------------------------------------------------------------------
     def forward(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -190,7 +192,16 @@ class Pipeline(nn.Module):
         if st.losses:
             loss.copy_(torch.stack(st.losses).sum() / m)
         self.comm.broadcast(loss, src=self._last_rank)
+        self.grads_answer_for_stages()
         return loss[0]
+
+    def grads_answer_for_stages(self) -> None:
+        """Make this rank's gradients refuse torch's clip and GradScaler when other ranks hold other layers
+        (stage_grads.py); `sw.parallelize` calls it again after its data-parallel reduction."""
+        if self.comm.size > 1:
+            grads_answer_for_stages(((f"stage {s}: {n}", p) for s in self.local_stages
+                                     for n, p in self.stages[str(s)].named_parameters()), self.comm.size,
+                                    self._grad_specs)
 
     def predict(self, inputs: Any = None, *, to: str | int = "all", n_microbatches: int | None = None) -> Any:
         """Inference: the last stage's output for the whole batch, on every rank (``to="all"``) or on rank `to` of

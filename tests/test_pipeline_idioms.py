@@ -1,0 +1,46 @@
+"""torch's clip and GradScaler over a pipeline-parallel model raise naming the shardwise way (each rank holds only
+some layers, so its own norm or overflow check would be wrong with no error); the optimizer steps as it is
+(pipeline/stage_grads.py). Parity of pipeline training itself: tests/test_pipeline_compose.py, test_hybrid.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import CONFIG, batch
+
+import shardwise as sw
+from shardwise.models import GPT
+from shardwise.sharded_tensor import is_sharded, spec_of
+
+
+@pytest.mark.parametrize("dp_strategy", ["ddp", "zero2"])
+def test_torch_clip_and_grad_scaler_refuse_a_pipeline_stage_and_sw_clip_trains_like_one_process(dp_strategy):
+    plain = GPT(CONFIG, seed=0)
+    x, y = batch(0)
+    plain(x, y).backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
+
+    def body(comm):
+        mesh = sw.Mesh(comm, dp=2, pp=2)
+        model = sw.parallelize(GPT(CONFIG, seed=0), mesh, dp_strategy=dp_strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
+        xs, ys = x.chunk(2)[mesh.coords.dp], y.chunk(2)[mesh.coords.dp]
+        model.step(xs, ys)
+        with pytest.raises(RuntimeError, match=r"sw\.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(torch.ones(()))  # what a loop scales its loss with
+        with pytest.raises(RuntimeError, match=r"sw\.ShardedGradScaler"):
+            scaler.unscale_(opt)
+        described = all(is_sharded(p.grad) for p in model.parameters() if p.grad is not None)
+        # A per-parameter figure of a whole gradient (DDP's, a tied weight's; ZeRO's others are pieces) is allowed,
+        # as in one process.
+        whole = [p.grad for p in model.parameters() if p.grad is not None and spec_of(p.grad).whole]
+        assert whole and all(torch.isfinite(g.norm()) for g in whole)
+        norm = sw.clip_grad_norm_(model, 1e9)  # one process's norm, over every stage
+        opt.step()
+        return described, float(norm)
+
+    for described, norm in sw.launch(body, 4):
+        assert described
+        assert norm == pytest.approx(float(want_norm), rel=1e-5)
