@@ -206,6 +206,41 @@ def test_writes_never_follow_a_planted_link(tmp_path):
     assert not (export / "m.safetensors").is_symlink() and load_file(str(export / "m.safetensors"))
 
 
+def test_run_folder_writes_never_follow_a_planted_link(tmp_path):
+    """Issue 33: the benchmark report and the demo's outputs, written into a folder that already holds links (to a
+    file outside, under a result's own name and under its temporary name), replace the links and leave the file
+    outside as it was."""
+    from shardwise.benchmarks.report import write_report
+    from shardwise.benchmarks.suite import BenchResult
+    from shardwise.files import save_figure, write_text
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("untouched")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.md").symlink_to(outside)
+    (run / f".results.jsonl.tmp-{os.getpid()}").symlink_to(outside)
+    (run / "plot.png").symlink_to(outside)
+    config = {"preset": "tiny", "nproc": 2, "batch_size": 2, "lr": 1e-3, "warmup": 1, "rounds": 1, "steps": 1,
+              "memory_steps": 1}
+    header = {"config": config, "num_params": 1000, "seq_len": 8, "tokens_per_step": 32, "torch": "x", "python": "x",
+              "cpus": 2, "loadavg_before": 0, "loadavg_after": 0, "wall_s": 1, "started": "now"}
+    write_report(BenchResult(run, [], header))
+    write_text(run / "notes.txt", "fresh")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, _ = plt.subplots()
+    save_figure(fig, run / "plot.png", dpi=50)
+    plt.close(fig)
+    assert outside.read_text() == "untouched"
+    for name in ("results.md", "results.jsonl", "plot.png"):
+        assert not (run / name).is_symlink() and (run / name).stat().st_size > 0, name
+    assert (run / "results.jsonl").read_text().startswith('{"run": {"config"')
+
+
 @pytest.mark.parametrize("wrap", ["ddp", "tp"])
 def test_replicas_that_drifted_apart_are_named_at_save(tmp_path, wrap):
     """Issue 33: copies made to differ by 1e-3 in one tensor on one rank: save raises naming the tensor and the ranks

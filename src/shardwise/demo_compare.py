@@ -16,6 +16,7 @@ from typing import Any
 
 from .demo import DemoOptions, DemoSummary, run_demo
 from .demo_report import make_run_dir
+from .files import save_figure, write_text
 
 __all__ = ["run_compare", "compare_table"]
 
@@ -60,7 +61,7 @@ def _plots(folder: Path, summaries: list[DemoSummary], curves: dict[str, list[di
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(folder / "loss_vs_time.png", dpi=110)
+    save_figure(fig, folder / "loss_vs_time.png", dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(summaries) + 2), 4))
@@ -78,7 +79,7 @@ def _plots(folder: Path, summaries: list[DemoSummary], curves: dict[str, list[di
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(folder / "memory.png", dpi=110)
+    save_figure(fig, folder / "memory.png", dpi=110)
     plt.close(fig)
     return ""
 
@@ -98,8 +99,8 @@ def run_compare(variants: list[DemoOptions]) -> list[DemoSummary]:
         curves[options.strategy] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     table = compare_table(summaries)
     note = _plots(folder, summaries, curves)
-    (folder / "compare.md").write_text(f"# shardwise demo --compare\n\n{table}\n" + (f"\n{note}\n" if note else ""))
-    (folder / "compare.json").write_text(json.dumps([s.as_dict() for s in summaries], indent=2) + "\n")
+    write_text(folder / "compare.md", f"# shardwise demo --compare\n\n{table}\n" + (f"\n{note}\n" if note else ""))
+    write_text(folder / "compare.json", json.dumps([s.as_dict() for s in summaries], indent=2) + "\n")
     print(table)
     if note:
         print(note)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .benchmarks.formulas import estimate_key, formula_text, wire_bytes_formula
 from .demo_hybrid import axis_rows, mesh_fields
 from .estimate import estimate_memory
+from .files import save_figure, write_text
 
 if TYPE_CHECKING:
     from .demo import DemoOptions
@@ -152,10 +153,8 @@ def make_run_dir(out: Path) -> Path:
 
 
 def write_outputs(run_dir: Path, summary: DemoSummary, metrics: list[dict[str, Any]], label: str) -> None:
-    with open(run_dir / "metrics.jsonl", "w") as fh:
-        for record in metrics:
-            fh.write(json.dumps(record) + "\n")
-    (run_dir / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
+    write_text(run_dir / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in metrics))
+    write_text(run_dir / "summary.json", json.dumps(summary.as_dict(), indent=2) + "\n")
     try:
         import matplotlib
     except ImportError:
@@ -171,7 +170,7 @@ def write_outputs(run_dir: Path, summary: DemoSummary, metrics: list[dict[str, A
     ax.set_title(f"shardwise demo: {label}, GPT {summary.options['preset']}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(run_dir / "loss.png", dpi=110)
+    save_figure(fig, run_dir / "loss.png", dpi=110)
     plt.close(fig)
 
 

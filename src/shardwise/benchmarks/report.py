@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from ..files import save_figure, write_text
+
 if TYPE_CHECKING:
     from .suite import BenchResult
 
@@ -137,17 +139,15 @@ def _finish(plt: Any, fig: Any, ax: Any, names: list[str], path: Any) -> None:
     ax.set_xticklabels(names, rotation=30, ha="right")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
 def write_report(result: BenchResult) -> str:
     """Create the run directory and write results.jsonl, the plots and results.md; return the table."""
     result.run_dir.mkdir(parents=True, exist_ok=True)
-    with open(result.run_dir / "results.jsonl", "w") as fh:
-        fh.write(json.dumps({"run": result.header}) + "\n")
-        for row in result.rows:
-            fh.write(json.dumps(row) + "\n")
+    lines = [json.dumps({"run": result.header})] + [json.dumps(row) for row in result.rows]
+    write_text(result.run_dir / "results.jsonl", "\n".join(lines) + "\n")
     note = _plots(result)
-    (result.run_dir / "results.md").write_text(_markdown(result, note))
+    write_text(result.run_dir / "results.md", _markdown(result, note))
     return markdown_table(result.rows) + (f"\n{note}" if note else "")

@@ -28,6 +28,8 @@ import re
 import shutil
 from pathlib import Path
 
+from ..files import fsync_dir, write_bytes_durably  # noqa: F401 - their home; the checkpoint writers use them
+
 try:
     import fcntl
 except ImportError:  # not POSIX: saves take no lock, and leftovers that carry one are never removed
@@ -68,35 +70,6 @@ def check_file_name(name: str, where: Path) -> str:
     if not isinstance(name, str) or not _SHARD_RE.match(name):
         raise CheckpointError(f"{where}: refusing file name {name!r} (allowed: shard-NNNNN-of-NNNNN.safetensors)")
     return name
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_durably(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file in the same directory, fsync, rename: all or nothing.
-
-    The temporary file is created new (O_CREAT | O_EXCL | O_NOFOLLOW): a file or link already there under its name
-    (left by a dead writer, or planted to point elsewhere) is removed, never written through; the rename replaces a
-    link at `path` itself, not what it points to."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(tmp, flags, 0o644)
-    except FileExistsError:
-        os.unlink(tmp)  # a link is removed itself; its target is untouched
-        fd = os.open(tmp, flags, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
