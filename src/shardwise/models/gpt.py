@@ -161,11 +161,15 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (
             t.view(B, T, local_heads, self.head_dim).transpose(1, 2) for t in qkv.split(width // 3, dim=-1)
         )
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = self.attend(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, local_heads * self.head_dim)
         return self.drop(self.proj(y))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, heads, T, head_dim) q, k, v; shardwise.context_parallel overrides it."""
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
 
 
 class MLP(nn.Module):

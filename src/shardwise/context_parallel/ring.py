@@ -1,0 +1,214 @@
+"""Ring attention: exact causal attention over a sequence split across a context-parallel group.
+
+Liu, Zaharia and Abbeel (2023), "Ring Attention with Blockwise Transformers for Near-Infinite Context", arXiv
+2310.01889. Each of the cp ranks holds the queries, keys and values of its own tokens (split.py: one chunk, or
+two zigzag chunks). Attention needs every query against every earlier key, so the key/value blocks travel around
+the ring of ranks while the queries stay put.
+
+Forward, on each rank, cp steps. At step s the rank holds the key/value block of rank ``(rank - s) mod cp``. It
+first posts the exchange for the next step (send the block it holds to rank+1, receive the next from rank-1, in
+one ``batch_isend_irecv``, NCCL's rule), then computes attention of its query chunks against the block it holds,
+then waits: the transfer overlaps the block's compute. Each (query chunk, key chunk) pair is a *block*: skipped if
+the key chunk comes after the query chunk in the sequence (masked out entirely by causality), computed with a
+triangular mask if it is the same chunk, in full otherwise. A block gives a partial output ``o_b = softmax(S_b) V_b``
+and its log-sum-exp ``l_b = logsumexp(S_b)`` per query row; partial results merge exactly by the log-sum-exp rule
+(the online softmax of Milakov and Gimelshein 2018, FlashAttention, Dao et al. 2022)::
+
+    l = logaddexp(l_acc, l_b);   o = exp(l_acc - l) o_acc + exp(l_b - l) o_b
+
+so after cp steps every query row has softmax over all its keys, whatever the order the blocks came in. The rank
+keeps for backward only its own q, k, v, the output and the log-sum-exp (O(T/cp) per rank, never T x T scores).
+
+Backward, also a ring (as in the ring-flash-attention and torchtitan implementations). Each rank recomputes the
+probabilities of each block from the saved log-sum-exp, ``P = exp(S - l)``, and applies FlashAttention's backward
+with ``D = rowsum(dO * O)``: ``dV += P^T dO``, ``dS = P * (dO V^T - D)``, ``dQ += dS K scale``, ``dK += dS^T Q scale``.
+dQ stays on the rank. The key/value blocks travel the ring again, and the gradients of a block's keys and values
+travel *with* it: at step s the rank adds its contribution to the accumulator that arrived with the block and
+sends the sum on; after cp steps the accumulator has visited every rank and a final hop brings each rank the
+complete dK, dV of its own keys and values. Traffic per rank: forward (cp-1) x |K|+|V|, backward (cp-1) x |K|+|V|
+plus cp x |dK|+|dV|.
+
+Zigzag (split.py) gives every rank the same number of computed blocks at every step after the first, so no rank
+waits for another; with the contiguous split rank cp-1 computes cp blocks while rank 0 computes one.
+
+Grouped-query attention (fewer key/value heads than query heads, Llama): the key/value blocks travel with their
+own head count (less traffic) and are repeated to the query heads only inside each block; their gradients are
+summed back over the repeated heads. The blocks are computed with matmuls in float32 or wider (float64 stays
+float64), so the result is exact to rounding; a fused kernel returning the log-sum-exp would replace
+`_block_forward` / `_block_backward` on GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm.base import Communicator, P2POp
+from .split import SequenceSplit
+
+__all__ = ["ring_attention", "RingAttention", "check_qkv"]
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str) -> tuple[int, int]:
+    """ValueError unless q (B, H, L, D) and k, v (B, Hkv, L, D) fit together; returns (H, Hkv)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{who}: {name} must be a floating-point tensor of shape (batch, heads, local tokens, "
+                             f"head_dim), got {shape}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] \
+            or len({q.dtype, k.dtype, v.dtype}) > 1:
+        raise ValueError(f"{who}: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
+                         f"{v.dtype} must agree in batch, tokens, head_dim and dtype (k and v in every dim)")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{who}: query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
+    return q.shape[1], k.shape[1]
+
+
+def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, c, D) -> (B, Hkv * groups, c, D): query head h reads key/value head h // groups (HF's repeat_kv)."""
+    if groups == 1:
+        return t
+    B, H, c, D = t.shape
+    return t[:, :, None].expand(B, H, groups, c, D).reshape(B, H * groups, c, D)
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_repeat`: sum over the repeated heads."""
+    if groups == 1:
+        return t
+    B, H, c, D = t.shape
+    return t.view(B, H // groups, groups, c, D).sum(2)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if diagonal:  # same chunk: positions equal, so key j is visible to query i iff j <= i
+        c = s.shape[-1]
+        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, scale, diagonal):  # noqa: ANN001, ANN202
+    s = _scores(q, k, scale, diagonal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _block_backward(q, k, v, do, lse, delta, scale, diagonal):  # noqa: ANN001, ANN202
+    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+def _pairs(split: SequenceSplit, rank: int, src: int):  # noqa: ANN202
+    """(local query chunk a, key chunk b of rank src's block, diagonal?) for every block not masked out."""
+    for a, qid in enumerate(split.chunks(rank)):
+        for b, kid in enumerate(split.chunks(src)):
+            if kid <= qid:
+                yield a, b, kid == qid
+
+
+def _exchange(comm: Communicator, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Post: send `send` to rank+1, receive a tensor like it from rank-1 (one batch). Returns (buffer, works)."""
+    recv = torch.empty_like(send)
+    works = comm.batch_isend_irecv([P2POp.send(send, (comm.rank + 1) % comm.size),
+                                    P2POp.recv(recv, (comm.rank - 1) % comm.size)])
+    return recv, works
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal ring attention as one autograd node: forward and backward both pass blocks around the ring (see the
+    module docstring). Call through :func:`ring_attention`, which validates the arguments."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, split, scale):  # noqa: ANN001, ANN205
+        n, rank = comm.size, comm.rank
+        acc = torch.promote_types(q.dtype, torch.float32)
+        m = split.chunks_per_rank
+        c = q.shape[2] // m
+        groups = q.shape[1] // k.shape[1]
+        qs = [t.to(acc) for t in q.split(c, dim=2)]
+        out = [torch.zeros_like(t) for t in qs]
+        lse = [torch.full(t.shape[:-1], float("-inf"), dtype=acc, device=q.device) for t in qs]
+        kv = torch.stack([k, v]).to(acc)
+        for step in range(n):
+            if step < n - 1:
+                nxt, works = _exchange(comm, kv)
+            for a, b, diagonal in _pairs(split, rank, (rank - step) % n):
+                kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in kv)
+                o_b, l_b = _block_forward(qs[a], kb, vb, scale, diagonal)
+                merged = torch.logaddexp(lse[a], l_b)
+                out[a] = out[a] * torch.exp(lse[a] - merged).unsqueeze(-1) + o_b * torch.exp(l_b - merged).unsqueeze(-1)
+                lse[a] = merged
+            if step < n - 1:
+                _wait(works)
+                kv = nxt
+        # Laid out (B, L, H, D) as fused kernels return it: the caller's transpose + reshape to (B, L, H*D) is then
+        # a view, so the output projection saves this same storage instead of a copy.
+        o = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
+        ctx.comm, ctx.split, ctx.scale = comm, split, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # noqa: ANN001, ANN205
+        q, k, v, o, lse = ctx.saved_tensors
+        comm, split, scale = ctx.comm, ctx.split, ctx.scale
+        n, rank = comm.size, comm.rank
+        acc = lse.dtype
+        m = split.chunks_per_rank
+        c = q.shape[2] // m
+        groups = q.shape[1] // k.shape[1]
+        do = do.to(acc)
+        delta = (do * o.to(acc)).sum(-1)
+        qs, dos, lses, deltas = (t.split(c, dim=2) for t in (q.to(acc), do, lse, delta))
+        dq = [torch.zeros_like(t) for t in qs]
+        kv = torch.stack([k, v]).to(acc)
+        dkv_in, dkv_works = None, []
+        for step in range(n):
+            if step < n - 1:
+                nxt, works = _exchange(comm, kv)
+            dkv = torch.zeros_like(kv)
+            for a, b, diagonal in _pairs(split, rank, (rank - step) % n):
+                kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in kv)
+                dq_b, dk_b, dv_b = _block_backward(qs[a], kb, vb, dos[a], lses[a], deltas[a], scale, diagonal)
+                dq[a] += dq_b
+                dkv[0].narrow(2, b * c, c).add_(_fold(dk_b, groups))
+                dkv[1].narrow(2, b * c, c).add_(_fold(dv_b, groups))
+            if dkv_in is not None:  # the block's gradient from the ranks that held it before
+                _wait(dkv_works)
+                dkv += dkv_in
+            if n > 1:  # pass it on; after the last step this hop returns it to the block's owner
+                dkv_in, dkv_works = _exchange(comm, dkv)
+            else:
+                dkv_in = dkv
+            if step < n - 1:
+                _wait(works)
+                kv = nxt
+        _wait(dkv_works)
+        return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
+                   scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries against the whole sequence's keys, by ring attention.
+
+    q: (B, H, L, D) this rank's L = T / cp tokens in the order `split_sequence` gives them (zigzag: chunks r and
+    2cp-1-r); k, v: (B, Hkv, L, D) with H a multiple of Hkv. Every rank of `comm` calls it together (forward and
+    backward communicate). scale: multiplies q k^T; default 1 / sqrt(D). Returns (B, H, L, D), what
+    ``F.scaled_dot_product_attention(..., is_causal=True)`` on the whole sequence gives for these tokens.
+    ValueError if the shapes disagree or L is odd under zigzag.
+    """
+    check_qkv(q, k, v, "ring_attention")
+    split = SequenceSplit(comm.size, zigzag)
+    split.chunk_len(q.shape[2], "ring_attention")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return RingAttention.apply(q, k, v, comm, split, scale)

@@ -1,0 +1,93 @@
+"""All-to-all (Ulysses) context parallelism: trade the sequence split for a head split around attention.
+
+Jacobs et al. (2023), "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme Long Sequence
+Transformer Models", arXiv 2309.14509. Outside attention every rank holds T/cp tokens of every head. Attention is
+independent per head, so one all-to-all re-partitions q, k and v from *sequence-sharded, all heads* to *all tokens,
+H/cp heads*: rank j sends the tokens it holds of head group i to rank i, and receives every rank's tokens of its own
+head group j. Each rank then runs ordinary full causal attention (``F.scaled_dot_product_attention``, any fused
+kernel) on the whole sequence for its heads, and a second all-to-all brings the output back to sequence-sharded.
+Backward is the same two all-to-alls in reverse (each all-to-all's gradient is the inverse all-to-all).
+
+Cost: per attention layer, 4 all-to-alls (q, k and v packed into one, the output, and the same two in backward) of
+(cp-1)/cp of the activations each; unlike the ring, their volume per rank shrinks as cp grows, but cp cannot exceed
+the head count (nor the key/value head count under grouped-query attention, unless k and v are repeated first, which
+this module does). Heads must be divisible by cp: ValueError otherwise.
+
+Token order. The ranks' parts are gathered in rank order; under the zigzag split (split.py) that is not sequence
+order, so the gathered tokens are permuted into sequence order before the causal attention and back after it (an
+index_select: cheap, and it lets ring and Ulysses share one batch split).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..comm.base import Communicator
+from .ring import check_qkv
+from .split import SequenceSplit
+
+__all__ = ["ulysses_attention", "AllToAll", "all_to_all"]
+
+
+def _exchange(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    inputs = [t.contiguous() for t in x.chunk(comm.size, dim=scatter_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(comm.size)]
+    comm.all_to_all(outputs, inputs)
+    return torch.cat(outputs, dim=gather_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """Forward: cut x in cp equal parts along `scatter_dim`, send part j to rank j, concatenate what arrives along
+    `gather_dim` in rank order. Backward: the inverse all-to-all of the gradient (the two dims swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, scatter_dim, gather_dim):  # noqa: ANN001, ANN205
+        ctx.comm, ctx.dims = comm, (scatter_dim, gather_dim)
+        return _exchange(x, comm, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        scatter_dim, gather_dim = ctx.dims
+        return _exchange(grad, ctx.comm, gather_dim, scatter_dim), None, None, None
+
+
+def all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Differentiable all-to-all (see :class:`AllToAll`); the identity for a group of one."""
+    if comm.size == 1:
+        return x
+    if x.shape[scatter_dim] % comm.size:
+        raise ValueError(f"all_to_all: dim {scatter_dim} of shape {tuple(x.shape)} is not divisible by the group "
+                         f"size {comm.size}")
+    return AllToAll.apply(x, comm, scatter_dim, gather_dim)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
+                      scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's tokens against the whole sequence, by all-to-all over heads (Ulysses).
+
+    Same contract as :func:`~shardwise.context_parallel.ring_attention`: q (B, H, L, D), k and v (B, Hkv, L, D),
+    this rank's tokens in `split_sequence` order; returns (B, H, L, D). ValueError unless H is divisible by
+    cp = comm.size. If Hkv is not, k and v are repeated to H heads before the exchange.
+    """
+    H, Hkv = check_qkv(q, k, v, "ulysses_attention")
+    cp = comm.size
+    if H % cp:
+        raise ValueError(f"ulysses_attention: {H} attention heads are not divisible by the context-parallel size "
+                         f"cp={cp}; allowed: cp dividing the head count (or method='ring')")
+    split = SequenceSplit(cp, zigzag)
+    L = q.shape[2]
+    split.chunk_len(L, "ulysses_attention")
+    if Hkv % cp:
+        k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+        Hkv = H
+    hq, hkv = H // cp, Hkv // cp
+    # (B, cp, heads of group j, L, D) for q, k, v packed: one all-to-all sends rank j its head group of all three.
+    packed = torch.cat([t.unflatten(1, (cp, -1)) for t in (q, k, v)], dim=2)
+    full = all_to_all(packed, comm, scatter_dim=1, gather_dim=3).squeeze(1)  # (B, hq + 2 hkv, cp L, D), rank order
+    where = torch.cat([split.positions(r, L, q.device) for r in range(cp)])  # rank order -> sequence position
+    full = full.index_select(2, torch.argsort(where))
+    qf, kf, vf = full.split([hq, hkv, hkv], dim=1)
+    y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    y = y.index_select(2, where).unflatten(2, (cp, L))  # back to rank order: (B, hq, cp, L, D)
+    return all_to_all(y, comm, scatter_dim=2, gather_dim=1).squeeze(2)  # (B, H, L, D)
