@@ -123,3 +123,26 @@ def test_local_sgd_synchronising_every_step_on_cuda_thread_ranks_equals_one_gpu(
     want, _ = _dense(3, opt_fn=lambda p: torch.optim.SGD(p, lr=0.1))
     for state in sw.launch(_local_sgd, 2, 3, device=DEVICE):
         _close(state, want)
+
+
+def _context_parallel(comm, method: str, steps: int):
+    from shardwise import context_parallel as cp
+
+    model = sw.DDP(cp.apply(build(), comm, method=method), comm)
+    opt = optimizer(model.parameters())
+    for step in range(steps):
+        x, y = cp.split_sequence(batch(step), comm)
+        model(x.to(DEVICE), y.to(DEVICE)).backward()
+        sw.clip_grad_norm_(model, 0.3)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.cpu() for k, v in sw.full_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_context_parallel_cp2_on_cuda_thread_ranks_matches_one_gpu(method):
+    """Ring attention's K/V blocks go round the ring by point-to-point between CUDA thread ranks; Ulysses by
+    all_to_all. Each rank's loss is the mean over its chunk's tokens (equal counts), DDP averages over cp."""
+    want, _ = _dense(3, max_norm=0.3)
+    for state in sw.launch(_context_parallel, 2, method, 3, device=DEVICE, timeout=120):
+        _close(state, want)
