@@ -21,6 +21,10 @@ Mechanism
   the bucket is waited for. Each rank holds its own copy (`model.compressor`) with its error-feedback memory per
   bucket, which `sw.save_checkpoint` saves per rank (declared as the layout's extra state).
 * `no_sync()` skips communication: gradients accumulate locally and are averaged on the first backward outside it.
+* Expert parallel (shardwise.experts): a parameter whose placement is split over ranks of `comm` (experts split over
+  an ep group borrowed from dp) is not a replica across `comm`: it is neither broadcast nor averaged over `comm`, but
+  bucketed apart and averaged over the replica group it declares inside `comm` (edp), or left alone when it has none
+  (`layout.data_parallel_group`).
 * Unused parameters: by default a trainable parameter that got no gradient is an error naming it (it would leave
   its bucket waiting forever on the other ranks). With `find_unused_parameters=True` each forward walks the autograd
   graph to find the parameters it cannot reach and marks them ready at the start of backward (contributing zeros,
@@ -59,11 +63,12 @@ MB = 1024 * 1024
 
 
 class _Bucket:
-    """A flat gradient buffer shared by a run of parameters of one dtype and device."""
+    """A flat gradient buffer shared by a run of parameters of one dtype, device and reduction group."""
 
-    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+    def __init__(self, index: int, params: list[nn.Parameter], comm: Communicator | None) -> None:
         self.index = index
         self.params = params
+        self.comm = comm  # the group it is averaged over (None: nothing to average, see layout.data_parallel_group)
         pieces = [local(p) for p in params]  # a tensor-parallel slice's own storage (sharded_tensor.py)
         numel = sum(p.numel() for p in pieces)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
@@ -87,14 +92,18 @@ class _Reducer:
     """Per-model DDP state: buckets, hooks, and the bookkeeping of the backward pass in flight."""
 
     def __init__(self, module: nn.Module, comm: Communicator, bucket_mb: float, first_bucket_mb: float,
-                 find_unused_parameters: bool, broadcast_buffers: bool, compression: Compressor | None = None) -> None:
+                 find_unused_parameters: bool, broadcast_buffers: bool, compression: Compressor | None = None,
+                 groups: dict[int, Communicator | None] | None = None) -> None:
         self.comm = comm
+        # Per parameter, the ranks it is averaged over: comm, or for experts split over ranks of comm their replicas
+        # (layout.data_parallel_group); those with no replica in comm are left alone.
+        self.groups = {id(p): (groups or {}).get(id(p), comm) for p in module.parameters()}
         self.compressor = compression.fresh() if compression is not None else None  # this rank's own state
         self.find_unused = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
         self.names = {p: n for n, p in module.named_parameters()}
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad and self.groups[id(p)] is not None]
         self.buffers = list(module.buffers())
         self.buckets = self._make_buckets(bucket_mb, first_bucket_mb)
         self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -113,13 +122,14 @@ class _Reducer:
         size = 0
         for p in reversed(self.params):
             limit = (first_bucket_mb if not buckets else bucket_mb) * MB
-            if current and (size >= limit or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
-                buckets.append(_Bucket(len(buckets), current))
+            if current and (size >= limit or (p.dtype, p.device, self.groups[id(p)]) !=
+                            (current[0].dtype, current[0].device, self.groups[id(current[0])])):
+                buckets.append(_Bucket(len(buckets), current, self.groups[id(current[0])]))
                 current, size = [], 0
             current.append(p)
             size += local(p).numel() * p.element_size()
         if current:
-            buckets.append(_Bucket(len(buckets), current))
+            buckets.append(_Bucket(len(buckets), current, self.groups[id(current[0])]))
         return buckets
 
     def _reset(self) -> None:
@@ -212,7 +222,7 @@ class _Reducer:
                 bucket.work = self.compressor.reduce(bucket.index, bucket.buffer, self.comm,
                                                      [local(p).shape for p in bucket.params])
             else:
-                bucket.work = self.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
+                bucket.work = bucket.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
             self.next_bucket += 1
 
     def _finish_backward(self) -> None:
@@ -374,20 +384,28 @@ def DDP(
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"DDP: {name}={value!r} must be a positive number of MiB")
     to_comm_device(module, comm, "DDP")  # NCCL broadcasts and reduces CUDA tensors: the model goes to comm.device
+    before = layout.placements(module)
+    try:  # experts split over ranks of comm (expert parallel) are averaged over their replicas only
+        groups = {id(pl.param): layout.data_parallel_group(pl, comm) for pl in before.values()}
+    except ValueError as e:
+        raise ValueError(f"DDP: {e}") from None
+    if compression is not None and any(g is not comm for g in groups.values()):
+        raise ValueError("DDP: compression with expert-parallel parameters is not supported yet; use compression=None")
     check_agreement(comm, "DDP", {"parameters": describe_parameters(module), "options": {
         "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "find_unused_parameters": find_unused_parameters,
         "broadcast_buffers": broadcast_buffers,
         "compression": None if compression is None else compression.config()}})
     if comm.size > 1:
-        broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
-    before = layout.placements(module)
+        broadcast_coalesced(comm, [p.data for p in module.parameters() if groups.get(id(p), comm) is comm]
+                            + [b.data for b in module.buffers()])
     reducer = _Reducer(module, comm, bucket_mb, first_bucket_mb, find_unused_parameters, broadcast_buffers,
-                       compression)
+                       compression, groups)
     mix_in(module, DDPModule, "DDP")
     module._ddp = reducer
     layout.declare(module, layout.Parallelized(
         "ddp", (comm,),
-        {name: dataclasses.replace(pl, replicated_over=(*pl.replicated_over, comm)) for name, pl in before.items()},
+        {name: dataclasses.replace(pl, replicated_over=(*pl.replicated_over, comm)) if groups[id(pl.param)] is comm
+         else pl for name, pl in before.items()},
         no_sync=module.no_sync, world=comm,
         memory=lambda: layout.MemoryView(grads=tuple(b.buffer for b in reducer.buckets)),
         options={"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb},

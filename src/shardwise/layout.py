@@ -44,7 +44,8 @@ from .sharded_tensor import local
 
 __all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extra_states", "strategies", "placements", "declare",
            "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "box_numel", "intersect", "full_box", "reduction_groups",
-           "counts_here", "record_comms", "is_partitioned", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers"]
+           "counts_here", "record_comms", "is_partitioned", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers",
+           "data_parallel_group", "check_whole_within"]
 
 _ATTR = "_shardwise_layout"  # the one attribute a wrapped model carries; read only by this module
 
@@ -391,3 +392,33 @@ def register_partial_grad_sum(param: torch.Tensor, comm: Communicator) -> None:
         return out
 
     param.register_hook(hook)
+
+
+def data_parallel_group(pl: Placement, comm: Communicator) -> Communicator | None:
+    """The ranks of `comm` over which a data-parallel strategy on `comm` averages `pl`'s gradient.
+
+    `comm` itself for a parameter every rank of `comm` holds alike (whole, or split over a group across `comm`, as
+    tensor parallel is). A parameter split over ranks *of* `comm` (the experts of a MoE layer, split over an
+    expert-parallel group that borrows its ranks from dp) differs across `comm`: it is averaged only over the replica
+    group it declares inside `comm` (expert data parallel), or over nothing (None) when no other rank of `comm` holds
+    its piece. ValueError when the two groups do not tile `comm` (a copy the average would miss)."""
+    split = pl.box_group
+    inside = set(comm.global_ranks)
+    if split is None or split.size == 1 or len(inside & set(split.global_ranks)) <= 1:
+        return comm
+    replicas = [g for g in pl.replicated_over if g.size > 1 and set(g.global_ranks) <= inside]
+    group = replicas[0] if replicas else None
+    if not set(split.global_ranks) <= inside or split.size * (group.size if group else 1) != comm.size:
+        raise ValueError(f"{pl.name} is split over {split.size} ranks of the data-parallel group ({comm.size} ranks) "
+                         f"and replicated over {group.size if group else 1} of them: the two must tile the group (a "
+                         f"MoE model's expert-parallel dp group must be the one data parallel runs over)")
+    return group
+
+
+def check_whole_within(model: nn.Module, comm: Communicator, who: str) -> None:
+    """Refuse (ValueError) a strategy over `comm` that cannot reduce a parameter split over ranks of `comm`."""
+    for pl in placements(model).values():
+        if data_parallel_group(pl, comm) is not comm:
+            raise ValueError(f"{who}: parameter {pl.name!r} is split over ranks of its group (expert parallel: "
+                             f"{pl.box_group.size} ranks of {comm.size}); {who} does not shard such parameters yet: "
+                             f"use sw.DDP over the data-parallel group")

@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .moe import MoE
+
 __all__ = [
     "PRESETS",
     "GPTConfig",
@@ -77,6 +79,10 @@ class GPTConfig:
             forward pass deterministic, which the parity tests rely on.
         tie_weights: if True the output head reuses the token embedding matrix (one Parameter, two uses).
         bias: if True the Linear layers (except ``head``) and LayerNorms have biases.
+        n_experts: 0 (default) for the dense MLP; E > 0 makes each block's feed-forward a mixture of E experts
+            (models/moe.py): ``mlp`` is then a ``MoE`` with ``router``, ``w_in``, ``b_in``, ``w_out``, ``b_out``.
+        experts_per_token: k, the experts each token is routed to (1 <= k <= n_experts; unused when dense).
+        moe_aux_loss_coef: weight of the Switch load-balancing loss added to the returned loss (>= 0).
     """
 
     vocab_size: int = 256
@@ -88,6 +94,9 @@ class GPTConfig:
     dropout: float = 0.0
     tie_weights: bool = True
     bias: bool = True
+    n_experts: int = 0
+    experts_per_token: int = 2
+    moe_aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
@@ -107,6 +116,16 @@ class GPTConfig:
         for name in ("tie_weights", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        E, k, coef = self.n_experts, self.experts_per_token, self.moe_aux_loss_coef
+        if isinstance(E, bool) or not isinstance(E, int) or E < 0:
+            raise ValueError(f"GPTConfig.n_experts must be an int >= 0 (0: dense MLP), got {E!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (E and k > E):
+            raise ValueError(f"GPTConfig.experts_per_token must be an int in [1, n_experts={E}], got {k!r}")
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0 or math.isinf(coef):
+            raise ValueError(f"GPTConfig.moe_aux_loss_coef must be a finite number >= 0, got {coef!r}")
 
     @property
     def head_dim(self) -> int:
@@ -197,7 +216,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_experts else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -312,7 +331,8 @@ class GPT(nn.Module):
         # GPT-2: each block adds two residual branches, so their output projections shrink by sqrt(2 L)
         # to keep the residual stream's variance independent of depth.
         resid_std = std / math.sqrt(2 * self.config.n_layers)
-        residual = {id(b.attn.proj.weight) for b in self.blocks} | {id(b.mlp.proj.weight) for b in self.blocks}
+        residual = {id(b.attn.proj.weight) for b in self.blocks} | {
+            id(b.mlp.proj.weight) for b in self.blocks if isinstance(b.mlp, MLP)}
         seen: set[int] = set()
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -326,6 +346,8 @@ class GPT(nn.Module):
                 module.weight.fill_(1.0)
                 if module.bias is not None:
                     module.bias.zero_()
+            elif isinstance(module, MoE):  # its router is an nn.Linear, drawn when visited
+                module.reset_experts(gen, std, resid_std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) for idx (B, T) with T <= seq_len; the mean cross-entropy if targets are given."""
@@ -334,7 +356,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = _head(self.ln_f, self.head, x)
-        return logits if targets is None else lm_loss(logits, targets)
+        if targets is None:
+            return logits
+        loss = lm_loss(logits, targets)
+        if self.config.n_experts and self.config.moe_aux_loss_coef:  # Switch load balancing (models/moe.py)
+            loss = loss + self.config.moe_aux_loss_coef * sum(b.mlp.aux_loss for b in self.blocks)
+        return loss
 
     def num_parameters(self) -> int:
         """Number of scalars in unique parameters (a tied embedding/head matrix counts once)."""

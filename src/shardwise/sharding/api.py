@@ -115,6 +115,7 @@ def _check_common(module: nn.Module, comm: Any, mixed_precision: Any, cpu_offloa
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True or False")
     layout.check_not_data_parallel(module, "ZeRO/FSDP")
+    layout.check_whole_within(module, comm, "ZeRO/FSDP")  # expert-parallel experts: not sharded yet
     if not any(True for _ in module.parameters()):
         raise ValueError("the module has no parameters to shard")
     if mixed_precision is None:
