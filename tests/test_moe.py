@@ -146,3 +146,34 @@ def test_capacity_drops_beyond_the_limit_in_batch_order():
     assert layer.stats == {"assignments": 32, "dropped": keep.count(False), "capacity": 4}
     assert keep.count(False) > 0
     torch.testing.assert_close(out, _by_hand(layer, x, keep), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy, world", [("ddp", 2), ("zero3", 2), ("fsdp:hybrid_shard", 4)])
+def test_data_parallel_wrappers_balance_over_the_global_batch(strategy, world):
+    """The balance loss is a product of batch means: every data-parallel wrapper makes the MoE layers sum their
+    statistics over its group (batch_split.py), so 3 AdamW steps with a binding clip equal one process (per-rank
+    statistics gave tok_emb gradients off by 1e-5 at the first step)."""
+    import shardwise as sw
+    from parity import batch
+
+    def build():
+        return GPT(CFG, seed=0)
+
+    def global_batch(step):
+        x, y = batch(step)
+        return x[:, :CFG.seq_len] % CFG.vocab_size, y[:, :CFG.seq_len] % CFG.vocab_size
+
+    report = sw.check(build, global_batch, strategy=strategy, world_size=world, max_norm=0.3,
+                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, eps=1e-5))
+    assert report.ok, report.text(verbose=True)
+
+
+def test_parallelize_refuses_a_balance_loss_its_pipeline_would_drop():
+    import shardwise as sw
+
+    def body(comm):
+        with pytest.raises(ValueError, match=r"moe_aux_loss_coef"):
+            sw.parallelize(GPT(CFG, seed=0), sw.Mesh(comm, dp=2))
+        return True
+
+    assert all(sw.launch(body, 2))

@@ -26,7 +26,7 @@ from .whole import (MemoryStats, ReplicaMismatch, ShardedGradScaler, check_repli
                     full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict, load_full_state_dict,
                     memory_stats)
 
-from . import compression, context_parallel, elastic, layout, pipeline, tensor_parallel  # or `... import pipeline as pp`
+from . import compression, context_parallel, elastic, experts, layout, pipeline, tensor_parallel  # pipeline as pp
 
 __version__ = "0.1.0"
 
@@ -85,4 +85,5 @@ __all__ = [
     "save_checkpoint",
     "tensor_parallel",
     "context_parallel",
+    "experts",
 ]

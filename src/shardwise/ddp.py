@@ -51,6 +51,7 @@ from .comm.coalesced import broadcast_coalesced
 from .compression.base import Compressor
 from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
+from .batch_split import share_batch_split
 from .compiled import refuse_compiled
 from .placement import to_comm_device
 from .sharded_tensor import grad_like, local
@@ -412,6 +413,7 @@ def DDP(
         # The compressor's residuals are per rank and per bucket: valid only under the same bucket layout.
         extra_state=() if reducer.compressor is None else (reducer.compressor.extra_state(
             comm, buckets=[b.buffer.numel() for b in reducer.buckets]),)))
+    share_batch_split(module, comm)  # a MoE layer's balance loss over the global batch (batch_split.py)
     register_wrapped(module)
     log.debug("DDP over %d ranks: %d buckets %s", comm.size, len(reducer.buckets), [b.nbytes for b in reducer.buckets])
     return module

@@ -44,6 +44,7 @@ from .comm.base import ReduceOp
 from .compression.support import check_supported, copies_reconciled
 from .ddp import DDP
 from .mesh import Mesh
+from .models.moe import MoE
 from .placement import to_comm_device
 from .sharding import FSDP, MixedPrecision, ZeRO
 from .sharding.offload import offload_level
@@ -79,6 +80,11 @@ def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
     if plan.dp_strategy not in DP_STRATEGIES:
         raise ValueError(f"parallelize: dp_strategy={plan.dp_strategy!r} is not supported; allowed {DP_STRATEGIES}")
     dp = mesh.sizes["dp"]
+    balanced = [n for n, m in model.named_modules() if isinstance(m, MoE) and m.aux_loss_coef > 0]
+    if balanced:
+        raise ValueError(f"parallelize: {balanced[0]} is a mixture of experts with a load-balancing loss "
+                         f"(moe_aux_loss_coef > 0), which the pipeline's per-microbatch loss would leave out; train "
+                         f"it with sw.DDP (shardwise.experts.expert_parallel for ep > 1), or set moe_aux_loss_coef=0")
     if mesh.sizes["cp"] > 1 or mesh.sizes["ep"] > 1:
         raise ValueError(f"parallelize: the mesh has cp={mesh.sizes['cp']}, ep={mesh.sizes['ep']}; sw.parallelize "
                          f"composes dp x tp x pp (cp=1, ep=1) for now: apply context parallel "

@@ -203,6 +203,7 @@ def expert_parallel(model: nn.Module, ep: Communicator | Mesh, *, dp: Communicat
             replaced += _split(layer, name, ep)
         mix_in(layer, ExpertParallelLayer, "ExpertParallel")
         layer._ep = groups
+        layer.set_batch_group(groups.dp)  # the balance statistics: over the ranks splitting the batch
         layer.capacity_factor = capacity_factor
     mark_replaced(replaced, WHO)
     placements = _placements(model, layers, ep, edp) if ep.size > 1 else layout.placements(model)

@@ -31,9 +31,10 @@ Load balancing. Without a penalty the router collapses onto a few experts. The S
 
 f_i is a count (no gradient), P_i is differentiable; aux is 1 for a perfectly uniform router and grows as the
 routing concentrates (Megatron-core's normalisation for top-k). It is a product of two *batch* means, so under data
-parallel it must be computed over the global batch: `_global_stats` is where the expert-parallel layer all-reduces
-the counts and the probability sums (shardwise.experts). The GPT adds ``moe_aux_loss_coef x sum(aux)`` over its MoE
-layers to the returned loss. ``aux_loss`` holds the last forward's value (None when the coefficient is 0).
+parallel it must be computed over the global batch: `_global_stats` sums the counts and the probability sums over
+``batch_group``, the ranks that split the batch, which every data-parallel wrapper (DDP, ZeRO, FSDP) sets at wrap
+time through `set_batch_group` (the expert-parallel layer, shardwise.experts, sums over its dp group). The GPT adds
+``moe_aux_loss_coef x sum(aux)`` over its MoE layers to the returned loss. ``aux_loss`` holds the last forward's value (None when the coefficient is 0).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class MoE(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, int | None] = {}
+        self.batch_group = None  # the Communicator of the ranks splitting the batch (set_batch_group); None: alone
         if self.w_in.device.type != "meta":
             self.reset_parameters()
 
@@ -164,11 +166,29 @@ class MoE(nn.Module):
         """Every expert's output for its rows (grouped by expert, counts[e] each). Expert parallel overrides it."""
         return expert_mlp(rows, counts, self.w_in, self.b_in, self.w_out, self.b_out, self.act)
 
+    def set_batch_group(self, comm: object) -> None:
+        """The ranks that split the batch (a data-parallel wrapper's group): the balance statistics are summed over
+        them, so the auxiliary loss is the global batch's. The first wrapper to set it wins (an outer one over the
+        same batch split adds nothing)."""
+        if self.batch_group is None:
+            self.batch_group = comm
+
     def _global_stats(self, counts: torch.Tensor, prob_sums: torch.Tensor,
                       n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(assignment counts, probability sums, tokens) over the whole batch; here this process's (the batch)."""
-        total = torch.tensor(float(n_tokens), dtype=torch.float64, device=counts.device)
-        return counts.to(torch.float64), prob_sums, total
+        """(assignment counts, probability sums, tokens) over the whole batch: summed over `batch_group` (counts by
+        a plain all-reduce, probability sums by one whose backward sums too: experts/ops.py says why)."""
+        summed = torch.cat([counts.to(torch.float64), torch.tensor([float(n_tokens)], dtype=torch.float64,
+                                                                    device=counts.device)])
+        group = self.batch_group
+        if group is None or group.size == 1:
+            return summed[:-1], prob_sums, summed[-1]
+        from ..comm.base import ReduceOp
+        from ..experts.ops import sum_over_ranks  # experts imports this module: import at call time
+
+        summed = summed.to(group.device)
+        group.all_reduce(summed, ReduceOp.SUM)
+        summed = summed.to(counts.device)
+        return summed[:-1], sum_over_ranks(prob_sums, group), summed[-1]
 
     def _balance_loss(self, r: Routing, n_tokens: int) -> torch.Tensor:
         counts, prob_sums, total = self._global_stats(r.counts, r.probs.sum(dim=0), n_tokens)

@@ -1,0 +1,24 @@
+"""Modules that compute a statistic of the whole batch learn which ranks split it.
+
+A mixture-of-experts layer's load-balancing loss is a product of two batch means (models/moe.py), so averaging
+per-rank losses is not one process's loss; SyncBatchNorm is the same kind of thing for BatchNorm. Such a module
+offers `set_batch_group(comm)`; every data-parallel wrapper (DDP, ZeRO, FSDP) calls `share_batch_split(model, comm)`
+at wrap time with the group it averages gradients over, so the module sums its statistics over that group. The
+model declares what it needs; the strategies only ask.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .comm.base import Communicator
+
+__all__ = ["share_batch_split"]
+
+
+def share_batch_split(model: nn.Module, comm: Communicator) -> None:
+    """Tell every submodule of `model` that offers `set_batch_group` that the ranks of `comm` split the batch."""
+    for module in model.modules():
+        setter = getattr(module, "set_batch_group", None)
+        if callable(setter):
+            setter(comm)
