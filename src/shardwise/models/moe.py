@@ -34,7 +34,8 @@ routing concentrates (Megatron-core's normalisation for top-k). It is a product 
 parallel it must be computed over the global batch: `_global_stats` sums the counts and the probability sums over
 ``batch_group``, the ranks that split the batch, which every data-parallel wrapper (DDP, ZeRO, FSDP) sets at wrap
 time through `set_batch_group` (the expert-parallel layer, shardwise.experts, sums over its dp group). The GPT adds
-``moe_aux_loss_coef x sum(aux)`` over its MoE layers to the returned loss. ``aux_loss`` holds the last forward's value (None when the coefficient is 0).
+``moe_aux_loss_coef x sum(aux)`` over its MoE layers to the returned loss. ``aux_loss`` holds the last forward's
+value (None when the coefficient is 0).
 """
 
 from __future__ import annotations
