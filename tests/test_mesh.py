@@ -128,14 +128,3 @@ def test_dry_run_describes_five_axes():
     assert "dp 1 cp 1: [ 6  7]" in text
     assert mesh.cp is None and mesh.ep is None
 
-
-def test_parallelize_refuses_context_or_expert_axes_by_name():
-    from shardwise.models import GPT, GPTConfig
-
-    def body(comm):
-        mesh = sw.Mesh(comm, dp=1, cp=2)
-        with pytest.raises(ValueError, match=r"cp=2, ep=1"):
-            sw.parallelize(GPT(GPTConfig.preset("tiny"), seed=0), mesh)
-        return True
-
-    assert all(sw.launch(body, 2))

@@ -17,6 +17,7 @@ from torch import nn
 import shardwise as sw
 from shardwise import tensor_parallel as tp
 from shardwise.models import GPT, GPTConfig
+from shardwise.sharded_tensor import local
 
 VOCAB, D, HEADS, KV_HEADS, FF, LAYERS, T = 64, 32, 4, 2, 48, 2, 16
 
@@ -124,7 +125,7 @@ def train_llama_tp(comm, tie):
     model = tp.parallelize(LlamaForCausalLM(tie), comm, "llama")
     attn = model.model.layers[0].self_attn
     shapes = {"num_heads": attn.num_heads, "num_key_value_heads": attn.num_key_value_heads,
-              "q_proj": tuple(attn.q_proj.weight.shape), "k_proj": tuple(attn.k_proj.weight.shape),
+              "q_proj": tuple(local(attn.q_proj.weight).shape), "k_proj": tuple(local(attn.k_proj.weight).shape),
               "tied": model.lm_head.weight is model.model.embed_tokens.weight}
     train(model)
     return tp.full_state_dict(model), shapes

@@ -37,10 +37,11 @@ import torch
 from torch import nn
 
 from . import layout
+from . import context_parallel, experts
 from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
-from .comm.base import ReduceOp
+from .comm.base import Communicator, ReduceOp
 from .compression.support import check_supported, copies_reconciled
 from .ddp import DDP
 from .mesh import Mesh
@@ -69,6 +70,7 @@ class _Plan:
     cpu_offload: str = "none"
     compression: Any = None  # a sw.compression method for the dp axis (compression/support.py's table)
     find_unused_parameters: bool = False  # DDP's option (the sharding engine needs none: sharding/grad_layout.py)
+    cp_method: str = "ring"  # context parallel's attention ("ring" or "ulysses"; context_parallel/apply.py)
 
 
 def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
@@ -79,17 +81,22 @@ def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
                          "tensor, pipeline and data parallelism itself)")
     if plan.dp_strategy not in DP_STRATEGIES:
         raise ValueError(f"parallelize: dp_strategy={plan.dp_strategy!r} is not supported; allowed {DP_STRATEGIES}")
-    dp = mesh.sizes["dp"]
+    dp = mesh.sizes["dp"] * mesh.sizes["cp"]  # the data group's size (dp x cp: data_group)
     balanced = [n for n, m in model.named_modules() if isinstance(m, MoE) and m.aux_loss_coef > 0]
     if balanced:
         raise ValueError(f"parallelize: {balanced[0]} is a mixture of experts with a load-balancing loss "
                          f"(moe_aux_loss_coef > 0), which the pipeline's per-microbatch loss would leave out; train "
                          f"it with sw.DDP (shardwise.experts.expert_parallel for ep > 1), or set moe_aux_loss_coef=0")
-    if mesh.sizes["cp"] > 1 or mesh.sizes["ep"] > 1:
-        raise ValueError(f"parallelize: the mesh has cp={mesh.sizes['cp']}, ep={mesh.sizes['ep']}; sw.parallelize "
-                         f"composes dp x tp x pp (cp=1, ep=1) for now: apply context parallel "
-                         f"(shardwise.context_parallel) or expert parallel (shardwise.experts) over mesh.cp / mesh.ep "
-                         f"and DDP over mesh.dp_cp yourself")
+    if mesh.sizes["cp"] > 1 and mesh.sizes["tp"] > 1:
+        raise ValueError(f"parallelize: cp={mesh.sizes['cp']} with tp={mesh.sizes['tp']} is not supported yet (the "
+                         f"context-parallel attention runs on whole heads); use cp with dp and pp, or tp without cp")
+    if mesh.sizes["ep"] > 1 and plan.dp_strategy != "ddp":
+        raise ValueError(f"parallelize: ep={mesh.sizes['ep']} needs dp_strategy='ddp' (the experts are split over "
+                         f"ranks of the data-parallel group, which ZeRO / FSDP do not shard yet); got "
+                         f"{plan.dp_strategy!r}")
+    if mesh.sizes["ep"] > 1 and plan.compression is not None:
+        raise ValueError("parallelize: compression with ep > 1 is not supported (the experts reduce over their own "
+                         "group, which the compressors do not cover yet)")
     if plan.dp_strategy == "fsdp:hybrid_shard":
         if isinstance(plan.dp_shard, bool) or not isinstance(plan.dp_shard, int) or plan.dp_shard < 1 \
                 or dp % plan.dp_shard:
@@ -155,16 +162,23 @@ def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
         return _wrap_stage(stage, mesh, plan)
 
 
+def data_group(mesh: Mesh) -> Communicator:
+    """The ranks dense gradients average over: dp, or dp x cp when the sequence is split too (each cp rank's loss is
+    the mean over an equal share of every sequence's tokens)."""
+    return mesh.dp if mesh.sizes["cp"] == 1 else mesh.dp_cp
+
+
 def _wrap_stage(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
+    group = data_group(mesh)
     if plan.dp_strategy == "ddp":
-        return DDP(stage, mesh.dp, compression=plan.compression, find_unused_parameters=plan.find_unused_parameters)
+        return DDP(stage, group, compression=plan.compression, find_unused_parameters=plan.find_unused_parameters)
     mp = plan.mixed_precision
     if plan.dp_strategy.startswith("zero"):
-        return ZeRO(stage, mesh.dp, stage=int(plan.dp_strategy[-1]), mixed_precision=mp, cpu_offload=plan.cpu_offload,
+        return ZeRO(stage, group, stage=int(plan.dp_strategy[-1]), mixed_precision=mp, cpu_offload=plan.cpu_offload,
                     compression=plan.compression)
     sharding = plan.dp_strategy.split(":", 1)[1]
     shard_size = plan.dp_shard if sharding == "hybrid_shard" else None
-    return FSDP(stage, mesh.dp, sharding=sharding, shard_size=shard_size, mixed_precision=mp,
+    return FSDP(stage, group, sharding=sharding, shard_size=shard_size, mixed_precision=mp,
                 cpu_offload=plan.cpu_offload, compression=plan.compression)
 
 
@@ -202,6 +216,7 @@ class HybridModel(nn.Module):
         """
         stages = list(self.pipe.stages.values())
         self._loss_scale = float(loss_scale)
+        inputs, targets = self._split_sequence(inputs), self._split_sequence(targets)
         if self._overlaps_last_microbatch():
             # One stage per rank and no pipeline: gradient accumulation. Every microbatch but the last runs under
             # no_sync(); the last one's backward launches the reduction unit by unit (bucket by bucket for DDP) as
@@ -226,13 +241,23 @@ class HybridModel(nn.Module):
         if self.plan.compression is not None:
             self._average_copies_gradients()
         self.pipe.grads_answer_for_stages()  # after the reduction: torch's clip and GradScaler refuse a stage's part
+        if self.mesh.sizes["cp"] > 1:  # each cp rank's loss is its chunk's mean: the sequence's is their mean
+            loss = loss.detach().clone()
+            self.mesh.cp.all_reduce(loss, ReduceOp.AVG)
         return loss
+
+    def _split_sequence(self, batch: Any) -> Any:
+        """Under context parallel, this rank's chunks of every sequence of `batch` (context_parallel.split_sequence;
+        None, on a pipeline rank that needs no input, stays None)."""
+        if self.mesh.sizes["cp"] == 1 or batch is None:
+            return batch
+        return context_parallel.split_sequence(batch, self.mesh.cp)
 
     def _overlaps_last_microbatch(self) -> bool:
         """Whether the step reduces during the last microbatch's backward: pp = 1 (one stage on this rank, no sends
         or receives), a schedule of whole backward passes (a split backward's weight pass comes later), and a
         data-parallel group to reduce over."""
-        return (self.mesh.sizes["pp"] == 1 and len(self.pipe.stages) == 1 and self.mesh.sizes["dp"] > 1
+        return (self.mesh.sizes["pp"] == 1 and len(self.pipe.stages) == 1 and data_group(self.mesh).size > 1
                 and all(a.op in (pp.Op.FORWARD, pp.Op.BACKWARD) for a in self.pipe.actions))
 
     def _average_copies_gradients(self) -> None:
@@ -267,9 +292,11 @@ class HybridModel(nn.Module):
     def predict(self, inputs: Any = None, *, to: str | int = "all") -> Any:
         """The model's output (logits) for `inputs`, under no_grad with the forward-only schedule; on every rank
         (to="all") or on pipeline rank `to` only. Call `eval()` first to disable dropout."""
-        out = self.pipe.predict(inputs, to=to)
+        out = self.pipe.predict(self._split_sequence(inputs), to=to)
         if out is not None and self._gather_vocab:
             out = gather_from_region(out, self.mesh.tp, -1)
+        if out is not None and self.mesh.sizes["cp"] > 1:  # every rank of a cp group holds (or lacks) its chunks
+            out = context_parallel.gather_sequence(out, self.mesh.cp)
         return out
 
     def describe(self) -> str:
@@ -326,6 +353,7 @@ def parallelize(
     cpu_offload: bool | str = False,
     compression: Any = None,
     find_unused_parameters: bool = False,
+    cp_method: str = "ring",
 ) -> HybridModel:
     """Data x tensor x pipeline parallelism over `mesh`, in the documented order (see the module docstring).
 
@@ -352,6 +380,9 @@ def parallelize(
         compressed reduction so they stay equal.
     find_unused_parameters: with dp_strategy="ddp", let parameters get no gradient in some steps (DDP's option: a
         parameter no rank used keeps grad None); the sharded strategies do that without being asked.
+    cp_method: with cp > 1, "ring" (ring attention, zigzag) or "ulysses" (all-to-all over heads); every rank of a cp
+        group is given its dp rank's batch and `step` splits the sequence (docs/context_parallel.md).
+    With ep > 1 the model's MoE layers have their experts split over mesh.ep (shardwise.experts; docs/experts.md).
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
@@ -360,11 +391,15 @@ def parallelize(
         n_microbatches = 2 * mesh.sizes["pp"]
     plan = _Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
-                 offload_level(cpu_offload), compression, find_unused_parameters)
+                 offload_level(cpu_offload), compression, find_unused_parameters, cp_method)
     _check(mesh, plan, model)
     to_comm_device(model, mesh.world, "parallelize")  # every axis of the mesh shares the world's device
     if mesh.sizes["tp"] > 1:
         tp.parallelize(model, mesh.tp, tp_plan, sequence_parallel=sequence_parallel)
+    if mesh.sizes["cp"] > 1:  # torchtitan's order: tp, then cp, ep, pp, AC, dp
+        context_parallel.apply(model, mesh.cp, method=cp_method)
+    if mesh.sizes["ep"] > 1:
+        experts.expert_parallel(model, mesh)
     layers, loss, gather_vocab = _layers_and_loss(model, loss_fn)
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
     pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss)

@@ -213,7 +213,9 @@ def apply(model: nn.Module, comm: Communicator, *, method: str = "ring", zigzag:
     _set_state(model, state)
     # Parameters stay whole and gradients are reduced by the data-parallel wrapper applied next, which declares its
     # group; this record only says what was applied (comms=(): no gradient reduction of its own to account for).
+    # Placements evaluated when asked (the parameters as they are then): expert parallel, applied next in
+    # sw.parallelize's order, replaces the experts by their slices.
     layout.declare(model, layout.Parallelized(
-        "context_parallel", comms=(), placements=layout.base_placements(model),
+        "context_parallel", comms=(), placements=lambda: layout.base_placements(model),
         options={"cp": comm.size, "method": method, "zigzag": zigzag}))
     return model
