@@ -42,95 +42,16 @@ from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
 from .comm.base import Communicator, ReduceOp
-from .compression.support import check_supported, copies_reconciled
+from .compression.support import copies_reconciled
 from .ddp import DDP
+from .hybrid_plan import DP_STRATEGIES, Plan, check_plan
 from .mesh import Mesh
-from .models.moe import MoE
 from .placement import to_comm_device
 from .sharding import FSDP, MixedPrecision, ZeRO
 from .sharding.offload import offload_level
 from .tensor_parallel.mappings import gather_from_region
 
 __all__ = ["parallelize", "HybridModel", "DP_STRATEGIES"]
-
-DP_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    tp_plan: Any
-    sequence_parallel: bool
-    pp_schedule: str
-    n_microbatches: int
-    virtual_stages: int
-    dp_strategy: str
-    dp_shard: int | None
-    activation_checkpointing: int
-    mixed_precision: MixedPrecision | None = None
-    cpu_offload: str = "none"
-    compression: Any = None  # a sw.compression method for the dp axis (compression/support.py's table)
-    find_unused_parameters: bool = False  # DDP's option (the sharding engine needs none: sharding/grad_layout.py)
-    cp_method: str = "ring"  # context parallel's attention ("ring" or "ulysses"; context_parallel/apply.py)
-
-
-def _check(mesh: Mesh, plan: _Plan, model: nn.Module) -> None:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
-    if layout.is_wrapped(model):
-        raise ValueError("parallelize: the model is already wrapped; pass the plain model (parallelize applies "
-                         "tensor, pipeline and data parallelism itself)")
-    if plan.dp_strategy not in DP_STRATEGIES:
-        raise ValueError(f"parallelize: dp_strategy={plan.dp_strategy!r} is not supported; allowed {DP_STRATEGIES}")
-    dp = mesh.sizes["dp"] * mesh.sizes["cp"]  # the data group's size (dp x cp: data_group)
-    balanced = [n for n, m in model.named_modules() if isinstance(m, MoE) and m.aux_loss_coef > 0]
-    if balanced:
-        raise ValueError(f"parallelize: {balanced[0]} is a mixture of experts with a load-balancing loss "
-                         f"(moe_aux_loss_coef > 0), which the pipeline's per-microbatch loss would leave out; train "
-                         f"it with sw.DDP (shardwise.experts.expert_parallel for ep > 1), or set moe_aux_loss_coef=0")
-    if mesh.sizes["cp"] > 1 and mesh.sizes["tp"] > 1:
-        raise ValueError(f"parallelize: cp={mesh.sizes['cp']} with tp={mesh.sizes['tp']} is not supported yet (the "
-                         f"context-parallel attention runs on whole heads); use cp with dp and pp, or tp without cp")
-    if mesh.sizes["ep"] > 1 and plan.dp_strategy != "ddp":
-        raise ValueError(f"parallelize: ep={mesh.sizes['ep']} needs dp_strategy='ddp' (the experts are split over "
-                         f"ranks of the data-parallel group, which ZeRO / FSDP do not shard yet); got "
-                         f"{plan.dp_strategy!r}")
-    if mesh.sizes["ep"] > 1 and plan.compression is not None:
-        raise ValueError("parallelize: compression with ep > 1 is not supported (the experts reduce over their own "
-                         "group, which the compressors do not cover yet)")
-    if plan.dp_strategy == "fsdp:hybrid_shard":
-        if isinstance(plan.dp_shard, bool) or not isinstance(plan.dp_shard, int) or plan.dp_shard < 1 \
-                or dp % plan.dp_shard:
-            raise ValueError(f"parallelize: dp_strategy='fsdp:hybrid_shard' needs dp_shard, a positive int dividing "
-                             f"dp={dp}; got dp_shard={plan.dp_shard!r}")
-    elif plan.dp_shard is not None:
-        raise ValueError(f"parallelize: dp_shard={plan.dp_shard!r} only applies to dp_strategy='fsdp:hybrid_shard'")
-    if mesh.sizes["tp"] > 1 and plan.tp_plan is None:
-        raise ValueError(f"parallelize: the mesh has tp={mesh.sizes['tp']} but tp_plan is None; pass a plan "
-                         f"(\"gpt\", \"llama\", \"gpt2\" or a dict)")
-    if plan.mixed_precision is not None:
-        if not isinstance(plan.mixed_precision, MixedPrecision):
-            raise ValueError(f"parallelize: mixed_precision={plan.mixed_precision!r} must be a shardwise.MixedPrecision")
-        if plan.dp_strategy == "ddp":
-            raise ValueError("parallelize: mixed_precision needs a sharded dp_strategy (zero1/2/3 or fsdp:*), whose "
-                             "engine keeps fp32 master weights; DDP trains in the model's own dtype")
-    if not isinstance(plan.find_unused_parameters, bool):
-        raise ValueError(f"parallelize: find_unused_parameters={plan.find_unused_parameters!r} must be True or False")
-    if plan.find_unused_parameters and plan.dp_strategy != "ddp":
-        raise ValueError(f"parallelize: find_unused_parameters=True is DDP's option; dp_strategy="
-                         f"{plan.dp_strategy!r} already leaves parameters no rank used with grad None")
-    if plan.cpu_offload != "none" and plan.dp_strategy == "ddp":
-        raise ValueError(f"parallelize: cpu_offload={plan.cpu_offload!r} needs a sharded dp_strategy (zero1/2/3 or "
-                         f"fsdp:*), whose engine keeps the master shards that offload moves to the host; DDP has none")
-    strategy = plan.dp_strategy.split(":", 1)[-1]  # "ddp", "zero1".."zero3", or FSDP's sharding name
-    check_supported(plan.compression, strategy,
-                    reduce_dtype=plan.mixed_precision.reduce_dtype if plan.mixed_precision is not None else None,
-                    shard_size=plan.dp_shard or 1, replicas=dp // plan.dp_shard if plan.dp_shard else None)
-    if plan.sequence_parallel and mesh.sizes["tp"] == 1:
-        raise ValueError("parallelize: sequence_parallel=True needs tp > 1")
-    if plan.pp_schedule == "zb_h1" and plan.dp_strategy != "ddp":
-        raise ValueError("parallelize: pp_schedule='zb_h1' splits each backward into input and weight passes over "
-                         "the stage's own parameters, which ZeRO / FSDP swap for gathered copies; use 'ddp' with "
-                         "zb_h1, or '1f1b' / 'interleaved_1f1b' with ZeRO / FSDP")
 
 
 def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[nn.Module], Callable, bool]:
@@ -155,7 +76,7 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[n
                      f"decoder ({sorted(builders)}); give the model a pipeline_layers() method returning its layers")
 
 
-def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
+def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     # HybridModel averages the copies of tp-replicated and pipeline-tied parameters after the reduction
     # (_average_copies_gradients), so compression may see them.
     with copies_reconciled():
@@ -168,7 +89,7 @@ def data_group(mesh: Mesh) -> Communicator:
     return mesh.dp if mesh.sizes["cp"] == 1 else mesh.dp_cp
 
 
-def _wrap_stage(stage: nn.Module, mesh: Mesh, plan: _Plan) -> nn.Module:
+def _wrap_stage(stage: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     group = data_group(mesh)
     if plan.dp_strategy == "ddp":
         return DDP(stage, group, compression=plan.compression, find_unused_parameters=plan.find_unused_parameters)
@@ -190,7 +111,7 @@ class HybridModel(nn.Module):
     trains; `predict(inputs, to="all")` runs inference; `describe()` says which rank holds which layers and slices.
     """
 
-    def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: _Plan, gather_vocab: bool, names: list[str]) -> None:
+    def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str]) -> None:
         super().__init__()
         self.pipe = pipe
         self.mesh = mesh
@@ -389,10 +310,10 @@ def parallelize(
         raise ValueError(f"parallelize: mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
     if n_microbatches is None:
         n_microbatches = 2 * mesh.sizes["pp"]
-    plan = _Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
+    plan = Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
                  offload_level(cpu_offload), compression, find_unused_parameters, cp_method)
-    _check(mesh, plan, model)
+    check_plan(mesh, plan, model)
     to_comm_device(model, mesh.world, "parallelize")  # every axis of the mesh shares the world's device
     if mesh.sizes["tp"] > 1:
         tp.parallelize(model, mesh.tp, tp_plan, sequence_parallel=sequence_parallel)
