@@ -279,3 +279,17 @@ def test_hf_labels_and_padding_masks_are_refused():
             model(input_ids=x, attention_mask=torch.ones_like(x))
 
     sw.launch(body, 2)
+
+
+def _train_cp_ring(comm):  # module level: gloo processes pickle it
+    return train_cp(comm, "ring")
+
+
+@pytest.mark.multiprocess
+def test_gloo_processes_ring_cp2_equal_one_process(reference):
+    """The ring's K/V blocks between two gloo processes (batch_isend_irecv over TCP), not thread ranks."""
+    want, want_norms = reference
+    for state, norms in sw.launch(_train_cp_ring, 2, backend="gloo", timeout=120):
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        for name in want:
+            torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
