@@ -99,6 +99,18 @@ def test_options_validate_when_built_directly():
         (["--strategy", "fsdp:hybrid_shard", "--dp", "4"], "strategy='fsdp:hybrid_shard' needs dp_shard, a divisor of dp=4; got dp_shard=None"),
         (["--strategy", "zero2", "--dp-shard", "2"], "dp_shard=2 only applies to strategy='fsdp:hybrid_shard'"),
         (["--sequence-parallel"], "sequence_parallel needs tp > 1"),
+        (["--cp", "2", "--nproc", "3"], "nproc=3 is not a multiple of cp x tp x pp = 2 x 1 x 1 = 2"),
+        (["--cp", "2", "--dp", "2", "--nproc", "2"], "dp x cp x tp x pp = 2 x 2 x 1 x 1 = 4 ranks, but nproc=2"),
+        (["--cp", "2", "--tp", "2"], "cp=2 with tp=2 is not supported"),
+        (["--cp", "3"], "cp=3 splits each sequence into 2 x cp = 6 zigzag chunks, but the 'tiny' preset's seq_len=32"),
+        (["--cp", "8", "--cp-method", "ulysses"], "cp_method='ulysses' needs cp=8 to divide the 'tiny' preset's "
+                                                   "n_heads=4"),
+        (["--ep", "2", "--experts", "0"], "ep=2 splits the experts of a mixture of experts; give experts > 0"),
+        (["--ep", "2", "--experts", "3"], "ep=2 must divide experts=3"),
+        (["--ep", "3"], "ep=3 must divide dp x cp = 2 x 1 = 2"),
+        (["--ep", "2", "--strategy", "zero1"], "ep=2 needs strategy='ddp'"),
+        (["--experts", "4", "--tp", "2"], "experts=4 with tp=2: tensor parallel does not split experts"),
+        (["--experts", "2", "--experts-per-token", "3"], "experts_per_token=3 must be at most experts=2"),
     ],
 )
 def test_inconsistent_mesh_options_are_usage_errors(argv, needle, capsys, tmp_path):
@@ -118,6 +130,20 @@ def test_options_resolve_the_mesh_and_its_defaults():
     assert DemoOptions(nproc=8, tp=2, pp=2).dp == 2 and DemoOptions(dp=3).nproc == 3
     zero = DemoOptions(nproc=2, strategy="zero3")  # dp only, but sharded: through parallelize, on processes
     assert zero.uses_mesh and zero.backend == "gloo" and zero.microbatches == 2
+
+
+def test_five_axis_options_resolve():
+    ctx = DemoOptions(cp=2, preset="tiny")  # dp 1: the two ranks split each sequence
+    assert (ctx.nproc, ctx.dp, ctx.backend, ctx.experts, ctx.uses_mesh) == (2, 1, "thread", 0, True)
+    assert ctx.label == "ddp dp1 x cp2 x tp1 x pp1" and ctx.gpt_config().n_experts == 0
+    moe = DemoOptions(ep=2, preset="tiny")  # dp 2 (the 2-rank run), its experts split over both
+    assert (moe.nproc, moe.dp, moe.experts, moe.label) == (2, 2, 4, "ddp dp2 x tp1 x pp1, ep2")
+    config = moe.gpt_config()
+    assert (config.n_experts, config.experts_per_token, config.moe_aux_loss_coef) == (4, 2, 0.0)
+    auto = DemoOptions(strategy="auto", ep=2, preset="tiny", memory_gb=1)
+    assert auto.strategy == "ddp" and "only DDP composes with" in auto.planned
+    planned = DemoOptions(strategy="auto", cp=2, dp=2, preset="tiny", memory_gb=1)  # planned over dp x cp = 4 ranks
+    assert planned.strategy == "ddp" and "4 ranks" in planned.planned
 
 
 def test_lr_warms_up_then_decays_to_a_tenth():
@@ -210,6 +236,52 @@ def test_three_d_demo_reports_bytes_per_axis(tmp_path, corpus_file, capsys):
     ddp_run = Path(run_demo(ddp).run_dir)
     ddp_losses = [json.loads(line)["loss"] for line in (ddp_run / "metrics.jsonl").read_text().splitlines()]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(ddp_losses), rtol=1e-4, atol=0)
+
+
+def test_five_axis_demo_reports_cp_and_ep(tmp_path, corpus_file, capsys):
+    """dp 2 x cp 2 with ep 2 on the MoE GPT (4 thread ranks): the mesh with its cp and ep groups, traffic under each
+    axis's own name against the formulas, model states against estimate_memory's ep split."""
+    from shardwise.context_parallel import METHODS
+    from shardwise.planner import Activations, costs
+    from shardwise_cli.common import CP_METHODS
+
+    assert CP_METHODS == METHODS
+    out = tmp_path / "runs"
+    assert main(["demo", "--dp", "2", "--cp", "2", "--ep", "2", "--steps", "3", "--data", corpus_file, "--out",
+                 str(out), *FAST]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((_only_run_dir(out) / "summary.json").read_text())
+    options = summary["options"]
+    assert (options["backend"], options["nproc"], options["experts"], options["cp_method"]) == ("thread", 4, 4, "ring")
+    assert summary["mesh"] == {"dp": 2, "cp": 2, "ep": 2, "tp": 1, "pp": 1}
+    assert "moe_aux_loss_coef=0" in printed and "4 experts per block, 2 per token" in printed
+    assert printed.count("Mesh dp=2 x cp=2 x tp=1 x pp=1, ep=2 (borrowed from dp x cp; edp=2) over 4 ranks") == 1
+    assert "    dp 1 cp 1: [3]" in printed and "ep groups (by dp x cp index f = dp * 2 + cp" in printed
+    ops = summary["ops_per_axis"]
+    assert set(ops["ep"]) == {"all_to_all"} and {"send", "recv"} <= set(ops["cp"]) and "all_reduce" in ops["dp"]
+    for axis in ("dp", "cp", "ep"):
+        assert min(summary["wire_bytes_per_axis"][axis]) > 0 and f"{axis} wire bytes/step" in printed
+    config = GPTConfig.preset("tiny", n_experts=4, experts_per_token=2, moe_aux_loss_coef=0.0)
+    model = GPT(config, seed=0)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.w_" in n or ".mlp.b_" in n)
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    # dp: dense fp32 gradients all-reduced over dp x cp = 4, this rank's half of the experts' over edp = 2
+    # (plus the routing statistics' and clipping's few bytes)
+    formula = 2 * 3 / 4 * 4 * dense + 2 * 1 / 2 * 4 * experts / 2
+    assert all(0 <= w - formula < 256 for w in summary["wire_bytes_per_axis"]["dp"])
+    # cp: the ring's K/V blocks of every layer (+ the 4-byte average of the sequence's loss)
+    ring = costs.context_parallel_wire_bytes(Activations(config.seq_len, 8, config.d_model, config.n_layers,
+                                                         config.n_heads), 2, dtype="fp32")
+    assert summary["wire_bytes_per_axis"]["cp"] == [ring + 4]
+    records = [json.loads(line) for line in (_only_run_dir(out) / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["wire_bytes"] == sum(r[f"wire_bytes_{a}"] for a in ("dp", "cp", "ep", "tp", "pp"))
+    assert [r["coords"] for r in summary["ranks"]] == [
+        {"dp": d, "cp": c, "ep": c, "tp": 0, "pp": 0} for d in (0, 1) for c in (0, 1)]
+    for r in summary["ranks"]:  # each rank holds the dense model and half of the experts (AdamW: + step counters)
+        assert 16 * (dense + experts / 2) <= r["memory"]["model_states"] <= 16 * (dense + experts / 2) + 4 * 64
+    assert summary["estimate_model_states"] == 16 * (dense + experts // 2)
+    assert summary["formula_wire_bytes"] is None and torch.isfinite(torch.tensor(summary["final_loss"]))
 
 
 @pytest.mark.parametrize("argv", [["--nproc", "2", "--strategy", "zero3"],

@@ -16,10 +16,14 @@ unique parameters (`model.parameters()` already yields a shared Parameter once).
 global one: each rank's loss is all-reduced (AVG) after the measured block, so that 4-byte collective does not
 pollute the DDP count.
 
-Any other configuration (a ZeRO / FSDP strategy, tp or pp > 1, any pipeline, tensor-parallel or activation
-checkpointing option) runs `demo_hybrid.train_mesh_rank` instead: `sw.parallelize` over `Mesh(comm, dp, tp, pp)`, its traffic measured per mesh
-axis (see that module). There is no single textbook formula for a composed step, so only the pure-DDP run is
-checked against one.
+Any other configuration (a ZeRO / FSDP strategy, tp, pp, cp or ep > 1, a mixture of experts, any pipeline,
+tensor-parallel or activation checkpointing option) runs `demo_hybrid.train_mesh_rank` instead: `sw.parallelize`
+over `Mesh(comm, dp, cp=cp, ep=ep, tp=tp, pp=pp)`, its traffic measured per mesh axis (see that module). There is no
+single textbook formula for a composed step, so only the purely data-parallel runs are checked against one.
+
+With `experts=E` (default 2 x ep when ep > 1) every block's MLP is a mixture of E experts, `experts_per_token` of them
+per token, built with `moe_aux_loss_coef=0`: sw.parallelize refuses a load-balancing loss, which its pipeline's
+per-microbatch loss would leave out, so the demo's MoE trains on the language-model loss alone.
 
 Rank 0 draws a tqdm bar and keeps the per-step metrics; every rank returns its peak RSS and `memory_stats`. The
 parent (demo_report.py) prints a summary table and writes `<out>/<YYYYmmdd-HHMMSS>/` with `metrics.jsonl` (one line per step),
@@ -46,6 +50,7 @@ from .demo_report import DemoSummary, format_summary, make_run_dir, ring_all_red
 from .hybrid import DP_STRATEGIES
 from .launch import launch
 from .models.gpt import GPT, GPTConfig
+from .planner.model_facts import model_facts
 from .whole.memory import memory_stats, peak_rss_bytes
 
 __all__ = ["STRATEGIES", "STRATEGY_ALIASES", "SCHEDULES", "DemoOptions", "DemoSummary", "StepLog", "run_demo", "train_rank",
@@ -69,15 +74,19 @@ def _check_int(name: str, value: object) -> None:
 class DemoOptions:
     """Everything one demo run needs; picklable, since gloo ranks receive it in a spawned process.
 
-    nproc: number of ranks (None: dp x tp x pp). strategy: one of STRATEGIES. steps: optimizer steps (about two
+    nproc: number of ranks (None: dp x cp x tp x pp). strategy: one of STRATEGIES. steps: optimizer steps (about two
     minutes of the "small" preset on 2 cores, for DDP x2 and for dp2 x tp2 x pp2 on 8 thread ranks alike).
     data: corpus path for `ByteCorpus` (None: the Python standard library's sources).
     preset: `GPTConfig.preset` name. batch_size: sequences per dp rank per step (seq_len comes from the preset).
     lr: peak learning rate of AdamW. warmup: steps of linear warmup (None: 10% of steps, at most 50).
     seed: model init and data order. out: parent folder of the run directory.
-    backend: "gloo" (processes) or "thread" (threads of this process); None: thread when tp or pp > 1, else gloo.
+    backend: "gloo" (processes) or "thread" (threads of this process); None: thread when tp, pp, cp or ep > 1, else
+    gloo.
     progress: draw rank 0's tqdm bar.
-    dp, tp, pp: the mesh (dp None: nproc // (tp x pp), or 2 ranks of DDP when tp = pp = 1 and nproc is None).
+    dp, tp, pp: the mesh (dp None: nproc // (cp x tp x pp), or 2 ranks of DDP when tp = pp = cp = 1 and nproc is
+    None). cp: context-parallel ranks splitting each sequence (cp_method "ring" or "ulysses"); ep: expert-parallel
+    ranks, borrowed from dp x cp (the world is dp x cp x tp x pp). experts: E experts per MoE block (None: 0, the
+    dense GPT, with ep = 1, else 2 x ep); experts_per_token: k.
     dp_shard: shard-group size within dp for strategy "fsdp:hybrid_shard" (required there, refused elsewhere).
     schedule: pipeline schedule (SCHEDULES); virtual_stages: stages per pp rank (interleaved_1f1b needs >= 2).
     microbatches: per step (None: 2 x pp); must divide batch_size. sequence_parallel: needs tp > 1.
@@ -116,17 +125,33 @@ class DemoOptions:
     min_delta: float = 0.0
     memory_gb: float | None = None
     planned: str | None = None  # the planner's explanation when strategy was "auto" (resolved here)
+    cp: int = 1
+    ep: int = 1
+    experts: int | None = None
+    experts_per_token: int = 2
+    cp_method: str = "ring"
 
     def __post_init__(self) -> None:
         if self.strategy in STRATEGY_ALIASES:
             object.__setattr__(self, "strategy", STRATEGY_ALIASES[self.strategy])
         if self.memory_gb is not None and not (isinstance(self.memory_gb, (int, float)) and self.memory_gb > 0):
             raise ValueError(f"demo: memory_gb={self.memory_gb!r} must be a positive number of GB per rank")
+        for name in ("cp", "ep", "experts_per_token"):
+            _check_int(name, getattr(self, name))
+        if self.experts is None:
+            object.__setattr__(self, "experts", 0 if self.ep == 1 else 2 * self.ep)
+        if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
+            raise ValueError(f"demo: experts={self.experts!r} must be an int >= 0 (0: the dense GPT)")
         if self.strategy == "auto":  # the planner chooses, once, before any rank starts (demo_auto)
             for name in ("tp", "pp"):
                 _check_int(name, getattr(self, name))
-            dp = dp_size(self.nproc, self.dp, self.tp, self.pp)
-            strategy, why = choose_strategy(self.preset, dp, self.tp, self.pp, self.memory_gb)
+            dp = dp_size(self.nproc, self.dp, self.tp, self.pp, cp=self.cp)
+            if self.ep > 1:  # nothing to choose: sw.parallelize trains split experts with DDP only
+                strategy, why = "ddp", (f"ep={self.ep}: the experts are split over ranks of the data-parallel "
+                                        f"group, which only DDP composes with (ZeRO / FSDP do not shard experts)")
+            else:
+                strategy, why = choose_strategy(self.preset, dp * self.cp, self.tp, self.pp, self.memory_gb,
+                                                config=self.gpt_config())
             object.__setattr__(self, "strategy", strategy)
             object.__setattr__(self, "planned", why)
         if self.strategy not in STRATEGIES:
@@ -144,11 +169,11 @@ class DemoOptions:
         if not self.min_delta >= 0:
             raise ValueError(f"demo: min_delta={self.min_delta!r} must be a number >= 0")
         resolve = functools.partial(object.__setattr__, self)  # frozen: resolved once, here
-        resolve("dp", dp_size(self.nproc, self.dp, self.tp, self.pp))
-        resolve("nproc", self.dp * self.tp * self.pp)
-        # Thread ranks for a model split over tp or pp: dp2 x tp2 x pp2 is 8 ranks, and 8 processes would each load
-        # torch (about 0.4 GiB of RSS apiece) and spawn for seconds on 2 cores; threads share one process.
-        resolve("backend", self.backend or ("thread" if self.tp * self.pp > 1 else "gloo"))
+        resolve("dp", dp_size(self.nproc, self.dp, self.tp, self.pp, cp=self.cp))
+        resolve("nproc", self.dp * self.cp * self.tp * self.pp)
+        # Thread ranks for a model split over tp, pp, cp or ep: dp2 x tp2 x pp2 is 8 ranks, and 8 processes would
+        # each load torch (about 0.4 GiB of RSS apiece) and spawn for seconds on 2 cores; threads share one process.
+        resolve("backend", self.backend or ("thread" if self.tp * self.pp * self.cp * self.ep > 1 else "gloo"))
         if self.uses_mesh:
             resolve("microbatches", self.microbatches or 2 * self.pp)
             check_mesh_options(self)
@@ -156,9 +181,18 @@ class DemoOptions:
     @property
     def uses_mesh(self) -> bool:
         """True unless this is the plain DDP run: DDP over dp only, with no pipeline or tensor-parallel option."""
-        return (self.tp * self.pp > 1 or self.strategy != "ddp" or self.microbatches is not None
+        return (self.tp * self.pp * self.cp * self.ep > 1 or self.strategy != "ddp" or self.microbatches is not None
                 or self.activation_checkpointing or self.sequence_parallel or self.dp_shard is not None
-                or self.schedule != "1f1b" or self.virtual_stages != 1)
+                or self.schedule != "1f1b" or self.virtual_stages != 1 or bool(self.experts)
+                or self.cp_method != "ring")
+
+    def gpt_config(self) -> GPTConfig:
+        """The demo's GPT: the preset, with `experts` MoE experts per block when asked (moe_aux_loss_coef=0: see the
+        module docstring)."""
+        if not self.experts:
+            return GPTConfig.preset(self.preset)
+        return GPTConfig.preset(self.preset, n_experts=self.experts, experts_per_token=self.experts_per_token,
+                                moe_aux_loss_coef=0.0)
 
     @property
     def warmup_steps(self) -> int:
@@ -169,7 +203,9 @@ class DemoOptions:
         """A short name of the run: "ddp x2", or the strategy and mesh, e.g. "zero1 dp2 x tp2 x pp2"."""
         if not self.uses_mesh:
             return f"{self.strategy} x{self.nproc}"
-        return f"{self.strategy} dp{self.dp} x tp{self.tp} x pp{self.pp}"
+        cp = f" x cp{self.cp}" if self.cp > 1 else ""
+        ep = f", ep{self.ep}" if self.ep > 1 else ""
+        return f"{self.strategy} dp{self.dp}{cp} x tp{self.tp} x pp{self.pp}{ep}"
 
 
 # ---- one rank -------------------------------------------------------------------------------------------------------
@@ -229,16 +265,25 @@ def train_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
 def run_demo(options: DemoOptions, run_dir: Path | None = None) -> DemoSummary:
     """Launch the ranks, print the summary table, write the run directory (`run_dir`, else a new
     <out>/<YYYYmmdd-HHMMSS>); return the summary."""
-    config = GPTConfig.preset(options.preset)
+    config = options.gpt_config()
     with torch.device("meta"):  # counts parameters without allocating or drawing them
-        num_params = GPT(config).num_parameters()
-    tokens_per_step = options.batch_size * config.seq_len * options.dp  # tp and pp ranks share their dp slice
-    body: Any = train_rank
+        meta = GPT(config)
+        num_params = meta.num_parameters()
+        expert_params = model_facts(meta).expert_params
+    tokens_per_step = options.batch_size * config.seq_len * options.dp  # tp, pp and cp ranks share their dp slice
+    body: Any = train_mesh_rank if options.uses_mesh else train_rank
     over = f"{options.nproc} {options.backend} rank(s)"
     if options.uses_mesh:
-        body = train_mesh_rank
-        over = (f"dp {options.dp} x tp {options.tp} x pp {options.pp} = {over}, schedule {options.schedule} with "
-                f"{options.microbatches} microbatches")
+        cp = f" x cp {options.cp}" if options.cp > 1 else ""
+        ep = (f" (ep {options.ep} borrowed from dp{' x cp' if options.cp > 1 else ''}, "
+              f"edp {options.dp * options.cp // options.ep})") if options.ep > 1 else ""
+        method = f", {options.cp_method} attention" if options.cp > 1 else ""
+        over = (f"dp {options.dp}{cp} x tp {options.tp} x pp {options.pp}{ep} = {over}, schedule {options.schedule} "
+                f"with {options.microbatches} microbatches{method}")
+    if options.experts:
+        print(f"mixture of experts: {options.experts} experts per block, {options.experts_per_token} per token, "
+              f"{expert_params / 1e6:.2f}M of the parameters in experts; moe_aux_loss_coef=0 (sw.parallelize "
+              f"refuses a load-balancing loss, which its pipeline would leave out)", flush=True)
     if options.planned:
         print(f"--strategy auto: the planner chose {options.strategy}\n{options.planned}", flush=True)
     print(f"shardwise demo: GPT {options.preset!r} ({num_params / 1e6:.2f}M params), {options.strategy} over "
@@ -249,7 +294,7 @@ def run_demo(options: DemoOptions, run_dir: Path | None = None) -> DemoSummary:
     results = launch(body, options.nproc, options, backend=options.backend, threads_per_rank=threads,
                      timeout=COMM_TIMEOUT_S)
     wall = time.perf_counter() - started
-    summary = summarise(options, results, num_params, tokens_per_step, wall)
+    summary = summarise(options, results, num_params, tokens_per_step, wall, expert_params=expert_params)
     if run_dir is None:
         run_dir = make_run_dir(Path(options.out))
     else:

@@ -22,10 +22,13 @@ __all__ = ["choose_strategy"]
 GB = 1024**3
 
 
-def choose_strategy(preset: str, dp: int, tp: int, pp: int, memory_gb: float | None) -> tuple[str, str]:
-    """(the chosen data-parallel strategy, the planner's explanation) for the demo GPT `preset` on dp x tp x pp."""
+def choose_strategy(preset: str, dp: int, tp: int, pp: int, memory_gb: float | None, *,
+                    config: GPTConfig | None = None) -> tuple[str, str]:
+    """(the chosen data-parallel strategy, the planner's explanation) for the demo GPT `preset` (or `config`, the
+    preset with experts) on dp x tp x pp; dp: the ranks the data-parallel strategy spans (dp x cp under context
+    parallel)."""
     with torch.device("meta"):  # counts parameters without allocating them
-        num_params = GPT(GPTConfig.preset(preset)).num_parameters()
+        num_params = GPT(config or GPTConfig.preset(preset)).num_parameters()
     ranks = dp * tp * pp
     if memory_gb is not None:
         memory: float | None = memory_gb * GB

@@ -1,4 +1,5 @@
-"""The demo's rank body for any mesh and data-parallel strategy: `sw.parallelize` over `Mesh(comm, dp, tp, pp)`.
+"""The demo's rank body for any mesh and data-parallel strategy: `sw.parallelize` over `Mesh(comm, dp, cp=, ep=, tp=,
+pp=)`.
 
 Also here, so that demo.py imports this module and never the other way round: the options checks a mesh run
 needs, the summary rows per axis, and the loop bookkeeping both rank bodies share (`lr_at`, `StepLog`).
@@ -9,6 +10,9 @@ Every rank builds the same `GPT(GPTConfig.preset(preset), seed=seed)`, lays the 
 pp)` (tp fastest, then dp, then pp) and hands both to `parallelize`: tensor parallel over `mesh.tp` (the "gpt" plan,
 sequence parallel if asked), the pipeline split over `mesh.pp` with the chosen schedule, activation checkpointing,
 then the data-parallel strategy (DDP, ZeRO-1/2/3, FSDP) over `mesh.dp`. Rank 0 prints `model.describe()` first.
+With cp > 1 the attention is context-parallel over `mesh.cp` (ring or Ulysses) and dense gradients average over
+dp x cp (`mesh.dp_cp`); with ep > 1 the MoE GPT's experts are split over `mesh.ep` and their gradients average over
+`mesh.edp` (docs/hybrid.md, "Five axes").
 
 Each step, a rank feeds its dp slice of the global batch (`ShardedSampler` with rank = mesh.coords.dp and
 world_size = dp: tp and pp peers read the same rows), and runs `model.step(x, y)` (every microbatch's forward and
@@ -25,6 +29,14 @@ than two ranks sums its tied embedding over a group split from pp. `CommStats` c
 `axis_groups` collects every group the model declares (shardwise.layout: its strategies' communicators and its
 placements' groups), puts each on the one axis along which its ranks' coordinates vary, and the step is measured
 on all of them (`CommStats.merge` sums an axis).
+
+Five axes. A run with cp or ep > 1 reports those axes too (`demo_axes`; a 3-D run keeps dp, tp, pp only). The
+mesh's own groups are placed by identity: cp carries the ring's K/V blocks (or Ulysses' all-to-alls) and the loss
+average over the sequence's chunks, ep the experts' all-to-alls; the data-parallel reductions stay on dp whichever
+group carries them (`mesh.dp`, `mesh.dp_cp` for dense gradients under cp, `mesh.edp` for the experts' gradients,
+and the MoE routing statistics, summed over dp x cp). Any other declared group whose ranks differ in dp or cp only
+is data-parallel too (FSDP hybrid_shard's groups split from dp x cp). The ep group's ranks can differ in cp only
+(ep <= cp), so coordinates alone could not tell it from a cp group: identity does.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from torch import nn
 from . import layout
 from .comm.base import Communicator, CommStats, ReduceOp
 from .consensus import agree
+from .context_parallel import METHODS as CP_METHODS
 from .hybrid import parallelize
 from .mesh import Mesh
 from .models.gpt import GPT, GPTConfig, lm_loss
@@ -52,31 +65,44 @@ from .whole.memory import memory_stats, peak_rss_bytes
 if TYPE_CHECKING:
     from .demo import DemoOptions, DemoSummary
 
-__all__ = ["train_mesh_rank", "axis_groups", "dp_size", "check_mesh_options", "mesh_fields", "axis_rows", "lr_at",
+__all__ = ["train_mesh_rank", "axis_groups", "demo_axes", "dp_size", "check_mesh_options", "mesh_fields", "axis_rows",
+           "lr_at",
            "StepLog", "EarlyStop", "split_corpus"]
 
-AXES = ("dp", "tp", "pp")  # the demo's meshes (cp = ep = 1), in Mesh's rank order: tp fastest, then dp, pp
+AXES = ("dp", "tp", "pp")  # a 3-D run's axes (cp = ep = 1), in Mesh's rank order: tp fastest, then dp, pp
+ALL_AXES = ("dp", "cp", "ep", "tp", "pp")  # every axis a run may report, in the order the summary shows them
 
 
-def dp_size(nproc: int | None, dp: int | None, tp: int, pp: int) -> int:
-    """The dp size of a demo run: dp itself, else nproc // (tp x pp), else 1 with tp or pp > 1 (2, the 2-rank
-    DDP run, without); raises ValueError naming the numbers when nproc is given and is not dp x tp x pp."""
+def demo_axes(options: DemoOptions) -> tuple[str, ...]:
+    """The axes a run reports: dp, tp and pp always; cp and ep when they are > 1."""
+    return tuple(a for a in ALL_AXES if a in AXES or getattr(options, a) > 1)
+
+
+def dp_size(nproc: int | None, dp: int | None, tp: int, pp: int, *, cp: int = 1) -> int:
+    """The dp size of a demo run: dp itself, else nproc // (cp x tp x pp), else 1 with tp, pp or cp > 1 (2, the
+    2-rank DDP run, without); raises ValueError naming the numbers when nproc is given and is not dp x cp x tp x
+    pp."""
+    names = "cp x tp x pp" if cp > 1 else "tp x pp"
+    sizes = (cp, tp, pp) if cp > 1 else (tp, pp)
+    rest = cp * tp * pp
     if dp is None:
         if nproc is None:
-            dp = 1 if tp * pp > 1 else 2
-        elif nproc % (tp * pp):
-            raise ValueError(f"demo: nproc={nproc} is not a multiple of tp x pp = {tp} x {pp} = {tp * pp}")
+            dp = 1 if rest > 1 else 2
+        elif nproc % rest:
+            raise ValueError(f"demo: nproc={nproc} is not a multiple of {names} = {' x '.join(map(str, sizes))} = "
+                             f"{rest}")
         else:
-            dp = nproc // (tp * pp)
-    if nproc is not None and nproc != dp * tp * pp:
-        raise ValueError(f"demo: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} ranks, but nproc={nproc}; "
-                         f"nproc must be their product (or leave it out)")
+            dp = nproc // rest
+    if nproc is not None and nproc != dp * rest:
+        raise ValueError(f"demo: dp x {names} = {' x '.join(map(str, (dp, *sizes)))} = {dp * rest} ranks, but "
+                         f"nproc={nproc}; nproc must be their product (or leave it out)")
     return dp
 
 
 def check_mesh_options(options: DemoOptions) -> None:
     """Raise ValueError, with the numbers to fix, for what `parallelize` would refuse on every rank at once."""
     config = GPTConfig.preset(options.preset)
+    _check_five_axes(options, config)
     if config.n_heads % options.tp:
         raise ValueError(f"demo: tp={options.tp} must divide the {options.preset!r} preset's n_heads={config.n_heads}")
     layers = config.n_layers + 2  # GPT.pipeline_layers(): the embedding, each block, the head
@@ -95,6 +121,38 @@ def check_mesh_options(options: DemoOptions) -> None:
         raise ValueError(f"demo: batch_size={options.batch_size} (sequences per dp rank) does not split into "
                          f"microbatches={options.microbatches}; use a batch size that is a multiple of it")
     check_schedule_args("demo", options.schedule, options.pp, options.microbatches, options.virtual_stages)
+
+
+def _check_five_axes(options: DemoOptions, config: GPTConfig) -> None:
+    """The context-, expert-parallel and mixture-of-experts options (docs/hybrid.md, "Five axes")."""
+    cp, ep, experts, k = options.cp, options.ep, options.experts, options.experts_per_token
+    if options.cp_method not in CP_METHODS:
+        raise ValueError(f"demo: cp_method={options.cp_method!r} is not supported; allowed {CP_METHODS}")
+    if cp > 1 and options.tp > 1:
+        raise ValueError(f"demo: cp={cp} with tp={options.tp} is not supported (sw.parallelize's context-parallel "
+                         f"attention runs on whole heads); use cp with dp and pp")
+    if cp > 1 and config.seq_len % (2 * cp):
+        raise ValueError(f"demo: cp={cp} splits each sequence into 2 x cp = {2 * cp} zigzag chunks, but the "
+                         f"{options.preset!r} preset's seq_len={config.seq_len} is not a multiple of it")
+    if cp > 1 and options.cp_method == "ulysses" and config.n_heads % cp:
+        raise ValueError(f"demo: cp_method='ulysses' needs cp={cp} to divide the {options.preset!r} preset's "
+                         f"n_heads={config.n_heads}; use cp_method='ring'")
+    if experts and options.tp > 1:
+        raise ValueError(f"demo: experts={experts} with tp={options.tp}: tensor parallel does not split experts (the "
+                         f"'gpt' plan refuses a mixture of experts); use tp=1")
+    if experts and k > experts:
+        raise ValueError(f"demo: experts_per_token={k} must be at most experts={experts}")
+    if ep > 1:
+        if not experts:
+            raise ValueError(f"demo: ep={ep} splits the experts of a mixture of experts; give experts > 0")
+        if experts % ep:
+            raise ValueError(f"demo: ep={ep} must divide experts={experts}")
+        if (options.dp * cp) % ep:
+            raise ValueError(f"demo: ep={ep} must divide dp x cp = {options.dp} x {cp} = {options.dp * cp} (expert "
+                             f"parallel borrows its ranks from the data- and context-parallel ones)")
+        if options.strategy != "ddp":
+            raise ValueError(f"demo: ep={ep} needs strategy='ddp' (ZeRO / FSDP do not shard experts); got "
+                             f"strategy={options.strategy!r}")
 
 
 # ---- the loop bookkeeping both rank bodies share (demo.train_rank and train_mesh_rank) --------------------------
@@ -212,26 +270,41 @@ class EarlyStop:
 
 
 # ---- the mesh rank body ---------------------------------------------------------------------------------------------
-def axis_groups(model: nn.Module, mesh: Mesh) -> dict[str, list[Communicator]]:
-    """Per mesh axis, the communicators (each once) that carry its traffic: the axis itself when it has more than
-    one rank, and the groups split from it that `model` declares (see the module docstring). A group spanning
-    several axes would be counted on none; parallelize makes none."""
-    found: list[Communicator | None] = [mesh.dp, mesh.tp, mesh.pp]
+def axis_groups(model: nn.Module, mesh: Mesh, axes: tuple[str, ...] = AXES) -> dict[str, list[Communicator]]:
+    """Per reported axis, the communicators (each once) that carry its traffic: the mesh's own groups, placed by
+    identity, and the groups split from them that `model` declares, placed by the coordinates that vary among
+    their ranks (see the module docstring). A group spanning several axes (other than dp and cp) is counted on
+    none; parallelize makes none."""
+    own = [(mesh.dp, "dp"), (mesh.dp_cp, "dp"), (mesh.edp, "dp"), (mesh.cp, "cp"), (mesh.ep, "ep"),
+           (mesh.tp, "tp"), (mesh.pp, "pp")]
+    found: list[Communicator | None] = []
     for record in layout.strategies(model):
         found += [*layout.record_comms(record), record.partitioned_over]
     for pl in layout.placements(model).values():
         found += [pl.box_group, pl.flat_group, *pl.replicated_over, pl.partial_grad_over, pl.tied_over]
-    dp, tp = mesh.sizes["dp"], mesh.sizes["tp"]
-    groups: dict[str, list[Communicator]] = {a: [] for a in AXES}
+    s = mesh.sizes
+    dp, cp, tp = s["dp"], s["cp"], s["tp"]
+    groups: dict[str, list[Communicator]] = {a: [] for a in axes}
     seen: set[int] = set()
+
+    def place(comm: Communicator, axis: str | None) -> None:
+        seen.add(id(comm))
+        if axis in groups:
+            groups[axis].append(comm)
+
+    for comm, axis in own:
+        if comm.size > 1 and id(comm) not in seen:
+            place(comm, axis)
     for comm in found:
         if comm is None or comm.size == 1 or id(comm) in seen:
             continue
-        seen.add(id(comm))
-        coords = [((r // tp) % dp, r % tp, r // (tp * dp)) for r in comm.global_ranks]  # Mesh's rank order
-        varying = [axis for i, axis in enumerate(AXES) if len({c[i] for c in coords}) > 1]
-        if len(varying) == 1:
-            groups[varying[0]].append(comm)
+        coords = [{"dp": (r // (tp * cp)) % dp, "cp": (r // tp) % cp, "tp": r % tp, "pp": r // (tp * cp * dp)}
+                  for r in comm.global_ranks]  # Mesh's rank order: tp fastest, then cp, dp, pp
+        varying = {a for a in ("dp", "cp", "tp", "pp") if len({c[a] for c in coords}) > 1}
+        if varying <= {"dp", "cp"}:  # a group split from the data-parallel ranks (module docstring)
+            place(comm, "dp")
+        elif len(varying) == 1:
+            place(comm, varying.pop())
     return groups
 
 
@@ -239,15 +312,16 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
     """Body of one rank (see the module docstring); returns what `demo_report.summarise` reads, metrics on rank 0."""
     from .data import ByteCorpus, ShardedSampler  # the corpus is read inside each rank, not pickled over
 
-    config = GPTConfig.preset(options.preset)
-    mesh = Mesh(comm, dp=options.dp, tp=options.tp, pp=options.pp)
+    config = options.gpt_config()
+    axes = demo_axes(options)
+    mesh = Mesh(comm, dp=options.dp, cp=options.cp, ep=options.ep, tp=options.tp, pp=options.pp)
     model = GPT(config, seed=options.seed)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     model = parallelize(model, mesh, tp_plan="gpt" if options.tp > 1 else None,
                         sequence_parallel=options.sequence_parallel, pp_schedule=options.schedule,
                         n_microbatches=options.microbatches, dp_strategy=options.strategy, dp_shard=options.dp_shard,
                         virtual_stages=options.virtual_stages,
-                        activation_checkpointing=options.activation_checkpointing)
+                        activation_checkpointing=options.activation_checkpointing, cp_method=options.cp_method)
     if comm.rank == 0:
         print(model.describe(), flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -256,10 +330,10 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
                              world_size=options.dp, seed=options.seed)
     stopper = EarlyStop(options, held, comm, mesh.dp, mesh.coords.dp, config.seq_len,
                         lambda x, y: lm_loss(model.predict(x), y))
-    groups = axis_groups(model, mesh)
+    groups = axis_groups(model, mesh, axes)
     log = StepLog(options, comm.rank, options.batch_size * config.seq_len * options.dp)
     wire: list[int] = []
-    per_axis: dict[str, list[int]] = {a: [] for a in AXES}
+    per_axis: dict[str, list[int]] = {a: [] for a in axes}
     ops: dict[str, dict[str, dict[str, int]]] = {}
     held: dict[str, int] = {}
     for step in range(options.steps):
@@ -267,7 +341,7 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
         start = time.perf_counter()
         x, y = next(sampler)
         with contextlib.ExitStack() as stack:
-            counted = {a: [stack.enter_context(c.stats.measure()) for c in groups[a]] for a in AXES}
+            counted = {a: [stack.enter_context(c.stats.measure()) for c in groups[a]] for a in axes}
             loss = model.step(x, y)
             clip_grad_norm_(model, 1.0)
             opt.step()
@@ -277,18 +351,18 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
         global_loss = loss.detach().clone()
         mesh.dp.all_reduce(global_loss, ReduceOp.AVG)
         seconds = time.perf_counter() - start
-        totals = {a: functools.reduce(CommStats.merge, counted[a], CommStats()) for a in AXES}
-        ops = {a: totals[a].as_dict() for a in AXES}
-        for axis in AXES:
+        totals = {a: functools.reduce(CommStats.merge, counted[a], CommStats()) for a in axes}
+        ops = {a: totals[a].as_dict() for a in axes}
+        for axis in axes:
             per_axis[axis].append(totals[axis].wire_bytes())
-        wire.append(sum(per_axis[a][-1] for a in AXES))
+        wire.append(sum(per_axis[a][-1] for a in axes))
         log.record(step, global_loss.item(), lr, seconds, wire_bytes=wire[-1],
-                   **{f"wire_bytes_{a}": per_axis[a][-1] for a in AXES})
+                   **{f"wire_bytes_{a}": per_axis[a][-1] for a in axes})
         if stopper.should_stop(step, model):
             break
     return {
         "rank": comm.rank,
-        "coords": {a: getattr(mesh.coords, a) for a in AXES},  # the demo's meshes have cp = ep = 1
+        "coords": {a: getattr(mesh.coords, a) for a in axes},
         "grad_bytes": grad_bytes,
         "wire_bytes": wire,
         "wire_bytes_per_axis": per_axis,
@@ -304,13 +378,14 @@ def train_mesh_rank(comm: Communicator, options: DemoOptions) -> dict[str, Any]:
 def mesh_fields(options: DemoOptions, results: list[dict[str, Any]]) -> dict[str, Any]:
     """DemoSummary's per-rank and per-axis fields from the ranks' results (of either rank body): ranks (coords,
     per-axis wire bytes: the distinct values in the order the steps first gave them, peak RSS, memory), mesh
-    sizes, wire_bytes_per_axis (distinct values over all ranks, sorted), ops_per_axis."""
+    sizes, wire_bytes_per_axis (distinct values over all ranks, sorted), ops_per_axis; per `demo_axes`."""
+    axes = demo_axes(options)
     return {
         "ranks": [{"rank": r["rank"], "coords": r["coords"],
-                   "wire_bytes_per_axis": {a: list(dict.fromkeys(r["wire_bytes_per_axis"][a])) for a in AXES},
+                   "wire_bytes_per_axis": {a: list(dict.fromkeys(r["wire_bytes_per_axis"][a])) for a in axes},
                    "peak_rss": r["peak_rss"], "memory": r["memory"]} for r in results],
-        "mesh": {a: getattr(options, a) for a in AXES},
-        "wire_bytes_per_axis": {a: sorted({w for r in results for w in r["wire_bytes_per_axis"][a]}) for a in AXES},
+        "mesh": {a: getattr(options, a) for a in axes},
+        "wire_bytes_per_axis": {a: sorted({w for r in results for w in r["wire_bytes_per_axis"][a]}) for a in axes},
         "ops_per_axis": results[0]["ops_per_axis"],
     }
 
@@ -319,10 +394,12 @@ def axis_rows(s: DemoSummary) -> list[tuple[str, str]]:
     """Summary rows: per mesh axis, the wire bytes one rank sent per step, by pp rank (stages hold different
     layers, so their traffic differs; the ranks of one stage send the same), and rank 0's operations. The
     steady value comes first; values of earlier steps follow in brackets (ZeRO-1/2 all-gather the updated
-    parameters at the start of the next step, so the first step has no gather)."""
+    parameters at the start of the next step, so the first step has no gather). The ep axis's bytes follow the
+    routing, which differs by rank and step: its row gives their range."""
     rows = []
-    for axis in AXES:
-        if s.mesh[axis] == 1:
+    for axis in s.mesh:  # demo_axes: dp, tp, pp, and cp, ep when > 1
+        # dp = 1 still reduces dense gradients when cp > 1: over the dp x cp ranks, counted on dp
+        if s.mesh[axis] == 1 and not any(s.wire_bytes_per_axis[axis]):
             rows.append((f"{axis} wire bytes/step", f"0  ({axis} = 1)"))
             continue
         by_stage: dict[int, dict[int, None]] = {}
@@ -330,9 +407,13 @@ def axis_rows(s: DemoSummary) -> list[tuple[str, str]]:
             by_stage.setdefault(r["coords"]["pp"], {}).update(dict.fromkeys(r["wire_bytes_per_axis"][axis]))
         values = []
         for _, seen in sorted(by_stage.items()):
+            if axis == "ep" and len(seen) > 1:
+                values.append(f"{min(seen):,} to {max(seen):,} (as the tokens were routed)")
+                continue
             *early, steady = seen
             values.append(f"{steady:,}" + (f" (first steps: {', '.join(f'{w:,}' for w in early)})" if early else ""))
         text = values[0] if len(values) == 1 else " | ".join(f"pp {p}: {v}" for p, v in enumerate(values))
         ops = ", ".join(f"{op} x{c['calls']}" for op, c in s.ops_per_axis[axis].items())
-        rows.append((f"{axis} wire bytes/step", f"{text} per rank  (rank 0: {ops})"))
+        over = "; over dp x cp" if axis == "dp" and s.mesh.get("cp", 1) > 1 else ""
+        rows.append((f"{axis} wire bytes/step", f"{text} per rank  (rank 0: {ops}{over})"))
     return rows

@@ -32,13 +32,14 @@ class DemoSummary:
     wire_bytes_per_step: measured per-rank wire bytes of each step (all axes summed; DDP: its all-reduce), as the
     distinct values over all ranks and steps. formula_wire_bytes: the strategy's textbook bytes per rank per step
     (`formula`: "2(N-1)/N x G" for DDP, ZeRO-1/2 and shard_grad_op, "3(N-1)/N x G" for ZeRO-3 / full_shard; see
-    benchmarks.formulas) for a purely data-parallel run (tp = pp = 1; else None); wire_bytes_match: whether the
-    steady steps meet it (DDP to the byte; sharded strategies within 10%; the ZeRO-3 family at most its
-    formula and at least one gather fewer, since units still gathered when backward needs them are not gathered
-    again). estimate_model_states: `estimate_memory` of the strategy (fp32 AdamW) for a
-    purely data-parallel run. steps_run: steps trained (fewer than options.steps after an early stop);
-    validation: [step, loss] of each evaluation; stopped_at: the step after which the ranks stopped, or None.
-    mesh: {dp, tp, pp} sizes; wire_bytes_per_axis: the same distinct values per axis; ops_per_axis: rank 0's last
+    benchmarks.formulas) for a purely data-parallel run (tp = pp = cp = ep = 1; else None);
+    wire_bytes_match: whether the steady steps meet it (DDP to the byte; sharded strategies within 10%; the ZeRO-3
+    family at most its formula and at least one gather fewer, since units still gathered when backward needs them
+    are not gathered again). estimate_model_states: `estimate_memory` of the strategy (fp32 AdamW) for a run
+    without tensor or pipeline parallel (the dense states over dp x cp, the experts' divided by ep). steps_run:
+    steps trained (fewer than options.steps after an early stop); validation: [step, loss] of each evaluation;
+    stopped_at: the step after which the ranks stopped, or None. mesh: {dp, tp, pp} sizes (and cp, ep when > 1:
+    demo_hybrid.demo_axes); wire_bytes_per_axis: the same distinct values per axis; ops_per_axis: rank 0's last
     step per axis, `CommStats.as_dict()` ({op: {calls, bytes, wire_bytes}}). mesh_run: the run went through
     sw.parallelize (anything but plain DDP). ranks: per rank, its mesh coords, wire_bytes_per_axis, peak_rss (bytes
     of the whole process; on the thread backend every rank shares one process) and memory
@@ -81,9 +82,9 @@ def ring_all_reduce_bytes(grad_bytes: int, world_size: int) -> int:
 
 
 def summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: int, tokens_per_step: int,
-              wall: float) -> DemoSummary:
+              wall: float, *, expert_params: int = 0) -> DemoSummary:
     """The run's summary from the ranks' results: losses, step time, the wire bytes against the strategy's formula
-    (DDP to the byte), the model states against `estimate_memory`."""
+    (DDP to the byte), the model states against `estimate_memory` (expert_params: the MoE GPT's, which ep splits)."""
     metrics = results[0]["metrics"]
     losses = [m["loss"] for m in metrics]
     step_ms = statistics.median(m["step_ms"] for m in metrics)
@@ -98,7 +99,7 @@ def summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: i
         # with N not a power of two the sum may sit up to one byte per call below the formula.
         calls = max(r["all_reduce_calls"] for r in results)
         match = all(0 <= formula - w <= calls for w in measured)
-    elif options.tp * options.pp == 1:  # purely data parallel: the strategy's own formula applies
+    elif options.tp * options.pp * options.cp * options.ep == 1:  # purely data parallel: the formula applies
         formula = wire_bytes_formula(options.strategy, grad_bytes, options.dp, options.dp_shard, options.microbatches)
         steady = [r["wire_bytes"][-1] for r in results]  # ZeRO-1/2 gather the updated parameters from step 2 on
         # The ZeRO-3 family re-gathers less than its textbook formula says: units still gathered when backward
@@ -110,10 +111,11 @@ def summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: i
             floor = (wire_bytes_formula(options.strategy, grad_bytes, options.dp, options.dp_shard, 1)
                      - (group - 1) / group * grad_bytes)
         match = all(floor <= w <= 1.02 * formula for w in steady)
-    if options.tp * options.pp == 1:
-        shards = options.dp_shard if options.strategy == "fsdp:hybrid_shard" else options.dp
-        estimate = int(estimate_memory(num_params, estimate_key(options.strategy), shards,
-                                       mixed_precision=False).total)
+    if options.tp * options.pp == 1:  # dense states shared over dp x cp; with ep > 1 the experts split over ep
+        shards = options.dp_shard if options.strategy == "fsdp:hybrid_shard" else options.dp * options.cp
+        experts = {"ep": options.ep, "expert_params": expert_params} if options.ep > 1 else {}
+        estimate = int(estimate_memory(num_params, estimate_key(options.strategy), shards, mixed_precision=False,
+                                       **experts).total)
     return DemoSummary(
         run_dir="",
         options=dataclasses.asdict(options),
@@ -210,7 +212,8 @@ def format_summary(s: DemoSummary) -> str:
     for r in s.ranks:
         m = r["memory"]
         rss = _mib(r["peak_rss"]) + (" (shared process)" if shared else "")
-        where = f" (dp {r['coords']['dp']}, tp {r['coords']['tp']}, pp {r['coords']['pp']})" if s.mesh_run else ""
+        coords = ", ".join(f"{a} {r['coords'][a]}" for a in s.mesh)
+        where = f" ({coords})" if s.mesh_run else ""
         against = (f" vs estimate {_mib(s.estimate_model_states)} ({m['model_states'] / s.estimate_model_states:.3f})"
                    if s.estimate_model_states else "")
         rows.append((f"rank {r['rank']}{where} memory", f"peak RSS {rss}; model states {_mib(m['model_states'])}"

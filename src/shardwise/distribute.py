@@ -15,6 +15,7 @@ never disagree. Then the chosen layout is built with the library's own wrappers,
     "fsdp[:sharding]"          sw.FSDP(model, comm, sharding=...)     (hybrid_shard: shard_size, default a node)
     "tp"                       tensor_parallel.parallelize(model, comm, plan)   (every rank feeds the same batch)
     "3d:dp=A,tp=B,pp=C"        sw.parallelize(model, sw.Mesh(comm, A, B, C), ...) -> HybridModel (model.step(x, y))
+    "5d:dp=A,cp=B,ep=C,..."    the same over sw.Mesh(comm, A, cp=B, ep=C, tp=.., pp=..): context and expert parallel
 
 The result trains with a plain loop (the HybridModel with `step`), and carries `model.plan` (a `Distribution`):
 `explain()`, `strategy`, and `data_rank` / `data_world`: which slice of the global batch this rank feeds.
@@ -53,7 +54,7 @@ WRAPPER_OPTIONS = {
     "prefetch": ("zero", "fsdp"), "shard_size": ("fsdp",), "bucket_mb": ("ddp",),
     "find_unused_parameters": ("ddp", "3d"), "broadcast_buffers": ("ddp",), "tp_plan": ("tp", "3d"),
     "sequence_parallel": ("tp", "3d"), "pp_schedule": ("3d",), "n_microbatches": ("3d",), "loss_fn": ("3d",),
-    "virtual_stages": ("3d",),
+    "virtual_stages": ("3d",), "cp_method": ("3d",),
 }
 OPTIONS = PLANNER_OPTIONS + tuple(WRAPPER_OPTIONS)
 
@@ -117,6 +118,7 @@ def _dtype(model: nn.Module, mp: MixedPrecision | None) -> str:
 def _workload(model: nn.Module, options: dict[str, Any]) -> tuple[Workload, dict[str, Any]]:
     """The planner's Workload and the candidate filters the model and options imply."""
     from .models.gpt import GPT
+    from .planner.costs import Experts
 
     facts = model_facts(model)
     mp = options.get("mixed_precision")
@@ -125,8 +127,10 @@ def _workload(model: nn.Module, options: dict[str, Any]) -> tuple[Workload, dict
         geometry = activation_geometry(model, facts.num_params, options["seq_len"], options["batch_size"])
     attention = options.get("attention", "fused" if isinstance(model, GPT) else "eager")  # GPT: SDPA
     ac = options.get("activation_checkpointing", False)
+    experts = Experts(facts.expert_params, facts.n_experts, facts.experts_per_token, facts.moe_layers) \
+        if facts.expert_params else None
     work = Workload(facts.num_params, _dtype(model, mp), options.get("optimizer", "adamw"), geometry, bool(ac),
-                    attention, bool(options.get("sequence_parallel", False)), facts.hidden_size)
+                    attention, bool(options.get("sequence_parallel", False)), facts.hidden_size, experts)
     tp_plan = options.get("tp_plan", facts.tp_plan)
     allowed = {"tensor_parallel": tp_plan is not None, "pipeline": facts.pipeline_layers is not None,
                "max_pp": facts.pipeline_layers, "offload": options.get("offload", True),
@@ -146,13 +150,30 @@ def _usable(c: Candidate, options: dict[str, Any]) -> bool:
 
 def _pool(world: Communicator, mesh: Mesh | None, node: int, device: str, work_allowed: dict[str, Any],
           options: dict[str, Any]) -> list[Candidate]:
-    if mesh is not None and mesh.sizes["tp"] * mesh.sizes["pp"] > 1:  # the mesh is fixed: only dp strategies vary
+    if mesh is not None and _fixed(mesh):  # the mesh is fixed: only dp strategies vary (DDP alone with experts)
         s = mesh.sizes
-        pool = [Candidate("3d", d, s["dp"], s["tp"], s["pp"]) for d in ("ddp", "zero1", "zero2", "zero3")]
+        family = ("ddp",) if s["ep"] > 1 else ("ddp", "zero1", "zero2", "zero3")
+        pool = [_on_mesh(mesh, d) for d in family]
     else:
         allowed = dict(work_allowed, offload=work_allowed["offload"] and device == "cuda")  # CPU: nothing to offload to
         pool = candidates(world.size, node, **allowed)
-    return [c for c in pool if _usable(c, options)]
+    usable = [c for c in pool if _usable(c, options)]
+    if not usable:  # e.g. a mesh with ep > 1 (DDP only) and mixed_precision (a sharded engine's option)
+        raise ValueError(f"distribute: no layout of {', '.join(sorted({c.strategy for c in pool}))} allows the "
+                         f"options given (mixed_precision needs a sharded strategy, which ep > 1 does not allow)")
+    return usable
+
+
+def _fixed(mesh: Mesh) -> bool:
+    """Whether the mesh fixes more than the data-parallel axis (tp, pp, cp or ep > 1): then sw.parallelize builds
+    it, and only its data-parallel strategy is chosen."""
+    s = mesh.sizes
+    return s["tp"] * s["pp"] * s["cp"] * s["ep"] > 1
+
+
+def _on_mesh(mesh: Mesh, dp_strategy: str, shard: int | None = None) -> Candidate:
+    s = mesh.sizes
+    return Candidate("3d", dp_strategy, s["dp"], s["tp"], s["pp"], shard=shard, cp=s["cp"], ep=s["ep"])
 
 
 def _decide(world: Communicator, mesh: Mesh | None, model: nn.Module, strategy: str, memory_gb: float | None,
@@ -163,10 +184,15 @@ def _decide(world: Communicator, mesh: Mesh | None, model: nn.Module, strategy: 
     if strategy != "auto":  # checked on every rank before any collective, so a typo raises everywhere at once
         given = parse_strategy(strategy, world.size, shard_size=options.get("shard_size"), devices_per_node=node,
                                offload=_offload_level(options.get("cpu_offload")))
-        if mesh is not None and given.kind == "dp" and mesh.sizes["tp"] * mesh.sizes["pp"] > 1:
-            s = mesh.sizes
-            given = Candidate("3d", given.dp_strategy, s["dp"], s["tp"], s["pp"], shard=given.shard)
-        if given.kind == "3d" and mesh is not None and (given.dp, given.tp, given.pp) != (mesh.sizes["dp"], mesh.sizes["tp"], mesh.sizes["pp"]):
+        if mesh is not None and given.kind == "dp" and _fixed(mesh):
+            given = _on_mesh(mesh, given.dp_strategy, given.shard)
+        if mesh is not None and given.kind == "tp" and mesh.sizes["cp"] * mesh.sizes["ep"] > 1:
+            raise ValueError(f"distribute: strategy='tp' splits every layer over all ranks, but the mesh given has "
+                             f"cp={mesh.sizes['cp']}, ep={mesh.sizes['ep']}; name a data-parallel strategy (or "
+                             f"'auto') for the mesh's dp axis")
+        s = mesh.sizes if mesh is not None else {}
+        if given.kind == "3d" and mesh is not None and \
+                (given.dp, given.cp, given.ep, given.tp, given.pp) != (s["dp"], s["cp"], s["ep"], s["tp"], s["pp"]):
             raise ValueError(f"distribute: strategy={strategy!r} does not match the mesh given ({mesh.sizes})")
     machine = probe(world, memory_gb)
     node = node or machine.devices_per_node
@@ -233,7 +259,7 @@ def _build(model: nn.Module, world: Communicator, mesh: Mesh | None, c: Candidat
                          f"{type(model).__name__} has no built-in one; pass tp_plan= (a dict of pattern -> style)")
     if c.kind == "tp":
         return tensor_parallel.parallelize(model, world, tp_plan, **kwargs), 0, 1, "tp"
-    mesh = mesh or Mesh(world, dp=c.dp, tp=c.tp, pp=c.pp)
+    mesh = mesh or Mesh(world, dp=c.dp, cp=c.cp, ep=c.ep, tp=c.tp, pp=c.pp)
     if c.dp_strategy != "ddp":  # DDP's option: the sharded strategies leave unused parameters alone unasked
         kwargs.pop("find_unused_parameters", None)
     hybrid = parallelize(model, mesh, tp_plan=tp_plan if c.tp > 1 else None, dp_strategy=c.dp_strategy,
@@ -248,8 +274,9 @@ def distribute(model: nn.Module, comm_or_mesh: Communicator | Mesh | None = None
 
     strategy: "auto" (the fastest layout that fits, by `shardwise.planner`), "ddp", "zero1", "zero2", "zero3",
         "fsdp" (= "fsdp:full_shard"), "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:hybrid_shard", "tp" or
-        "3d:dp=A,tp=B,pp=C[,dp_strategy=S]". With a Mesh whose tp or pp > 1, a data-parallel string (or "auto")
-        chooses the strategy over its dp axis.
+        "3d:dp=A,tp=B,pp=C[,dp_strategy=S]" or "5d:dp=A,cp=B,ep=C,tp=D,pp=E[,dp_strategy=S]". With a Mesh whose
+        tp, pp, cp or ep > 1, a data-parallel string (or "auto") chooses the strategy over its dp axis (DDP when
+        ep > 1) and sw.parallelize builds the mesh's composition.
     memory_gb: memory per rank to plan for (GB of 10^9 bytes); default: what the devices report.
     options: for the planner, optimizer="adamw" (the one you will build: it sizes the optimizer state),
         seq_len and batch_size (sequences per rank per step: activations are counted), attention ("eager" or
@@ -257,7 +284,7 @@ def distribute(model: nn.Module, comm_or_mesh: Communicator | Mesh | None = None
         fit_fraction, offload (False: never choose CPU offload); for the wrappers, their own options
         (mixed_precision, activation_checkpointing, cpu_offload, wrap, group_mb, prefetch, shard_size, bucket_mb,
         find_unused_parameters, broadcast_buffers, tp_plan, sequence_parallel, pp_schedule, n_microbatches,
-        loss_fn, virtual_stages), each passed to the wrapper it belongs to.
+        loss_fn, virtual_stages, cp_method), each passed to the wrapper it belongs to.
     Raises ValueError, naming the argument and what is allowed, for an unknown strategy or option, sizes that do
     not divide, or (auto) a model that fits no layout, with the smallest world size that would fit.
     Collective: every rank calls it with the same model and arguments.

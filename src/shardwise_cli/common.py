@@ -17,6 +17,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_g
 STRATEGY_ALIASES = {"fsdp": "fsdp:full_shard"}
 #: Pipeline schedules the demo offers (zb_h1 is left out: parallelize allows it with DDP only).
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+#: Context-parallel attention methods (context_parallel.METHODS; tests/test_cli.py checks they agree).
+CP_METHODS = ("ring", "ulysses")
 #: GPT presets (the keys of models.gpt.PRESETS), sorted.
 PRESETS = ("bench", "gpt2", "small", "tiny")
 #: The defaults of `demo.DemoOptions` that the parser shows in --help.

@@ -6,8 +6,9 @@ import argparse
 import functools
 from typing import TYPE_CHECKING
 
-from .common import (DEMO_DEFAULTS, GLOO_RANKS_PER_CPU, MAX_RANKS, PRESETS, SCHEDULES, STRATEGIES, STRATEGY_ALIASES,
-                     cpus, existing_path, fail, max_ranks, os_reason, positive_float, positive_int, probe_out)
+from .common import (CP_METHODS, DEMO_DEFAULTS, GLOO_RANKS_PER_CPU, MAX_RANKS, PRESETS, SCHEDULES, STRATEGIES,
+                     STRATEGY_ALIASES, cpus, existing_path, fail, int_at_least, max_ranks, os_reason, positive_float,
+                     positive_int, probe_out)
 
 if TYPE_CHECKING:
     from shardwise.demo import DemoOptions
@@ -31,12 +32,13 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="train a small GPT on local ranks with any strategy and mesh; report loss, throughput, traffic, memory",
         description="Train the byte-level GPT on local ranks (gloo processes on 127.0.0.1, or threads) with a "
-        "data-parallel strategy over a dp x tp x pp mesh, print a summary (loss, step time, tokens/s, wire bytes "
+        "data-parallel strategy over a dp x cp x tp x pp mesh (with ep borrowed from dp x cp for a mixture of "
+        "experts), print a summary (loss, step time, tokens/s, wire bytes "
         "per step: against the DDP formula for plain DDP, per mesh axis otherwise; memory per rank) and write "
         "metrics.jsonl, summary.json and loss.png under OUT/<timestamp>/.",
     )
     p.add_argument("--nproc", type=positive_int, default=None,
-                   help=f"number of ranks (default: dp x tp x pp; 2 for plain DDP); at most {MAX_RANKS} thread "
+                   help=f"number of ranks (default: dp x cp x tp x pp; 2 for plain DDP); at most {MAX_RANKS} thread "
                    f"ranks, or {GLOO_RANKS_PER_CPU} gloo processes per CPU core ({max_ranks('gloo')} here)")
     p.add_argument("--strategy", choices=STRATEGIES + tuple(STRATEGY_ALIASES) + ("auto",),
                    default=defaults["strategy"],
@@ -54,9 +56,23 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=positive_int, default=10,
                    help="steps between validation evaluations with --early-stop (default: %(default)s)")
     p.add_argument("--dp", type=positive_int, default=None,
-                   help="data-parallel size (default: nproc // (tp x pp); without --nproc, 2 for plain DDP, else 1)")
+                   help="data-parallel size (default: nproc // (cp x tp x pp); without --nproc, 2 for plain DDP, "
+                   "else 1)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default: %(default)s)")
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (default: %(default)s)")
+    p.add_argument("--cp", type=positive_int, default=1,
+                   help="context-parallel size: ranks splitting each sequence (default: %(default)s)")
+    p.add_argument("--cp-method", choices=CP_METHODS, default="ring",
+                   help="context-parallel attention: ring (K/V blocks around a ring) or ulysses (all-to-all over "
+                   "heads) (default: %(default)s)")
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="expert-parallel size, borrowed from dp x cp: ranks splitting the experts of the MoE GPT "
+                   "(default: %(default)s)")
+    p.add_argument("--experts", type=int_at_least(0), default=None,
+                   help="experts per block of the MoE GPT, built with moe_aux_loss_coef=0 (sw.parallelize refuses "
+                   "a load-balancing loss); 0: the dense GPT (default: 0, or 2 x ep with --ep)")
+    p.add_argument("--experts-per-token", type=positive_int, default=2,
+                   help="experts each token is routed to (default: %(default)s)")
     p.add_argument("--dp-shard", type=positive_int, default=None,
                    help="shard-group size within dp, for --strategy fsdp:hybrid_shard (required there)")
     p.add_argument("--schedule", choices=SCHEDULES, default=defaults["schedule"],
@@ -80,22 +96,23 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=defaults["out"], help="parent folder of the run directory (default: %(default)s)")
     p.add_argument("--backend", choices=("gloo", "thread"), default=None,
                    help="gloo: one process per rank; thread: ranks as threads of this process (fast, for tests); "
-                   "default: thread when tp or pp > 1, else gloo")
+                   "default: thread when tp, pp, cp or ep > 1, else gloo")
     p.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     p.set_defaults(handler=functools.partial(_run_demo, p))
 
 
 def _check_world_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A usage error, before torch is imported, when the run would start more ranks than `max_ranks` allows. The
-    world is --nproc or dp x tp x pp (whichever is larger: DemoOptions reports a mismatch between them)."""
-    mesh = (args.dp or 1) * args.tp * args.pp
+    world is --nproc or dp x cp x tp x pp (whichever is larger: DemoOptions reports a mismatch between them)."""
+    mesh = (args.dp or 1) * args.cp * args.tp * args.pp
     world = max(args.nproc or 0, mesh)
-    backend = args.backend or ("thread" if args.tp * args.pp > 1 else "gloo")
+    backend = args.backend or ("thread" if args.tp * args.pp * args.cp * args.ep > 1 else "gloo")
     limit = max_ranks(backend)
     if world <= limit:
         return
+    cp = (" x cp", f" x {args.cp}") if args.cp > 1 else ("", "")
     what = (f"argument --nproc: {args.nproc}" if args.nproc == world else
-            f"dp x tp x pp = {args.dp or 1} x {args.tp} x {args.pp} = {mesh}")
+            f"dp{cp[0]} x tp x pp = {args.dp or 1}{cp[1]} x {args.tp} x {args.pp} = {mesh}")
     if backend == "thread":
         rule = f"{limit} thread ranks"
     else:
@@ -131,7 +148,8 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             progress=not args.no_progress, dp=args.dp, tp=args.tp, pp=args.pp, dp_shard=args.dp_shard,
             schedule=args.schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages,
             sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
-            early_stop=args.early_stop, eval_every=args.eval_every, memory_gb=args.memory_gb,
+            early_stop=args.early_stop, eval_every=args.eval_every, memory_gb=args.memory_gb, cp=args.cp,
+            ep=args.ep, experts=args.experts, experts_per_token=args.experts_per_token, cp_method=args.cp_method,
         )
         if args.compare:  # every strategy's options, checked before any rank starts
             import dataclasses

@@ -72,7 +72,14 @@ def add_plan(subparsers: argparse._SubParsersAction) -> None:
                    "parallel")
     p.add_argument("--strategy", default="auto",
                    help="estimate this strategy string instead of choosing (e.g. zero3, fsdp:hybrid_shard, "
-                   "3d:dp=2,tp=2,pp=2)")
+                   "3d:dp=2,tp=2,pp=2, or with context and expert parallel 5d:dp=2,cp=2,ep=4,tp=1,pp=1)")
+    p.add_argument("--expert-params", type=_param_count, default=None,
+                   help="of --params, the parameters inside the experts of a mixture of experts (all experts of "
+                   "every MoE layer; routers excluded): what ep splits (default: the --model's MoE layers, else 0)")
+    p.add_argument("--experts", type=positive_int, default=None,
+                   help="experts per MoE layer (with --expert-params: checks ep divides it, sizes the all-to-alls)")
+    p.add_argument("--experts-per-token", type=positive_int, default=None,
+                   help="experts each token is routed to (with --experts: sizes the ep all-to-alls)")
     p.add_argument("--no-offload", action="store_true", help="never recommend CPU offload")
     p.add_argument("--intra-node-gbps", type=positive_float, default=150.0,
                    help="GB/s between GPUs of a node (default: %(default)s)")
@@ -86,13 +93,23 @@ def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("give exactly one of --params or --model")
     if (args.seq is None) != (args.batch is None):
         parser.error("--seq and --batch go together (activations need both)")
+    experts_given = [f"--{n.replace('_', '-')}" for n in ("expert_params", "experts", "experts_per_token")
+                     if getattr(args, n) is not None]
+    if args.model is not None and experts_given:
+        parser.error(f"{', '.join(experts_given)} describe the experts of --params; --model gives its own")
+    if args.expert_params is None and experts_given:
+        parser.error(f"{', '.join(experts_given)} need --expert-params (the parameters inside the experts)")
+    if args.expert_params is not None and args.expert_params > args.params:
+        parser.error(f"--expert-params {args.expert_params:g} exceeds --params {args.params:g}")
+    if args.experts and args.experts_per_token and args.experts_per_token > args.experts:
+        parser.error(f"--experts-per-token {args.experts_per_token} exceeds --experts {args.experts}")
     node = args.gpus_per_node or min(args.gpus, 8)
     if node > args.gpus or args.gpus % node:
         parser.error(f"--gpus-per-node {node} must divide --gpus {args.gpus}")
     import importlib
 
     from shardwise.estimate import activation_geometry  # torch: only now that the command line is known to be good
-    from shardwise.planner import Links, Workload, model_facts, plan
+    from shardwise.planner import Links, Workload, costs, model_facts, plan
 
     model, psi, facts = None, args.params, None
     if args.model is not None:
@@ -108,13 +125,21 @@ def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         geometry = activation_geometry(model, psi, args.seq, args.batch, hidden_size=args.hidden,
                                        num_layers=args.layers, num_heads=args.heads, vocab_size=args.vocab)
     hidden = args.hidden or (facts.hidden_size if facts else None)
+    experts = None
+    if facts is not None and facts.expert_params:
+        experts = costs.Experts(facts.expert_params, facts.n_experts, facts.experts_per_token, facts.moe_layers)
+    elif args.expert_params is not None:
+        experts = costs.Experts(args.expert_params, args.experts or 0, args.experts_per_token or 0)
     work = Workload(psi, args.dtype, args.optimizer, geometry, args.activation_checkpointing, args.attention,
-                    args.sequence_parallel, hidden)
+                    args.sequence_parallel, hidden, experts)
     links = Links(args.gpus, node, args.gpu_mem * 1e9, intra_node_gbps=args.intra_node_gbps,
                   inter_node_gbps=args.inter_node_gbps)
     allowed = {"offload": not args.no_offload}
+    if experts is not None:  # the tensor-parallel plans do not split experts
+        allowed["tensor_parallel"] = False
     if facts is not None:
-        allowed.update(tensor_parallel=facts.tp_plan is not None, pipeline=facts.pipeline_layers is not None,
+        allowed.update(tensor_parallel=facts.tp_plan is not None and experts is None,
+                       pipeline=facts.pipeline_layers is not None,
                        max_pp=facts.pipeline_layers)
     try:
         result = plan(work, links, strategy=args.strategy, **allowed)

@@ -1,9 +1,10 @@
 """The planner: memory per rank and bytes per step of every strategy, and a choice that explains itself.
 
-    costs.py        the formulas (ZeRO model states, CPU offload, Korthikanti activations, ring wire bytes)
+    costs.py        the formulas (ZeRO model states, CPU offload, Korthikanti activations, ring wire bytes,
+                    context and expert parallel)
     candidates.py   strategy strings and the layouts that apply to a world size
     choose.py       the fastest layout that fits, and why (`Plan.explain()`)
-    model_facts.py  what a model says about itself (parameter count, geometry, tensor-parallel plan)
+    model_facts.py  what a model says about itself (parameter count, geometry, experts, tensor-parallel plan)
 
 Used by `sw.estimate_memory`, `sw.distribute` and `shardwise plan`.
 """

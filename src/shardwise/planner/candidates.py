@@ -9,6 +9,10 @@ A strategy string names a layout (Lightning's strategy strings are the model: "d
     "fsdp:hybrid_shard"                     full_shard within groups of `shard_size` ranks (default: one node)
     "tp"                                    tensor parallel over every rank (every rank feeds the same batch)
     "3d:dp=2,tp=2,pp=2[,dp_strategy=zero1]" data x tensor x pipeline through sw.parallelize (dp_strategy default ddp)
+    "5d:dp=2,cp=2,ep=2,tp=1,pp=1[,dp_strategy=ddp]"
+                                            the same with context parallel (cp ranks split each sequence) and expert
+                                            parallel (ep ranks, borrowed from dp x cp, split the experts); the world
+                                            is dp x cp x tp x pp; keys left out are 1 (dp: the remaining ranks)
 
 A `Candidate` is one such layout resolved for a world size, plus a CPU offload level for the sharded engine.
 `candidates()` lists those an automatic choice compares: the data-parallel family, tensor parallel within a node,
@@ -21,7 +25,7 @@ import dataclasses
 
 __all__ = ["Candidate", "STRATEGY_STRINGS", "DP_FAMILY", "parse_strategy", "candidates", "divisors"]
 
-#: The fixed strategy strings (plus "3d:dp=..,tp=..,pp=.." and "auto").
+#: The fixed strategy strings (plus "3d:dp=..,tp=..,pp=..", "5d:dp=..,cp=..,ep=..,tp=..,pp=.." and "auto").
 STRATEGY_STRINGS = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp:full_shard", "fsdp:shard_grad_op",
                     "fsdp:no_shard", "fsdp:hybrid_shard", "tp", "deepspeed_stage_1", "deepspeed_stage_2",
                     "deepspeed_stage_3")
@@ -32,7 +36,8 @@ _ALIASES = {"fsdp": "fsdp:full_shard", "deepspeed_stage_1": "zero1", "deepspeed_
 # dp strategy -> key of costs.SHARDED
 _STATES = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp:full_shard": "full_shard",
            "fsdp:shard_grad_op": "shard_grad_op", "fsdp:no_shard": "no_shard", "fsdp:hybrid_shard": "hybrid_shard"}
-_ALLOWED = f"{STRATEGY_STRINGS}, '3d:dp=A,tp=B,pp=C[,dp_strategy=S]' or 'auto'"
+_ALLOWED = (f"{STRATEGY_STRINGS}, '3d:dp=A,tp=B,pp=C[,dp_strategy=S]', '5d:dp=A,cp=B,ep=C,tp=D,pp=E[,dp_strategy=S]' "
+            f"or 'auto'")
 
 
 def divisors(n: int) -> list[int]:
@@ -41,11 +46,13 @@ def divisors(n: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One layout for a world: dp x tp x pp ranks, the data-parallel strategy over dp, and a CPU offload level.
+    """One layout for a world: dp x cp x tp x pp ranks, the data-parallel strategy over dp (x cp), and a CPU offload
+    level.
 
     kind: "dp" (a data-parallel strategy over every rank), "tp" (tensor parallel over every rank) or "3d"
-    (sw.parallelize over a mesh). shard: the shard-group size of fsdp:hybrid_shard. offload: None, "optimizer" or
-    "full" (the sharded engine's cpu_offload).
+    (sw.parallelize over a mesh; with cp or ep > 1 its string is "5d:..."). shard: the shard-group size of
+    fsdp:hybrid_shard. offload: None, "optimizer" or "full" (the sharded engine's cpu_offload). cp: context-parallel
+    ranks; ep: expert-parallel ranks, borrowed from dp x cp.
     """
 
     kind: str
@@ -55,6 +62,8 @@ class Candidate:
     pp: int = 1
     shard: int | None = None
     offload: str | None = None
+    cp: int = 1
+    ep: int = 1
 
     @property
     def strategy(self) -> str:
@@ -63,7 +72,10 @@ class Candidate:
             return self.dp_strategy
         if self.kind == "tp":
             return "tp"
-        text = f"3d:dp={self.dp},tp={self.tp},pp={self.pp}"
+        if self.cp > 1 or self.ep > 1:
+            text = f"5d:dp={self.dp},cp={self.cp},ep={self.ep},tp={self.tp},pp={self.pp}"
+        else:
+            text = f"3d:dp={self.dp},tp={self.tp},pp={self.pp}"
         return text if self.dp_strategy == "ddp" else f"{text},dp_strategy={self.dp_strategy}"
 
     @property
@@ -85,6 +97,11 @@ class Candidate:
     def model_parallel(self) -> int:
         return self.tp * self.pp
 
+    @property
+    def data_parallel(self) -> int:
+        """The ranks dense gradients average over: dp x cp (each cp rank's loss covers a share of every sequence)."""
+        return self.dp * self.cp
+
 
 def _positive(name: str, text: str, strategy: str) -> int:
     try:
@@ -96,30 +113,54 @@ def _positive(name: str, text: str, strategy: str) -> int:
     return value
 
 
-def _parse_3d(text: str, world_size: int) -> Candidate:
+def _parse_mesh(text: str, world_size: int) -> Candidate:
+    """A "3d:dp=..,tp=..,pp=.." or "5d:dp=..,cp=..,ep=..,tp=..,pp=.." string (each with an optional dp_strategy)."""
+    five = text.startswith("5d:")
+    keys = ("dp", "cp", "ep", "tp", "pp") if five else ("dp", "tp", "pp")
+    example = "'5d:dp=2,cp=2,ep=2'" if five else "'3d:dp=2,tp=2,pp=2'"
     sizes: dict[str, int] = {}
     dp_strategy = "ddp"
     for part in text.split(":", 1)[1].split(","):
         key, sep, value = part.strip().partition("=")
         if not sep:
-            raise ValueError(f"strategy={text!r}: {part!r} is not key=value; write e.g. '3d:dp=2,tp=2,pp=2'")
-        if key in ("dp", "tp", "pp"):
+            raise ValueError(f"strategy={text!r}: {part!r} is not key=value; write e.g. {example}")
+        if key in keys:
             sizes[key] = _positive(key, value, text)
         elif key == "dp_strategy":
             if value not in DP_FAMILY:
                 raise ValueError(f"strategy={text!r}: dp_strategy={value!r} is not allowed; allowed {DP_FAMILY}")
             dp_strategy = value
+        elif key in ("cp", "ep"):
+            raise ValueError(f"strategy={text!r}: {key} is a key of the 5-D strings; write e.g. "
+                             f"'5d:dp=2,{key}=2,tp=1,pp=1'")
         else:
-            raise ValueError(f"strategy={text!r}: unknown key {key!r}; allowed dp, tp, pp, dp_strategy")
-    tp, pp = sizes.get("tp", 1), sizes.get("pp", 1)
-    if world_size % (tp * pp):
-        raise ValueError(f"strategy={text!r}: tp x pp = {tp} x {pp} = {tp * pp} does not divide the world size "
+            raise ValueError(f"strategy={text!r}: unknown key {key!r}; allowed {', '.join(keys)}, dp_strategy")
+    cp, ep, tp, pp = (sizes.get(k, 1) for k in ("cp", "ep", "tp", "pp"))
+    product = " x ".join(k for k in ("dp", "cp", "tp", "pp") if k in keys)
+    if world_size % (cp * tp * pp):
+        rest = "cp x tp x pp" if five else "tp x pp"
+        numbers = " x ".join(str(v) for v in ((cp, tp, pp) if five else (tp, pp)))
+        raise ValueError(f"strategy={text!r}: {rest} = {numbers} = {cp * tp * pp} does not divide the world size "
                          f"{world_size}")
-    dp = sizes.get("dp", world_size // (tp * pp))
-    if dp * tp * pp != world_size:
-        raise ValueError(f"strategy={text!r}: dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the world has "
+    dp = sizes.get("dp", world_size // (cp * tp * pp))
+    if dp * cp * tp * pp != world_size:
+        numbers = " x ".join(str(v) for v in ((dp, cp, tp, pp) if five else (dp, tp, pp)))
+        raise ValueError(f"strategy={text!r}: {product} = {numbers} = {dp * cp * tp * pp}, but the world has "
                          f"{world_size} ranks; the product must equal the world size")
-    return Candidate("3d", dp_strategy, dp, tp, pp)
+    # What sw.parallelize refuses at wrap time (hybrid_plan.check_plan), refused here by the same rules.
+    if (dp * cp) % ep:
+        raise ValueError(f"strategy={text!r}: ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp} (expert parallel "
+                         f"borrows its ranks from the data- and context-parallel ones)")
+    if cp > 1 and tp > 1:
+        raise ValueError(f"strategy={text!r}: cp={cp} with tp={tp} is not supported by sw.parallelize yet (the "
+                         f"context-parallel attention runs on whole heads); use cp with dp and pp")
+    if ep > 1 and tp > 1:
+        raise ValueError(f"strategy={text!r}: ep={ep} with tp={tp}: tensor parallel does not split experts (the "
+                         f"tensor-parallel plans refuse a mixture of experts)")
+    if ep > 1 and dp_strategy != "ddp":
+        raise ValueError(f"strategy={text!r}: ep={ep} needs dp_strategy=ddp (ZeRO / FSDP do not shard experts); got "
+                         f"dp_strategy={dp_strategy!r}")
+    return Candidate("3d", dp_strategy, dp, tp, pp, cp=cp, ep=ep)
 
 
 def parse_strategy(text: object, world_size: int, *, shard_size: int | None = None,
@@ -129,8 +170,8 @@ def parse_strategy(text: object, world_size: int, *, shard_size: int | None = No
     if not isinstance(text, str):
         raise ValueError(f"strategy={text!r} must be a string; allowed {_ALLOWED}")
     name = _ALIASES.get(text, text)
-    if name.startswith("3d:"):
-        return dataclasses.replace(_parse_3d(name, world_size), offload=offload)
+    if name.startswith(("3d:", "5d:")):
+        return dataclasses.replace(_parse_mesh(name, world_size), offload=offload)
     if name not in _STATES and name != "tp":
         raise ValueError(f"strategy={text!r} is not known; allowed {_ALLOWED}")
     if name == "tp":

@@ -30,8 +30,10 @@ GB = 1e9
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What is trained: Ψ parameters, the training dtype ("fp32", "bf16", "fp16"), the optimizer (a key of
-    costs.OPTIMIZER_BYTES) and, when known, the activation geometry (this rank's batch per step) and the hidden
-    size (which sizes ZeRO-3's gathered layers; default: the activations', else costs.default_shape)."""
+    costs.OPTIMIZER_BYTES) and, when known, the activation geometry (this rank's batch per step: its dp replica's
+    whole sequences, which context parallel splits) and the hidden size (which sizes ZeRO-3's gathered layers;
+    default: the activations', else costs.default_shape). experts: the mixture-of-experts part of num_params (what
+    expert-parallel candidates split; None: a dense model)."""
 
     num_params: float
     dtype: str = "bf16"
@@ -41,6 +43,7 @@ class Workload:
     attention: str = "eager"
     sequence_parallel: bool = False
     hidden_size: int | None = None
+    experts: costs.Experts | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_params, bool) or not isinstance(self.num_params, (int, float)) \
@@ -52,6 +55,10 @@ class Workload:
             raise ValueError(f"optimizer={self.optimizer!r} is not known; allowed {sorted(costs.OPTIMIZER_BYTES)}")
         if self.attention not in costs.ATTENTION:
             raise ValueError(f"attention={self.attention!r} is not known; allowed {costs.ATTENTION}")
+        if self.experts is not None and not isinstance(self.experts, costs.Experts):
+            raise ValueError(f"experts={self.experts!r} must be a planner.costs.Experts or None")
+        if self.experts is not None and self.experts.params > self.num_params:
+            raise ValueError(f"expert_params={self.experts.params:g} exceeds num_params={self.num_params:g}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,41 +116,68 @@ class Estimate:
         return sum(self.wire.values())
 
 
+def _check_experts(c: Candidate, work: Workload) -> costs.Experts | None:
+    """The workload's experts when candidate c splits them (ep > 1); ValueError when it cannot."""
+    if c.ep == 1:
+        return None
+    x = work.experts
+    if x is None or not x.params:
+        raise ValueError(f"strategy={c.strategy!r}: ep={c.ep} splits the experts of a mixture of experts, but the "
+                         f"model has none (give the expert parameters: shardwise plan --expert-params, or a model "
+                         f"with MoE layers)")
+    if x.n_experts and x.n_experts % c.ep:
+        raise ValueError(f"strategy={c.strategy!r}: ep={c.ep} must divide the {x.n_experts} experts of each layer")
+    return x
+
+
 def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
     """The figures of candidate `c` (see the module docstring)."""
     psi, dtype, mp = work.num_params, work.dtype, c.model_parallel
-    states = costs.model_states(psi, c.states_key, c.dp, dtype=dtype, optimizer=work.optimizer, model_parallel=mp,
-                                offload=c.offload, shard=c.shard)
-    wire = {k: v for k, v in costs.data_parallel_wire_bytes(psi, c.states_key, c.dp, dtype=dtype, model_parallel=mp,
-                                                             shard=c.shard).items() if v}
+    experts = _check_experts(c, work)
+    moe = {"expert_params": experts.params, "ep": c.ep} if experts else {}
+    data = c.data_parallel  # dp x cp: the ranks dense gradients average over
+    states = costs.model_states(psi, c.states_key, data, dtype=dtype, optimizer=work.optimizer, model_parallel=mp,
+                                offload=c.offload, shard=c.shard, **moe)
+    wire = {k: v for k, v in costs.data_parallel_wire_bytes(psi, c.states_key, data, dtype=dtype, model_parallel=mp,
+                                                             shard=c.shard, **moe).items() if v}
     g = work.activations
     hidden = g.hidden_size if g else work.hidden_size or costs.default_shape(psi)[0]
     acts = None
     if g is not None:
         sp = work.sequence_parallel and c.tp > 1
         acts = costs.activation_bytes(g, tp=c.tp, pp=c.pp, sequence_parallel=sp, checkpointing=work.checkpointing,
-                                      attention=work.attention, dtype=dtype)
+                                      attention=work.attention, dtype=dtype, cp=c.cp)
         if c.tp > 1:
             wire["tp"] = costs.tensor_parallel_wire_bytes(g, c.tp, pp=c.pp, dtype=dtype)
-        if c.pp > 1:
-            wire["pp"] = costs.pipeline_wire_bytes(g, c.pp, tp=c.tp if sp else 1, dtype=dtype)
+        if c.pp > 1:  # this rank's tokens: its replica's sequences, split over cp
+            micro = dataclasses.replace(g, seq_len=g.seq_len // c.cp) if c.cp > 1 else g
+            wire["pp"] = costs.pipeline_wire_bytes(micro, c.pp, tp=c.tp if sp else 1, dtype=dtype)
+        if c.cp > 1:  # ring attention, sw.parallelize's default cp_method
+            wire["cp"] = costs.context_parallel_wire_bytes(g, c.cp, pp=c.pp, dtype=dtype)
+        if experts is not None and experts.n_experts and experts.per_token:
+            wire["ep"] = costs.expert_parallel_wire_bytes(g, experts, c.ep, cp=c.cp, pp=c.pp, dtype=dtype)
     # ZeRO-3 gathers a unit (a layer, 12h^2 parameters, as FSDP's transformer wrapping policy cuts them) and
     # prefetches the next while computing: two units, never more than the model.
     gathers = c.states_key in ("zero3", "full_shard", "hybrid_shard")
     working = min(2 * 12 * hidden ** 2, psi) / mp * costs.DTYPE_BYTES[dtype] if gathers else 0.0
-    # Which links each group crosses: ranks are laid out tp fastest, then dp, then pp (Mesh's order).
-    spans = {"dp": c.dp * c.tp, "shard": (c.shard or c.dp) * c.tp, "replicate": c.dp * c.tp, "tp": c.tp,
-             "pp": links.world_size}
+    # Which links each group crosses: ranks are laid out tp fastest, then cp, then dp, then pp (Mesh's order); the
+    # experts' groups lie within dp x cp (ep: ep consecutive dp x cp indices; edp: strided across them).
+    spans = {"dp": data * c.tp, "shard": (c.shard or data) * c.tp, "replicate": data * c.tp, "tp": c.tp,
+             "pp": links.world_size, "cp": c.cp * c.tp, "ep": c.ep * c.tp, "edp": data * c.tp}
     seconds = sum(b / links.bandwidth(spans[k]) for k, b in wire.items())
     if c.offload:  # gradients down and parameters up over PCIe, the optimizer's pass over its state on the CPU
         width = costs.DTYPE_BYTES[dtype]
-        shard = psi / mp / (c.shard or c.dp)
+        shard = psi / mp / (c.shard or data)
         pcie = 2 * width * shard * (3 if c.offload == "full" else 1)
         seconds += pcie / (links.pcie_gbps * GB) + states.cpu / (links.cpu_gbps * GB)
     tier = 3 if c.offload else 2 if c.pp > 1 else 1 if c.tp > 1 else 0
     fits = links.memory is None or (states.device + (acts or 0.0) + working) <= links.fit_fraction * links.memory
-    # Without the activation geometry the tensor- and pipeline-parallel traffic cannot be counted: say so.
-    uncounted = () if g is not None else tuple(a for a, size in (("tp", c.tp), ("pp", c.pp)) if size > 1)
+    # Without the activation geometry the tensor-, pipeline-, context- and expert-parallel traffic cannot be
+    # counted (nor the all-to-all without E and k): say so.
+    uncounted = () if g is not None else tuple(a for a, size in (("tp", c.tp), ("pp", c.pp), ("cp", c.cp),
+                                                                  ("ep", c.ep)) if size > 1)
+    if g is not None and experts is not None and "ep" not in wire:
+        uncounted = ("ep",)
     return Estimate(c, states, acts, working, wire, seconds, tier, fits, uncounted)
 
 
@@ -203,8 +237,9 @@ class Plan:
                         f"{f(e.device):>7}  {f(e.states.cpu) if e.states.cpu else '-':>6}  "
                         f"{wire:>9}  {e.seconds:>8.3g}  {'yes' if e.fits else 'no'}{chosen}")
         if any(e.uncounted for e in self.estimates):
-            rows.append("  +: plus tensor/pipeline-parallel activation traffic, not counted without seq_len and "
-                        "batch_size")
+            rows.append("  +: plus tensor/pipeline/context-parallel activation traffic and expert-parallel "
+                        "all-to-alls, not counted without seq_len and batch_size (the all-to-alls: and the experts' "
+                        "count and experts per token)")
         return "\n".join(rows)
 
     def assumptions(self) -> str:
@@ -228,6 +263,17 @@ class Plan:
                          f"{f', V={g.vocab_size}' if g.vocab_size else ''}; {w.attention} attention, activation "
                          f"checkpointing {'on' if w.checkpointing else 'off'}"
                          f"{', sequence parallel' if w.sequence_parallel else ''}.")
+        x = w.experts
+        if x is not None and x.params:
+            shape = f" ({x.n_experts} per layer, {x.per_token} per token)" if x.n_experts and x.per_token else ""
+            lines.append(f"Mixture of experts: {_count(x.params)} of the parameters are in experts{shape}; an ep "
+                         f"layout holds 1/ep of them and of their gradients and optimizer state (DDP over dp x cp / "
+                         f"ep), the dense ones as its data-parallel strategy over dp x cp; the ep all-to-alls "
+                         f"assume uniform routing.")
+        if any(e.candidate.cp > 1 for e in self.estimates):
+            lines.append("Context parallel: each of the cp ranks holds 1/cp of every sequence (activations / cp; "
+                         "b is a dp replica's sequences); dense gradients average over dp x cp; ring attention's "
+                         "K/V traffic.")
         lines.append(f"Links: {links.intra_node_gbps:g} GB/s within a node, {links.inter_node_gbps:g} GB/s between "
                      f"nodes, PCIe {links.pcie_gbps:g} GB/s; ring collectives; 'comm s' = wire bytes / link "
                      f"bandwidth (+ offload traffic), not overlapped with compute.")

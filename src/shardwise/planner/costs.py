@@ -36,7 +36,15 @@ Full activation checkpointing stores each layer's input (2sbh, /t under sequence
 at a time during backward (one layer's full activations on top). The 1F1B pipeline schedule keeps p microbatches
 in flight on its first stage, each with L/p layers: about L layers' worth, as without a pipeline (paper, section
 4.2.3). fp32 activations count twice the bytes. Logits are added when the vocabulary size is known: 4sbV/t bytes
-(fp32 logits for the loss).
+(fp32 logits for the loss). Context parallel (cp ranks split each sequence: shardwise.context_parallel) leaves each
+rank T/cp tokens of every sequence in every layer, so every term above, logits included, is divided by cp; the
+attention-score term becomes this rank's queries' rows of the a x s x s matrix (shardwise's ring and Ulysses
+attention store no score matrix at all: `attention="fused"` models them exactly).
+
+**Expert parallel** (docs/experts.md). A mixture-of-experts model has Ψ = D + X parameters, D dense and X in its
+experts. ep borrows its ranks from the dp x cp data-parallel ones: each rank holds X/ep of the expert parameters,
+their gradients and optimizer state (DDP over the edp = dp x cp / ep ranks holding the same experts), and the dense
+D as any data-parallel strategy over dp x cp would.
 
 **Bytes on the wire** per rank per step, ring collectives (Patarasuk & Yuan 2009; the ZeRO paper's section 7):
 all-reduce of B bytes over n ranks moves 2(n-1)/n B, reduce-scatter and all-gather (n-1)/n B each. DDP, ZeRO-1,
@@ -44,7 +52,14 @@ ZeRO-2 and shard_grad_op: 2(N-1)/N x gradient bytes; ZeRO-3 / full_shard: 3(N-1)
 in forward and again in backward); hybrid_shard: 3(g-1)/g within a group of g plus an all-reduce of the 1/g shard
 across the N/g groups. Tensor parallel (Megatron): per layer 4 all-reduces of the sbh activations (2 in forward, 2
 in backward), the same bytes as all-gather + reduce-scatter under sequence parallel. Pipeline: each stage boundary
-sends an activation (sbh) forward and its gradient back per microbatch.
+sends an activation (sbh) forward and its gradient back per microbatch. Context parallel (ring attention, per layer):
+the K and V blocks (2 x b (s/cp) h values) travel cp - 1 hops forward, and cp - 1 hops plus a last hop home with
+their gradients in backward: (3cp - 2) x 2b(s/cp)h; Ulysses: four all-to-alls of q, k, v and the output forward and
+their inverses backward, 8 b (s/cp) h values of which (cp-1)/cp leave the rank. Expert parallel, per MoE layer and
+step (docs/experts.md): one all-to-all of the E int64 routing counts and four of rows of h values (each rank's N k
+assignments dispatched forward and their gradients combined backward; the rows its experts received combined forward
+and their gradients dispatched backward), N = b s / cp this rank's tokens: a payload of 8E + 4 N k h w bytes, of
+which (ep-1)/ep leaves the rank when the routing is uniform.
 """
 
 from __future__ import annotations
@@ -54,7 +69,8 @@ import math
 
 __all__ = ["SHARDED", "OPTIMIZER_BYTES", "DTYPE_BYTES", "OFFLOAD_LEVELS", "ATTENTION", "ModelStates", "Activations",
            "model_states", "activation_bytes", "data_parallel_wire_bytes", "tensor_parallel_wire_bytes",
-           "pipeline_wire_bytes", "default_shape"]
+           "pipeline_wire_bytes", "context_parallel_wire_bytes", "CP_METHODS", "Experts", "expert_all_to_all_bytes",
+           "expert_parallel_wire_bytes", "default_shape"]
 
 #: strategy -> which of (parameters, gradients, optimizer state) are divided by the data-parallel ranks.
 SHARDED = {
@@ -76,6 +92,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_LEVELS = (None, "optimizer", "full")
 #: how attention stores its scores: "eager" (the a x s x s matrix, the paper's 5as/h term) or "fused" (not stored).
 ATTENTION = ("eager", "fused")
+#: context-parallel attention methods (shardwise.context_parallel): their traffic differs, their memory does not.
+CP_METHODS = ("ring", "ulysses")
+#: bytes of one routing count in the expert-parallel all-to-all (int64)
+COUNT_BYTES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +113,31 @@ class ModelStates:
 
 
 def model_states(psi: float, strategy: str, dp: int, *, dtype: str = "bf16", optimizer: str = "adamw",
-                 model_parallel: int = 1, offload: str | None = None, shard: int | None = None) -> ModelStates:
+                 model_parallel: int = 1, offload: str | None = None, shard: int | None = None,
+                 expert_params: float = 0.0, ep: int = 1) -> ModelStates:
     """Model-state bytes per rank (see the module docstring).
 
-    psi: parameters of the whole model; strategy: a key of SHARDED; dp: data-parallel ranks; model_parallel: t x p,
-    the ranks that split the model before data parallel; shard: the shard-group size of hybrid_shard (default dp).
+    psi: parameters of the whole model; strategy: a key of SHARDED; dp: data-parallel ranks (dp x cp under context
+    parallel: the ranks dense gradients average over); model_parallel: t x p, the ranks that split the model before
+    data parallel; shard: the shard-group size of hybrid_shard (default dp). expert_params: X of the psi parameters
+    that sit in experts, split over ep expert-parallel ranks (ep > 1 needs an unsharded strategy, DDP's: the
+    sharded engines do not shard experts); with ep = 1 the experts are parameters like the others.
     """
+    if ep == 1:
+        return _model_states(psi, strategy, dp, dtype, optimizer, model_parallel, offload, shard)
+    if any(SHARDED[strategy]) or offload is not None:
+        raise ValueError(f"ep={ep} needs DDP (dp_strategy='ddp', no offload): the experts are split over ranks of "
+                         f"the data-parallel group, which ZeRO / FSDP do not shard; got {strategy!r}"
+                         f"{f' with offload={offload!r}' if offload else ''}")
+    if not 0 < expert_params <= psi:
+        raise ValueError(f"ep={ep} needs the expert parameters, 0 < expert_params <= {psi:g}; got {expert_params!r}")
+    dense = _model_states(psi - expert_params, strategy, dp, dtype, optimizer, model_parallel, None, shard)
+    experts = _model_states(expert_params / ep, strategy, dp, dtype, optimizer, model_parallel, None, shard)
+    return ModelStates(dense.params + experts.params, dense.grads + experts.grads, dense.optimizer + experts.optimizer)
+
+
+def _model_states(psi: float, strategy: str, dp: int, dtype: str, optimizer: str, model_parallel: int,
+                  offload: str | None, shard: int | None) -> ModelStates:
     width = DTYPE_BYTES[dtype]
     k = OPTIMIZER_BYTES[optimizer][0 if width == 2 else 1]
     psi = psi / model_parallel
@@ -155,14 +194,17 @@ def _per_layer(g: Activations, tp: int, sequence_parallel: bool, attention: str)
 
 def activation_bytes(g: Activations, *, tp: int = 1, pp: int = 1, n_microbatches: int | None = None,
                      sequence_parallel: bool = False, checkpointing: bool | int = False, attention: str = "eager",
-                     dtype: str = "bf16") -> float:
+                     dtype: str = "bf16", cp: int = 1) -> float:
     """Peak activation bytes on one rank for one step (see the module docstring for the assumptions).
 
     g.batch_size is this rank's batch per step; a pipeline of pp stages splits it into n_microbatches (default 2 x
     pp) and its first stage holds min(pp, n_microbatches) microbatches of L/pp layers. checkpointing: True (every
     layer), False, or k: every k-th layer (the k-th, 2k-th, ...: floor(L/k) of them, `activation_checkpointing.
-    every_kth`) keeps only its input; the others keep everything.
+    every_kth`) keeps only its input; the others keep everything. cp: context-parallel ranks splitting each sequence
+    (g.seq_len is the whole sequence; each rank holds seq_len / cp tokens of it, so everything is divided by cp).
     """
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp={cp!r} must be a positive int")
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r} is not known; allowed {ATTENTION}")
     m = n_microbatches or (2 * pp if pp > 1 else 1)
@@ -182,7 +224,7 @@ def activation_bytes(g: Activations, *, tp: int = 1, pp: int = 1, n_microbatches
         total = in_flight * layers_here * per_layer
     if g.vocab_size:
         total += 4 * micro.seq_len * micro.batch_size * g.vocab_size / tp
-    return total * DTYPE_BYTES[dtype] / 2
+    return total * DTYPE_BYTES[dtype] / 2 / cp
 
 
 def _ring(kind: str, nbytes: float, n: int) -> float:
@@ -193,9 +235,18 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
 
 
 def data_parallel_wire_bytes(psi: float, strategy: str, dp: int, *, dtype: str = "bf16", model_parallel: int = 1,
-                             shard: int | None = None) -> dict[str, float]:
+                             shard: int | None = None, expert_params: float = 0.0,
+                             ep: int = 1) -> dict[str, float]:
     """Bytes one rank sends per step for the data-parallel strategy, by group: {"dp": ...} or, for hybrid_shard,
-    {"shard": within the group, "replicate": across the groups}. Gradients travel in the training dtype."""
+    {"shard": within the group, "replicate": across the groups}. Gradients travel in the training dtype. With
+    ep > 1 (DDP only: `model_states`), the dense psi - expert_params go over dp ("dp") and this rank's
+    expert_params / ep over the dp / ep ranks holding the same experts ("edp")."""
+    if ep > 1:
+        model_states(psi, strategy, dp, expert_params=expert_params, ep=ep)  # the same checks
+        dense = data_parallel_wire_bytes(psi - expert_params, strategy, dp, dtype=dtype,
+                                         model_parallel=model_parallel)
+        local = DTYPE_BYTES[dtype] * expert_params / ep / model_parallel
+        return {**dense, "edp": _ring("all_reduce", local, dp // ep)}
     nbytes = DTYPE_BYTES[dtype] * psi / model_parallel
     if strategy in ("ddp", "no_shard"):
         return {"dp": _ring("all_reduce", nbytes, dp)}
@@ -223,3 +274,66 @@ def pipeline_wire_bytes(g: Activations, pp: int, *, tp: int = 1, dtype: str = "b
     if pp <= 1:
         return 0.0
     return 2 * g.seq_len * g.batch_size * g.hidden_size * DTYPE_BYTES[dtype] / tp
+
+
+def context_parallel_wire_bytes(g: Activations, cp: int, *, pp: int = 1, dtype: str = "bf16",
+                                method: str = "ring") -> float:
+    """Bytes one rank sends per step for context parallel on its L/pp layers (module docstring): ring attention
+    (3cp - 2) x |K| + |V| per layer, Ulysses (cp-1)/cp x 8 b (s/cp) h; |K| = |V| = b (s/cp) h values. g.seq_len is
+    the whole sequence, g.batch_size this rank's sequences per step (its dp replica's)."""
+    if method not in CP_METHODS:
+        raise ValueError(f"method={method!r} is not known; allowed {CP_METHODS}")
+    if cp <= 1:
+        return 0.0
+    chunk = g.batch_size * g.seq_len / cp * g.hidden_size * DTYPE_BYTES[dtype]  # this rank's b x s/cp x h
+    per_layer = (3 * cp - 2) * 2 * chunk if method == "ring" else (cp - 1) / cp * 8 * chunk
+    return per_layer * g.num_layers / pp
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts part of a model: `params` (X, the parameters inside the experts of every MoE layer,
+    all E of each; routers excluded), `n_experts` (E per layer), `per_token` (k, experts each token is routed to)
+    and `layers` (how many layers are MoE; None: every layer of the geometry). E, k may be 0 when unknown: the
+    memory needs only X, the all-to-all bytes need E and k."""
+
+    params: float
+    n_experts: int = 0
+    per_token: int = 0
+    layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.params, bool) or not isinstance(self.params, (int, float)) \
+                or not math.isfinite(self.params) or self.params < 0:
+            raise ValueError(f"expert_params={self.params!r} must be a number of parameters >= 0")
+        for name, value in (("n_experts", self.n_experts), ("experts_per_token", self.per_token)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0 (0: unknown)")
+        if self.n_experts and self.per_token > self.n_experts:
+            raise ValueError(f"experts_per_token={self.per_token} must be at most n_experts={self.n_experts}")
+
+
+def expert_all_to_all_bytes(g: Activations, experts: Experts, *, cp: int = 1, pp: int = 1, dtype: str = "bf16",
+                            n_microbatches: int = 1) -> float:
+    """All-to-all payload one rank puts in per step over its MoE layers (L_moe/pp of them; module docstring):
+    8E m + 4 N k h w bytes per layer, N = g.batch_size x g.seq_len / cp this rank's tokens, m the forwards per step
+    (n_microbatches: each exchanges its own counts; the rows add up to the same N). The payload is what
+    `CommStats.bytes("all_to_all")` counts (each call's whole input); summed over an ep group it is exact (a rank
+    receives more or fewer rows as the routing falls; the group's received rows are its sent rows)."""
+    if not (experts.n_experts and experts.per_token):
+        raise ValueError("the all-to-all bytes need n_experts and experts_per_token")
+    layers = experts.layers if experts.layers is not None else g.num_layers
+    tokens = g.batch_size * g.seq_len / cp
+    counts = COUNT_BYTES * experts.n_experts * n_microbatches
+    per_layer = counts + 4 * tokens * experts.per_token * g.hidden_size * DTYPE_BYTES[dtype]
+    return per_layer * layers / pp
+
+
+def expert_parallel_wire_bytes(g: Activations, experts: Experts, ep: int, *, cp: int = 1, pp: int = 1,
+                               dtype: str = "bf16", n_microbatches: int = 1) -> float:
+    """Bytes one rank sends per step in the expert-parallel all-to-alls: (ep-1)/ep of `expert_all_to_all_bytes`
+    (the share of a uniform routing that goes to the other ranks; 0 for ep = 1)."""
+    if ep <= 1:
+        return 0.0
+    return (ep - 1) / ep * expert_all_to_all_bytes(g, experts, cp=cp, pp=pp, dtype=dtype,
+                                                   n_microbatches=n_microbatches)

@@ -1,5 +1,6 @@
 """What the planner reads from a model without wrapping it: its parameter count and, when its config says, the
-transformer geometry (hidden size, layers, heads, vocabulary, sequence length) and what it can be split by.
+transformer geometry (hidden size, layers, heads, vocabulary, sequence length), its mixture-of-experts layers (the
+shardwise MoE: parameters inside experts, experts per layer, experts per token) and what it can be split by.
 
 Read from public attributes only: the shardwise GPT's `config` (d_model, n_layers, n_heads, vocab_size, seq_len) or
 a HuggingFace `config` (hidden_size, num_hidden_layers, num_attention_heads, vocab_size, max_position_embeddings;
@@ -33,7 +34,11 @@ def count_parameters(model: nn.Module) -> int:
 @dataclasses.dataclass(frozen=True)
 class ModelFacts:
     """num_params and, when known, the geometry; tp_plan: the built-in tensor-parallel plan name, or None;
-    pipeline_layers: how many layers a pipeline could split (None: the model cannot be pipelined)."""
+    pipeline_layers: how many layers a pipeline could split (None: the model cannot be pipelined).
+    expert_params: parameters inside the experts of its MoE layers (`models.moe.MoE`: w_in, b_in, w_out, b_out;
+    routers excluded), 0 for a dense model; n_experts / experts_per_token: E and k of those layers (0 when dense);
+    moe_layers: how many there are. A model with MoE layers has no tensor-parallel plan (the plans split dense
+    MLPs; tensor parallel does not split experts)."""
 
     num_params: int
     hidden_size: int | None = None
@@ -43,6 +48,28 @@ class ModelFacts:
     seq_len: int | None = None
     tp_plan: str | None = None
     pipeline_layers: int | None = None
+    expert_params: int = 0
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_layers: int = 0
+
+
+def _experts(model: nn.Module) -> dict[str, int]:
+    from ..models.moe import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return {}
+    seen: set[int] = set()
+    params = 0
+    for layer in layers:
+        for name in ("w_in", "b_in", "w_out", "b_out"):  # experts.EXPERT_TENSORS (not imported: no cycle)
+            p = getattr(layer, name, None)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params += p.numel()
+    return {"expert_params": params, "n_experts": layers[0].n_experts, "experts_per_token": layers[0].top_k,
+            "moe_layers": len(layers)}
 
 
 def _int_attr(config: object, names: tuple[str, ...]) -> int | None:
@@ -64,4 +91,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
     if hasattr(model, "pipeline_layers") or (isinstance(model_type, str) and model_type in _HF_PLANS):
         # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers())
         layers = (geometry.get("num_layers") or 0) + 2 if geometry.get("num_layers") else None
-    return ModelFacts(count_parameters(model), tp_plan=tp_plan, pipeline_layers=layers, **geometry)
+    moe = _experts(model)
+    if moe:
+        tp_plan = None
+    return ModelFacts(count_parameters(model), tp_plan=tp_plan, pipeline_layers=layers, **geometry, **moe)
