@@ -222,7 +222,12 @@ class HybridModel(nn.Module):
 
     def describe(self) -> str:
         """The mesh, then for each pipeline rank the layers it holds; tensor-parallel ranks hold 1/tp of each."""
-        lines = [self.mesh.describe(), f"Strategy: {self.plan.dp_strategy} over dp, tp plan {self.plan.tp_plan!r}"
+        sizes = self.mesh.sizes
+        over = "dp" if sizes["cp"] == 1 else "dp x cp"
+        extra = (f", context parallel ({self.plan.cp_method}) over cp" if sizes["cp"] > 1 else "") + (
+            f", experts split over ep={sizes['ep']} (averaged over edp={sizes['edp']})" if sizes["ep"] > 1 else "")
+        lines = [self.mesh.describe(), f"Strategy: {self.plan.dp_strategy} over {over}{extra}, tp plan "
+                 f"{self.plan.tp_plan!r}"
                  f"{' + sequence parallel' if self.plan.sequence_parallel else ''}, schedule {self.plan.pp_schedule} "
                  f"with {self.plan.n_microbatches} microbatches"]
         lines += [f"  stage {s} (pp rank {s % self.mesh.sizes['pp']}): {text}" for s, text in
