@@ -311,3 +311,55 @@ def test_gloo_processes_equal_one_process(reference):
         assert_close(grads, want_grads)
         assert norms == pytest.approx(want_norms, rel=1e-5)
         assert_close(state, want_state)
+
+
+def test_checkpoint_round_trip_ep2_dp4_to_one_process_to_ep4_is_bit_identical(tmp_path):
+    """Issue 30: (ep=2 in dp=4) -> one process -> (ep=4): parameters and AdamW state bit-identical at every hop, then
+    one more step on ep=4 equals one process's step from the same checkpoint."""
+
+    def trained_on_ep2(comm):
+        mesh = sw.Mesh(comm, ep=2)
+        model = sw.DDP(expert_parallel(GPT(CFG, seed=0), mesh), mesh.dp_cp)
+        opt = optimizer(model)
+        for step in range(2):
+            model(*batch(step, comm.rank, comm.size)).backward()
+            opt.step()
+            opt.zero_grad()
+        sw.save_checkpoint(tmp_path / "ep2", model, opt, step=2)
+        return sw.full_state_dict(model), sw.full_optimizer_state_dict(model, opt)
+
+    params_ep2, optim_ep2 = sw.launch(trained_on_ep2, 4)[0]
+    plain = GPT(CFG, seed=1)
+    opt = optimizer(plain)
+    sw.load_checkpoint(tmp_path / "ep2", plain, opt)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, params_ep2[name]), name
+    one = opt.state_dict()
+    names = [n for n, _ in plain.named_parameters()]
+    for i, name in enumerate(names):
+        for key, value in one["state"][i].items():
+            assert torch.equal(value, optim_ep2["state"][i][key]), (name, key)
+    sw.save_checkpoint(tmp_path / "one", plain, opt, step=2)
+    x, y = batch(2)
+    plain(x, y).backward()
+    opt.step()
+    want = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+
+    def resumed_on_ep4(comm):
+        mesh = sw.Mesh(comm, ep=4)
+        model = sw.DDP(expert_parallel(GPT(CFG, seed=2), mesh), mesh.dp_cp)
+        opt = optimizer(model)
+        sw.load_checkpoint(tmp_path / "one", model, opt)
+        loaded = sw.full_state_dict(model), sw.full_optimizer_state_dict(model, opt)
+        model(*batch(2, comm.rank, comm.size)).backward()
+        opt.step()
+        return loaded, sw.full_state_dict(model)
+
+    for (params, optim), stepped in sw.launch(resumed_on_ep4, 4):
+        for name, value in params_ep2.items():
+            assert torch.equal(params[name], value), name
+        for i in range(len(names)):
+            for key, value in optim_ep2["state"][i].items():
+                assert torch.equal(optim["state"][i][key], value), (names[i], key)
+        for name in want:
+            torch.testing.assert_close(stepped[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
