@@ -220,3 +220,15 @@ def test_memory_stats_of_the_demo_model_within_5_percent_of_the_estimate(strateg
     want = sw.estimate_memory(GPT(config, seed=0), formula, world, mixed_precision=False).total
     for rank, got in enumerate(sw.launch(body, world, backend="thread", timeout=120)):
         assert got == pytest.approx(want, rel=0.05), f"{strategy} rank {rank}: {got} bytes, estimate {want:.0f}"
+
+
+def test_strategy_tp_with_a_mesh_of_another_shape_is_refused_not_ignored():
+    """strategy='tp' splits every layer over the whole world: given a dp2 x tp2 mesh it used to build tp=4 and
+    silently drop the mesh the caller passed."""
+
+    def body(comm):
+        with pytest.raises(ValueError, match=r"strategy='tp' splits every layer over all 4 ranks"):
+            sw.distribute(GPT(GPTConfig.preset("tiny"), seed=0), sw.Mesh(comm, dp=2, tp=2), "tp", memory_gb=10)
+        return True
+
+    assert all(sw.launch(body, 4))

@@ -190,8 +190,8 @@ def test_distribute_models_a_cp_ep_mesh():
         loss = model.step(x, y)
         opt.step()
         for strategy, match in (("zero1", r"ep=2 needs DDP \(dp_strategy='ddp', no offload\).*got 'zero1'"),
-                                ("tp", r"strategy='tp' splits every layer over all ranks, but the mesh given has "
-                                       r"cp=2, ep=2")):
+                                ("tp", r"strategy='tp' splits every layer over all 2 ranks, but the mesh given is "
+                                       r"Mesh\(dp=1, cp=2, ep=2")):
             with pytest.raises(ValueError, match=match):
                 sw.distribute(GPT(MOE, seed=0), mesh, strategy)
         return model.plan.strategy, model.plan.data_world, float(loss), model.plan.explain()

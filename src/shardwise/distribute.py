@@ -186,10 +186,10 @@ def _decide(world: Communicator, mesh: Mesh | None, model: nn.Module, strategy: 
                                offload=_offload_level(options.get("cpu_offload")))
         if mesh is not None and given.kind == "dp" and _fixed(mesh):
             given = _on_mesh(mesh, given.dp_strategy, given.shard)
-        if mesh is not None and given.kind == "tp" and mesh.sizes["cp"] * mesh.sizes["ep"] > 1:
-            raise ValueError(f"distribute: strategy='tp' splits every layer over all ranks, but the mesh given has "
-                             f"cp={mesh.sizes['cp']}, ep={mesh.sizes['ep']}; name a data-parallel strategy (or "
-                             f"'auto') for the mesh's dp axis")
+        if mesh is not None and given.kind == "tp" and mesh.sizes["tp"] != world.size:
+            raise ValueError(f"distribute: strategy='tp' splits every layer over all {world.size} ranks, but the mesh "
+                             f"given is {mesh!r}; name a data-parallel strategy (or 'auto') for the mesh's dp axis, or "
+                             f"pass a mesh with tp={world.size}")
         s = mesh.sizes if mesh is not None else {}
         if given.kind == "3d" and mesh is not None and \
                 (given.dp, given.cp, given.ep, given.tp, given.pp) != (s["dp"], s["cp"], s["ep"], s["tp"], s["pp"]):
