@@ -31,7 +31,8 @@ def internal_hook(fn):  # noqa: ANN001, ANN201
 
 def carry_grad_hooks(old: torch.Tensor, new: torch.Tensor, name: str, who: str) -> None:
     """Register `old`'s gradient hooks on `new` (see the module docstring); ValueError for a post-accumulate hook."""
-    if any(not getattr(h, _INTERNAL, False) for h in (getattr(old, "_post_accumulate_grad_hooks", None) or {}).values()):
+    post_hooks = (getattr(old, "_post_accumulate_grad_hooks", None) or {}).values()
+    if any(not getattr(h, _INTERNAL, False) for h in post_hooks):
         raise ValueError(f"{who}: parameter {name!r} has a post-accumulate-grad hook (register_post_accumulate_grad_"
                          f"hook); {who} replaces the parameter and assigns its .grad, so the hook would never run. "
                          f"Register a gradient hook (p.register_hook) instead, or act on .grad after backward")

@@ -7,9 +7,9 @@ step: wrong numbers with no error. After each step the gradients of this rank's 
 (sharded_tensor.py) that are whole (`ShardSpec.whole`): everything runs on them as on plain tensors (the
 optimizer's step, a per-parameter norm for a log, comparisons) except what torch's clip and GradScaler run to
 combine all gradients into one figure (`torch._foreach_norm`, `torch.linalg.vector_norm`, the scaler's finiteness
-check), which raises naming `sw.clip_grad_norm_` and `sw.ShardedGradScaler`, which reduce over the pipeline. The parameters themselves stay plain: the user's layers
-compute with them, and a subclass there would refuse their matmuls. A pipeline that holds every stage on one rank
-has the whole model's gradients and is left alone.
+check), which raises naming `sw.clip_grad_norm_` and `sw.ShardedGradScaler`, which reduce over the pipeline.
+The parameters themselves stay plain: the user's layers compute with them, and a subclass there would refuse their
+matmuls. A pipeline that holds every stage on one rank has the whole model's gradients and is left alone.
 """
 
 from __future__ import annotations

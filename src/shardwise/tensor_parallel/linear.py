@@ -269,6 +269,7 @@ class RowParallelLinear(TensorParallelLayer):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {local(self.weight).shape[1]}), out_features={self.out_features}, "
+        return (f"in_features={self.in_features} (local {local(self.weight).shape[1]}), "
+                f"out_features={self.out_features}, "
                 f"tp={self.comm.size}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}")
