@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parity import accumulated_backward
 from torch import nn
 
 import shardwise as sw
@@ -87,13 +88,7 @@ def run_ep(comm, ep_size, accumulate=1, form="groups"):
 def _accumulated(model, step_batch, accumulate):
     opt, norms = optimizer(model), []
     for step in range(STEPS):
-        x, y = step_batch(step)
-        for micro, (xm, ym) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
-            if micro < accumulate - 1:
-                with model.no_sync():
-                    (model(xm, ym) / accumulate).backward()
-            else:
-                (model(xm, ym) / accumulate).backward()
+        accumulated_backward(model, *step_batch(step), accumulate)
         norms.append(float(sw.clip_grad_norm_(model, MAX_NORM)))
         opt.step()
         opt.zero_grad()

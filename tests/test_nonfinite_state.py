@@ -227,15 +227,19 @@ def test_non_finite_compressor_state_raises_naming_it(method, scaler, pattern):
         sw.launch(unscaled_nan_body, WORLD, method, scaler)
 
 
-def diloco_nan_body(comm):
-    net = sw.DiLoCo(model(), comm, sync_every=2)
-    opt = adamw(net.parameters())
+def _four_steps_with_a_nan(net, opt, comm):
+    """Four steps of `net` / `opt`, the loss made NaN at NAN_STEP on NAN_RANK (no scaler to skip it)."""
     for step in range(4):
         x, y = batch(step, comm.rank)
         loss = nn.functional.mse_loss(net(x), y)
         (loss * float("nan") if step == NAN_STEP and comm.rank == NAN_RANK else loss).backward()
         opt.step()
         opt.zero_grad()
+
+
+def diloco_nan_body(comm):
+    net = sw.DiLoCo(model(), comm, sync_every=2)
+    _four_steps_with_a_nan(net, adamw(net.parameters()), comm)
 
 
 def test_diloco_non_finite_outer_gradient_raises_naming_it():
@@ -246,13 +250,7 @@ def test_diloco_non_finite_outer_gradient_raises_naming_it():
 
 def onebit_adam_nan_body(comm):
     net = model()
-    opt = OneBitAdam(net.parameters(), comm, lr=1e-2, freeze_step=1)
-    for step in range(4):
-        x, y = batch(step, comm.rank)
-        loss = nn.functional.mse_loss(net(x), y)
-        (loss * float("nan") if step == NAN_STEP and comm.rank == NAN_RANK else loss).backward()
-        opt.step()
-        opt.zero_grad()
+    _four_steps_with_a_nan(net, OneBitAdam(net.parameters(), comm, lr=1e-2, freeze_step=1), comm)
 
 
 def test_onebit_adam_non_finite_momentum_raises_naming_it():
