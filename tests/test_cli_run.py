@@ -61,7 +61,7 @@ def test_run_trains_the_example_like_one_process_on_the_global_batch():
     assert "on 2 rank(s)" in two.stderr and all(int(t) > 0 for _, _, t in _LOGGED.findall(two.stderr))
 
 
-def test_a_rank_that_raises_fails_the_run_with_its_traceback(tmp_path):
+def test_a_rank_that_raises_fails_the_run_with_its_traceback(tmp_path, capfd):
     script = _script(tmp_path, """
         import torch, shardwise as sw
         comm = sw.init()
@@ -80,6 +80,12 @@ def test_a_rank_that_raises_fails_the_run_with_its_traceback(tmp_path):
     assert "run_rank.py" not in root  # the wrapper's frames are not the user's business
     # rank 0 failed in its all-reduce, and its CommError names rank 1's exception as the cause
     assert re.search(r"--- rank 0 failed too: CommError: all_reduce.*rank 1 failed: ValueError", report), report
+    # Each failure is shown once: the ranks say one line each, the report holds the root cause's traceback only
+    # (rank 0's CommError is a wait on rank 1, its one line names it).
+    ranks_said = capfd.readouterr().err
+    assert "rank 1 raised ValueError: bad batch on rank 1 (traceback in the report at the end)" in ranks_said
+    assert "Traceback" not in ranks_said and 'raise ValueError("bad batch' not in ranks_said, ranks_said
+    assert report.count("Traceback (most recent call last)") == 1, report
 
 
 def test_a_hanging_rank_is_stopped_with_its_stack_and_no_process_is_left(tmp_path):
@@ -107,6 +113,33 @@ def test_a_hanging_rank_is_stopped_with_its_stack_and_no_process_is_left(tmp_pat
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_ctrl_c_stops_the_job_saying_where_each_rank_was(tmp_path):
+    script = _script(tmp_path, f"""
+        import time, shardwise as sw
+        comm = sw.init()
+        open({str(tmp_path / "started")!r} + str(comm.rank), "w").close()
+        while True:
+            time.sleep(0.05)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise", "run", "-n", "2", "--grace", "1", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"started{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(proc.pid, 2)  # what a terminal's Ctrl-C sends to the foreground process group
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "stopped by SIGINT" in out
+    for rank in range(2):  # one line per rank: where the user's code was, not every helper thread's idle stack
+        assert f'rank {rank} was at "{script}", line 6 in <module>' in out, out
+    assert "Thread 0x" not in out and "heartbeat" not in out and len(out.splitlines()) <= 8, out
 
 
 def test_a_rank_killed_by_a_signal_is_named_with_it(tmp_path):

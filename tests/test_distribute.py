@@ -112,6 +112,8 @@ def test_auto_picks_zero3_when_memory_rules_out_ddp_and_explains_why():
     assert "Chosen: zero3." in text
     assert "Faster layouts do not fit" in text and "ddp needs" in text and "zero2 needs" in text
     assert f"{world} ranks, {world} per node" in text and "fp32" in text
+    # CPU ranks are planned with gloo's loopback figure, not the GPU links the planner assumes on a device
+    assert "Links: 1 GB/s within a node" in text and "CPU ranks over gloo" in text, text
     assert all(torch.isfinite(torch.tensor(r[2])) for r in results)
 
 
@@ -123,7 +125,7 @@ def test_a_world_of_one_without_a_communicator_calls_init(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     model = sw.distribute(GPT(CONFIG, seed=0))
     assert model.plan.strategy == "ddp" and model.plan.data_world == 1
-    assert "1 ranks, 1 per node" in model.plan.explain()
+    assert "1 rank, 1 per node" in model.plan.explain()
 
 
 def _raises_on_every_rank(world, match, **kwargs):

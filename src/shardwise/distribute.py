@@ -200,7 +200,7 @@ def _decide(world: Communicator, mesh: Mesh | None, model: nn.Module, strategy: 
     extra = {k: options[k] for k in ("intra_node_gbps", "inter_node_gbps", "fit_fraction") if k in options}
 
     def make_plan(facts: dict[str, Any]) -> Plan:
-        links = Links(world.size, facts["node"], facts["memory"], **extra)
+        links = Links(world.size, facts["node"], facts["memory"], **{**_host_links(facts["device"], extra), **extra})
         pool = _pool(world, mesh, facts["node"], facts["device"], allowed, options)
         if given is not None:
             return plan(work, links, strategy=given, pool=pool)
@@ -265,6 +265,22 @@ def _build(model: nn.Module, world: Communicator, mesh: Mesh | None, c: Candidat
     hybrid = parallelize(model, mesh, tp_plan=tp_plan if c.tp > 1 else None, dp_strategy=c.dp_strategy,
                          dp_shard=c.shard, **kwargs)
     return hybrid, mesh.coords.dp, mesh.sizes["dp"], "3d"
+
+
+#: CPU ranks talk over gloo through the host: a 25 MiB all-reduce between 2 ranks on loopback moves ~1 GB/s on the
+#: 2-core test machine (docs/benchmarks.md, DDP), two orders below the GPU links Links assumes by default.
+CPU_GLOO_GBPS = 1.0
+
+
+def _host_links(device: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The link figures for ranks on `device` the caller did not give (intra_node_gbps / inter_node_gbps options)."""
+    named = {"intra_node_gbps", "inter_node_gbps"} & set(given)
+    if device != "cpu" or len(named) == 2:
+        return {"source": "as given" if named else "assumed GPU links: NVLink-class within a node, 100 Gb/s "
+                                                   "between nodes"}
+    return {"intra_node_gbps": CPU_GLOO_GBPS, "inter_node_gbps": CPU_GLOO_GBPS,
+            "source": f"CPU ranks over gloo: ~{CPU_GLOO_GBPS:g} GB/s measured on loopback; pass intra_node_gbps= / "
+                      f"inter_node_gbps= to plan for other links"}
 
 
 def distribute(model: nn.Module, comm_or_mesh: Communicator | Mesh | None = None, strategy: str = "auto", *,

@@ -11,8 +11,9 @@ torchrun's `@record` error files do:
 
 * When the script raises, the rank writes `rank<r>.json` in SHARDWISE_RUN_DIR (`error_report`: one-line summary,
   traceback, wall time, and for a CommError the peers it waited for) before it exits with code 1, so the supervisor
-  knows the exception and its time, not just an exit code. The traceback still goes to stderr as usual, without the
-  frames of this wrapper, and the exit hook of `sw.init()` publishes it to the peers' heartbeat board.
+  knows the exception and its time, not just an exit code. The supervisor prints that traceback once, in its
+  closing report (without the frames of this wrapper); the rank itself prints one line (the whole traceback only
+  when it could not write the report), and the exit hook of `sw.init()` publishes it to the peers' heartbeat board.
 * SIGUSR1 dumps every thread's Python stack to `rank<r>.stack` (faulthandler): the supervisor asks a rank that hangs
   for its stack before stopping it.
 * A watchdog thread exits the rank when the supervisor disappears (its parent process changed), so a killed
@@ -36,6 +37,9 @@ from .environment import detect_environment
 
 RUN_DIR_ENV = "SHARDWISE_RUN_DIR"
 SUPERVISOR_PID_ENV = "SHARDWISE_SUPERVISOR_PID"
+#: "1" when the supervisor's closing report will print this rank's traceback (a job with no restarts): the rank then
+#: prints one line instead of the whole traceback, so each failure is shown once.
+TRACEBACK_IN_REPORT_ENV = "SHARDWISE_TRACEBACK_IN_REPORT"
 
 
 def report_file(run_dir: str, rank: int) -> str:
@@ -98,14 +102,23 @@ def main(argv: list[str]) -> None:
         raise  # the script chose its exit code; the supervisor reads it
     except BaseException as exc:  # noqa: BLE001 - every failure reaches the supervisor, KeyboardInterrupt included
         exc = _without_wrapper_frames(exc, script)
+        reported = False  # whether the supervisor's report will show the traceback
         if run_dir:
             try:
                 _write_report(run_dir, rank, exc)
+                reported = os.environ.get(TRACEBACK_IN_REPORT_ENV) == "1"
             except OSError as write_error:  # the exit code still tells the supervisor that this rank failed
                 print(f"shardwise run: rank {rank} could not write its error report: {write_error}", file=sys.stderr)
-        # Printed here rather than re-raised: a re-raise would put this wrapper's frame back on top. sys.last_exc is
-        # what the interpreter sets for an uncaught exception; init()'s exit hook publishes it to the peers.
-        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        # The supervisor prints a reported traceback once, in its closing report (root cause first): printing it here
+        # too gave every failure twice. Unreported, it is printed here, not re-raised: a re-raise would put this
+        # wrapper's frame back on top. sys.last_exc is what the interpreter sets for an uncaught exception; init()'s
+        # exit hook publishes it to the peers.
+        if reported:
+            first = str(exc).strip().splitlines()
+            print(f"shardwise run: rank {rank} raised {type(exc).__name__}{': ' + first[0] if first else ''} "
+                  f"(traceback in the report at the end)", file=sys.stderr)
+        else:
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
         sys.last_exc = exc
         sys.exit(1)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from .detector import Failure, FailureDetector
 from .run_rank import stack_file
 
-__all__ = ["RunResult", "dump_stacks"]
+__all__ = ["RunResult", "dump_stacks", "main_thread_frames"]
 
 _SHOWN = 8  # tracebacks printed in full; a 64-rank job would otherwise print 63 copies of one CommError
 
@@ -76,7 +76,8 @@ class RunResult:
             lines.append(root.traceback.rstrip() or "(no traceback)")
             for f in self.failures[1:_SHOWN]:
                 lines.append(f"--- rank {f.rank} failed too: {f.summary.splitlines()[0] if f.summary else f.kind} ---")
-                lines.append(f.traceback.rstrip() or "(no traceback)")
+                if not (f.kind == "comm" and root.rank in f.blames):  # a wait on the root cause: its line says all
+                    lines.append(f.traceback.rstrip() or "(no traceback)")
             if len(self.failures) > _SHOWN:
                 lines.append(f"--- and {len(self.failures) - _SHOWN} more failed ranks: " +
                              ", ".join(f"rank {f.rank}: {f.summary.splitlines()[0]}"
@@ -88,12 +89,30 @@ class RunResult:
             lines.append(f"shardwise run: stopped rank(s) {sorted(self.stopped)}, still running when the job was torn "
                          f"down")
             for rank in sorted(self.stopped)[:_SHOWN]:
-                if self.stopped[rank]:
+                frames = main_thread_frames(self.stopped[rank])
+                if not frames:
+                    continue
+                if self.interrupted is not None:  # the user stopped it: where it was is enough
+                    lines.append(f"    rank {rank} was at{frames[0].strip().removeprefix('File')}")
+                else:
                     lines.append(f"--- Python stack of rank {rank} when it was stopped ---")
-                    lines.append(self.stopped[rank].rstrip())
+                    lines.extend(frames)
         if lines:
             lines.append(f"shardwise run: exit code {self.exit_code}")
         return "\n".join(lines)
+
+
+def main_thread_frames(stack: str) -> list[str]:
+    """The frames of the main thread of a faulthandler dump (`dump_stacks`), most recent first, without the launcher's
+    own (runpy's and run_rank's): the user's code. shardwise's helper threads (heartbeat, watchdog) are left out -
+    they idle in a wait in every dump and said nothing but took 80 lines of a 2-rank job's Ctrl-C."""
+    blocks = [b for b in stack.split("\n\n") if b.strip()]
+    # The main thread runs run_rank's main(); the thread faulthandler calls "Current" is the one the signal landed on.
+    main = next((b for b in blocks if "run_rank.py" in b and " in main" in b),
+                next((b for b in blocks if b.lstrip().startswith("Current thread")), blocks[-1] if blocks else ""))
+    return [line for line in main.splitlines()[1:] if line.strip()
+            and "<frozen runpy>" not in line and not line.strip().endswith(("in _run_module_as_main",))
+            and "shardwise/launch/run_rank.py" not in line]
 
 
 def dump_stacks(procs: Mapping[int, subprocess.Popen], run_dir: str, wait: float = 2.0) -> dict[int, str]:

@@ -55,7 +55,7 @@ from .rank_processes import POLL_S, Interrupt, child_env, kill_ranks, read_repor
 from .restarts import MAX_RESTARTS_ENV, RESTART_COUNT_ENV, RestartBudget
 from .run_config import CONTINUE, STOP, FailurePolicy, JobView, RunConfig, keep_survivors, tear_down
 from .run_mpi import run_mpi
-from .run_rank import report_file
+from .run_rank import TRACEBACK_IN_REPORT_ENV, report_file
 from .run_report import RunResult
 
 __all__ = ["CONTINUE", "STOP", "FailurePolicy", "JobView", "RunConfig", "RunResult", "keep_survivors", "run",
@@ -151,6 +151,8 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
                 "GROUP_RANK": str(config.node_rank), "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True", RESTART_COUNT_ENV: str(attempt),
                 MAX_RESTARTS_ENV: str(config.max_restarts)})
+    if config.max_restarts == 0 and config.elastic is None:
+        env[TRACEBACK_IN_REPORT_ENV] = "1"  # the closing report prints every failure's traceback: ranks say one line
     if token:
         env[rendezvous.JOB_TOKEN_ENV] = token
     print(f"shardwise run: {config.nproc} rank(s) of {config.script} ({config.backend}; ranks "

@@ -75,6 +75,7 @@ class Links:
     pcie_gbps: float = 25.0
     cpu_gbps: float = 10.0
     fit_fraction: float = 0.9
+    source: str = "assumed: NVLink-class within a node, 100 Gb/s between nodes"  # said by explain()
 
     def __post_init__(self) -> None:
         for name in ("world_size", "devices_per_node"):
@@ -250,9 +251,10 @@ class Plan:
         memory = "unknown (every candidate fits)" if links.memory is None else \
             f"{_size(links.memory)} per rank, fits within {links.fit_fraction:.0%} = " \
             f"{_size(links.fit_fraction * links.memory)}"
+        ranks = f"{links.world_size} rank{'s' if links.world_size != 1 else ''}"
         lines = [f"{_count(w.num_params)} parameters, {precision}, {w.optimizer}: {per_param} bytes per "
-                 f"parameter of model states (ZeRO paper); {links.world_size} ranks, {links.devices_per_node} per "
-                 f"node; memory {memory}."]
+                 f"parameter of model states (ZeRO paper); {ranks}, {links.devices_per_node} per node; memory "
+                 f"{memory}."]
         g = w.activations
         if g is None:
             lines.append("Activations: not counted (give seq_len and batch_size; hidden size and layers come from "
@@ -275,8 +277,8 @@ class Plan:
                          "b is a dp replica's sequences); dense gradients average over dp x cp; ring attention's "
                          "K/V traffic.")
         lines.append(f"Links: {links.intra_node_gbps:g} GB/s within a node, {links.inter_node_gbps:g} GB/s between "
-                     f"nodes, PCIe {links.pcie_gbps:g} GB/s; ring collectives; 'comm s' = wire bytes / link "
-                     f"bandwidth (+ offload traffic), not overlapped with compute.")
+                     f"nodes, PCIe {links.pcie_gbps:g} GB/s ({links.source}); ring collectives; 'comm s' = wire "
+                     f"bytes / link bandwidth (+ offload traffic), not overlapped with compute.")
         return "\n".join(lines)
 
     def explain(self) -> str:
