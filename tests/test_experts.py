@@ -226,7 +226,7 @@ def test_bad_configurations_raise_at_wrap_on_every_rank():
             "comm": _error(lambda: expert_parallel(GPT(CFG, seed=0), "world")),
         }
         ep_model = expert_parallel(GPT(CFG, seed=0), mesh.ep, dp=mesh.dp, edp=mesh.edp)
-        errors["zero"] = _error(lambda: sw.ZeRO(ep_model, comm, stage=2))
+        errors["zero"] = _error(lambda: sw.FSDP(ep_model, comm, sharding="hybrid_shard", shard_size=2))
         errors["again"] = _error(lambda: expert_parallel(ep_model, mesh.ep, dp=mesh.dp, edp=mesh.edp))
         # The aux statistics summed over ep only, but DDP over all 4 ranks: the experts' copies would be missed.
         errors["ddp_group"] = _error(lambda: sw.DDP(expert_parallel(GPT(CFG, seed=0), mesh.ep), comm))
@@ -239,7 +239,7 @@ def test_bad_configurations_raise_at_wrap_on_every_rank():
         assert "must be made of ranks of the dp group" in errors["not_nested"]
         assert "already wrapped" in errors["wrapped"] and "already wrapped" in errors["again"]
         assert "Communicator" in errors["comm"]
-        assert "ZeRO/FSDP" in errors["zero"] and "expert parallel" in errors["zero"]
+        assert "ZeRO/FSDP" in errors["zero"] and "hybrid_shard" in errors["zero"]  # ZeRO: tests/test_experts_zero.py
         assert errors["ddp_group"].startswith("DDP:") and "tile" in errors["ddp_group"]
 
 

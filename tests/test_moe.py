@@ -168,12 +168,12 @@ def test_data_parallel_wrappers_balance_over_the_global_batch(strategy, world):
     assert report.ok, report.text(verbose=True)
 
 
-def test_parallelize_refuses_a_balance_loss_its_pipeline_would_drop():
-    import shardwise as sw
+def test_parallelize_refuses_a_balance_loss_split_into_pipeline_microbatches():
+    import shardwise as sw  # with pp = 1 and one microbatch it trains exactly (tests/test_parallelize_moe.py)
 
     def body(comm):
-        with pytest.raises(ValueError, match=r"moe_aux_loss_coef"):
-            sw.parallelize(GPT(CFG, seed=0), sw.Mesh(comm, dp=2))
+        with pytest.raises(ValueError, match=r"pp=2 with .*moe_aux_loss_coef"):
+            sw.parallelize(GPT(CFG, seed=0), sw.Mesh(comm, dp=1, pp=2))
         return True
 
     assert all(sw.launch(body, 2))

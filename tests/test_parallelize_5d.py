@@ -84,8 +84,8 @@ def test_five_d_mesh_trains_like_one_process(case):
 
 
 @pytest.mark.parametrize("axes, options, match", [
-    ({"dp": 1, "cp": 2, "tp": 2}, {"tp_plan": "gpt"}, r"cp=2 with tp=2 is not supported"),
-    ({"dp": 4, "ep": 2}, {"dp_strategy": "zero3"}, r"ep=2 needs dp_strategy='ddp'"),
+    ({"dp": 1, "cp": 2, "tp": 2}, {"tp_plan": "gpt", "cp_method": "bogus"}, r"cp_method='bogus'; allowed"),
+    ({"dp": 4, "ep": 2}, {"dp_strategy": "fsdp:hybrid_shard", "dp_shard": 2}, r"ep=2 with dp_strategy='fsdp:hybrid"),
 ])
 def test_combinations_not_supported_yet_are_refused_by_name(axes, options, match):
     config = MOE if axes.get("ep", 1) > 1 else DENSE

@@ -34,10 +34,13 @@ def describe_parameters(module: nn.Module) -> list[list[Any]]:
 @torch.no_grad()
 def fingerprints(module: nn.Module) -> list[str]:
     """A cheap fingerprint of every parameter's values: its float64 sum and sum of squares (as exact hex floats).
-    Equal weights give bit-equal fingerprints on every rank; differently seeded ones differ."""
+    Equal weights give bit-equal fingerprints on every rank; differently seeded ones differ. A tensor-parallel slice
+    is fingerprinted as the piece this rank holds (what ranks at the same tp coordinate must agree on)."""
+    from .sharded_tensor import local  # sharded_tensor imports whole/, which imports this module
+
     out = []
     for p in module.parameters():
-        values = p.detach().double()
+        values = local(p.detach()).double()
         out.append(f"{float(values.sum()).hex()}/{float(values.square().sum()).hex()}")
     return out
 

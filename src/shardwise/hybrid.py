@@ -46,6 +46,7 @@ from .compression.support import copies_reconciled
 from .ddp import DDP
 from .hybrid_plan import DP_STRATEGIES, Plan, check_plan
 from .mesh import Mesh
+from .models.moe import MoE
 from .placement import to_comm_device
 from .sharding import FSDP, MixedPrecision, ZeRO
 from .sharding.offload import offload_level
@@ -74,6 +75,25 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[n
         return getattr(hf_stages, builders[model_type])(model), loss_fn or hf_stages.causal_lm_loss, False
     raise ValueError(f"parallelize: {type(model).__name__} has no pipeline_layers() and is not a known HuggingFace "
                      f"decoder ({sorted(builders)}); give the model a pipeline_layers() method returning its layers")
+
+
+def _balance_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers with a load-balancing loss (moe_aux_loss_coef > 0)."""
+    return [m for m in model.modules() if isinstance(m, MoE) and m.aux_loss_coef > 0]
+
+
+def _with_balance_loss(loss_fn: Callable, layers: list[MoE]) -> Callable:
+    """`loss_fn` plus each MoE layer's balance loss times its coefficient, as `GPT.forward` adds them. check_plan
+    allows it with pp = 1 and one microbatch only, so the one stage's forward has just set every layer's `aux_loss`,
+    over the global batch (the layers sum their statistics over the data-parallel group, and over tp under sequence
+    parallel; models/moe.py)."""
+    if not layers:
+        return loss_fn
+
+    def loss(output: Any, target: Any) -> torch.Tensor:
+        return loss_fn(output, target) + sum(m.aux_loss_coef * m.aux_loss for m in layers)
+
+    return loss
 
 
 def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
@@ -288,7 +308,8 @@ def parallelize(
     tp_plan: a tensor-parallel plan ("gpt", "llama", "gpt2" or a dict); needed when tp > 1.
     sequence_parallel: shard the LayerNorm / dropout regions along the sequence too (Korthikanti et al. 2022).
     pp_schedule: "gpipe", "1f1b", "interleaved_1f1b" (with virtual_stages > 1) or "zb_h1" (DDP only).
-    n_microbatches: microbatches per step (default 2 x pp, at least 1); this rank's batch must split evenly.
+    n_microbatches: microbatches per step (default 2 x pp, at least 1; 1 with pp = 1 for a model whose MoE layers have
+        a load-balancing loss); this rank's batch must split evenly.
     loss_fn: loss_fn(output, target) of one microbatch; default: the model's own (the GPT's next-token loss,
         vocabulary-parallel under tensor parallel; HuggingFace's causal-LM loss).
     dp_strategy: "ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op" or "fsdp:hybrid_shard"
@@ -306,15 +327,19 @@ def parallelize(
         compressed reduction so they stay equal.
     find_unused_parameters: with dp_strategy="ddp", let parameters get no gradient in some steps (DDP's option: a
         parameter no rank used keeps grad None); the sharded strategies do that without being asked.
-    cp_method: with cp > 1, "ring" (ring attention, zigzag) or "ulysses" (all-to-all over heads); every rank of a cp
-        group is given its dp rank's batch and `step` splits the sequence (docs/context_parallel.md).
+    cp_method: with cp > 1, "ring" (ring attention, zigzag) or "ulysses" (all-to-all over heads: n_heads / tp
+        divisible by cp); every rank of a cp group is given its dp rank's batch and `step` splits the sequence; with
+        tp > 1 context parallel runs on each tp rank's heads (docs/context_parallel.md).
     With ep > 1 the model's MoE layers have their experts split over mesh.ep (shardwise.experts; docs/experts.md).
+    A MoE layer's load-balancing loss (moe_aux_loss_coef > 0) is added to the loss, over the global batch as
+    `GPT.forward` computes it; it is a function of the whole batch, so it needs pp = 1 and n_microbatches = 1.
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
         raise ValueError(f"parallelize: mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
-    if n_microbatches is None:
-        n_microbatches = 2 * mesh.sizes["pp"]
+    if n_microbatches is None:  # one with a MoE balance loss at pp = 1: it is a function of the whole batch
+        balanced = isinstance(model, nn.Module) and _balance_layers(model)
+        n_microbatches = 1 if mesh.sizes["pp"] == 1 and balanced else 2 * mesh.sizes["pp"]
     plan = Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
                  offload_level(cpu_offload), compression, find_unused_parameters, cp_method)
@@ -327,6 +352,7 @@ def parallelize(
     if mesh.sizes["ep"] > 1:
         experts.expert_parallel(model, mesh)
     layers, loss, gather_vocab = _layers_and_loss(model, loss_fn)
+    loss = _with_balance_loss(loss, _balance_layers(model))
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
     pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss)
     if mixed_precision is not None and pipe.tied:

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from .compression.support import check_supported
+from .context_parallel.compose import check_method
 from . import layout
 from .mesh import Mesh
 from .models.moe import MoE
@@ -47,17 +48,23 @@ def check_plan(mesh: Mesh, plan: Plan, model: nn.Module) -> None:
         raise ValueError(f"parallelize: dp_strategy={plan.dp_strategy!r} is not supported; allowed {DP_STRATEGIES}")
     dp = mesh.sizes["dp"] * mesh.sizes["cp"]  # the data group's size (dp x cp: data_group)
     balanced = [n for n, m in model.named_modules() if isinstance(m, MoE) and m.aux_loss_coef > 0]
-    if balanced:
-        raise ValueError(f"parallelize: {balanced[0]} is a mixture of experts with a load-balancing loss "
-                         f"(moe_aux_loss_coef > 0), which the pipeline's per-microbatch loss would leave out; train "
-                         f"it with sw.DDP (shardwise.experts.expert_parallel for ep > 1), or set moe_aux_loss_coef=0")
-    if mesh.sizes["cp"] > 1 and mesh.sizes["tp"] > 1:
-        raise ValueError(f"parallelize: cp={mesh.sizes['cp']} with tp={mesh.sizes['tp']} is not supported yet (the "
-                         f"context-parallel attention runs on whole heads); use cp with dp and pp, or tp without cp")
-    if mesh.sizes["ep"] > 1 and plan.dp_strategy != "ddp":
-        raise ValueError(f"parallelize: ep={mesh.sizes['ep']} needs dp_strategy='ddp' (the experts are split over "
-                         f"ranks of the data-parallel group, which ZeRO / FSDP do not shard yet); got "
-                         f"{plan.dp_strategy!r}")
+    # The Switch balance loss is a product of two means over the whole batch (models/moe.py): a sum of microbatch
+    # losses is another function, so it trains exactly only with the whole batch in one forward (pp = 1).
+    if balanced and mesh.sizes["pp"] > 1:
+        raise ValueError(f"parallelize: pp={mesh.sizes['pp']} with {balanced[0]}, a mixture of experts with a load-"
+                         f"balancing loss (moe_aux_loss_coef > 0), is not supported: that loss is a function of the "
+                         f"whole batch, which a pipeline's microbatches split; use pp=1, or set moe_aux_loss_coef=0")
+    if balanced and plan.n_microbatches != 1:
+        raise ValueError(f"parallelize: n_microbatches={plan.n_microbatches!r} with {balanced[0]}, a mixture of "
+                         f"experts with a load-balancing loss (moe_aux_loss_coef > 0): that loss is a function of "
+                         f"the whole batch, not a sum over microbatches; use n_microbatches=1 (the default with pp=1 "
+                         f"for such a model), or set moe_aux_loss_coef=0")
+    if mesh.sizes["cp"] > 1:  # tp first, then cp over each rank's n_heads / tp heads (context_parallel/compose.py)
+        check_method(model, mesh.sizes["cp"], plan.cp_method, tp=mesh.sizes["tp"], who="parallelize", arg="cp_method")
+    if mesh.sizes["ep"] > 1 and plan.dp_strategy == "fsdp:hybrid_shard":
+        raise ValueError(f"parallelize: ep={mesh.sizes['ep']} with dp_strategy='fsdp:hybrid_shard' is not supported "
+                         f"(its shard groups cut across the ranks holding the same experts, edp); use 'ddp', 'zero1', "
+                         f"'zero2', 'zero3', 'fsdp:full_shard' or 'fsdp:shard_grad_op'")
     if mesh.sizes["ep"] > 1 and plan.compression is not None:
         raise ValueError("parallelize: compression with ep > 1 is not supported (the experts reduce over their own "
                          "group, which the compressors do not cover yet)")

@@ -24,8 +24,13 @@ the parameter gradients over the group, which a data-parallel wrapper over a gro
 after this call, ``sw.DDP(model, cp_comm)`` (or over dp x cp ranks, as torchtitan shards over ``dp_shard_cp``).
 Then the parameters step exactly as one process on the whole sequence.
 
-Refused at wrap time (ValueError): a model already wrapped by another strategy (apply context parallel first), a
-GPT or HF config with attention dropout (the blockwise attention has none), Ulysses with heads not divisible by cp.
+Tensor parallel (compose.py). Apply it first (``tensor_parallel.parallelize(model, mesh.tp, plan)``, then this over
+``mesh.cp``): the attention then holds n_heads / tp heads and the ring / Ulysses runs on those among the cp ranks of
+the same tensor-parallel coordinate; the data-parallel wrapper goes over ``mesh.dp_cp``.
+
+Refused at wrap time (ValueError): a model already wrapped by another strategy than tensor parallel (apply context
+parallel first), a GPT or HF config with attention dropout (the blockwise attention has none), Ulysses with heads
+(heads / tp under tensor parallel) not divisible by cp.
 """
 
 from __future__ import annotations
@@ -40,24 +45,26 @@ from .. import layout
 from .._mixin import mix_in
 from ..comm.base import Communicator, is_communicator
 from ..models.gpt import GPT, CausalSelfAttention
+from .compose import METHODS, check_method, tensor_parallel_beneath
 from .ring import ring_attention
 from .split import SequenceSplit
 from .ulysses import ulysses_attention
 
 __all__ = ["apply", "ContextParallelState", "METHODS", "HF_ATTENTION"]
 
-METHODS = ("ring", "ulysses")
 #: the name under which the attention is registered in transformers' AttentionInterface
 HF_ATTENTION = "shardwise_context_parallel"
 
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallelState:
-    """What `apply` recorded on the model and its attention modules: the group, the method and the split."""
+    """What `apply` recorded on the model and its attention modules: the group, the method and the split;
+    sequence_shards: the tensor-parallel size when sequence parallel splits each chunk over tp (else 1)."""
 
     comm: Communicator
     method: str
     zigzag: bool
+    sequence_shards: int = 1
 
     @property
     def split(self) -> SequenceSplit:
@@ -90,11 +97,12 @@ class ContextParallelAttentionMixin:
 class ContextParallelPositionsMixin:
     """A position embedding read at this rank's global positions: ``pos_emb(arange(L))`` returns the rows of the
     positions of this rank's L tokens (split.py), so the GPT's own forward (and its pipeline stages) embed each
-    token at its place in the whole sequence. Row i of the input means "this rank's i-th token"."""
+    token at its place in the whole sequence. Row i of the input means "this rank's i-th token". Under sequence
+    parallel the tensor-parallel GPT asks for its 1/tp of the rows (compose.py): the chunk is tp times longer."""
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         state = _state(self)
-        local, cp_size = pos.shape[-1], state.comm.size
+        local, cp_size = pos.shape[-1] * state.sequence_shards, state.comm.size
         if local * cp_size > self.num_embeddings:
             raise ValueError(f"sequence length T={local * cp_size} ({local} tokens on each of cp={cp_size} ranks) "
                              f"exceeds config.seq_len={self.num_embeddings}")
@@ -107,9 +115,6 @@ def _apply_gpt(model: GPT, state: ContextParallelState) -> None:
     if config.dropout:
         raise ValueError(f"context_parallel.apply: GPTConfig.dropout={config.dropout} also drops attention "
                          f"probabilities, which ring / Ulysses attention does not implement; allowed: 0.0")
-    if state.method == "ulysses" and config.n_heads % state.comm.size:
-        raise ValueError(f"context_parallel.apply: method='ulysses' needs n_heads={config.n_heads} divisible by "
-                         f"cp={state.comm.size}; allowed cp: divisors of {config.n_heads} (or method='ring')")
     for module in model.modules():
         if isinstance(module, CausalSelfAttention):
             mix_in(module, ContextParallelAttentionMixin, "ContextParallel")
@@ -160,10 +165,6 @@ def _apply_hf(model: nn.Module, state: ContextParallelState) -> None:
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(f"context_parallel.apply: attention_dropout={config.attention_dropout} is not "
                          f"implemented by ring / Ulysses attention; allowed: 0.0")
-    heads = getattr(config, "num_attention_heads", None)
-    if state.method == "ulysses" and heads is not None and heads % state.comm.size:
-        raise ValueError(f"context_parallel.apply: method='ulysses' needs num_attention_heads={heads} divisible by "
-                         f"cp={state.comm.size}; allowed cp: divisors of {heads} (or method='ring')")
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
     config._attn_implementation = HF_ATTENTION
     attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
@@ -184,24 +185,23 @@ def _is_hf(model: nn.Module) -> bool:
 
 
 def apply(model: nn.Module, comm: Communicator, *, method: str = "ring", zigzag: bool = True) -> nn.Module:
-    """Make `model` (the shardwise GPT or a HuggingFace Llama-family decoder) context-parallel over `comm`, in place.
+    """Make `model` (the shardwise GPT or a HuggingFace Llama-family decoder, plain or already tensor-parallel)
+    context-parallel over `comm`, in place.
 
     method: "ring" (ring attention: any head count; K/V blocks passed around the ring) or "ulysses" (all-to-all
-    over heads: n_heads divisible by cp). zigzag: how the sequence is split (split.py); the same value must be given
-    to :func:`split_sequence`. Feed each rank ``split_sequence((x, y), comm)`` and wrap with a data-parallel
-    strategy over a group containing `comm` afterwards (see the module docstring). Returns the model.
+    over heads: n_heads, or n_heads / tp under tensor parallel, divisible by cp). zigzag: how the sequence is split
+    (split.py); the same value must be given to :func:`split_sequence`. Feed each rank ``split_sequence((x, y),
+    comm)`` and wrap with a data-parallel strategy over a group containing `comm` afterwards (see the module
+    docstring). Returns the model.
     """
     if not is_communicator(comm):
         raise ValueError(f"context_parallel.apply: comm={comm!r} is not a Communicator (pass e.g. mesh.cp)")
-    if method not in METHODS:
-        raise ValueError(f"context_parallel.apply: method={method!r}; allowed {METHODS}")
     if not isinstance(zigzag, bool):
         raise ValueError(f"context_parallel.apply: zigzag={zigzag!r} must be a bool")
-    if layout.strategies(model):
-        applied = " + ".join(s.name for s in layout.strategies(model))
-        raise ValueError(f"context_parallel.apply: the model is already wrapped ({applied}); apply context "
-                         f"parallel to the plain model first, then data parallel (DDP / ZeRO / FSDP)")
-    state = ContextParallelState(comm, method, zigzag)
+    beneath = layout.strategies(model)  # tensor parallel, or nothing (compose.py)
+    tp, sequence_parallel = tensor_parallel_beneath(model, "context_parallel.apply")
+    check_method(model, comm.size, method, tp=tp)
+    state = ContextParallelState(comm, method, zigzag, tp if sequence_parallel else 1)
     if isinstance(model, GPT):
         _apply_gpt(model, state)
     elif _is_hf(model):
@@ -211,11 +211,12 @@ def apply(model: nn.Module, comm: Communicator, *, method: str = "ring", zigzag:
                          f"shardwise.models.GPT or a HuggingFace decoder whose attention uses AttentionInterface "
                          f"(Llama family); for other models call ring_attention / ulysses_attention in the attention")
     _set_state(model, state)
-    # Parameters stay whole and gradients are reduced by the data-parallel wrapper applied next, which declares its
-    # group; this record only says what was applied (comms=(): no gradient reduction of its own to account for).
-    # Placements evaluated when asked (the parameters as they are then): expert parallel, applied next in
-    # sw.parallelize's order, replaces the experts by their slices.
+    # Parameters stay as they were (whole, or tensor-parallel slices) and gradients are reduced by the data-parallel
+    # wrapper applied next, which declares its group; this record only says what was applied (comms=(): no gradient
+    # reduction of its own to account for). Placements evaluated when asked (the parameters as they are then): expert
+    # parallel, applied next in sw.parallelize's order, replaces the experts by their slices.
     layout.declare(model, layout.Parallelized(
-        "context_parallel", comms=(), placements=lambda: layout.base_placements(model),
+        "context_parallel", comms=(),
+        placements=beneath[-1].placements if beneath else (lambda: layout.base_placements(model)),
         options={"cp": comm.size, "method": method, "zigzag": zigzag}))
     return model

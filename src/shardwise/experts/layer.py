@@ -3,6 +3,8 @@
 `expert_parallel` mixes `ExpertParallelLayer` into each `MoE` layer of the model (the same module object, its
 parameter names unchanged). Rank p of the expert-parallel group `ep` (size P) holds experts
 ``[p L, (p + 1) L)``, L = E / P, as slices of the fused tensors (ShardedParameters answering for (E, ...)).
+`dispatch` is the middle of that forward as a function of the sorted rows and a callback computing this rank's
+experts; HuggingFace experts modules use it too (hf_experts.py).
 
 Forward, on this rank's tokens (its part of the global batch)::
 
@@ -24,6 +26,7 @@ batch's on every rank.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +35,7 @@ from ..models.moe import MoE, expert_mlp
 from ..sharded_tensor import local
 from .ops import all_to_all_rows, exchange_counts, sum_over_ranks
 
-__all__ = ["ExpertGroups", "ExpertParallelLayer"]
+__all__ = ["ExpertGroups", "ExpertParallelLayer", "dispatch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,29 +49,41 @@ class ExpertGroups:
     edp: Communicator
 
 
+def dispatch(rows: torch.Tensor, counts: list[int], ep: Communicator,
+             compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+    """The outputs of every expert for `rows` (M, d), sorted by expert with counts[e] rows for expert e of all E,
+    computed by the ranks of `ep` holding them (the forward in the module docstring). `compute(x, local_counts)`
+    runs this rank's L = E / ep experts on `x`, their rows grouped by local expert (local_counts[l] rows for the
+    l-th), and returns one output row per row. Differentiable; collective over `ep` (every rank calls it, once per
+    layer, in the same order)."""
+    P, L = ep.size, len(counts) // ep.size
+    send = torch.tensor(counts, dtype=torch.int64, device=ep.device).view(P, L)
+    recv = exchange_counts(send, ep).cpu()
+    send_rows, recv_rows = send.sum(dim=1).tolist(), recv.sum(dim=1).tolist()
+    arrived = all_to_all_rows(rows, ep, send_rows, recv_rows)  # by source rank, then by expert
+    # Regroup: for each local expert l, the rows of rank 0, then rank 1, ... (one process's batch order). Block
+    # (i, l) starts at `starts[i, l]` of `arrived`; laid out l-major, its rows go to `offsets` onwards.
+    starts = (torch.cumsum(recv.reshape(-1), 0) - recv.reshape(-1)).view(P, L).t().reshape(-1)
+    lengths = recv.t().reshape(-1)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    by_expert = (torch.repeat_interleave(starts - offsets, lengths)
+                 + torch.arange(int(lengths.sum()))).to(rows.device)
+    out = compute(arrived[by_expert], recv.sum(dim=0).tolist())
+    back = out[torch.argsort(by_expert)]  # by source rank again
+    return all_to_all_rows(back, ep, recv_rows, send_rows)
+
+
 class ExpertParallelLayer(MoE):
     """Mixed into a MoE layer by `expert_parallel`: the forward above. `_ep` holds its ExpertGroups."""
 
     _ep: ExpertGroups
 
     def _expert_outputs(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        ep = self._ep.ep
-        P, L = ep.size, self.n_experts // ep.size
-        send = torch.tensor(counts, dtype=torch.int64, device=ep.device).view(P, L)
-        recv = exchange_counts(send, ep).cpu()
-        send_rows, recv_rows = send.sum(dim=1).tolist(), recv.sum(dim=1).tolist()
-        arrived = all_to_all_rows(rows, ep, send_rows, recv_rows)  # by source rank, then by expert
-        # Regroup: for each local expert l, the rows of rank 0, then rank 1, ... (one process's batch order). Block
-        # (i, l) starts at `starts[i, l]` of `arrived`; laid out l-major, its rows go to `offsets` onwards.
-        starts = (torch.cumsum(recv.reshape(-1), 0) - recv.reshape(-1)).view(P, L).t().reshape(-1)
-        lengths = recv.t().reshape(-1)
-        offsets = torch.cumsum(lengths, 0) - lengths
-        by_expert = (torch.repeat_interleave(starts - offsets, lengths)
-                     + torch.arange(int(lengths.sum()))).to(rows.device)
-        out = expert_mlp(arrived[by_expert], recv.sum(dim=0).tolist(), local(self.w_in), local(self.b_in),
-                         local(self.w_out), local(self.b_out), self.act)
-        back = out[torch.argsort(by_expert)]  # by source rank again
-        return all_to_all_rows(back, ep, recv_rows, send_rows)
+        def compute(x: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
+            return expert_mlp(x, local_counts, local(self.w_in), local(self.b_in), local(self.w_out),
+                              local(self.b_out), self.act)
+
+        return dispatch(rows, counts, self._ep.ep, compute)
 
     def _global_stats(self, counts: torch.Tensor, prob_sums: torch.Tensor,
                       n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

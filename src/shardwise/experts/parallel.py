@@ -19,8 +19,9 @@ the contributions of the tokens of every rank of its ep group (the backward all-
 the batch is on the other ep groups, whose copies of this expert sit on the ranks of `edp`. So each expert gradient
 is multiplied by 1 / ep (a gradient hook on the slice), and averaged over `edp` only: DDP over dp sees from the
 placements that these parameters are split over ranks of its own group and reduces them over the replica group
-they declare inside it (`layout.data_parallel_group`), or not at all when ep == dp. ZeRO / FSDP over such a model
-raise at wrap time for now.
+they declare inside it (`layout.data_parallel_group`), or not at all when ep == dp. `sw.ZeRO` (stages 1-3) and
+`sw.FSDP` (full_shard, shard_grad_op, no_shard) over dp read the same: dense parameters sharded over dp, expert slices
+in units of their own sharded over edp, optimizer state with them (sharding/expert_units.py); hybrid_shard is refused.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ from ..compiled import refuse_compiled
 from ..mesh import Mesh
 from ..models.moe import MoE
 from ..optimizer_guard import mark_replaced, register_wrapped
-from ..param_hooks import carry_grad_hooks, internal_hook
 from ..placement import to_comm_device
-from ..sharded_tensor import ShardSpec, as_sharded, is_sharded, spec_of
 from ..whole.state_dict import load_full_into_pieces
+from .hf import expert_parallel_hf, hf_expert_layers
 from .layer import ExpertGroups, ExpertParallelLayer
+from .slices import expert_piece
 from .._mixin import mix_in
 
 __all__ = ["expert_parallel", "EXPERT_TENSORS"]
@@ -105,20 +106,6 @@ def _moe_layers(model: nn.Module, ep: Communicator) -> list[tuple[str, MoE]]:
     return layers
 
 
-def _scale(factor: float):  # noqa: ANN202
-    def scale(grad: torch.Tensor) -> torch.Tensor:
-        return grad * factor  # follows the parameter if a later strategy replaces it (param_hooks.py)
-    return scale
-
-
-@internal_hook
-def _gradient_answers_for_whole(param: torch.Tensor) -> None:
-    """Autograd accumulated the slice's plain gradient: describe it as the slice of the (E, ...) gradient."""
-    grad, spec = param.grad, spec_of(param)
-    if grad is not None and spec is not None and not is_sharded(grad):
-        param.grad = as_sharded(grad, spec)
-
-
 def _split(layer: MoE, prefix: str, ep: Communicator) -> list[nn.Parameter]:
     """Keep this rank's experts of `layer`'s fused tensors (module docstring); return the replaced parameters."""
     per_rank = layer.n_experts // ep.size
@@ -128,32 +115,30 @@ def _split(layer: MoE, prefix: str, ep: Communicator) -> list[nn.Parameter]:
         if old is None:
             continue
         name = f"{prefix}.{attr}" if prefix else attr
-        spec = ShardSpec(torch.Size(old.shape), name, f"expert parallel (ep={ep.size})")
         with torch.no_grad():
             piece = old.detach()[lo:lo + per_rank].clone()
-        new = as_sharded(piece, spec, parameter=True, requires_grad=old.requires_grad)
-        carry_grad_hooks(old, new, name, WHO)
-        if new.requires_grad:
-            new.register_hook(_scale(1.0 / ep.size))
-            new.register_post_accumulate_grad_hook(_gradient_answers_for_whole)
+        new = expert_piece(old, piece, name, ep, WHO)  # x 1 / ep and answering for (E, ...): slices.py
         setattr(layer, attr, new)
         replaced.append(old)
     return replaced
 
 
 def _placements(model: nn.Module, layers: list[tuple[str, MoE]], ep: Communicator,
-                edp: Communicator) -> dict[str, layout.Placement]:
+                edp: Communicator, new_of: dict[int, nn.Parameter]) -> dict[str, layout.Placement]:
     experts = {id(getattr(m, a)): m.n_experts // ep.size for _, m in layers for a in EXPERT_TENSORS
                if getattr(m, a) is not None}
     out = {}
     for name, pl in layout.placements(model).items():
-        rows = experts.get(id(pl.param))
+        # A record made before the split (tensor parallel's) still names the whole tensor: follow it to the slice.
+        param = new_of.get(id(pl.param), pl.param)
+        rows = experts.get(id(param))
         if rows is None:
             out[name] = pl
             continue
         rest = tuple((0, n) for n in pl.shape[1:])
         boxes = tuple((((r * rows, rows), *rest),) for r in range(ep.size))
-        out[name] = dataclasses.replace(pl, boxes=boxes[ep.rank], box_group=ep, boxes_by_rank=boxes, concat_dim=0,
+        out[name] = dataclasses.replace(pl, param=param, boxes=boxes[ep.rank], box_group=ep, boxes_by_rank=boxes,
+                                        concat_dim=0,
                                         replicated_over=(*pl.replicated_over, *((edp,) if edp.size > 1 else ())))
     return out
 
@@ -162,7 +147,8 @@ def expert_parallel(model: nn.Module, ep: Communicator | Mesh, *, dp: Communicat
                     edp: Communicator | None = None, capacity_factor: float | None = None) -> nn.Module:
     """Split the experts of every MoE layer of `model` over `ep` in place and return the model.
 
-    model: the dense model (a GPT with ``n_experts > 0``), identical on every rank of `dp`, not yet wrapped by DDP.
+    model: the dense model (a GPT with ``n_experts > 0``, or a HuggingFace Mixtral / Switch Transformers model:
+        hf.py), identical on every rank of `dp`, not yet wrapped by DDP.
     ep: the expert-parallel Communicator (``mesh.ep``), or a Mesh (then dp = ``mesh.dp_cp``, edp = ``mesh.edp``).
     dp: the group splitting the global batch, whose ranks ep borrows (``mesh.dp`` / ``mesh.dp_cp``); default `ep`
         (ep == dp: every rank of the batch group holds different experts).
@@ -170,7 +156,8 @@ def expert_parallel(model: nn.Module, ep: Communicator | Mesh, *, dp: Communicat
     capacity_factor: None (default) is dropless: the step equals one process's. A number drops, per rank and
         expert, the assignments beyond ceil(capacity_factor x tokens x k / E); each layer's ``stats["dropped"]``
         counts them.
-    Then wrap with ``sw.DDP(model, dp)`` (dense gradients averaged over dp, experts over edp), build the optimizer,
+    Then wrap with ``sw.DDP(model, dp)`` (dense gradients averaged over dp, experts over edp) or ``sw.ZeRO(model, dp,
+    stage=...)`` (dense parameters sharded over dp, experts over edp), build the optimizer,
     and feed each dp rank its own part of the global batch. With ep of size 1 the experts stay whole and only the
     load-balancing statistics are summed over dp.
     Raises ValueError at wrap time: a model without MoE layer (ep > 1), n_experts not divisible by ep, groups that do
@@ -187,6 +174,9 @@ def expert_parallel(model: nn.Module, ep: Communicator | Mesh, *, dp: Communicat
         applied = " + ".join(s.name for s in layout.strategies(model))
         raise ValueError(f"{WHO}: the model is already wrapped ({applied}); apply expert parallel to the plain model "
                          f"first, then sw.DDP over the data-parallel group")
+    hf_layers = hf_expert_layers(model)  # HuggingFace MoE blocks (Mixtral's fused experts, Switch's modules): hf.py
+    if hf_layers:
+        return expert_parallel_hf(model, hf_layers, ep, dp, edp, capacity_factor)
     layers = _moe_layers(model, ep)
     if not layers:
         return model
@@ -198,6 +188,7 @@ def expert_parallel(model: nn.Module, ep: Communicator | Mesh, *, dp: Communicat
     to_comm_device(model, ep, WHO)
     groups = ExpertGroups(ep, dp, edp)
     replaced = []
+    whole = {id(getattr(m, a)): (m, a) for _, m in layers for a in EXPERT_TENSORS if getattr(m, a) is not None}
     for name, layer in layers:
         if ep.size > 1:
             replaced += _split(layer, name, ep)
@@ -206,7 +197,8 @@ def expert_parallel(model: nn.Module, ep: Communicator | Mesh, *, dp: Communicat
         layer.set_batch_group(groups.dp)  # the balance statistics: over the ranks splitting the batch
         layer.capacity_factor = capacity_factor
     mark_replaced(replaced, WHO)
-    placements = _placements(model, layers, ep, edp) if ep.size > 1 else layout.placements(model)
+    new_of = {key: getattr(m, a) for key, (m, a) in whole.items()}
+    placements = _placements(model, layers, ep, edp, new_of) if ep.size > 1 else layout.placements(model)
     layout.declare(model, layout.Parallelized(
         WHO, (dp,), placements, world=dp,
         options={"ep": ep.size, "edp": edp.size, "dp": dp.size, "capacity_factor": capacity_factor}))

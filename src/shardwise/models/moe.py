@@ -33,7 +33,10 @@ f_i is a count (no gradient), P_i is differentiable; aux is 1 for a perfectly un
 routing concentrates (Megatron-core's normalisation for top-k). It is a product of two *batch* means, so under data
 parallel it must be computed over the global batch: `_global_stats` sums the counts and the probability sums over
 ``batch_group``, the ranks that split the batch, which every data-parallel wrapper (DDP, ZeRO, FSDP) sets at wrap
-time through `set_batch_group` (the expert-parallel layer, shardwise.experts, sums over its dp group). The GPT adds
+time through `set_batch_group` (the expert-parallel layer, shardwise.experts, sums over its dp group). Under sequence
+parallel each tensor-parallel rank routes its own shard of every sequence, so the statistics are first summed over
+``sequence_group`` (`set_sequence_group`, called by tensor parallel), forward only: every rank of that group then
+computes the same loss, which tensor parallel counts once (Megatron's g operator). The GPT adds
 ``moe_aux_loss_coef x sum(aux)`` over its MoE layers to the returned loss. ``aux_loss`` holds the last forward's
 value (None when the coefficient is 0).
 """
@@ -42,15 +45,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:  # gpt.py imports this module
-    from .gpt import GPTConfig
+__all__ = ["MoE", "MoEConfig", "Routing", "route", "expert_mlp", "capacity"]
 
-__all__ = ["MoE", "Routing", "route", "expert_mlp", "capacity"]
+
+class MoEConfig(Protocol):
+    """The fields of a model configuration that `MoE` reads (gpt.GPTConfig has them; gpt.py imports this module,
+    so the layer names the fields rather than the class)."""
+
+    n_experts: int
+    experts_per_token: int
+    d_model: int
+    ff_dim: int
+    bias: bool
+    dropout: float
+    moe_aux_loss_coef: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +119,7 @@ class MoE(nn.Module):
     ``aux_loss`` (the last forward's Switch loss, unscaled), ``stats`` (the last forward's assignment counts).
     """
 
-    def __init__(self, config: "GPTConfig") -> None:
+    def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         E, d, ff = config.n_experts, config.d_model, config.ff_dim
         self.n_experts, self.top_k, self.d_model = E, config.experts_per_token, d
@@ -122,6 +135,7 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, int | None] = {}
         self.batch_group = None  # the Communicator of the ranks splitting the batch (set_batch_group); None: alone
+        self.sequence_group = None  # the ranks splitting each sequence (set_sequence_group); None: whole sequences
         if self.w_in.device.type != "meta":
             self.reset_parameters()
 
@@ -174,6 +188,11 @@ class MoE(nn.Module):
         if self.batch_group is None:
             self.batch_group = comm
 
+    def set_sequence_group(self, comm: object) -> None:
+        """The ranks that split each sequence of this rank's batch (tensor parallel's group under sequence parallel):
+        the balance statistics are summed over them before `batch_group` (module docstring)."""
+        self.sequence_group = comm
+
     def _global_stats(self, counts: torch.Tensor, prob_sums: torch.Tensor,
                       n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(assignment counts, probability sums, tokens) over the whole batch: summed over `batch_group` (counts by
@@ -192,7 +211,10 @@ class MoE(nn.Module):
         return summed[:-1], sum_over_ranks(prob_sums, group), summed[-1]
 
     def _balance_loss(self, r: Routing, n_tokens: int) -> torch.Tensor:
-        counts, prob_sums, total = self._global_stats(r.counts, r.probs.sum(dim=0), n_tokens)
+        counts, prob_sums = r.counts, r.probs.sum(dim=0)
+        if self.sequence_group is not None and self.sequence_group.size > 1:
+            counts, prob_sums, n_tokens = _sum_over_sequence(counts, prob_sums, n_tokens, self.sequence_group)
+        counts, prob_sums, total = self._global_stats(counts, prob_sums, n_tokens)
         f = (counts / (total * self.top_k)).to(prob_sums.dtype)
         p = prob_sums / total.to(prob_sums.dtype)
         return self.n_experts * (f * p).sum()
@@ -200,6 +222,20 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, experts_per_token={self.top_k}, d_model={self.d_model}, "
                 f"d_ff={self.w_in.shape[-1]}, capacity_factor={self.capacity_factor}")
+
+
+def _sum_over_sequence(counts: torch.Tensor, prob_sums: torch.Tensor, n_tokens: int,
+                       group: object) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The statistics of the whole sequences: summed over the ranks holding their shards. The probability sums' backward
+    is the identity: each rank of `group` backpropagates the same loss, whose gradient tensor parallel counts once."""
+    from ..comm.base import ReduceOp
+    from ..tensor_parallel.mappings import reduce_from_region  # tensor_parallel imports models: at call time
+
+    summed = torch.cat([counts.to(torch.float64), torch.tensor([float(n_tokens)], dtype=torch.float64,
+                                                                device=counts.device)]).to(group.device)
+    group.all_reduce(summed, ReduceOp.SUM)
+    summed = summed.to(counts.device)
+    return summed[:-1], reduce_from_region(prob_sums, group), int(summed[-1])
 
 
 def _normal_(weight: torch.Tensor, std: float, generator: torch.Generator | None) -> None:

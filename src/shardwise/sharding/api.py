@@ -11,6 +11,10 @@
 
 Wire bytes per rank per step (ring, Ψ parameter bytes, N ranks): DDP / no_shard / stage 1 / stage 2 / shard_grad_op
 2(N-1)/N Ψ; stage 3 / full_shard 3(N-1)/N Ψ (the 1.5x of the ZeRO paper).
+
+An expert-parallel model (shardwise.experts) is wrapped over its dp group as a dense one: its expert slices, which
+differ across dp, go into units of their own sharded over the ranks holding the same experts (edp), so the same
+formulas hold per group (expert_units.py); hybrid_shard and compression are refused with them.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from ..mesh import Mesh
 from ..compression.base import Compressor
 from ..compression.support import check_copies, check_supported
 from .declare import engine_memory, sharded_placements
-from .engine import ShardingConfig, ShardingEngine
+from .engine import ShardingEngine
+from .expert_units import expert_family
 from .offload import offload_level
-from .policy import MixedPrecision
+from .policy import MixedPrecision, ShardingConfig
 
 __all__ = ["ZeRO", "FSDP", "ShardedModule", "SHARDING_STRATEGIES"]
 
@@ -116,7 +121,6 @@ def _check_common(module: nn.Module, comm: Any, mixed_precision: Any, cpu_offloa
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be True or False")
     layout.check_not_data_parallel(module, "ZeRO/FSDP")
-    layout.check_whole_within(module, comm, "ZeRO/FSDP")  # expert-parallel experts: not sharded yet
     if not any(True for _ in module.parameters()):
         raise ValueError("the module has no parameters to shard")
     if mixed_precision is None:
@@ -150,17 +154,26 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     # The model lives where the collectives run (this rank's GPU under NCCL); master shards go back to CPU only
     # with cpu_offload. Every rank wraps the same model with the same options, and starts from rank 0's values.
     to_comm_device(module, comm, record_name)
+    # Expert-parallel slices differ across comm: their own units, over the ranks holding the same experts.
+    experts = expert_family(module, comm, shard, "ZeRO/FSDP", config.compression)
+    stray = [i for i, p in enumerate(replicated_params) if p in experts.params]
+    if stray:
+        raise ValueError(f"ZeRO/FSDP: replicated_params entries {stray} are expert-parallel slices, which differ "
+                         f"across the data-parallel ranks and cannot be averaged over all of them; leave them out")
     check_agreement(comm, record_name, {"parameters": describe_parameters(module), "options": {
         k: str(v) for k, v in dataclasses.asdict(config).items()}})
     if comm.size > 1:
-        broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
+        broadcast_coalesced(comm, [p.data for p in module.parameters() if p not in experts.params]
+                            + [b.data for b in module.buffers()])
+    if experts.replicas is not None and experts.replicas.size > 1:
+        broadcast_coalesced(experts.replicas, [p.data for p in module.parameters() if p in experts.params])
     # The placements so far (plain, or tensor parallel), keyed by this module's own parameter names.
     local = {id(p): name for name, p in module.named_parameters()}
     before = {local[id(pl.param)]: pl for pl in layout.placements(module).values()}
     # Weights tied to copies on other pipeline ranks stay whole, so the pipeline can sum the copies' gradients.
     tied = tuple(pl.param for pl in before.values() if pl.tied_over is not None and pl.param not in replicated_params)
     originals = list(module.parameters())
-    engine = ShardingEngine(module, comm, shard, replicate, config, (*replicated_params, *tied))
+    engine = ShardingEngine(module, comm, shard, replicate, config, (*replicated_params, *tied), experts)
     kept = {id(p) for p in module.parameters()}
     mark_replaced([p for p in originals if id(p) not in kept], record_name)
     mix_in(module, ShardedModule, "Sharded")

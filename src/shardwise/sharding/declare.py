@@ -3,7 +3,9 @@
 A unit flattens its (possibly tensor-parallel) parameters into one buffer split evenly over the shard group, so a
 parameter at offset `o` with `n` elements is held by group rank r as elements [max(r s, o), min((r+1) s, o + n))
 minus `o` of its own flattening (s = the shard size). That range refines the placement the model had before
-sharding (whole tensors, or tensor-parallel boxes); hybrid and no_shard add the replicate group.
+sharding (whole tensors, or tensor-parallel boxes); hybrid and no_shard add the replicate group. A piece stops being
+replicated over the group its unit is sharded over: an expert slice, replicated over the expert-data-parallel group
+before, is sharded over it now (expert_units.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placemen
     """The placements after sharding, by canonical name in `before`'s order: each shard parameter with its flat
     range. `before` is keyed by the wrapped module's own parameter names (what the units record)."""
     replicate: Communicator | None = engine.replicate_comm
-    extra = (replicate,) if replicate is not None and replicate.size > 1 else ()
     refined: dict[str, layout.Placement] = {}
     for unit in engine.units:
         group = unit.shard_comm
@@ -41,13 +42,27 @@ def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placemen
             refined[pl.name] = dataclasses.replace(
                 pl, param=info.shard_param, flat=(info.shard_lo, info.shard_hi), flat_group=group,
                 flat_by_rank=tuple(unit.piece_of(info.offset, info.numel, r) for r in range(group.size)),
-                replicated_over=(*pl.replicated_over, *extra))
+                replicated_over=_replicas(pl.replicated_over, group, unit.replicate_comm))
     group = engine.shard_comm
     around = tuple(g for g in (group, replicate) if g is not None and g.size > 1)
     for pl in before.values():
         if pl.name not in refined:  # a replicated parameter: whole on every rank of the data-parallel groups
             refined[pl.name] = dataclasses.replace(pl, replicated_over=(*pl.replicated_over, *around))
     return {pl.name: refined[pl.name] for pl in before.values()}
+
+
+def _ranks(group: Communicator) -> tuple[int, ...]:
+    return tuple(group.global_ranks)
+
+
+def _replicas(before: tuple[Communicator, ...], shard: Communicator,
+              replicate: Communicator | None) -> tuple[Communicator, ...]:
+    """The groups a unit's piece is replicated over: those of the placement before, less the group the unit shards
+    it over, plus the unit's replicate group (each group once)."""
+    out = tuple(g for g in before if shard.size == 1 or _ranks(g) != _ranks(shard))
+    if replicate is not None and replicate.size > 1 and all(_ranks(g) != _ranks(replicate) for g in out):
+        out += (replicate,)
+    return out
 
 
 def engine_memory(engine: ShardingEngine) -> layout.MemoryView:

@@ -26,6 +26,10 @@ backward
     end of backward (autograd engine callback): launch what is left (units with parameters this rank did not use
         contribute zeros for them, and a 0 flag), wait for every reduction, hand each shard to the shard
         parameters' `.grad` (a parameter no rank used keeps None), free, swap shards back.
+expert-parallel models
+    a unit's expert slices, split over ranks of the data-parallel group, form a second unit over the same modules
+    whose buffer is sharded over the expert-data-parallel group (expert_units.py): the unit and that companion are
+    one *family*, gathered, swapped and freed together; each reduces its own gradients.
 optimizer step
     updates the master shards in place; the next forward sees their version counters changed and re-gathers (for
     stage 1/2 that is the all-gather of updated parameters that ZeRO does after the step).
@@ -34,7 +38,6 @@ optimizer step
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 from typing import Any
 
@@ -46,40 +49,14 @@ from ..agreement import agree_on_recovery
 from ..comm.base import Communicator, ReduceOp
 from ..placement import map_buffers
 from ..unused import used_anywhere
-from .policy import MixedPrecision, auto_group_mb, plan_units
+from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
+from .hook_tools import MarkBackwardDone, cast_floating, inside_backward, tensors_in
+from .policy import ShardingConfig, auto_group_mb, plan_units
 from .unit import GatheredMemory, ParamInfo, Unit
 
 __all__ = ["ShardingConfig", "ShardingEngine"]
 
 log = logging.getLogger("shardwise.sharding")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingConfig:
-    """What the engine shards and when (see the strategy table in docs/sharding.md).
-
-    keep_full: the gathered parameters stay allocated between steps (ZeRO-1/2, no_shard).
-    reshard_after_forward: free the gathered parameters after each unit's forward (stage 3, full/hybrid shard).
-    keep_grad_buffer: full-size gradient buffers stay allocated (ZeRO-1, no_shard: gradients are not sharded).
-    max_inflight_reductions: reduce-scatters allowed in flight during backward; launching one more finishes the
-        oldest (its shard goes to .grad and its flat buffer is freed), so ZeRO-2/3 never hold a whole unsharded
-        gradient: at most this many units' buffers plus the one accumulating (FSDP2 keeps one in flight).
-    compression: a `sw.compression` method for the data-parallel gradient reduction (which strategies accept which
-        method: compression/support.py), or None.
-    """
-
-    name: str
-    keep_full: bool
-    reshard_after_forward: bool
-    keep_grad_buffer: bool
-    mixed_precision: MixedPrecision = MixedPrecision()
-    cpu_offload: str = "none"  # an offload level (sharding.offload): "none", "optimizer" or "full"
-    wrap: object = "auto"
-    group_mb: float | None = None
-    prefetch: bool = True
-    activation_checkpointing: int = 0
-    max_inflight_reductions: int = 2
-    compression: Any = None
 
 
 def _describe_units(units: list[Unit], shown: int = 6) -> str:
@@ -90,27 +67,12 @@ def _describe_units(units: list[Unit], shown: int = 6) -> str:
     return ", ".join(parts)
 
 
-class _MarkBackwardDone(torch.autograd.Function):
-    """Identity on the unit's inputs; its backward runs once the gradient w.r.t. the inputs exists, i.e. after
-    every operation of the unit that needed its parameters (the approach of PyTorch FSDP2's post-backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
-
-
 class ShardingEngine:
     """Owns the units of one wrapped model and the hooks that drive them (see the module docstring)."""
 
     def __init__(self, model: nn.Module, comm: Communicator, shard_comm: Communicator,
                  replicate_comm: Communicator | None, config: ShardingConfig,
-                 replicated_params: tuple[nn.Parameter, ...] = ()) -> None:
+                 replicated_params: tuple[nn.Parameter, ...] = (), experts: ExpertFamily = NO_EXPERTS) -> None:
         self.model = model
         self.comm = comm  # every data-parallel rank (shard x replicate): what a recovering rank agrees over
         # Kept whole on every rank and all-reduced as DDP does (a weight tied across pipeline stages, whose two
@@ -130,14 +92,23 @@ class ShardingEngine:
         self._finished_forward: Unit | None = None  # ran its forward, still gathered until the next unit starts
         # This rank's own compressor (its error-feedback memory is per rank, one entry per unit).
         self.compressor = config.compression.fresh() if config.compression is not None else None
-        self.units = [
-            Unit(plan, i, names, shard_comm, replicate_comm, keep_full=config.keep_full,
-                 keep_grad_buffer=config.keep_grad_buffer, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                 offload=config.cpu_offload, memory=self.memory, grad_memory=self.grad_memory,
-                 compressor=self.compressor)
-            for i, plan in enumerate(plans)
-        ]
-        self.root = self.units[-1]
+        # Every unit, in plan order (a unit's expert companion right after it); `families` maps the unit that carries
+        # the hooks (the dense one, or an expert unit alone) to its family.
+        self.units: list[Unit] = []
+        self.families: dict[Unit, tuple[Unit, ...]] = {}
+        for plan in plans:
+            family = []
+            for part, shard, replicate in zip(split_plan(plan, experts.params), (shard_comm, experts.shard),
+                                              (replicate_comm, experts.replicate)):
+                if part is not None:
+                    family.append(Unit(
+                        part, len(self.units) + len(family), names, shard, replicate, keep_full=config.keep_full,
+                        keep_grad_buffer=config.keep_grad_buffer, param_dtype=mp.param_dtype,
+                        reduce_dtype=mp.reduce_dtype, offload=config.cpu_offload, memory=self.memory,
+                        grad_memory=self.grad_memory, compressor=self.compressor))
+            self.families[family[0]] = tuple(family)
+            self.units += family
+        self.root = list(self.families)[-1]
         log.info("%s: %d units over %d ranks; wrap=%r, group size %.3g MiB%s; units: %s", config.name,
                  len(self.units), shard_comm.size, config.wrap, group_mb,
                  " (chosen from the model: ~1/8 of its bytes, 2..25 MiB, so that several units overlap compute "
@@ -162,7 +133,7 @@ class ShardingEngine:
         # eagerly (torch.compiler.disable: a graph break at each unit's edges, the layers between them compiled),
         # as inductor cannot lower what they do (record_stream, attribute swaps) and must not try.
         eager = torch.compiler.disable
-        for unit in self.units:
+        for unit in self.families:
             if unit.is_root:
                 continue
             for module in unit.modules:
@@ -170,7 +141,7 @@ class ShardingEngine:
                                                                      with_kwargs=True))
             self.handles.append(unit.modules[-1].register_forward_hook(eager(self._make_post_forward(unit))))
         # Activation checkpointing of every k-th unit (k = 1: all of them), each unit's modules recomputed.
-        units = [u for u in self.units if not u.is_root]
+        units = [u for u in self.families if not u.is_root]
         for unit in every_kth(units, int(self.config.activation_checkpointing)):
             for module in unit.modules:
                 checkpoint_module(module)
@@ -201,16 +172,16 @@ class ShardingEngine:
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.forward_running or (self.in_backward and not _inside_backward()) or any(u.entered for u in self.units):
+        if self.forward_running or (self.in_backward and not inside_backward()) or any(u.entered for u in self.units):
             self._recover()
         self.forward_running = not self.in_backward
         if not self.in_backward and self.forward_order:
             self.order_recorded = True
         dtype = self.config.mixed_precision.param_dtype
         if dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), dtype)
+            args, kwargs = cast_floating((args, kwargs), dtype)
         self._gather(self.root)
-        self.root.swap_to_unsharded()
+        self._swap_in(self.root)
         if self.config.prefetch and self.order_recorded and self.forward_order:
             self._start_gather(self.forward_order[0])
         return args, kwargs
@@ -219,7 +190,7 @@ class ShardingEngine:
         if not self.in_backward and self._finished_forward is not None and self._finished_forward is not unit:
             self._reshard(self._finished_forward)  # before this unit's prefetch: still two units at most
         self._gather(unit)
-        unit.swap_to_unsharded()
+        self._swap_in(unit)
         if self.in_backward:
             return args, kwargs  # recomputation (activation checkpointing) inside backward: make parameters whole
         if not self.order_recorded:
@@ -238,7 +209,7 @@ class ShardingEngine:
                 values = [*args, *(kwargs[k] for k in keys)]
                 tensors = [a for a in values if isinstance(a, torch.Tensor) and a.requires_grad]
                 if tensors:
-                    marked = iter(_MarkBackwardDone.apply(lambda: self._post_backward(unit), *tensors))
+                    marked = iter(MarkBackwardDone.apply(lambda: self._post_backward(unit), *tensors))
                     values = [next(marked) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in values]
                     args, kwargs = tuple(values[: len(args)]), dict(zip(keys, values[len(args):]))
         return args, kwargs
@@ -249,18 +220,19 @@ class ShardingEngine:
             self.forward_running = False
         if self.in_backward:
             return output
-        grads_follow = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output))
+        grads_follow = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
         if grads_follow:
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(self._make_pre_backward(unit))
         if unit.is_root and not self.order_recorded:
-            self.launch_order = list(reversed(self.forward_order)) + [self.root]
+            self.launch_order = [part for u in (*reversed(self.forward_order), self.root) for part in self.families[u]]
             self.launch_order += [u for u in self.units if u not in self.launch_order]
         if not grads_follow:
-            unit.swap_to_sharded()  # inference: nothing will need the unsharded parameters
-            if not unit.keep_full and not unit.is_root:
-                unit.free_full()
+            for part in self.families[unit]:
+                part.swap_to_sharded()  # inference: nothing will need the unsharded parameters
+                if not part.keep_full and not unit.is_root:
+                    part.free_full()
         elif self.config.reshard_after_forward and not unit.is_root:
             if self._finished_forward is not None and self._finished_forward is not unit:
                 self._reshard(self._finished_forward)
@@ -280,8 +252,9 @@ class ShardingEngine:
         """Free the unit's gathered parameters and put its shards back into the modules."""
         if unit is self._finished_forward:
             self._finished_forward = None
-        unit.free_full()
-        unit.swap_to_sharded()
+        for part in self.families[unit]:
+            part.free_full()
+            part.swap_to_sharded()
 
     # ---- backward ---------------------------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -298,9 +271,9 @@ class ShardingEngine:
     def _make_pre_backward(self, unit: Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:
             self._begin_backward()
-            if unit.needs_gather() or not unit.unsharded_in_modules:
+            if any(part.needs_gather() or not part.unsharded_in_modules for part in self.families[unit]):
                 self._gather(unit)
-                unit.swap_to_unsharded()
+                self._swap_in(unit)
             if self.config.prefetch and unit in self.forward_pos:
                 pos = self.forward_pos[unit]
                 if pos > 0:
@@ -389,38 +362,21 @@ class ShardingEngine:
                 if comm is not None and comm.size > 1:
                     comm.all_reduce(p.grad, ReduceOp.AVG)
 
-    # ---- gathering --------------------------------------------------------------------------------------------
+    # ---- gathering (a whole family: the same order on every rank) ---------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
-        unit.start_gather()
+        for part in self.families[unit]:
+            part.start_gather()
 
     def _gather(self, unit: Unit) -> None:
-        unit.wait_gather()
+        for part in self.families[unit]:
+            part.start_gather()  # both issued before either is waited for
+        for part in self.families[unit]:
+            part.wait_gather()
+
+    def _swap_in(self, unit: Unit) -> None:
+        for part in self.families[unit]:
+            part.swap_to_unsharded()
 
     @property
     def gathered_peak(self) -> int:
         return self.memory.peak
-
-
-def _inside_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread (recomputation happens there)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floating(v, dtype) for v in obj)
-    return obj

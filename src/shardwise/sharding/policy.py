@@ -1,4 +1,5 @@
-"""Policies of the sharding engine: mixed precision, and the wrap policy that groups parameters into units.
+"""Policies of the sharding engine: mixed precision, what each strategy keeps and frees (`ShardingConfig`), and the
+wrap policy that groups parameters into units.
 
 A *unit* is the granularity of communication: its parameters live in one flat buffer that is all-gathered with ONE
 collective and whose gradients are reduce-scattered with ONE collective. Units are chosen by a wrap policy:
@@ -19,13 +20,14 @@ weights) is moved to the root unit so it is gathered once and its gradient summe
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..sharded_tensor import local  # a tensor-parallel slice holds its own bytes, not the dense tensor's
 
-__all__ = ["MixedPrecision", "plan_units"]
+__all__ = ["MixedPrecision", "ShardingConfig", "plan_units"]
 
 MB = 1024 * 1024
 
@@ -53,6 +55,34 @@ class MixedPrecision:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
                 raise ValueError(f"MixedPrecision: {field}={value!r} must be a floating torch.dtype or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """What the engine shards and when (see the strategy table in docs/sharding.md).
+
+    keep_full: the gathered parameters stay allocated between steps (ZeRO-1/2, no_shard).
+    reshard_after_forward: free the gathered parameters after each unit's forward (stage 3, full/hybrid shard).
+    keep_grad_buffer: full-size gradient buffers stay allocated (ZeRO-1, no_shard: gradients are not sharded).
+    max_inflight_reductions: reduce-scatters allowed in flight during backward; launching one more finishes the
+        oldest (its shard goes to .grad and its flat buffer is freed), so ZeRO-2/3 never hold a whole unsharded
+        gradient: at most this many units' buffers plus the one accumulating (FSDP2 keeps one in flight).
+    compression: a `sw.compression` method for the data-parallel gradient reduction (which strategies accept which
+        method: compression/support.py), or None.
+    """
+
+    name: str
+    keep_full: bool
+    reshard_after_forward: bool
+    keep_grad_buffer: bool
+    mixed_precision: MixedPrecision = MixedPrecision()
+    cpu_offload: str = "none"  # an offload level (sharding.offload): "none", "optimizer" or "full"
+    wrap: object = "auto"
+    group_mb: float | None = None
+    prefetch: bool = True
+    activation_checkpointing: int = 0
+    max_inflight_reductions: int = 2
+    compression: Any = None
 
 
 @dataclasses.dataclass

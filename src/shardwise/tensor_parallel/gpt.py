@@ -46,7 +46,10 @@ class TensorParallelGPTMixin:
         logits = self.head(self.ln_f(x))  # (B, T, V/tp): this rank's vocabulary slice
         if targets is None:
             return gather_from_region(logits, comm, -1)
-        return vocab_parallel_cross_entropy(logits, targets, comm)
+        loss = vocab_parallel_cross_entropy(logits, targets, comm)
+        if self.config.n_experts and self.config.moe_aux_loss_coef:  # the MoE balance loss, as GPT.forward adds it
+            loss = loss + self.config.moe_aux_loss_coef * sum(b.mlp.aux_loss for b in self.blocks)
+        return loss
 
     def pipeline_layers(self, *, gather_logits: bool = False) -> list[nn.Module]:
         """The parallelised model as pipeline stages: ``[embedding, *blocks, head]`` holding its own modules.

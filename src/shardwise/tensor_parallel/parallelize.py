@@ -160,6 +160,8 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
                          f"sequence_parallel=False, or a model written for sequence shards (shardwise's GPT)")
     styles = match_plan(model, plan)
     sp = bool(sequence_parallel)
+    if sp:
+        _share_sequence_split(model, styles, comm)
     # Every rank slices its own copy of the dense model: the copies must be equal (values too), or the slices are
     # pieces of different models.
     check_agreement(comm, "parallelize", {
@@ -216,6 +218,21 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     register_wrapped(model)  # the optimizer guard: its state dicts hold slices (optimizer_guard.py)
     load_full_into_pieces(model)  # torch's load_state_dict of a full (one-process) state dict: each rank's slices
     return model
+
+
+def _share_sequence_split(model: nn.Module, styles: dict[str, Style], comm: Communicator) -> None:
+    """Tell each module that sums statistics over the tokens it sees (a MoE layer's balance loss: `set_sequence_group`)
+    that `comm` splits every sequence; such a module outside a "sequence" style would train its parameters on a
+    partial gradient, so it is a ValueError naming it."""
+    regions = [name for name, style in styles.items() if isinstance(style, Sequence)]
+    setters = [(name, m) for name, m in model.named_modules() if callable(getattr(m, "set_sequence_group", None))]
+    for name, module in setters:
+        if not any(name == r or name.startswith(r + ".") for r in regions):
+            raise ValueError(f"parallelize: {name!r} ({type(module).__name__}) runs on sequence shards under "
+                             f"sequence_parallel=True but the plan leaves it out; add it to the plan as \"sequence\" "
+                             f"(its gradients are then summed over the group), or use sequence_parallel=False")
+    for _, module in setters:
+        module.set_sequence_group(comm)
 
 
 _DENSE_LAYERS = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)

@@ -118,11 +118,20 @@ def gpt_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     and v; ``proj`` rowwise over the same heads), the MLP is split Megatron style (``fc`` colwise, ``proj``
     rowwise), the tied token embedding / head are split by vocabulary rows (one shared shard, see parallelize.py),
     and the LayerNorms and the position embedding are sequence-parallel regions.
+
+    A GPT with experts (``n_experts > 0``: each block's ``mlp`` is a MoE, models/moe.py) keeps its MoE layers whole
+    on every rank (Megatron-core's expert-tensor-parallel size 1): the router and the experts are replicated over tp
+    and each rank runs them on the tokens it holds. Without sequence parallel those are every tp rank's same tokens,
+    so the ranks route and compute alike; under sequence parallel each rank routes its own sequence shard (the layer
+    is token-wise), so the layer is a "sequence" region: its gradients are summed over tp, and its load-balancing
+    statistics too (`MoE.set_sequence_group`). Expert parallel (shardwise.experts) splits the experts afterwards over
+    the data-parallel ranks of each tp coordinate.
     """
     config = model.config
     _check_divides("the number of attention heads n_heads", config.n_heads, tp,
                    " (tensor parallel splits whole heads across ranks)")
-    _check_divides("the MLP hidden size d_ff", config.ff_dim, tp)
+    if not config.n_experts:
+        _check_divides("the MLP hidden size d_ff", config.ff_dim, tp)
     _check_divides("the vocabulary size vocab_size", config.vocab_size, tp,
                    f"; pad the vocabulary to a multiple of {tp} (e.g. GPTConfig(vocab_size="
                    f"{-(-config.vocab_size // tp) * tp}))")
@@ -133,8 +142,8 @@ def gpt_plan(model: nn.Module, tp: int) -> dict[str, Style]:
         "blocks.*.attn.qkv": Colwise(fused=3),
         "blocks.*.attn.proj": Rowwise(),
         "blocks.*.ln2": Sequence(),
-        "blocks.*.mlp.fc": Colwise(),
-        "blocks.*.mlp.proj": Rowwise(),
+        **({"blocks.*.mlp": Sequence()} if config.n_experts else
+           {"blocks.*.mlp.fc": Colwise(), "blocks.*.mlp.proj": Rowwise()}),
         "ln_f": Sequence(),
         "head": Colwise(),  # vocabulary-parallel logits, consumed by vocab_parallel_cross_entropy
     }

@@ -1,0 +1,204 @@
+"""Expert parallelism for HuggingFace mixture-of-experts models: recognising their MoE blocks and splitting them.
+
+`expert_parallel(model, ep, ...)` (parallel.py) hands a HuggingFace model here when it finds one of these experts
+modules (transformers 5.x):
+
+* fused experts, ``MixtralExperts`` (``MixtralForCausalLM``): ``gate_up_proj`` (E, 2 f, d) and ``down_proj``
+  (E, d, f) Parameters. Each rank of `ep` keeps rows ``[p E/ep, (p+1) E/ep)`` of both as ShardedParameters
+  answering for (E, ...), declared like shardwise's own MoE layer: boxes along dim 0 over `ep`, replicated over
+  `edp`;
+* experts as modules, ``SwitchTransformersExperts`` (``SwitchTransformersForConditionalGeneration``): a ModuleDict
+  of ``expert_<i>`` MLPs. Expert i belongs to ep rank ``i // (E / ep)``, which keeps its module unchanged; on every
+  other rank each of its weights becomes an *empty* ShardedParameter answering for the weight's shape. The layout
+  declares each expert weight as split over `ep` into one whole box (its owner's) and empty boxes (the others'),
+  replicated over `edp`: `sw.full_state_dict` gathers it from its owner, `sw.clip_grad_norm_` counts it once (the
+  empty pieces add nothing), checkpoints save and load it on its owner only, and DDP averages it over `edp`
+  (`layout.data_parallel_group`), exactly as for a fused slice. Every rank keeps the same parameter names and shapes
+  (`model.parameters()` looks like the model), and memory for the other ranks' experts is not held.
+
+The blocks' routers stay HuggingFace's code (hf_experts.py runs the dispatch). Gradients: x 1 / ep on every expert
+weight of this rank (slices.py), averaged over `edp` by `sw.DDP` over dp (sharded over edp by `sw.ZeRO` / `sw.FSDP`:
+sharding/expert_units.py). Losses: Mixtral's load-balancing loss is a product of batch means, made the global
+batch's by `GlobalRouterLoss` (hf_aux.py) when the batch is split; Switch's auxiliary and z losses are means over
+sequences (its f and P are per sequence), so equal per-rank batches already average to one process's.
+
+Refused at wrap time (ValueError naming the value): E not divisible by ep, a router with jitter noise (each rank
+would draw its own), ``capacity_factor`` (these routers apply their own capacity), a model already wrapped by any
+strategy, a model mixing shardwise's MoE layers with HuggingFace's, a HuggingFace experts module of another class,
+and a load-balancing loss (``router_aux_loss_coef > 0``) that this module cannot make the global batch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import layout
+from .._mixin import mix_in
+from ..agreement import check_agreement, describe_parameters, fingerprints
+from ..comm.base import Communicator
+from ..models.moe import MoE
+from ..optimizer_guard import mark_replaced, register_wrapped
+from ..placement import to_comm_device
+from ..whole.state_dict import load_full_into_pieces
+from .hf_aux import GlobalRouterLoss
+from .hf_experts import FusedExpertsParallel, ModuleExpertsParallel
+from .layer import ExpertGroups
+from .slices import expert_piece, scale_gradient
+
+__all__ = ["FUSED_EXPERTS", "MODULE_EXPERTS", "expert_parallel_hf", "hf_expert_layers"]
+
+WHO = "expert_parallel"
+#: HuggingFace experts modules with fused (E, ...) weights whose forward hf_experts.FusedExpertsParallel computes.
+FUSED_EXPERTS = ("MixtralExperts",)
+#: HuggingFace experts modules holding one module per expert (``expert_<i>``), routed by a dispatch mask.
+MODULE_EXPERTS = ("SwitchTransformersExperts",)
+#: Top-level models whose load-balancing loss hf_aux makes the global batch's, and those whose router losses are
+#: already means over sequences (exact under data parallel as they are).
+GLOBAL_AUX = ("MixtralForCausalLM",)
+ROW_LOCAL_AUX = ("SwitchTransformersForConditionalGeneration", "SwitchTransformersEncoderModel",
+                 "SwitchTransformersModel")
+
+
+def _is_hf(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("transformers.")
+
+
+def hf_expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, experts module) of every HuggingFace MoE block of `model` that expert_parallel supports; [] for a model
+    without any. ValueError for a HuggingFace experts module of another class (named, with the supported ones)."""
+    found = []
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in FUSED_EXPERTS or cls in MODULE_EXPERTS:
+            found.append((name, module))
+        elif _is_hf(module) and cls.endswith("Experts") and hasattr(module, "num_experts"):
+            raise ValueError(f"{WHO}: {name!r} is a HuggingFace {cls}, a mixture-of-experts layer expert_parallel "
+                             f"does not support; supported: fused {list(FUSED_EXPERTS)} (Mixtral) and per-expert "
+                             f"modules {list(MODULE_EXPERTS)} (Switch Transformers)")
+    return found
+
+
+def _refuse(model: nn.Module, layers: list[tuple[str, nn.Module]], ep: Communicator, dp: Communicator,
+            capacity_factor: float | None) -> None:
+    """The wrap-time checks of the module docstring (local and symmetric: every rank raises alike)."""
+    if capacity_factor is not None:
+        raise ValueError(f"{WHO}: capacity_factor={capacity_factor!r} applies to shardwise's MoE layer; a HuggingFace "
+                         f"router applies its own capacity (Switch: config.expert_capacity, per sequence): pass "
+                         f"capacity_factor=None")
+    if layout.strategies(model):
+        applied = " + ".join(s.name for s in layout.strategies(model))
+        raise ValueError(f"{WHO}: the model is already wrapped ({applied}); apply expert parallel to the plain "
+                         f"HuggingFace model first, then sw.DDP over the data-parallel group")
+    if any(isinstance(m, MoE) for m in model.modules()):
+        raise ValueError(f"{WHO}: the model mixes shardwise MoE layers with HuggingFace experts modules; expert "
+                         f"parallel splits one kind per model")
+    for name, module in layers:
+        if module.num_experts % ep.size:
+            raise ValueError(f"{WHO}: MoE layer {name!r} has n_experts={module.num_experts}, which ep={ep.size} does "
+                             f"not divide; n_experts must be a multiple of ep")
+    for name, module in model.named_modules():
+        noise = getattr(module, "jitter_noise", 0.0)
+        if isinstance(noise, (int, float)) and noise > 0:
+            raise ValueError(f"{WHO}: {name!r} has router jitter noise {noise} (config.router_jitter_noise): each rank "
+                             f"would draw its own noise and no layout reproduces one process; set it to 0")
+    for name, module in model.named_modules():
+        coef, cls = getattr(module, "router_aux_loss_coef", 0.0), type(module).__name__
+        if dp.size > 1 and coef and cls not in GLOBAL_AUX and cls not in ROW_LOCAL_AUX:
+            raise ValueError(f"{WHO}: {name or 'the model'} ({cls}) has router_aux_loss_coef={coef}: its "
+                             f"load-balancing loss is a product of batch means, which each rank would compute on its "
+                             f"own part of the batch; set it to 0 (supported with the loss: {list(GLOBAL_AUX)}, and "
+                             f"{list(ROW_LOCAL_AUX)} whose router losses are means over sequences)")
+
+
+def _split_fused(module: nn.Module, prefix: str, ep: Communicator) -> tuple[list[nn.Parameter], dict[int, tuple]]:
+    """This rank's slices of ``gate_up_proj`` / ``down_proj``; (replaced parameters, id(new) -> boxes by rank)."""
+    per_rank = module.num_experts // ep.size
+    lo, replaced, boxes = ep.rank * per_rank, [], {}
+    for attr in ("gate_up_proj", "down_proj"):
+        old = getattr(module, attr)
+        with torch.no_grad():
+            piece = old.detach()[lo:lo + per_rank].clone()
+        new = expert_piece(old, piece, f"{prefix}.{attr}", ep, WHO)
+        setattr(module, attr, new)
+        replaced.append(old)
+        rest = tuple((0, n) for n in old.shape[1:])
+        boxes[id(new)] = tuple((((r * per_rank, per_rank), *rest),) for r in range(ep.size))
+    return replaced, boxes
+
+
+def _split_modules(module: nn.Module, prefix: str, ep: Communicator) -> tuple[list[nn.Parameter], dict[int, tuple]]:
+    """Expert modules: this rank's stay whole (x 1 / ep on their gradients); the others' weights become empty
+    pieces. (replaced parameters, id(parameter) -> boxes by rank: the owner's whole box, empty boxes elsewhere)."""
+    per_rank = module.num_experts // ep.size
+    replaced, boxes = [], {}
+    for e in range(module.num_experts):
+        owner, expert = e // per_rank, module[f"expert_{e}"]
+        for sub_name, sub in expert.named_modules():
+            for attr, old in list(sub.named_parameters(recurse=False)):
+                name = ".".join(p for p in (prefix, f"expert_{e}", sub_name, attr) if p)
+                whole = tuple((0, n) for n in old.shape)
+                empty = ((0, 0), *whole[1:])
+                if owner == ep.rank:
+                    if old.requires_grad:
+                        old.register_hook(scale_gradient(1.0 / ep.size))
+                    new = old
+                else:
+                    new = expert_piece(old, old.detach()[:0].clone(), name, ep, WHO)
+                    setattr(sub, attr, new)
+                    replaced.append(old)
+                boxes[id(new)] = tuple(((whole if r == owner else empty),) for r in range(ep.size))
+    return replaced, boxes
+
+
+def _placements(model: nn.Module, boxes: dict[int, tuple], ep: Communicator,
+                edp: Communicator) -> dict[str, layout.Placement]:
+    out = {}
+    for name, pl in layout.placements(model).items():
+        by_rank = boxes.get(id(pl.param))
+        if by_rank is None:
+            out[name] = pl
+            continue
+        out[name] = dataclasses.replace(pl, boxes=by_rank[ep.rank], box_group=ep, boxes_by_rank=by_rank,
+                                        concat_dim=0,
+                                        replicated_over=(*pl.replicated_over, *((edp,) if edp.size > 1 else ())))
+    return out
+
+
+def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep: Communicator, dp: Communicator,
+                       edp: Communicator | None, capacity_factor: Any) -> nn.Module:
+    """`expert_parallel` for a HuggingFace model whose experts modules are `layers` (module docstring); the groups
+    were checked by the caller. In place; returns the model."""
+    if any(p.ndim == 0 for _, m in layers for p in m.parameters()):
+        raise ValueError(f"{WHO}: an experts module holds a 0-d parameter, which cannot be placed per expert")
+    _refuse(model, layers, ep, dp, capacity_factor)
+    check_agreement(dp, WHO, {"parameters": describe_parameters(model), "fingerprints": fingerprints(model),
+                              "ep": ep.size, "hf": [type(m).__name__ for _, m in layers]})
+    if edp is None:
+        edp = dp.split(ep.rank, dp.rank)  # the ranks of dp at this ep coordinate (collective)
+    to_comm_device(model, ep, WHO)
+    groups = ExpertGroups(ep, dp, edp)
+    replaced, boxes = [], {}
+    if ep.size > 1:  # with ep = 1 HuggingFace's own experts forward is one process's
+        for name, module in layers:
+            fused = type(module).__name__ in FUSED_EXPERTS
+            more, placed = (_split_fused if fused else _split_modules)(module, name, ep)
+            replaced += more
+            boxes.update(placed)
+            mix_in(module, FusedExpertsParallel if fused else ModuleExpertsParallel, "ExpertParallel")
+            module._sw_ep = groups
+    for _, module in list(model.named_modules()) if dp.size > 1 else ():
+        if type(module).__name__ in GLOBAL_AUX:  # the model itself, or a model inside the user's
+            mix_in(module, GlobalRouterLoss, "GlobalRouterLoss")
+            module._sw_batch_group = dp
+    mark_replaced(replaced, WHO)
+    layout.declare(model, layout.Parallelized(
+        WHO, (dp,), _placements(model, boxes, ep, edp), world=dp,
+        options={"ep": ep.size, "edp": edp.size, "dp": dp.size, "capacity_factor": None,
+                 "experts": sorted({type(m).__name__ for _, m in layers})}))
+    register_wrapped(model)
+    load_full_into_pieces(model)  # torch's load_state_dict of a one-process state dict: each rank's experts
+    return model

@@ -1,0 +1,77 @@
+"""Mixtral's load-balancing loss over the global batch when the batch is split over data-parallel ranks.
+
+``MixtralForCausalLM`` with ``output_router_logits=True`` adds ``router_aux_loss_coef x aux`` to its loss, where
+(HuggingFace's ``load_balancing_loss_func``, Switch Transformer's loss, Fedus et al. 2021, arXiv 2101.03961)::
+
+    aux = E x sum_i f_i x P_i,   f_i = (top-k assignments to expert i) / rows,   P_i = (sum of probs of i) / rows
+
+with the counts, probability sums and rows summed over all MoE layers (and weighted by the attention mask when one is
+given). f and P are means over the batch, and their product is not a mean over rows: each rank computing it on its
+own rows gets another number than one process on the global batch, and the data-parallel average of the ranks'
+losses is not one process's loss. `GlobalRouterLoss` (mixed into the top-level model by `expert_parallel` when the
+batch is split) recomputes it from the router logits the model returns, with the counts and rows summed over the
+data-parallel group (all-reduce) and the probability sums through `sum_over_ranks`, whose backward sums the
+gradients too (ops.py: the data-parallel mean of the ranks' gradients is then one process's), and replaces
+HuggingFace's local term: ``loss + coef x (global - local)``, so the local term's gradient cancels exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator, ReduceOp
+from .ops import sum_over_ranks
+
+__all__ = ["GlobalRouterLoss", "global_balance_loss"]
+
+
+def global_balance_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None, dp: Communicator) -> torch.Tensor:
+    """HuggingFace's Mixtral ``load_balancing_loss_func`` over the batch of every rank of `dp` (module docstring).
+    Collective over `dp`."""
+    device = gate_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros(1, dtype=torch.float32, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for logits in gate_logits:
+        weights = torch.softmax(logits.to(device), dim=-1)
+        _, selected = torch.topk(weights, top_k, dim=-1)
+        ones = mask if mask is not None else torch.ones(weights.shape[0], dtype=torch.float32, device=device)
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, selected.reshape(-1), ones.repeat_interleave(top_k))
+        probs = probs + (weights.float() if mask is None else weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+        rows = rows + ones.sum()
+    totals = torch.cat([counts, rows]).to(dp.device)
+    dp.all_reduce(totals, ReduceOp.SUM)
+    totals = totals.to(device)
+    probs = sum_over_ranks(probs, dp)
+    return torch.sum((totals[:-1] / totals[-1]) * (probs / totals[-1]).unsqueeze(0)) * num_experts
+
+
+class GlobalRouterLoss(nn.Module):
+    """Mixed into a ``MixtralForCausalLM`` by `expert_parallel` (dp > 1): its ``aux_loss`` and ``loss`` are the global
+    batch's (module docstring). `_sw_batch_group` is the data-parallel group."""
+
+    _sw_batch_group: Communicator
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)
+        given = inspect.signature(super().forward).bind(*args, **kwargs).arguments
+        requested = given.get("output_router_logits")
+        requested = self.config.output_router_logits if requested is None else requested
+        if not requested:
+            return out
+        if not isinstance(out, dict) or getattr(out, "aux_loss", None) is None:
+            raise ValueError(f"expert_parallel: {type(self).__name__} returned {type(out).__name__} with "
+                             f"output_router_logits=True; the load-balancing loss can be made the global batch's "
+                             f"only on its ModelOutput: call it with return_dict=True (the default)")
+        local_aux = out.aux_loss
+        out.aux_loss = global_balance_loss(out.router_logits, self.num_experts, self.num_experts_per_tok,
+                                           given.get("attention_mask"), self._sw_batch_group)
+        if out.loss is not None:
+            out.loss = out.loss + self.router_aux_loss_coef * (out.aux_loss - local_aux).to(out.loss.device)
+        return out
