@@ -46,7 +46,7 @@ import shardwise as sw
 from shardwise.async_sgd import AsyncSGD, DiLoCo, LocalSGD, RotatingStraggler, Straggler, StreamingDiLoCo
 from shardwise.models.gpt import GPT
 
-from _common import bench_corpus, comma_list, emit, gpt_config, loadavg, median, rotations
+from shardwise.benchmarks.timing import bench_corpus, comma_list, emit, gpt_config, loadavg, median, rotations
 
 DEFAULT_MODES = "ddp,ps:0,ps:2,ps:8,ps:inf,local:8,local:32,diloco:32"
 

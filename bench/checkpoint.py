@@ -24,7 +24,7 @@ import shardwise as sw
 from shardwise.checkpoint import read_tensors
 from shardwise.models import GPT, GPTConfig
 
-from _common import emit, median
+from shardwise.benchmarks.timing import emit, median
 
 
 def _dir_bytes(path: Path) -> int:

@@ -32,7 +32,7 @@ import torch
 import shardwise
 from shardwise.comm.torch_backend import TorchCommunicator
 
-from _common import alternate, comma_list, emit, loadavg, max_over_ranks, median
+from shardwise.benchmarks.timing import alternate, comma_list, emit, loadavg, max_over_ranks, median
 
 AVG = shardwise.ReduceOp.AVG
 

@@ -22,7 +22,7 @@ Loss phase: --loss-steps steps each, the loss (averaged over ranks) every step; 
 10 against `none`'s, and whether that meets issue 15's goal (GOALS: 16-bit rows within 0.5%, the others within 3%;
 1-bit Adam after its --freeze-step warm-up). --loss-only skips the timing phase, --plot draws the curves. Timing
 phase, per link: after --warmup steps, --rounds rounds of --steps steps of every row, the order rotating every round
-(bench/_common.alternate); per step the slowest rank; the median. A slow link wraps each rank's Communicator in
+(shardwise.benchmarks.timing.alternate); per step the slowest rank; the median. A slow link wraps each rank's Communicator in
 Throttled (latency --latency-ms per operation + wire bytes / bandwidth); torch's rows get the same delay added to each
 bucket's future (bytes from the same formulas), one link per process, so both sides pay for the same bytes. Under a
 real slow link (tc netem) run with --links loopback.
@@ -52,7 +52,7 @@ from shardwise.comm.base import wire_bytes
 from shardwise.compression.base import Compressor, Payload, ring_all_reduce, total_numel
 from shardwise.models.gpt import GPT
 
-from _common import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
+from shardwise.benchmarks.timing import alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median
 
 OURS = ("none", "fp16", "bf16", "bf16_nearest", "fp16_ef", "bf16_ef", "topk", "randomk", "powersgd", "onebit",
         "onebit_block", "onebit_adam", "onebit_adam_l1", "topk_adam", "randomk_adam", "zero2", "zero2_mp_fp16",

@@ -7,7 +7,7 @@ refills the bucket from the same random gradient, then reduces it: ours `PowerSG
 `powerSGD_hook(state, bucket).wait()` (given a stand-in for DDP's GradBucket: buffer(), index(), gradients(),
 is_last(), what the hook calls) with its error feedback and warm start on, past its start iteration. Both compress
 the same matrices (the same min_compression_rate rule). `copy_only` is the refill alone. Rows alternate in blocks of
---steps calls, the order rotating every round (bench/_common.rotations); medians of the process's CPU time (all its
+--steps calls, the order rotating every round (shardwise.benchmarks.timing.rotations); medians of the process's CPU time (all its
 threads: torch's hook runs its later stages as future callbacks, possibly on gloo's thread; less moved by other jobs
 than wall time) and of wall time. stdout: JSON lines with the load average; stderr: a table.
 
@@ -30,7 +30,7 @@ import shardwise as sw
 from shardwise.compression import PowerSGD
 from shardwise.models.gpt import GPT
 
-from _common import emit, gpt_config, loadavg, median, rotations
+from shardwise.benchmarks.timing import emit, gpt_config, loadavg, median, rotations
 
 
 class _Bucket:

@@ -21,7 +21,7 @@ each its own copy of the same seeded GPT with AdamW, the same per-rank batches:
                        different orders on the two ranks (a collective mismatch, seen on this link)
   torch_ddp            torch DistributedDataParallel, its built-in all-reduce, default buckets
 Each row first takes --warmup steps (past both PowerSGDs' uncompressed start iterations), then --rounds rounds of
---steps steps of every row, the order rotating every round (bench/_common.alternate). A step is forward + backward +
+--steps steps of every row, the order rotating every round (shardwise.benchmarks.timing.alternate). A step is forward + backward +
 optimizer step; per step the slowest rank counts; rows report the median and deciles, the bytes the kernel counted
 leaving this rank's veth per step (TCP/IP included: the real cost, torch's rows too) and, for ours, CommStats' wire
 bytes. Ratios: none / powersgd (goal >= 3) and torch_powersgd_hook / powersgd (goal >= 1: ours no slower), per
@@ -115,8 +115,7 @@ def _worker(out: Path, cfg: Config, veth: str, timeout: float) -> None:
     from shardwise.compression import PowerSGD
     from shardwise.models.gpt import GPT
 
-    sys.path.insert(0, str(HERE))
-    from _common import alternate, bench_corpus, gpt_config
+    from shardwise.benchmarks.timing import alternate, bench_corpus, gpt_config
 
     torch.set_num_threads(1)
     comm = sw.init(backend="gloo", timeout=timeout)
@@ -177,8 +176,7 @@ def _worker(out: Path, cfg: Config, veth: str, timeout: float) -> None:
 
 # ---- the parent: set up, run, report -----------------------------------------------------------------------------
 def _report(cfg: Config, results: list[dict[str, Any]]) -> None:
-    sys.path.insert(0, str(HERE))
-    from _common import emit, max_over_ranks, median, per_round_ratios, step_stats
+    from shardwise.benchmarks.timing import emit, max_over_ranks, median, per_round_ratios, step_stats
 
     per_step = {name: max_over_ranks([r[name]["times"] for r in results]) for name in cfg.rows}
     print(f"{'row':22s} {'median ms':>10s} {'p10':>8s} {'p90':>8s} {'kernel B/step':>14s} {'CommStats B':>12s}",
@@ -231,8 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         p.error("needs root and iproute2's ip and tc (network namespaces, a veth pair and a shaped qdisc)")
     cfg = Config(a.preset, a.batch_size, a.rank, a.start_iter, a.steps, a.rounds, a.warmup, rows)
-    sys.path.insert(0, str(HERE))
-    from _common import emit, loadavg
+    from shardwise.benchmarks.timing import emit, loadavg
 
     link = VethPair(prefix="swb")
     log_dir = Path(tempfile.mkdtemp(prefix="sw-netem-"))

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import alternate, comma_list, emit, loadavg, max_over_ranks, median, per_round_ratios, step_stats
+from shardwise.benchmarks.timing import alternate, comma_list, emit, loadavg, max_over_ranks, median, per_round_ratios, step_stats
 
 import shardwise as sw
 from shardwise import context_parallel as cp

@@ -35,7 +35,7 @@ import shardwise
 from shardwise.data import ByteCorpus
 from shardwise.models.gpt import GPT, GPTConfig
 
-from _common import (alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median,
+from shardwise.benchmarks.timing import (alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks, median,
                      per_round_ratios, step_stats, timed)
 
 GOAL = 0.95  # the target: shardwise step time <= 0.95 x torch DDP's

@@ -30,7 +30,7 @@ import shardwise as sw
 from shardwise.models.gpt import GPT, Block, GPTConfig
 from shardwise.tensor_parallel import saved_activations
 
-from _common import emit, loadavg
+from shardwise.benchmarks.timing import emit, loadavg
 
 WORLD = 2
 

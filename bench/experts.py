@@ -56,7 +56,7 @@ from shardwise.experts import expert_parallel
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.moe import MoE
 
-from _common import (alternate, bench_corpus, comma_list, emit, loadavg, max_over_ranks, median, per_round_ratios,
+from shardwise.benchmarks.timing import (alternate, bench_corpus, comma_list, emit, loadavg, max_over_ranks, median, per_round_ratios,
                      step_stats)
 
 COUNT_BYTES = 8  # the counts travel as int64

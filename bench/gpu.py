@@ -58,7 +58,7 @@ import torch.distributed as dist
 import shardwise
 from shardwise.models.gpt import GPT, PRESETS, Block, GPTConfig
 
-from _common import alternate, comma_list, emit, loadavg, median, per_round_ratios, step_stats
+from shardwise.benchmarks.timing import alternate, comma_list, emit, loadavg, median, per_round_ratios, step_stats
 
 ALL = ("plain", "sw_zero3", "sw_ddp", "fsdp2")
 GB = 1024**3

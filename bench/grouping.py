@@ -35,7 +35,7 @@ from torch import nn
 
 import shardwise
 
-from _common import alternate, comma_list, emit, loadavg, max_over_ranks, step_stats
+from shardwise.benchmarks.timing import alternate, comma_list, emit, loadavg, max_over_ranks, step_stats
 
 GOAL = 20.0  # the target: per-layer collectives / grouped collectives >= 20
 GOAL_VS_BEST = 1.1  # the default's step time within 1.1x of the best group size of the sweep

@@ -36,7 +36,7 @@ import torch
 import shardwise
 from shardwise.models.gpt import GPT, GPTConfig
 
-from _common import alternate, bench_corpus, comma_list, emit, median, rotations, step_stats
+from shardwise.benchmarks.timing import alternate, bench_corpus, comma_list, emit, median, rotations, step_stats
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 KB = 1024

@@ -41,7 +41,7 @@ from shardwise import pipeline as pp
 from shardwise.data import ByteCorpus
 from shardwise.models.gpt import GPT, GPTConfig, lm_loss
 
-from _common import alternate, bench_corpus, comma_list, emit, loadavg, max_over_ranks, median, step_stats
+from shardwise.benchmarks.timing import alternate, bench_corpus, comma_list, emit, loadavg, max_over_ranks, median, step_stats
 
 GOAL_1F1B = 1.0  # shardwise 1f1b step time <= 1.0 x torch Schedule1F1B's
 GOAL_ZB = 0.4  # zb_h1 bubble <= 0.4 x 1f1b's

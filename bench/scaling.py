@@ -47,7 +47,7 @@ import torch
 import shardwise
 from shardwise.models.gpt import GPT, Block
 
-from _common import (alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks,
+from shardwise.benchmarks.timing import (alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks,
                      step_stats)
 
 STAGES = (1, 2, 3)

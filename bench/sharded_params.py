@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import emit, gpt_config, loadavg, rotations, step_stats  # noqa: E402
-
-from shardwise.models.gpt import GPT  # noqa: E402
-from shardwise.sharded_tensor import ShardSpec, as_sharded  # noqa: E402
+from shardwise.benchmarks.timing import emit, gpt_config, loadavg, rotations, step_stats
+from shardwise.models.gpt import GPT
+from shardwise.sharded_tensor import ShardSpec, as_sharded
 
 IMPLS = ("plain", "sharded", "dtensor")
 

@@ -68,7 +68,7 @@ from shardwise.data import ByteCorpus  # noqa: E402
 from shardwise.whole.memory import peak_rss_bytes  # noqa: E402
 from shardwise.models.gpt import GPT, Block, GPTConfig  # noqa: E402
 
-from _common import (alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks,  # noqa: E402
+from shardwise.benchmarks.timing import (alternate, bench_corpus, comma_list, emit, gpt_config, loadavg, max_over_ranks,  # noqa: E402
                      median, per_round_ratios, step_stats, timed)
 
 MB = 1024 * 1024

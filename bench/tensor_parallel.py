@@ -48,7 +48,7 @@ from shardwise import tensor_parallel as tp
 from shardwise.data import ByteCorpus
 from shardwise.models.gpt import GPT, GPTConfig
 
-from _common import alternate, bench_corpus, emit, max_over_ranks, step_stats
+from shardwise.benchmarks.timing import alternate, bench_corpus, emit, max_over_ranks, step_stats
 
 GOAL = 0.8  # the target: shardwise step time <= 0.8 x DTensor's
 BLOCK_PLAN = {"blocks.*.attn.qkv": tp.Colwise(fused=3), "blocks.*.attn.proj": "rowwise",

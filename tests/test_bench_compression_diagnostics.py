@@ -17,15 +17,11 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling _common
-    try:
-        spec = importlib.util.spec_from_file_location("bench_compression", BENCH / "compression.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_compression", BENCH / "compression.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_late1_averages_each_step_the_previous_steps_gradients_with_fp32_bytes():

@@ -77,7 +77,6 @@ def test_without_a_peak_mfu_is_null_and_bf16_params_mode_runs():
 ])
 def test_bad_options_are_usage_errors(args, needle, monkeypatch, capsys):
     # In-process (the script's main), so four cases do not cost four interpreter starts.
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the script imports bench/_common.py
     spec = importlib.util.spec_from_file_location("bench_gpu_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there

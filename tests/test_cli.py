@@ -1,4 +1,4 @@
-"""Tests for the `shardwise` command line and the `demo` job it runs (cli.py, demo.py, __main__.py)."""
+"""Tests for the `shardwise` command line and the `demo` job it runs (shardwise_cli, shardwise.demo, __main__.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.cli import main
+from shardwise_cli import main
 from shardwise.demo import DemoOptions, lr_at, ring_all_reduce_bytes, run_demo
 from shardwise.models.gpt import GPT, GPTConfig
 
@@ -101,7 +101,8 @@ def test_options_validate_when_built_directly():
         (["--sequence-parallel"], "sequence_parallel needs tp > 1"),
         (["--cp", "2", "--nproc", "3"], "nproc=3 is not a multiple of cp x tp x pp = 2 x 1 x 1 = 2"),
         (["--cp", "2", "--dp", "2", "--nproc", "2"], "dp x cp x tp x pp = 2 x 2 x 1 x 1 = 4 ranks, but nproc=2"),
-        (["--cp", "2", "--tp", "2"], "cp=2 with tp=2 is not supported"),
+        (["--cp", "4", "--tp", "2", "--cp-method", "ulysses"], "cp_method='ulysses' needs cp=4 to divide the 'tiny' "
+                                                                "preset's n_heads=4 / tp=2"),
         (["--cp", "3"], "cp=3 splits each sequence into 2 x cp = 6 zigzag chunks, but the 'tiny' preset's seq_len=32"),
         (["--cp", "8", "--cp-method", "ulysses"], "cp_method='ulysses' needs cp=8 to divide the 'tiny' preset's "
                                                    "n_heads=4"),
@@ -128,8 +129,13 @@ def test_options_resolve_the_mesh_and_its_defaults():
     cube = DemoOptions(tp=2, pp=2)  # dp defaults to 1 when tp or pp is given; thread ranks
     assert (cube.nproc, cube.dp, cube.backend, cube.microbatches) == (4, 1, "thread", 4)
     assert DemoOptions(nproc=8, tp=2, pp=2).dp == 2 and DemoOptions(dp=3).nproc == 3
-    zero = DemoOptions(nproc=2, strategy="zero3")  # dp only, but sharded: through parallelize, on processes
-    assert zero.uses_mesh and zero.backend == "gloo" and zero.microbatches == 2
+    # dp only: every strategy wraps the whole model, as ddp does (no pipeline, no microbatches), on processes
+    zero = DemoOptions(nproc=2, strategy="zero3")
+    assert not zero.uses_mesh and zero.backend == "gloo" and zero.microbatches is None and zero.label == "zero3 x2"
+    hybrid = DemoOptions(dp=4, strategy="fsdp:hybrid_shard", dp_shard=2)
+    assert not hybrid.uses_mesh and hybrid.nproc == 4
+    accumulate = DemoOptions(nproc=2, strategy="zero3", microbatches=2)  # asked for: through parallelize
+    assert accumulate.uses_mesh and accumulate.microbatches == 2
 
 
 def test_five_axis_options_resolve():
@@ -287,15 +293,19 @@ def test_five_axis_demo_reports_cp_and_ep(tmp_path, corpus_file, capsys):
 @pytest.mark.parametrize("argv", [["--nproc", "2", "--strategy", "zero3"],
                                   ["--dp", "4", "--strategy", "fsdp:hybrid_shard", "--dp-shard", "2"]])
 def test_sharded_strategy_over_dp_only(argv, tmp_path, corpus_file, capsys):
+    """Over dp alone a sharded strategy wraps the whole model as DDP does (no pipeline): its bytes, counted on every
+    group it declares (hybrid_shard's shard and replicate groups too), meet its formula."""
     out = tmp_path / "runs"
     assert main(["demo", *argv, "--backend", "thread", "--steps", "3", "--data", corpus_file, "--out", str(out),
                  *FAST]) == 0
     printed = capsys.readouterr().out
     summary = json.loads((_only_run_dir(out) / "summary.json").read_text())
+    assert not summary["mesh_run"] and "Mesh dp=" not in printed  # no sw.parallelize, no describe()
     assert summary["wire_bytes_per_axis"]["tp"] == [0] and summary["wire_bytes_per_axis"]["pp"] == [0]
     assert min(summary["wire_bytes_per_axis"]["dp"]) > 0
     assert {"reduce_scatter", "all_gather"} <= set(summary["ops_per_axis"]["dp"])
-    assert "tp wire bytes/step" in printed and "0  (tp = 1)" in printed
+    assert summary["formula_wire_bytes"] and summary["wire_bytes_match"], summary["wire_bytes_per_step"]
+    assert "tp wire bytes/step" in printed and "0  (tp = 1)" in printed and "MATCH" in printed
     assert torch.isfinite(torch.tensor(summary["final_loss"]))
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import shardwise_cli
 from shardwise.benchmarks import ORDER, PEERS, BenchConfig, suite
-from shardwise.cli import main
+from shardwise_cli import main
 
 ROWS = ("local", "sw_ddp", "torch_ddp", "sw_zero3", "fsdp2", "ds_zero3")
 TINY = ["--preset", "tiny", "--batch-size", "2", "--rounds", "1", "--steps", "1"]
@@ -86,3 +86,55 @@ def test_bench_writes_table_and_plots_with_every_row(tmp_path, capsys, monkeypat
     # Same init, same batches: the distributed rows end at the same loss (the floor trains on half the batch).
     assert rows["sw_ddp"]["loss"] == pytest.approx(rows["torch_ddp"]["loss"], rel=1e-4)
     assert rows["sw_zero3"]["loss"] == pytest.approx(rows["fsdp2"]["loss"], rel=1e-4)
+    # The floor is checked (fastest, or why not) and the load recorded, in the table and on the terminal.
+    assert header["floor_check"].startswith("Floor: ") and header["floor_check"] in table
+    assert header["floor_check"] in printed and "load average before" in printed
+
+
+def _row(name: str, strategy: str, median: float, spread: float = 1.0, library: str = "shardwise") -> dict:
+    return {"row": name, "label": name, "library": library, "strategy": strategy, "status": "ok", "reason": None,
+            "install": None, "formula": "f", "formula_wire_bytes": 1 << 20, "estimate_model_states": 1 << 20,
+            "median_ms": median, "p10_ms": median - spread, "p90_ms": median + spread, "steps": 3,
+            "tokens_per_s": 1, "loss": 1.0, "wire_bytes": 1 << 20, "wire_bytes_source": "measured", "ops": {},
+            "vs_floor": None, "model_states": 1 << 20, "peak_rss_delta": 1 << 20}
+
+
+def test_the_floor_check_says_why_a_row_beats_the_floor():
+    from shardwise.benchmarks.report import floor_check
+
+    floor = _row("local", "none", 100.0, library="torch")
+    assert "is the fastest" in floor_check([floor, _row("sw_ddp", "ddp", 120.0)])
+    noisy = floor_check([floor, _row("sw_ddp", "ddp", 99.0, spread=5.0)])
+    assert "not the fastest" in noisy and "sw_ddp (99.0 ms, 1% under it) is within this run's noise" in noisy
+    sharded = floor_check([floor, _row("sw_zero3", "zero3", 80.0)])
+    assert "sw_zero3 (80.0 ms, 20% under it) shards the optimizer step" in sharded
+    suspect = floor_check([floor, _row("sw_ddp", "ddp", 80.0)])
+    assert "no mechanism that explains it: do not trust this run's figures" in suspect
+    assert "did not run" in floor_check([_row("sw_ddp", "ddp", 80.0)])
+
+
+def test_every_plot_has_a_legend_and_units(tmp_path, monkeypatch):
+    from shardwise.benchmarks import report
+
+    drawn = {}
+
+    def capture(fig, path, dpi):
+        (ax,) = fig.axes
+        drawn[path.name] = (ax.get_legend() is not None, ax.get_xlabel(), ax.get_ylabel())
+
+    monkeypatch.setattr(report, "save_figure", capture)
+    rows = [_row("local", "none", 100.0, library="torch"), _row("sw_ddp", "ddp", 120.0),
+            _row("torch_ddp", "ddp", 118.0, library="torch"), _row("ds_zero3", "zero3", 130.0, library="deepspeed")]
+    header = {"config": {"preset": "tiny", "nproc": 2, "batch_size": 2, "lr": 1e-3, "warmup": 1, "rounds": 1,
+                         "steps": 1, "memory_steps": 1}, "num_params": 1000, "seq_len": 8, "tokens_per_step": 32,
+              "torch": "x", "python": "x", "cpus": 2, "loadavg_before": [9.0, 1, 1], "loadavg_after": [1, 1, 1],
+              "wall_s": 1, "started": "now", "floor_check": report.floor_check(rows),
+              "load_warning": "warning: the load average 9.00 exceeds the 2 usable cores"}
+    report.write_report(report.BenchResult(tmp_path, rows, header))
+    assert set(drawn) == set(report.PLOTS)
+    for name, (legend, xlabel, ylabel) in drawn.items():
+        assert legend and xlabel, name
+        assert any(unit in ylabel for unit in ("ms", "MiB")), (name, ylabel)
+    text = (tmp_path / "results.md").read_text()
+    assert "Floor: the no-communication row is the fastest (100.0 ms)" in text
+    assert "**Warning: the load average 9.00 exceeds the 2 usable cores.**" in text

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import shardwise
-from shardwise.cli import main
+from shardwise_cli import main
 from shardwise.demo import DemoOptions, run_demo
 
 FAST = ["--preset", "tiny", "--no-progress", "--backend", "thread"]
@@ -49,9 +49,26 @@ def test_early_stop_stops_every_rank_together(corpus_file, tmp_path):
     assert [int(v[0]) for v in s.validation] == [2, 5, 8]
 
 
-def test_compare_writes_one_plot_per_kind_with_every_strategy(corpus_file, tmp_path, capsys):
+def test_compare_writes_one_plot_per_kind_with_every_strategy(corpus_file, tmp_path, capsys, monkeypatch):
+    from shardwise.demo import compare, report
+
+    labels = {}
+
+    def recorded(save):
+        def save_figure(fig, path, dpi):
+            (ax,) = fig.axes
+            labels[path.name] = (ax.get_legend() is not None, ax.get_xlabel(), ax.get_ylabel())
+            save(fig, path, dpi=dpi)
+        return save_figure
+
+    monkeypatch.setattr(compare, "save_figure", recorded(compare.save_figure))
+    monkeypatch.setattr(report, "save_figure", recorded(report.save_figure))
     assert main(["demo", *FAST, "--steps", "3", "--data", corpus_file, "--out", str(tmp_path),
                  "--compare", "ddp,zero3,fsdp:shard_grad_op"]) == 0
+    # every plot (each run's loss.png, the comparison's two) has a legend and its units
+    assert set(labels) == {"loss.png", "loss_vs_time.png", "memory.png"}
+    for name, (legend, xlabel, ylabel) in labels.items():
+        assert legend and xlabel and any(unit in ylabel for unit in ("nats/byte", "MiB")), (name, xlabel, ylabel)
     (folder,) = tmp_path.iterdir()
     assert folder.name.endswith("-compare")
     for plot in ("loss_vs_time.png", "memory.png"):
@@ -59,10 +76,58 @@ def test_compare_writes_one_plot_per_kind_with_every_strategy(corpus_file, tmp_p
     table = (folder / "compare.md").read_text()
     for name in ("ddp", "zero3", "fsdp:shard_grad_op"):
         assert f"| {name} |" in table
-    runs = json.loads((folder / "compare.json").read_text())
+    compared = json.loads((folder / "compare.json").read_text())
+    runs = compared["runs"]
     assert [r["options"]["strategy"] for r in runs] == ["ddp", "zero3", "fsdp:shard_grad_op"]
+    assert "alternating" in compared["method"] and "Load average" in compared["method"]
+    assert all(not r["mesh_run"] for r in runs)  # over dp alone every strategy takes the path ddp takes
     # Same init, same batches: every strategy trains to the same loss.
     assert runs[1]["final_loss"] == pytest.approx(runs[0]["final_loss"], rel=1e-4)
+
+
+def test_compare_alternates_blocks_in_rotating_order(monkeypatch):
+    """The strategies take turns in blocks of BLOCK_STEPS steps, the first of each round rotating, so that a slow
+    phase of the machine falls on all of them: never one strategy's whole run, then the next's."""
+    from shardwise.comm import ThreadWorld
+    from shardwise.demo import compare
+
+    order: list[tuple[str, int]] = []
+
+    class Recorded:  # stands in for a rank's run: records which strategy stepped when
+        def __init__(self, comm, options):
+            self.options, self.steps, self.done = options, 0, False
+
+        def step(self):
+            order.append((self.options.strategy, self.steps))
+            self.steps += 1
+            self.done = self.steps == self.options.steps
+
+        def result(self):
+            return {"strategy": self.options.strategy, "steps": self.steps}
+
+    monkeypatch.setattr(compare, "start_run", Recorded)
+    steps = 2 * compare.BLOCK_STEPS + 1
+    variants = [DemoOptions(strategy=name, nproc=1, steps=steps, preset="tiny") for name in ("ddp", "zero3")]
+    (comm,) = ThreadWorld(1).communicators()
+    results = compare.compare_rank(comm, variants, progress=False)
+    assert results == [{"strategy": "ddp", "steps": steps}, {"strategy": "zero3", "steps": steps}]
+    b = compare.BLOCK_STEPS
+
+    def block(name, first, n=b):
+        return [(name, k) for k in range(first, first + n)]
+
+    # round 1: ddp then zero3; round 2 starts with zero3; round 3 (the last step of each) with ddp again
+    assert order == (block("ddp", 0) + block("zero3", 0) + block("zero3", b) + block("ddp", b)
+                     + block("ddp", 2 * b, 1) + block("zero3", 2 * b, 1))
+
+
+def test_compare_refuses_variants_that_differ_in_more_than_the_strategy(tmp_path):
+    from shardwise.demo import run_compare
+
+    with pytest.raises(ValueError, match="differ only in strategy; 'zero3' differs from 'ddp'"):
+        run_compare([DemoOptions(strategy="ddp", nproc=2, out=str(tmp_path)),
+                     DemoOptions(strategy="zero3", nproc=2, batch_size=4, out=str(tmp_path))])
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("argv, needle", [

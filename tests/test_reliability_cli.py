@@ -74,7 +74,7 @@ def test_the_vocabulary_is_the_librarys():
     # Spelled in shardwise_cli so that the parser needs no torch; these are the values the library accepts.
     assert shardwise_cli.STRATEGIES == DP_STRATEGIES == demo.STRATEGIES
     assert shardwise_cli.PRESETS == tuple(sorted(PRESETS))
-    assert demo.SCHEDULES is shardwise_cli.SCHEDULES
+    assert demo.SCHEDULES == shardwise_cli.SCHEDULES  # the library spells its own: it never imports the CLI
     options = DemoOptions()
     assert shardwise_cli.DEMO_DEFAULTS == {name: getattr(options, name) for name in shardwise_cli.DEMO_DEFAULTS}
     parsed = shardwise_cli.build_parser().parse_args(["demo"])
@@ -163,7 +163,7 @@ def test_a_run_directory_that_fails_after_training_is_one_line(tmp_path, corpus_
     def refuse(out: Path) -> Path:
         raise PermissionError(13, "Permission denied", str(out / "20260101-000000"))
 
-    monkeypatch.setattr(demo, "make_run_dir", refuse)  # e.g. the folder was made read-only during training
+    monkeypatch.setattr(demo.run, "make_run_dir", refuse)  # e.g. the folder was made read-only during training
     out = tmp_path / "runs"
     assert main(["demo", *FAST, "--data", corpus_file, "--out", str(out)]) == 1
     assert capsys.readouterr().err == (f"shardwise demo: cannot write the run directory under {out}: Permission "

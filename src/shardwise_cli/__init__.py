@@ -13,8 +13,9 @@ and what is allowed, before any rank starts (and before torch is imported). A pa
 that cannot be written, a `--data` that cannot be trained on) is one line on stderr and exit code 1.
 
 The option vocabulary the parser offers (strategies, schedules, presets, defaults) is spelled in common.py, torch-free;
-`shardwise.demo` imports `SCHEDULES` from here, and tests/test_reliability_cli.py checks that the rest equals the
-library's (`hybrid.DP_STRATEGIES`, `models.gpt.PRESETS`, `demo.DemoOptions()`).
+the library spells its own and never imports this package (tests/test_import_graph.py), and
+tests/test_reliability_cli.py checks that the two agree (`hybrid.DP_STRATEGIES`, `demo.SCHEDULES`,
+`models.gpt.PRESETS`, `demo.DemoOptions()`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard")
 #: Other names the demo accepts for a strategy (demo.STRATEGY_ALIASES): Lightning's "fsdp" is full sharding.
 STRATEGY_ALIASES = {"fsdp": "fsdp:full_shard"}
-#: Pipeline schedules the demo offers (zb_h1 is left out: parallelize allows it with DDP only).
+#: Pipeline schedules the demo offers (demo.SCHEDULES; zb_h1 is left out: parallelize allows it with DDP only).
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 #: Context-parallel attention methods (context_parallel.METHODS; tests/test_cli.py checks they agree).
 CP_METHODS = ("ring", "ulysses")

@@ -34,7 +34,7 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
         description="Train the byte-level GPT on local ranks (gloo processes on 127.0.0.1, or threads) with a "
         "data-parallel strategy over a dp x cp x tp x pp mesh (with ep borrowed from dp x cp for a mixture of "
         "experts), print a summary (loss, step time, tokens/s, wire bytes "
-        "per step: against the DDP formula for plain DDP, per mesh axis otherwise; memory per rank) and write "
+        "per step per mesh axis, against the strategy's formula over dp alone; memory per rank) and write "
         "metrics.jsonl, summary.json and loss.png under OUT/<timestamp>/.",
     )
     p.add_argument("--nproc", type=positive_int, default=None,
@@ -48,8 +48,9 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-gb", type=positive_float, default=None,
                    help="memory per rank the planner may use with --strategy auto (default: available RAM / ranks)")
     p.add_argument("--compare", type=_demo_strategies, default=None, metavar="S1,S2,...",
-                   help="train once per strategy (comma list of --strategy values), then draw their loss against "
-                   "time on one plot and their memory per rank on one bar chart")
+                   help="train once per strategy (comma list of --strategy values), alternating blocks of steps in "
+                   "the same processes so that load hits them alike, each on the path it takes alone; then draw "
+                   "their loss against time on one plot and their memory per rank on one bar chart")
     p.add_argument("--early-stop", type=positive_int, default=None, metavar="PATIENCE",
                    help="hold out the last 10%% of the corpus, evaluate every --eval-every steps, and stop every "
                    "rank together (sw.agree) after PATIENCE evaluations without improvement")
@@ -168,7 +169,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return fail("demo", f"cannot write the run directory under {options.out}: {reason}")
     try:
         if args.compare:
-            from shardwise.demo_compare import run_compare
+            from shardwise.demo import run_compare
 
             run_compare(variants)
         else:

@@ -135,11 +135,9 @@ def _run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     links = Links(args.gpus, node, args.gpu_mem * 1e9, intra_node_gbps=args.intra_node_gbps,
                   inter_node_gbps=args.inter_node_gbps)
     allowed = {"offload": not args.no_offload}
-    if experts is not None:  # the tensor-parallel plans do not split experts
-        allowed["tensor_parallel"] = False
     if facts is not None:
-        allowed.update(tensor_parallel=facts.tp_plan is not None and experts is None,
-                       pipeline=facts.pipeline_layers is not None,
+        allowed.update(tensor_parallel=facts.tp_plan is not None,  # MoE: experts kept whole on each tp rank
+                       pipeline=facts.pipeline_layers is not None and not facts.moe_balance_loss,
                        max_pp=facts.pipeline_layers)
     try:
         result = plan(work, links, strategy=args.strategy, **allowed)

@@ -3,7 +3,8 @@ and the no-communication floor.
 
     row         what it runs                                                     peer of
     local       the plain model, no communication: each rank trains its own      (the compute floor)
-                replica
+                replica on its own batch (the per-rank work of sw_ddp: forward,
+                backward, AdamW over every parameter, without the all-reduce)
     sw_ddp      shardwise.DDP                                                    torch_ddp
     torch_ddp   torch.nn.parallel.DistributedDataParallel(model)
     sw_zero1    shardwise.ZeRO(stage=1, wrap=Block)                              ds_zero1

@@ -1,26 +1,46 @@
 """The run directory of `shardwise bench`: results.md (a markdown table), results.jsonl, and three plots.
 
-Plots (matplotlib, the `[bench]` extra; without it the table says how to get them): step_time.png, the median step
-per row with its 10th-90th percentile range and the no-communication floor as a line; memory.png, per row the
-model states measured beside the ZeRO estimate, and the peak RSS the row added; bytes.png, wire bytes per rank per
-step, measured (shardwise) or the textbook formula (peers), beside the formula.
+Plots (matplotlib, the `[bench]` extra; without it the table says how to get them), each with a legend and its
+units: step_time.png, the median step per row with its 10th-90th percentile range, coloured by library, and the
+no-communication floor as a line; memory.png, per row the model states measured beside the ZeRO estimate, and the
+peak RSS the row added; bytes.png, wire bytes per rank per step, measured (shardwise) or the textbook formula
+(peers), beside the formula.
+
+The floor (`floor_check`): the "local" row does each rank's work of a data-parallel row (its batch, forward,
+backward, AdamW over every parameter) with no communication, so it should be the fastest row. When a row beats it
+the report says why: within the run's noise (the two p10-p90 ranges overlap), or a strategy that shards the
+optimizer step (ZeRO: each rank updates 1/N of the parameters, less work than the floor's whole update, which cheap
+same-host communication can more than pay for), or, with neither, that the run's figures are not to be trusted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from ..files import save_figure, write_text
 
-if TYPE_CHECKING:
-    from .suite import BenchResult
-
-__all__ = ["write_report", "markdown_table", "PLOTS"]
+__all__ = ["BenchResult", "write_report", "markdown_table", "floor_check", "PLOTS"]
 
 #: The plot files a run directory holds when matplotlib is installed.
 PLOTS = ("step_time.png", "memory.png", "bytes.png")
 _MATPLOTLIB = "pip install 'shardwise[bench]' (matplotlib)"
+#: Strategies whose ranks each run the optimizer step over 1/N of the parameters (ZeRO's partitioned optimizer).
+SHARDED_OPTIMIZER = ("zero1", "zero2", "zero3")
+_COLORS = {"shardwise": "#4c72b0", "torch": "#dd8452", "deepspeed": "#55a868"}
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """What `run_bench` (suite.py) measured and this module writes: the run directory, the rows (one dict each, as
+    results.jsonl holds them; a row that did not run has status "missing" and its install line), and the run's header
+    (configuration, machine)."""
+
+    run_dir: Path
+    rows: list[dict[str, Any]]
+    header: dict[str, Any]
 
 
 def _mib(n: int | None) -> str:
@@ -48,6 +68,33 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def floor_check(rows: list[dict[str, Any]]) -> str:
+    """Whether the no-communication floor ("local") is the fastest row of those that ran, and if not, why (the
+    module docstring)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    floor = next((r for r in ok if r["row"] == "local"), None)
+    if floor is None:
+        return "Floor: the no-communication row did not run (--impls without local), so no row is checked against it."
+    faster = sorted((r for r in ok if r is not floor and r["median_ms"] < floor["median_ms"]),
+                    key=lambda r: r["median_ms"])
+    if not faster:
+        return (f"Floor: the no-communication row is the fastest ({floor['median_ms']:,.1f} ms), as it should be: "
+                f"every other row does its work plus communication.")
+    why = []
+    for r in faster:
+        gap = f"{r['row']} ({r['median_ms']:,.1f} ms, {1 - r['median_ms'] / floor['median_ms']:.0%} under it)"
+        if r["p90_ms"] >= floor["p10_ms"]:
+            why.append(f"{gap} is within this run's noise: its p10-p90 range overlaps the floor's")
+        elif r["strategy"] in SHARDED_OPTIMIZER:
+            why.append(f"{gap} shards the optimizer step: each rank updates 1/N of the parameters, less work than "
+                       f"the floor's whole AdamW step, and same-host communication costs less than it saves")
+        else:
+            why.append(f"{gap} beats it with no mechanism that explains it: do not trust this run's figures "
+                       f"(see the load average)")
+    return (f"Floor: the no-communication row ({floor['median_ms']:,.1f} ms) is not the fastest: "
+            + "; ".join(why) + ".")
+
+
 def _markdown(result: BenchResult, plots_note: str) -> str:
     h = result.header
     c = h["config"]
@@ -61,9 +108,11 @@ def _markdown(result: BenchResult, plots_note: str) -> str:
         f"per row, alternating; memory runs of {c['memory_steps']} steps per row in fresh processes.",
         f"torch {h['torch']}, Python {h['python']}, {h['cpus']} CPUs; load average before {h['loadavg_before']}, "
         f"after {h['loadavg_after']}; wall {h['wall_s']} s; started {h['started']}.",
+        *([f"**{h['load_warning'][0].upper()}{h['load_warning'][1:]}.**"] if h.get("load_warning") else []),
         "",
         markdown_table(result.rows),
         "",
+        *([h["floor_check"], ""] if h.get("floor_check") else []),
         "Step time: per step the slowest rank, median (and 10th-90th percentile) over the measured steps; x floor "
         "is the ratio to the no-communication row. Wire bytes: per rank per step, counted by shardwise's CommStats "
         "(ring cost), or the textbook formula for peers it cannot count; G = fp32 gradient bytes, N = ranks. Model "
@@ -92,8 +141,7 @@ def _plots(result: BenchResult) -> str:
 
     ok = [r for r in result.rows if r["status"] == "ok"]
     names = [r["row"] for r in ok]
-    colors = ["#4c72b0" if r["library"] == "shardwise" else "#dd8452" if r["library"] != "deepspeed" else "#55a868"
-              for r in ok]
+    colors = [_COLORS.get(r["library"], _COLORS["torch"]) for r in ok]
     title = (f"GPT {result.header['config']['preset']} ({result.header['num_params'] / 1e6:.1f}M), "
              f"{result.header['config']['nproc']} gloo ranks")
     xs = range(len(ok))
@@ -102,11 +150,14 @@ def _plots(result: BenchResult) -> str:
     medians = [r["median_ms"] for r in ok]
     errors = [[m - r["p10_ms"] for m, r in zip(medians, ok)], [r["p90_ms"] - m for m, r in zip(medians, ok)]]
     ax.bar(xs, medians, yerr=errors, color=colors, capsize=3)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=_COLORS[lib], label=lib) for lib in _COLORS if lib in {r["library"] for r in ok}]
     floor = next((r["median_ms"] for r in ok if r["row"] == "local"), None)
     if floor is not None:
-        ax.axhline(floor, color="gray", ls="--", lw=1, label="no-communication floor")
-        ax.legend()
-    ax.set_ylabel("step time (ms, median; p10-p90)")
+        handles.append(ax.axhline(floor, color="gray", ls="--", lw=1, label="no-communication floor"))
+    ax.legend(handles=handles, fontsize=8, title="library", title_fontsize=8)
+    ax.set_ylabel("step time (ms, median; bars p10-p90)")
     ax.set_title(f"step time per strategy: {title}")
     _finish(plt, fig, ax, names, result.run_dir / "step_time.png")
 
@@ -137,6 +188,7 @@ def _plots(result: BenchResult) -> str:
 def _finish(plt: Any, fig: Any, ax: Any, names: list[str], path: Any) -> None:
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.set_xlabel("row (implementation)")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     save_figure(fig, path, dpi=110)

@@ -16,9 +16,13 @@ Mechanism
    for `memory_steps` steps: its peak RSS above the peak before the model was built (the library already
    imported), and its model states per rank (params + grads + optimizer state, `peers.Runner.held_bytes`),
    compared with `sw.estimate_memory` (fp32 AdamW: 16 bytes per parameter for DDP, ZeRO paper section 5).
-4. The run directory (`runs/bench-<YYYYmmdd-HHMMSS>` by default): results.md (the table, the missing peers with
-   their install line, the machine and configuration), results.jsonl (one JSON line per row, after one line for the
-   run), step_time.png, memory.png and bytes.png (matplotlib: `pip install 'shardwise[bench]'`).
+4. The checks: the no-communication floor must be the fastest row, or the report says why not
+   (`report.floor_check`); the load average before and after is printed and recorded, with a warning when it
+   exceeds the usable cores (`timing.load_warning`: single figures are then noise, only this run's ratios hold).
+5. The run directory (`runs/bench-<YYYYmmdd-HHMMSS>` by default): results.md (the table, the floor check, the
+   missing peers with their install line, the machine and configuration), results.jsonl (one JSON line per row,
+   after one line for the run), step_time.png, memory.png and bytes.png (matplotlib: `pip install
+   'shardwise[bench]'`).
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ from ..models.gpt import GPT, PRESETS
 from ..whole.memory import peak_rss_bytes
 from . import formulas
 from .peers import ORDER, PEERS, build, missing, prepare
-from .report import write_report
-from .timing import alternate, bench_corpus, gpt_config, loadavg, max_over_ranks, step_stats
+from .report import BenchResult, floor_check, write_report
+from .timing import alternate, bench_corpus, gpt_config, load_warning, loadavg, max_over_ranks, step_stats
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench", "default_out"]
 
@@ -99,16 +103,6 @@ class BenchConfig:
         """`--quick`: the small preset, 4 sequences per rank, 2 + 3 x 3 steps per row, 2-step memory runs."""
         settings: dict[str, Any] = dict(preset="small", batch_size=4, warmup=2, rounds=3, steps=3, memory_steps=2)
         return cls(**{**settings, **overrides})
-
-
-@dataclasses.dataclass
-class BenchResult:
-    """What `run_bench` measured: the run directory, the rows (one dict each, as results.jsonl holds them; a row
-    that did not run has status "missing" and its install line), and the run's header (configuration, machine)."""
-
-    run_dir: Path
-    rows: list[dict[str, Any]]
-    header: dict[str, Any]
 
 
 def default_out() -> Path:
@@ -211,6 +205,10 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike[str] | None = None, *, ec
                   for name in cfg.impls if name not in runnable), flush=True)
     started = time.perf_counter()
     load_before = loadavg()
+    say(f"  load average before: {', '.join(map(str, load_before))} (1, 5, 15 min) on {os.cpu_count()} CPUs",
+        flush=True)
+    if load_warning(load_before):
+        say(f"  {load_warning(load_before)}", flush=True)
     if runnable:
         say(f"  timed run: {len(runnable)} rows alternating, {cfg.warmup} + {cfg.rounds} x {cfg.steps} steps each",
             flush=True)
@@ -235,13 +233,20 @@ def run_bench(cfg: BenchConfig, out: str | os.PathLike[str] | None = None, *, ec
                 rows[name].update(peak_rss_delta=max(r["peak_rss"] - r["peak_before"] for r in ranks),
                                   peak_rss=max(r["peak_rss"] for r in ranks),
                                   model_states=None if None in states else max(states))
+    load_after = loadavg()
     header = {"config": dataclasses.asdict(cfg), "num_params": num_params, "grad_bytes": grad_bytes,
               "tokens_per_step": tokens, "seq_len": config.seq_len, "torch": torch.__version__,
               "python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_before": load_before,
-              "loadavg_after": loadavg(), "wall_s": round(time.perf_counter() - started, 1),
-              "started": datetime.datetime.now().isoformat(timespec="seconds")}
+              "loadavg_after": load_after, "wall_s": round(time.perf_counter() - started, 1),
+              "started": datetime.datetime.now().isoformat(timespec="seconds"),
+              "floor_check": floor_check(list(rows.values())) if runnable else None,
+              "load_warning": load_warning(load_before) or load_warning(load_after)}
     result = BenchResult(run_dir, [rows[name] for name in cfg.impls], header)
     table = write_report(result)
     say(table)
+    if header["floor_check"]:
+        say(header["floor_check"])
+    if header["load_warning"]:
+        say(header["load_warning"])
     say(f"run directory: {run_dir}")
     return result

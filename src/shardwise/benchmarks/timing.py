@@ -8,8 +8,11 @@ single figures by 15-25%, so only ratios measured in one alternating run mean an
 every rank; `max_over_ranks` keeps, per step (and per section of a step), the slowest rank, and `step_stats` turns
 them into the median and deciles. `per_round_ratios` compares two implementations round by round (blocks run back
 to back), which a burst of load moves less than the ratio of overall medians. `emit` writes one JSON line.
+`loadavg` and `load_warning` say how busy the machine was: a 1-minute load average above the usable cores means
+other processes took turns on them, and single figures are noise (only the ratios of one alternating run hold).
 
-Used by `shardwise bench` (shardwise.benchmarks.suite) and, through bench/_common.py, by the scripts in bench/.
+The one timing harness of the project: `shardwise bench` (shardwise.benchmarks.suite), `shardwise demo --compare`
+(shardwise.demo.compare) and every script in bench/ import it from here.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ __all__ = [
     "comma_list",
     "emit",
     "gpt_config",
+    "load_warning",
     "loadavg",
+    "usable_cpus",
     "max_over_ranks",
     "median",
     "per_round_ratios",
@@ -106,6 +111,23 @@ def emit(record: dict[str, Any]) -> None:
 def loadavg() -> list[float]:
     """The 1, 5 and 15-minute load averages (2 decimals): how busy the shared machine was."""
     return [round(v, 2) for v in os.getloadavg()]
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity: containers, taskset), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_warning(load: Sequence[float], cpus: int | None = None) -> str | None:
+    """A one-line warning when the 1-minute load average `load[0]` exceeds the usable cores, else None."""
+    cpus = cpus or usable_cpus()
+    if not load or load[0] <= cpus:
+        return None
+    return (f"warning: the load average {load[0]:.2f} exceeds the {cpus} usable cores: other processes share them, "
+            f"so single step times are noisy; compare implementations within one alternating run, never across runs")
 
 
 def comma_list(text: str, kind: Callable[[str], T] = str) -> list[T]:  # type: ignore[assignment]

@@ -30,11 +30,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -45,6 +42,7 @@ from ..comm.objects import all_gather_json
 from .optim_load import stage_optimizer
 from .reader import Reader, fill_held
 from .save import model_comm, strategy_name
+from .staged import Staged
 from .storage import METADATA, CheckpointError, CheckpointMismatch, resolve_checkpoint
 from .strategy_state import PREFIX, declared_states, stage_strategy_state
 from .validate import read_metadata, rng_states, tensor_dtype
@@ -55,121 +53,74 @@ log = logging.getLogger("shardwise.checkpoint")
 _LISTED = 10  # problems named in one error message
 
 
-class Staged:
-    """What one rank will write at commit, and what it found wrong (see the module docstring, steps 1-2)."""
+def _stage(staged: Staged, path: str | os.PathLike, comm: Communicator, verify: bool, restore_rng: bool,
+           stack: contextlib.ExitStack, reset_strategy_state: bool = False) -> None:
+    """Step 2 (and the fit checks of step 1): read every box this rank holds into `staged`'s copies."""
+    root, staged.directory = resolve_checkpoint(path)
+    staged.metadata = read_metadata(staged.directory, root)
+    reader = Reader(root, staged.directory, staged.metadata, verify, stack)
+    for pl in layout.placements(staged.model).values():
+        what = f"parameter {pl.name!r}"
+        entry = staged.match(f"param/{pl.name}", what, pl.shape, pl.param.dtype)
+        if entry is not None:
+            held = local(pl.param)  # this rank's piece (sharded_tensor.py)
+            copy = torch.empty(held.shape, dtype=held.dtype)
+            fill_held(reader, entry, what, pl, copy)
+            staged.copies.append((held, copy))
+    for name, b in layout.buffers(staged.model).items():
+        entry = staged.match(f"buffer/{name}", f"buffer {name!r}", tuple(b.shape), b.dtype)
+        if entry is not None:
+            copy = torch.empty(b.shape, dtype=b.dtype)
+            reader.fill(entry, f"buffer {name!r}", copy, layout.full_box(b.shape))
+            staged.copies.append((b, copy))
+    if staged.optimizer is not None:
+        stage_optimizer(staged, reader)
+    stage_strategy_state(staged, reader, comm, strategy_name(staged.model), reset_strategy_state)
+    rng = staged.metadata.get("rng", {})
+    if restore_rng and staged.metadata["world_size"] == comm.size and str(comm.rank) in rng:
+        _stage_rng(staged, reader, rng[str(comm.rank)], comm.rank)
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.directory: Path | None = None
-        self.metadata: dict[str, Any] = {}
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live tensor, staged host copy)
-        self.group_values: list[dict[str, Any]] = []
-        self.optim_state: list[tuple[torch.Tensor, dict[str, Any]]] = []
-        self.rng: tuple[Any, ...] | None = None
-        self.problems: dict[str, str] = {}  # checkpoint name (or "optimizer", "param_groups") -> what is wrong
-        self.consumed: set[str] = set()
-        self.optim_checked = optimizer is not None  # False: optim/* tensors are neither loaded nor unexpected
-        self.strategy_loads: list[tuple[layout.ExtraState, dict[str, Any]]] = []  # (declared state, staged dict)
 
-    def match(self, name: str, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any] | None:
-        """The checkpoint's entry for `name` if it has the model's shape and dtype, else None (problem recorded)."""
-        entry = self.metadata["tensors"].get(name)
-        if entry is None:
-            self.problems[name] = f"{what} is not in the checkpoint"
-            return None
-        self.consumed.add(name)
-        if list(entry["shape"]) != list(shape):
-            self.problems[name] = (f"{what} has shape {tuple(shape)} in the model but {tuple(entry['shape'])} in "
-                                   f"the checkpoint")
-        elif tensor_dtype(entry["dtype"], name) != dtype:
-            self.problems[name] = (f"{what} is {str(dtype).removeprefix('torch.')} in the model but "
-                                   f"{entry['dtype']} in the checkpoint")
-        return None if name in self.problems else entry
+def _stage_rng(staged: Staged, reader: Reader, saved: Any, rank: int) -> None:
+    where = str(staged.directory / METADATA)
+    python, numpy_state, keys, file = rng_states(saved, where, rank)
+    states: dict[str, torch.Tensor] = {}
+    for name, key in keys.items():
+        state = reader.tensor(file, key).clone()
+        index = name.removeprefix("rng/cuda")
+        try:
+            if name == "rng/torch":
+                torch.Generator().set_state(state)  # a fresh generator: checks without applying
+            elif not (name.startswith("rng/cuda") and index.isdigit() and state.dtype == torch.uint8):
+                raise ValueError(f"unknown generator {name!r} or state of dtype {state.dtype}")
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"{where}: the RNG entry of rank {rank} is malformed ({exc})") from None
+        states[name] = state
+    staged.rng = (python, numpy_state, states)
 
-    def stage(self, path: str | os.PathLike, comm: Communicator, verify: bool, restore_rng: bool,
-              stack: contextlib.ExitStack, reset_strategy_state: bool = False) -> None:
-        root, self.directory = resolve_checkpoint(path)
-        self.metadata = read_metadata(self.directory, root)
-        reader = Reader(root, self.directory, self.metadata, verify, stack)
-        for pl in layout.placements(self.model).values():
-            what = f"parameter {pl.name!r}"
-            entry = self.match(f"param/{pl.name}", what, pl.shape, pl.param.dtype)
-            if entry is not None:
-                held = local(pl.param)  # this rank's piece (sharded_tensor.py)
-                staged = torch.empty(held.shape, dtype=held.dtype)
-                fill_held(reader, entry, what, pl, staged)
-                self.copies.append((held, staged))
-        for name, b in layout.buffers(self.model).items():
-            entry = self.match(f"buffer/{name}", f"buffer {name!r}", tuple(b.shape), b.dtype)
-            if entry is not None:
-                staged = torch.empty(b.shape, dtype=b.dtype)
-                reader.fill(entry, f"buffer {name!r}", staged, layout.full_box(b.shape))
-                self.copies.append((b, staged))
-        if self.optimizer is not None:
-            stage_optimizer(self, reader)
-        stage_strategy_state(self, reader, comm, strategy_name(self.model), reset_strategy_state)
-        rng = self.metadata.get("rng", {})
-        if restore_rng and self.metadata["world_size"] == comm.size and str(comm.rank) in rng:
-            self._stage_rng(reader, rng[str(comm.rank)], comm.rank)
 
-    def _stage_rng(self, reader: Reader, saved: Any, rank: int) -> None:
-        where = str(self.directory / METADATA)
-        python, numpy_state, keys, file = rng_states(saved, where, rank)
-        states: dict[str, torch.Tensor] = {}
-        for name, key in keys.items():
-            state = reader.tensor(file, key).clone()
-            index = name.removeprefix("rng/cuda")
-            try:
-                if name == "rng/torch":
-                    torch.Generator().set_state(state)  # a fresh generator: checks without applying
-                elif not (name.startswith("rng/cuda") and index.isdigit() and state.dtype == torch.uint8):
-                    raise ValueError(f"unknown generator {name!r} or state of dtype {state.dtype}")
-            except (RuntimeError, ValueError, TypeError) as exc:
-                raise CheckpointError(f"{where}: the RNG entry of rank {rank} is malformed ({exc})") from None
-            states[name] = state
-        self.rng = (python, numpy_state, states)
+def _unexpected_here(staged: Staged, partitioned: bool) -> dict[str, Any]:
+    """This rank's part of the agreement record: the checkpoint tensors it did not consume, or (pipeline stages,
+    which each consume a part) the ones it did, the shorter list."""
+    states = {"states": sorted(declared_states(staged.model, staged.optimizer))}
+    if partitioned:
+        return {"consumed": sorted(staged.consumed), "optim": staged.optim_checked, **states}
+    return {"unexpected": sorted(_unconsumed(staged, staged.consumed, staged.optim_checked)), **states}
 
-    def unexpected_here(self, partitioned: bool) -> dict[str, Any]:
-        """This rank's part of the agreement record: the checkpoint tensors it did not consume, or (pipeline stages,
-        which each consume a part) the ones it did, the shorter list."""
-        states = {"states": sorted(declared_states(self.model, self.optimizer))}
-        if partitioned:
-            return {"consumed": sorted(self.consumed), "optim": self.optim_checked, **states}
-        return {"unexpected": sorted(self._unconsumed(self.consumed, self.optim_checked)), **states}
 
-    def _unconsumed(self, consumed: set[str], optim: bool) -> set[str]:
-        return {n for n in self.metadata["tensors"] if n not in consumed and (optim or not n.startswith("optim/"))}
+def _unconsumed(staged: Staged, consumed: set[str], optim: bool) -> set[str]:
+    return {n for n in staged.metadata["tensors"] if n not in consumed and (optim or not n.startswith("optim/"))}
 
-    def unexpected(self, records: list[dict[str, Any]], reset_strategy_state: bool = False) -> list[str]:
-        """Checkpoint tensors that no rank consumed, and strategy states no rank declares (the same list on every
-        rank); with reset_strategy_state, saved per-rank states are ignored."""
-        sets = [set(r["unexpected"]) if "unexpected" in r else self._unconsumed(set(r["consumed"]), r["optim"])
-                for r in records]
-        declared = set().union(*(r["states"] for r in records))
-        saved = {n for n, s in self.metadata.get("strategy_state", {}).items()
-                 if not (reset_strategy_state and s["scope"] == "per_rank")}
-        return sorted(set.intersection(*sets)) + [f"{PREFIX}{n}" for n in sorted(saved - declared)]
 
-    def commit(self) -> None:
-        with torch.no_grad():
-            for live, staged in self.copies:
-                live.copy_(staged)
-        if self.optimizer is not None:
-            for group, values in zip(self.optimizer.param_groups, self.group_values):
-                group.update(values)
-            for p, state in self.optim_state:
-                self.optimizer.state[p] = state
-        for state, values in self.strategy_loads:  # checked at staging (strategy_state.py): nothing left to refuse
-            state.load_state_dict(values)
-        if self.rng is not None:
-            python, numpy_state, states = self.rng
-            for name, state in states.items():
-                if name == "rng/torch":
-                    torch.set_rng_state(state)
-                elif torch.cuda.is_available() and int(name[len("rng/cuda"):]) < torch.cuda.device_count():
-                    torch.cuda.set_rng_state(state, int(name[len("rng/cuda"):]))
-            random.setstate(python)
-            np.random.set_state(numpy_state)
+def _unexpected(staged: Staged, records: list[dict[str, Any]], reset_strategy_state: bool = False) -> list[str]:
+    """Checkpoint tensors that no rank consumed, and strategy states no rank declares (the same list on every
+    rank); with reset_strategy_state, saved per-rank states are ignored."""
+    sets = [set(r["unexpected"]) if "unexpected" in r else _unconsumed(staged, set(r["consumed"]), r["optim"])
+            for r in records]
+    declared = set().union(*(r["states"] for r in records))
+    saved = {n for n, s in staged.metadata.get("strategy_state", {}).items()
+             if not (reset_strategy_state and s["scope"] == "per_rank")}
+    return sorted(set.intersection(*sets)) + [f"{PREFIX}{n}" for n in sorted(saved - declared)]
 
 
 def _listing(problems: list[str]) -> str:
@@ -215,7 +166,7 @@ def load_checkpoint(
             if not isinstance(reset_strategy_state, bool):
                 raise ValueError(f"load_checkpoint: reset_strategy_state={reset_strategy_state!r} must be True or "
                                  f"False")
-            staged.stage(path, comm, verify, restore_rng, stack, reset_strategy_state)
+            _stage(staged, path, comm, verify, restore_rng, stack, reset_strategy_state)
             if strict and staged.problems:
                 raise CheckpointMismatch(f"load_checkpoint: {staged.directory} does not fit (strict=True; strict=False "
                                          f"loads what fits): {_listing(list(staged.problems.values()))}")
@@ -223,7 +174,7 @@ def load_checkpoint(
             error = exc
     record: dict[str, Any] = {"error": None if error is None else f"{type(error).__name__}: {error}"[:2000]}
     if error is None:
-        record.update(staged.unexpected_here(partitioned))
+        record.update(_unexpected_here(staged, partitioned))
     records = all_gather_json(comm, record)
     if error is not None:
         raise error
@@ -232,7 +183,7 @@ def load_checkpoint(
         raise CheckpointError(f"load_checkpoint: rank {failed[0]} failed to load {staged.directory}: "
                               f"{records[failed[0]]['error']} (ranks that failed: {failed}); nothing was loaded on "
                               f"rank {comm.rank}")
-    unexpected = staged.unexpected(records, reset_strategy_state)
+    unexpected = _unexpected(staged, records, reset_strategy_state)
     if unexpected and strict:
         raise CheckpointMismatch(f"load_checkpoint: {staged.directory} holds tensors (or strategy state) that the model (or its "
                                  f"optimizer) does not have (strict=True; strict=False ignores them): "

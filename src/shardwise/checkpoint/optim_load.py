@@ -11,7 +11,7 @@ have yet is read into a new tensor on the parameter's device.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -19,10 +19,8 @@ from .. import layout
 from ..sharded_tensor import local
 from ..whole.optim_state import optimizer_names
 from .reader import Reader, fill_held
+from .staged import Staged
 from .validate import tensor_dtype
-
-if TYPE_CHECKING:
-    from .load import Staged
 
 __all__ = ["stage_optimizer"]
 

@@ -26,7 +26,7 @@ first steps after the resume send what those steps compute, and nothing accumula
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,11 +35,9 @@ from .. import layout
 from ..comm.base import Communicator
 from .pieces import dtype_name
 from .reader import Reader
+from .staged import Staged
 from .storage import CheckpointError
 from .validate import tensor_dtype
-
-if TYPE_CHECKING:
-    from .load import Staged
 
 __all__ = ["declared_states", "save_problems", "snapshot", "merge_indexes", "stage_strategy_state", "PREFIX"]
 

@@ -8,20 +8,19 @@ wrong values, as on NCCL). Tags are ignored: the n-th send from a to b meets the
 Receive-from-any-source (`irecv_any`) is the explicit exception, for protocols with unordered arrivals (a
 parameter server): once its batch has started it takes the earliest posted unmatched send to its rank whose
 batch has started too (a tag, when given, must equal the send's).
+
+A `Batch` is the sends and receives one rank posted together: strict_stream.py queues it on the rank's stream.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .strict_stream import Batch
+from .thread_world import RankComm
 
-__all__ = ["P2PEntry", "Pairing"]
+__all__ = ["P2PEntry", "Pairing", "Batch", "transfer"]
 
 
 class P2PEntry:
@@ -44,6 +43,18 @@ class P2PEntry:
         if self.send:
             return f"send(dst={self.peer}, numel={self.tensor.numel()})"
         return f"recv(src={'any' if self.peer is None else self.peer}, numel={self.tensor.numel()})"
+
+
+class Batch:
+    """Sends and receives posted together on a rank's stream (one entry for a plain isend / irecv)."""
+
+    def __init__(self, comm: RankComm, entries: list[P2PEntry]) -> None:
+        self.comm, self.entries = comm, entries
+        self.started = self.done = False
+        self.error: str | None = None
+        for e in entries:
+            e.batch = self
+        self.label = "batch " + ", ".join(e.describe() for e in entries) if len(entries) > 1 else entries[0].describe()
 
 
 class Pairing:

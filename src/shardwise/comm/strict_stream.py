@@ -23,17 +23,14 @@ from __future__ import annotations
 import collections
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .base import AnySourceWork, CommError
 from .collective_order import History
-from .strict_p2p import P2PEntry, Pairing, transfer
+from .strict_p2p import Batch, P2PEntry, Pairing, transfer
+from .thread_world import CollectiveSlot, RankComm, WorldState
 
-if TYPE_CHECKING:
-    from .thread_backend import ThreadCommunicator
-    from .thread_world import CollectiveSlot, ThreadWorld
-
-__all__ = ["StrictState", "strict_default", "Batch", "Collective", "StrictWork"]
+__all__ = ["StrictState", "strict_default", "Collective", "StrictWork"]
 
 _ENV = "SHARDWISE_STRICT"
 
@@ -51,7 +48,7 @@ def strict_default() -> bool:
 class Collective:
     """A collective on a rank's stream: it deposits its argument in the group's slot when it starts."""
 
-    def __init__(self, comm: ThreadCommunicator, seq: int, slot: CollectiveSlot, arg: Any, finish: Callable,
+    def __init__(self, comm: RankComm, seq: int, slot: CollectiveSlot, arg: Any, finish: Callable,
                  label: str) -> None:
         self.comm, self.seq, self.slot, self.arg, self.finish, self.label = comm, seq, slot, arg, finish, label
         self.started = False
@@ -61,22 +58,10 @@ class Collective:
         return self.slot.done
 
 
-class Batch:
-    """Sends and receives posted together on a rank's stream (one entry for a plain isend / irecv)."""
-
-    def __init__(self, comm: ThreadCommunicator, entries: list[P2PEntry]) -> None:
-        self.comm, self.entries = comm, entries
-        self.started = self.done = False
-        self.error: str | None = None
-        for e in entries:
-            e.batch = self
-        self.label = "batch " + ", ".join(e.describe() for e in entries) if len(entries) > 1 else entries[0].describe()
-
-
 class StrictState:
-    """The streams and pending messages of one strict ThreadWorld (every method runs under the world's lock)."""
+    """The streams and pending messages of one strict world (every method runs under the world's lock)."""
 
-    def __init__(self, world: ThreadWorld) -> None:
+    def __init__(self, world: WorldState) -> None:
         self.world = world
         self.streams: dict[tuple[int, int], collections.deque[Collective | Batch]] = {}
         self.pairings: dict[int, Pairing] = {}
@@ -87,14 +72,14 @@ class StrictState:
         return self.histories.setdefault(group_id, History())
 
     # ---- posting -------------------------------------------------------------------------------------------------
-    def post_collective(self, comm: ThreadCommunicator, seq: int, slot: CollectiveSlot, arg: Any, finish: Callable,
+    def post_collective(self, comm: RankComm, seq: int, slot: CollectiveSlot, arg: Any, finish: Callable,
                         label: str) -> StrictWork:
         """Queue call #seq of comm's group (its slot already holds this rank's signature) on this rank's stream."""
         item = Collective(comm, seq, slot, arg, finish, label)
         self._enqueue(comm, item)
         return StrictWork(self, comm, item, label)
 
-    def post_batch(self, comm: ThreadCommunicator, ops: list[tuple[bool, Any, int | None, int | None]]) -> list[StrictWork]:
+    def post_batch(self, comm: RankComm, ops: list[tuple[bool, Any, int | None, int | None]]) -> list[StrictWork]:
         """ops: (is_send, tensor, peer or None for any source, tag). One fused batch; one Work per op."""
         pairing = self.pairings.setdefault(comm.group.id, Pairing())
         entries = [pairing.entry(send, t, peer, tag, comm.rank) for send, t, peer, tag in ops]
@@ -104,7 +89,7 @@ class StrictState:
         self._enqueue(comm, batch)
         return [StrictWork(self, comm, batch, e.describe(), e) for e in entries]
 
-    def _enqueue(self, comm: ThreadCommunicator, item: Collective | Batch) -> None:
+    def _enqueue(self, comm: RankComm, item: Collective | Batch) -> None:
         self.streams.setdefault((comm.group.id, comm.rank), collections.deque()).append(item)
         self.progress(comm.group)
         self.world.cond.notify_all()
@@ -168,7 +153,7 @@ class StrictState:
         return True
 
     # ---- explaining a wait ---------------------------------------------------------------------------------------
-    def why(self, comm: ThreadCommunicator, item: Collective | Batch) -> tuple[str, list[int]]:
+    def why(self, comm: RankComm, item: Collective | Batch) -> tuple[str, list[int]]:
         """Why `item` has not finished, and the world ranks it waits for."""
         g = comm.global_ranks
         if not item.started:
@@ -216,7 +201,7 @@ class StrictState:
 class StrictWork(AnySourceWork):
     """Handle of one strict operation: waits until its collective or its whole batch finished."""
 
-    def __init__(self, state: StrictState, comm: ThreadCommunicator, item: Collective | Batch, describe: str,
+    def __init__(self, state: StrictState, comm: RankComm, item: Collective | Batch, describe: str,
                  entry: P2PEntry | None = None) -> None:
         self.state, self.comm, self.item, self.describe, self.entry = state, comm, item, describe, entry
 

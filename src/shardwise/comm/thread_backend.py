@@ -46,9 +46,9 @@ from .base import (
     tensor_bytes,
 )
 from .collective_order import check_device, mismatch_message
-from .strict_stream import StrictWork
+from .strict_stream import StrictState, StrictWork, strict_default
 from .thread_mailbox import AnyRecvWork, RecvWork
-from .thread_world import CollectiveSlot, ThreadGroup, ThreadWorld
+from .thread_world import CollectiveSlot, ThreadGroup, WorldState
 
 __all__ = ["ThreadWorld", "ThreadCommunicator"]
 
@@ -102,6 +102,22 @@ class _SlotWork(Work):
     def result(self) -> Any:
         self.wait()
         return self.slot.results.get(self.comm.rank)
+
+
+class ThreadWorld(WorldState):
+    """`size` thread ranks sharing one state (thread_world.py); `communicators()` returns one world Communicator per
+    rank. strict: NCCL's rules (strict_stream.py) or buffered, tagged point-to-point; None reads SHARDWISE_STRICT."""
+
+    def __init__(self, size: int, timeout: float = 60.0, *, strict: bool | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        if strict is not None and not isinstance(strict, bool):
+            raise ValueError(f"ThreadWorld: strict={strict!r} must be True, False or None (None: SHARDWISE_STRICT)")
+        super().__init__(size, timeout, device=device)
+        on = strict_default() if strict is None else strict
+        self.strict: StrictState | None = StrictState(self) if on else None
+
+    def communicators(self) -> list[ThreadCommunicator]:
+        return [ThreadCommunicator(self.world_group, r) for r in range(self.size)]
 
 
 class ThreadCommunicator(Communicator):

@@ -8,20 +8,16 @@ the earliest arrived message, among the next unclaimed one of each mailbox addre
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .base import AnySourceWork, CommError, Work
-
-if TYPE_CHECKING:
-    from .thread_backend import ThreadCommunicator
+from .thread_world import RankComm
 
 __all__ = ["RecvWork", "AnyRecvWork"]
 
 
 class RecvWork(Work):
-    def __init__(self, comm: ThreadCommunicator, tensor: torch.Tensor, src: int, tag: int) -> None:
+    def __init__(self, comm: RankComm, tensor: torch.Tensor, src: int, tag: int) -> None:
         self.comm = comm
         self.tensor = tensor
         self.src = src
@@ -80,7 +76,7 @@ class RecvWork(Work):
 class AnyRecvWork(AnySourceWork):
     """A buffered receive from any source: takes the earliest arrived message to this rank (matching `tag`)."""
 
-    def __init__(self, comm: ThreadCommunicator, tensor: torch.Tensor, tag: int | None) -> None:
+    def __init__(self, comm: RankComm, tensor: torch.Tensor, tag: int | None) -> None:
         self.comm, self.tensor, self.tag = comm, tensor, tag
         self.src: int | None = None
 

@@ -1,6 +1,11 @@
 """The shared state of N thread ranks (thread_backend.py's world): groups, their collective slots, the mailboxes of
 buffered point-to-point, and the one condition variable every wait sleeps on.
 
+The bottom of the thread backend's files, importing none of them: strict_p2p.py, strict_stream.py and
+thread_mailbox.py build on this state, and thread_backend.py on all of them (its `ThreadWorld` adds the ranks'
+Communicators and the strict streams to `WorldState`). What those layers read of a rank's Communicator and of the
+strict streams is spelled here as two Protocols (`RankComm`, `StrictWatch`), so no file needs one above it.
+
 `ThreadWorld.wait_until` is the only place a thread rank blocks: it re-checks its predicate on every notification,
 raises the operation's own CommError at the deadline, a CommError naming the failed rank once the world is aborted
 (`abort`, how `launch` stops the others when one rank fails), and, in strict mode, a deadlock report as soon as
@@ -14,23 +19,42 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .base import CommError
-from .strict_stream import StrictState, strict_default
 
-if TYPE_CHECKING:
-    from .thread_backend import ThreadCommunicator
+__all__ = ["WorldState", "ThreadGroup", "CollectiveSlot", "RankComm", "StrictWatch"]
 
-__all__ = ["ThreadWorld", "ThreadGroup", "CollectiveSlot"]
+
+class RankComm(Protocol):
+    """What the layers below thread_backend.py read of a rank's Communicator (`ThreadCommunicator` has it all)."""
+
+    world: WorldState
+    group: ThreadGroup
+    rank: int
+    global_rank: int
+    global_ranks: tuple[int, ...]
+    timeout: float
+    device: torch.device
+
+    def group_label(self) -> str: ...
+
+
+class StrictWatch(Protocol):
+    """What `WorldState.wait_until` asks of strict mode (strict_stream.StrictState): who waits, and whether every
+    rank waits in vain."""
+
+    waiting: dict[int, tuple[Callable[[], bool], str, Callable[[], str]]]
+
+    def deadlock_report(self) -> str | None: ...
 
 
 class ThreadGroup:
     """Shared state of one group of thread ranks: its members (world ranks) and its open collective slots."""
 
-    def __init__(self, world: ThreadWorld, group_id: int, members: tuple[int, ...]) -> None:
+    def __init__(self, world: WorldState, group_id: int, members: tuple[int, ...]) -> None:
         self.world = world
         self.id = group_id
         self.members = members
@@ -50,22 +74,20 @@ class CollectiveSlot:
         self.error: str | None = None
 
 
-class ThreadWorld:
-    """The shared state of `size` thread ranks. `communicators()` returns one world Communicator per rank."""
+class WorldState:
+    """The shared state of `size` thread ranks (thread_backend.ThreadWorld adds their Communicators and sets `strict`
+    to the strict streams in strict mode)."""
 
-    def __init__(self, size: int, timeout: float = 60.0, *, strict: bool | None = None,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, size: int, timeout: float = 60.0, *, device: torch.device | str = "cpu") -> None:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"ThreadWorld: size={size!r} must be a positive int")
         if not timeout > 0:
             raise ValueError(f"ThreadWorld: timeout={timeout!r} must be a positive number of seconds")
-        if strict is not None and not isinstance(strict, bool):
-            raise ValueError(f"ThreadWorld: strict={strict!r} must be True, False or None (None: SHARDWISE_STRICT)")
         self.size = size
         self.timeout = float(timeout)
         self.device = torch.device(device)
-        #: NCCL's rules (strict_stream.py) or buffered, tagged point-to-point; None reads SHARDWISE_STRICT
-        self.strict: StrictState | None = StrictState(self) if (strict_default() if strict is None else strict) else None
+        #: NCCL's rules (strict_stream.StrictState) or None: buffered, tagged point-to-point
+        self.strict: StrictWatch | None = None
         self.cond = threading.Condition()
         self.abort_reason: str | None = None
         self.abort_rank: int | None = None
@@ -81,11 +103,6 @@ class ThreadWorld:
 
     def new_group(self, members: tuple[int, ...]) -> ThreadGroup:
         return ThreadGroup(self, next(self._group_ids), members)
-
-    def communicators(self) -> list[ThreadCommunicator]:
-        from .thread_backend import ThreadCommunicator  # the rank's side, built on this shared state
-
-        return [ThreadCommunicator(self.world_group, r) for r in range(self.size)]
 
     def abort(self, reason: str, rank: int | None = None) -> None:
         """Make every current and future wait raise CommError carrying `reason`, naming `rank` (the one that failed)."""

@@ -1,11 +1,11 @@
 """Communicator over a torch.distributed process group: gloo on CPU, NCCL on GPU (and ucc/mpi where built in).
 
-This file, `rendezvous.py` (which creates the world group), the two multi-step collectives it runs on background
-threads (`gloo_ring.py`, `shm_channel.py` with `shm_barrier.py`), `all_to_all.py` and `torch_compat.py` (names that
-moved between torch versions) are the only places that touch torch.distributed.
+This file, `torch_work.py` (its Work handles), `rendezvous.py` (which creates the world group), the two multi-step
+collectives it runs on background threads (`gloo_ring.py`, `shm_channel.py` with `shm_barrier.py`), `all_to_all.py`
+and `torch_compat.py` (names that moved between torch versions) are the only places that touch torch.distributed.
 Each operation is issued with `async_op=True` and, for a blocking call, waited on at once: one code path, and every
-wait gets the same timeout handling, turning torch's assorted timeout and connection errors into a CommError that
-names the operation, this rank and the group's ranks.
+wait gets the same timeout handling (torch_work.py), turning torch's assorted timeout and connection errors into a
+CommError that names the operation, this rank and the group's ranks.
 
 gloo has no AVG reduction: AVG is issued as SUM and divided by the group size when the Work completes. When every
 rank of a gloo group is on one host, large CPU all-gathers, reduce-scatters and all-reduces go through shared memory
@@ -23,7 +23,6 @@ world taking part. Groups are cached by member list, so splitting the same way t
 from __future__ import annotations
 
 import datetime
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,98 +51,12 @@ from .shm_channel import SharedMemoryChannel, eligible
 from .streams import CommStreams, PendingWork
 from .thread_backend import ThreadCommunicator, ThreadWorld
 from .torch_compat import all_gather_flat, reduce_scatter_flat
+from .torch_work import AnySourceTorchWork, TorchWork, wait_error
 
 __all__ = ["TorchCommunicator"]
 
 
 _NATIVE_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
-
-
-class _TorchWork(Work):
-    """Wraps a torch.distributed Work: waits with a deadline, rewraps errors, then runs a finishing step.
-
-    `peers` are the global ranks the operation waits for (the rest of the group; the one peer of a send / recv).
-    """
-
-    def __init__(self, comm: TorchCommunicator, work: dist.Work, what: str, then: Callable[[], None] | None,
-                 peers: Sequence[int]) -> None:
-        self.comm = comm
-        self.work = work
-        self.what = what
-        self.then = then
-        self.peers = peers
-        self.done = False
-        self.issued = time.monotonic()
-
-    def is_completed(self) -> bool:
-        return self.done or self.work.is_completed()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """On CUDA without `timeout`: order the compute stream after the collective (no host block; the deadline is
-        checked at the communicator's next issue). Otherwise block the host for at most `timeout` (default: the
-        communicator's) seconds."""
-        if self.done:
-            return
-        comm = self.comm
-        if timeout is None and comm._streams.enabled:
-            self._wait_on_stream()
-            return
-        limit = comm.timeout if timeout is None else timeout
-        activity = comm._watch.activity if comm._watch is not None else None
-        if activity is not None:
-            activity.enter(self.what, comm.global_ranks)
-        began, start = time.time(), time.monotonic()
-        try:
-            ok = self.work.wait(datetime.timedelta(seconds=limit))
-        except CommError:  # the shared-memory channel's own (a call mismatch, named): as it is
-            if activity is not None:
-                activity.fail()
-            raise
-        except Exception as exc:  # torch raises RuntimeError / DistBackendError subclasses with backend text
-            ok, error = False, exc
-        else:
-            error = None
-        if ok is False:
-            if activity is not None:
-                activity.fail()  # first, so that peers diagnosing meanwhile see a fellow victim
-            raise comm._error(self.what, limit, error, self.peers, began, start) from error
-        if activity is not None:
-            activity.leave()
-        if self.then is not None:
-            self.then()
-        self.done = True
-
-    def _wait_on_stream(self) -> None:
-        comm = self.comm
-        try:
-            comm._streams.wait(self.work)
-        except Exception as exc:  # an error the backend already knows of (an aborted communicator, a failed peer)
-            raise comm._error(self.what, comm.timeout, exc, self.peers, start=self.issued) from exc
-        comm._pending.add(self.work, self.issued + comm.timeout, self)
-        if self.then is not None:
-            self.then()  # queued on the compute stream, after the wait
-        self.done = True
-
-    def overdue_error(self) -> CommError:
-        """The CommError of a stream-waited collective found unfinished after its deadline."""
-        return self.comm._error(self.what, self.comm.timeout, None, self.peers, start=self.issued)
-
-
-class _AnySourceTorchWork(AnySourceWork):
-    """A receive from any source: the process group's work knows the sender (`_source_rank`, a rank of the group)."""
-
-    def __init__(self, inner: _TorchWork) -> None:
-        self.inner = inner
-
-    def is_completed(self) -> bool:
-        return self.inner.is_completed()
-
-    def wait(self, timeout: float | None = None) -> None:
-        self.inner.wait(timeout if timeout is not None else self.inner.comm.timeout)  # a host wait: we need the rank
-
-    def source(self, timeout: float | None = None) -> int:
-        self.wait(timeout)
-        return int(self.inner.work._source_rank())
 
 
 class TorchCommunicator(Communicator):
@@ -192,32 +105,19 @@ class TorchCommunicator(Communicator):
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _error(self, what: str, limit: float, exc: BaseException | None, peers: Sequence[int] | None = None,
                began: float | None = None, start: float | None = None) -> CommError:
-        """The CommError of a failed wait: the culprits among `peers` (default: the rest of the group) and why.
-
-        began / start: when the wait began (wall clock / monotonic); None for a call that failed while being issued.
-        """
-        peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else list(peers)
-        start = time.monotonic() if start is None else start
-        waited = time.monotonic() - start
-        cause = str(exc).splitlines()[0].split(". This is typically")[0][:300] if exc is not None and str(exc) else ""
-        timed_out = exc is None or waited >= 0.95 * limit or "timed out" in cause.lower()
-        clause = ""
-        if self._watch is not None and peers:
-            peers, clause = self._watch.culprits(peers, self.global_ranks, time.time() - waited if began is None
-                                                 else began, early=not timed_out, deadline=start + limit)
-            clause = f": {clause}"
-        backend = f" [{self.backend}: {type(exc).__name__}: {cause}]" if exc is not None else ""
-        how = (f"timed out after {limit:g}s on rank {self.global_rank}" if timed_out else
-               f"failed on rank {self.global_rank} after {waited:.2f}s (limit {limit:g}s)")
-        error = CommError(
-            f"{what} {how}, waiting for rank(s) {peers} of group {list(self.global_ranks)}{clause}{backend}",
-            op=what.split("(")[0],
-            rank=self.global_rank,
-            peers=peers,
-            waited=waited,
-        )
+        """The CommError of a failed wait (torch_work.wait_error; peers default: the rest of the group), after which
+        an NCCL group is aborted."""
+        peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else peers
+        error = wait_error(what, limit, exc, peers, global_rank=self.global_rank, global_ranks=self.global_ranks,
+                           backend=self.backend, watch=self._watch, began=began, start=start)
         self._abort()
         return error
+
+    def _work(self, work: dist.Work, what: str, then: Callable[[], None] | None, peers: Sequence[int]) -> TorchWork:
+        """The handle of an issued operation, given what it needs of this communicator (torch_work.py)."""
+        return TorchWork(work, what, then, peers, timeout=self.timeout, fail=self._error, streams=self._streams,
+                         pending=self._pending, activity=self._watch.activity if self._watch is not None else None,
+                         global_ranks=self.global_ranks)
 
     def _abort(self) -> None:
         """After a CommError on NCCL: abort the group's NCCL communicators. Kernels of a collective whose peer is gone
@@ -251,7 +151,7 @@ class TorchCommunicator(Communicator):
                 work = start()
         except Exception as exc:
             raise self._error(what, self.timeout, exc, peers) from exc
-        handle = _TorchWork(self, work, what, then, peers)
+        handle = self._work(work, what, then, peers)
         if async_op:
             return handle
         handle.wait()
@@ -266,7 +166,7 @@ class TorchCommunicator(Communicator):
             work = all_gather_flat(everyone, mine, group=self.group, async_op=True)
         except Exception as exc:
             raise self._error(what, self.timeout, exc, peers) from exc
-        return _TorchWork(self, work, what, None, peers).wait
+        return self._work(work, what, None, peers).wait
 
     def _native(self, op: ReduceOp, tensor: torch.Tensor, name: str) -> tuple[dist.ReduceOp, Callable[[], None] | None]:
         """The torch op to issue, and the finishing step (AVG as SUM then divide on backends without AVG)."""
@@ -434,7 +334,7 @@ class TorchCommunicator(Communicator):
             return works[-1]
 
         self._issue(what, start, None, True, peers, tensors=[o.tensor for o in ops])
-        return [_TorchWork(self, w, what, None, peers) for w in works]
+        return [self._work(w, what, None, peers) for w in works]
 
     def irecv_any(self, tensor: torch.Tensor, tag: int | None = None) -> AnySourceWork:
         """gloo's receive from any source (`irecv` with src=None); `tag` None means tag 0 (gloo matches tags).
@@ -449,7 +349,7 @@ class TorchCommunicator(Communicator):
         others = [r for r in self.global_ranks if r != self.global_rank]
         what = f"recv_any(tag={tag})"
         work = self._issue(what, lambda: dist.irecv(tensor, None, self.group, tag or 0), None, True, others)
-        return _AnySourceTorchWork(work)
+        return AnySourceTorchWork(work)
 
     # ---- groups -----------------------------------------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> Communicator | None:

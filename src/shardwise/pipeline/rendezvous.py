@@ -28,7 +28,16 @@ from collections.abc import Callable
 from .actions import Action, Op, Schedule, ScheduleError
 from .batches import consumed_message, host_steps, message_of, metadata_stages
 
-__all__ = ["run_rendezvous"]
+__all__ = ["run_rendezvous", "DeadlockError"]
+
+
+class DeadlockError(ScheduleError):
+    """No rank can make progress: `blocked` maps each stuck rank to a description of what it waits for. Raised by
+    both of `simulate`'s point-to-point modes (simulate.py re-exports it); defined here, the lower of the two files."""
+
+    def __init__(self, message: str, blocked: dict[int, str]) -> None:
+        super().__init__(message)
+        self.blocked = blocked
 
 
 @dataclasses.dataclass
@@ -61,8 +70,6 @@ def run_rendezvous(schedule: Schedule, cost: Callable[[Action], float], latency:
     """Run `schedule` under the rules of the module docstring, calling `on_compute(rank, action, start, end)` for
     each compute action in the order they run; raise DeadlockError (naming each blocked rank) or ScheduleError
     (messages matched in different orders)."""
-    from .simulate import DeadlockError  # the error type lives with the public simulator
-
     p, n = schedule.n_ranks, schedule.n_stages
     programs = [host_steps(acts) for acts in schedule.actions]
     ptr = [0] * p

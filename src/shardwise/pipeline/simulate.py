@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .actions import Action, Op, Schedule, ScheduleError
-from .rendezvous import run_rendezvous
+from .rendezvous import DeadlockError, run_rendezvous
 from .schedules import build_schedule
 from .timeline import Event, Timeline
 
@@ -38,14 +38,6 @@ __all__ = ["simulate", "check_schedule", "SimResult", "DeadlockError", "P2P_MODE
 P2P_MODES = ("buffered", "rendezvous")
 
 F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.INPUT, Op.WEIGHT
-
-
-class DeadlockError(ScheduleError):
-    """No rank can make progress: `blocked` maps each stuck rank to a description of what it waits for."""
-
-    def __init__(self, message: str, blocked: dict[int, str]) -> None:
-        super().__init__(message)
-        self.blocked = blocked
 
 
 @dataclasses.dataclass(frozen=True)

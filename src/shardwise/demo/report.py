@@ -1,6 +1,6 @@
 """What `shardwise demo` reports: the summary of a run (`DemoSummary`, summary.json), its check of the measured wire
 bytes and model states against the strategy's formulas, the run directory (metrics.jsonl, summary.json, loss.png)
-and the table printed at the end."""
+and the table printed at the end, with the wire bytes of each mesh axis (`axis_rows`)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,15 @@ import datetime
 import json
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .benchmarks.formulas import estimate_key, formula_text, wire_bytes_formula
-from .demo_hybrid import axis_rows, mesh_fields
-from .estimate import estimate_memory
-from .files import save_figure, write_text
+from ..benchmarks.formulas import estimate_key, formula_text, wire_bytes_formula
+from ..estimate import estimate_memory
+from ..files import save_figure, write_text
+from .options import DemoOptions, demo_axes
 
-if TYPE_CHECKING:
-    from .demo import DemoOptions
-
-__all__ = ["DemoSummary", "ring_all_reduce_bytes", "summarise", "make_run_dir", "write_outputs", "format_summary"]
+__all__ = ["DemoSummary", "ring_all_reduce_bytes", "summarise", "make_run_dir", "write_outputs", "format_summary",
+           "mesh_fields", "axis_rows"]
 
 
 @dataclasses.dataclass
@@ -29,21 +27,23 @@ class DemoSummary:
     final_loss_mean_last: the mean loss of the last `mean_last_steps` (up to 10) steps, less noisy than the last.
     median_step_ms: median wall time of a whole iteration (batch, forward, backward, step, loss all-reduce) on
     rank 0; tokens_per_s is tokens_per_step (batch_size x seq_len x dp) over that median.
-    wire_bytes_per_step: measured per-rank wire bytes of each step (all axes summed; DDP: its all-reduce), as the
+    wire_bytes_per_step: measured per-rank wire bytes of each step (all axes summed), as the
     distinct values over all ranks and steps. formula_wire_bytes: the strategy's textbook bytes per rank per step
     (`formula`: "2(N-1)/N x G" for DDP, ZeRO-1/2 and shard_grad_op, "3(N-1)/N x G" for ZeRO-3 / full_shard; see
-    benchmarks.formulas) for a purely data-parallel run (tp = pp = cp = ep = 1; else None);
-    wire_bytes_match: whether the steady steps meet it (DDP to the byte; sharded strategies within 10%; the ZeRO-3
+    benchmarks.formulas) for a purely data-parallel run (tp = pp = cp = ep = 1; else None); a plain run's bytes
+    leave out clipping's 4-byte norm all-reduce (plain_rank.py);
+    wire_bytes_match: whether the steady steps meet it (plain DDP to the byte; others within 10%; the ZeRO-3
     family at most its formula and at least one gather fewer, since units still gathered when backward needs them
     are not gathered again). estimate_model_states: `estimate_memory` of the strategy (fp32 AdamW) for a run
     without tensor or pipeline parallel (the dense states over dp x cp, the experts' divided by ep). steps_run:
     steps trained (fewer than options.steps after an early stop); validation: [step, loss] of each evaluation;
-    stopped_at: the step after which the ranks stopped, or None. mesh: {dp, tp, pp} sizes (and cp, ep when > 1:
-    demo_hybrid.demo_axes); wire_bytes_per_axis: the same distinct values per axis; ops_per_axis: rank 0's last
-    step per axis, `CommStats.as_dict()` ({op: {calls, bytes, wire_bytes}}). mesh_run: the run went through
-    sw.parallelize (anything but plain DDP). ranks: per rank, its mesh coords, wire_bytes_per_axis, peak_rss (bytes
-    of the whole process; on the thread backend every rank shares one process) and memory
-    (memory_stats().as_dict(): params, grads, optimizer, model_states bytes).
+    stopped_at: the step after which the ranks stopped, or None. load: the machine's load averages (1, 5, 15 min)
+    "before" and "after" the run and its usable "cpus" (run.py warns when the 1-minute figure exceeds them).
+    mesh: {dp, tp, pp} sizes (and cp, ep when > 1: options.demo_axes); wire_bytes_per_axis: the same distinct
+    values per axis; ops_per_axis: rank 0's last step per axis, `CommStats.as_dict()` ({op: {calls, bytes,
+    wire_bytes}}). mesh_run: the run went through sw.parallelize (options.uses_mesh). ranks: per rank, its mesh
+    coords, wire_bytes_per_axis, peak_rss (bytes of the whole process; on the thread backend every rank shares one
+    process) and memory (memory_stats().as_dict(): params, grads, optimizer, model_states bytes).
     """
 
     run_dir: str
@@ -71,6 +71,7 @@ class DemoSummary:
     steps_run: int = 0
     validation: list[list[float]] = dataclasses.field(default_factory=list)
     stopped_at: int | None = None
+    load: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,14 +94,15 @@ def summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: i
     formula: int | None = None
     match: bool | None = None
     estimate: int | None = None
-    if not options.uses_mesh:
+    microbatches = options.microbatches or 1  # a plain run has none: the whole batch in one forward and backward
+    if options.strategy == "ddp" and not options.uses_mesh:
         formula = ring_all_reduce_bytes(grad_bytes, options.nproc)
         # DDP reduces bucket by bucket and CommStats rounds each bucket's 2(N-1)/N share down to a whole byte, so
         # with N not a power of two the sum may sit up to one byte per call below the formula.
         calls = max(r["all_reduce_calls"] for r in results)
         match = all(0 <= formula - w <= calls for w in measured)
     elif options.tp * options.pp * options.cp * options.ep == 1:  # purely data parallel: the formula applies
-        formula = wire_bytes_formula(options.strategy, grad_bytes, options.dp, options.dp_shard, options.microbatches)
+        formula = wire_bytes_formula(options.strategy, grad_bytes, options.dp, options.dp_shard, microbatches)
         steady = [r["wire_bytes"][-1] for r in results]  # ZeRO-1/2 gather the updated parameters from step 2 on
         # The ZeRO-3 family re-gathers less than its textbook formula says: units still gathered when backward
         # needs them (the root, the last forward unit) are not gathered again; it never moves less than one step
@@ -134,7 +136,7 @@ def summarise(options: DemoOptions, results: list[dict[str, Any]], num_params: i
         wall_s=wall,
         **mesh_fields(options, results),
         mesh_run=options.uses_mesh,
-        formula=formula_text(options.strategy, options.microbatches or 1) if formula is not None else None,
+        formula=formula_text(options.strategy, microbatches) if formula is not None else None,
         estimate_model_states=estimate,
         steps_run=len(losses),
         validation=results[0]["validation"],
@@ -166,9 +168,10 @@ def write_outputs(run_dir: Path, summary: DemoSummary, metrics: list[dict[str, A
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2)
-    ax.set_xlabel("step")
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label=f"training loss, {label}")
+    ax.set_xlabel("step (optimizer steps)")
     ax.set_ylabel("loss (nats/byte, mean over dp ranks)")
+    ax.legend()
     ax.set_title(f"shardwise demo: {label}, GPT {summary.options['preset']}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -181,9 +184,8 @@ def _mib(n: float) -> str:
 
 
 def format_summary(s: DemoSummary) -> str:
-    """The summary table the demo prints: the pure-DDP run's all-reduce against its formula, any other run's
-    wire bytes per mesh axis."""
-    measured = ", ".join(f"{w:,}" for w in s.wire_bytes_per_step)
+    """The summary table the demo prints: losses, step time, the wire bytes per mesh axis (against the strategy's
+    formula for a purely data-parallel run), memory per rank."""
     rows = [
         ("loss (first -> final)", f"{s.first_loss:.3f} -> {s.final_loss:.3f}  (mean of last "
                                   f"{s.mean_last_steps}: {s.final_loss_mean_last:.3f})"),
@@ -195,19 +197,13 @@ def format_summary(s: DemoSummary) -> str:
         stop = (f"stopped early after step {s.stopped_at} (patience {s.options['early_stop']})"
                 if s.stopped_at is not None else f"trained all {s.steps_run} steps")
         rows.append(("validation loss", f"{last}; best {min(v[1] for v in s.validation):.3f}; {stop}"))
-    if not s.mesh_run:
-        rows += [
-            ("all-reduce wire bytes/step", f"measured {measured} per rank"),
-            ("  formula 2(N-1)/N x grads", f"{s.formula_wire_bytes:,}  (grads {s.grad_bytes:,} B)  "
-                                           f"{'MATCH' if s.wire_bytes_match else 'MISMATCH'}"),
-        ]
-    else:
-        rows += axis_rows(s)
-        if s.formula_wire_bytes is not None:
-            steady = max(s.wire_bytes_per_step)
-            rows.append((f"  formula {s.formula}", f"{s.formula_wire_bytes:,}  (G = grads {s.grad_bytes:,} B); "
-                         f"measured/formula {steady / s.formula_wire_bytes:.3f}  "
-                         f"{'MATCH' if s.wire_bytes_match else 'MISMATCH'}"))
+    rows += axis_rows(s)
+    if s.formula_wire_bytes is not None:
+        steady = max(s.wire_bytes_per_step)
+        clip = "; clipping's 4-byte norm all-reduce not counted" if not s.mesh_run else ""
+        ratio = f"measured/formula {steady / s.formula_wire_bytes:.3f}  " if s.formula_wire_bytes else ""
+        rows.append((f"  formula {s.formula}", f"{s.formula_wire_bytes:,}  (G = grads {s.grad_bytes:,} B{clip}); "
+                     f"{ratio}{'MATCH' if s.wire_bytes_match else 'MISMATCH'}"))
     shared = s.options["backend"] == "thread"
     for r in s.ranks:
         m = r["memory"]
@@ -220,6 +216,53 @@ def format_summary(s: DemoSummary) -> str:
                                                  f"{against} (params {_mib(m['params'])}, grads {_mib(m['grads'])}, "
                                                  f"optimizer {_mib(m['optimizer'])})"))
     rows.append(("wall time", f"{s.wall_s:.1f} s"))
+    if s.load:
+        rows.append(("load average (1 min)", f"{s.load['before'][0]:.2f} before, {s.load['after'][0]:.2f} after, on "
+                                             f"{s.load['cpus']} usable cores"))
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 60)
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
+
+
+def mesh_fields(options: DemoOptions, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """DemoSummary's per-rank and per-axis fields from the ranks' results (of either rank body): ranks (coords,
+    per-axis wire bytes: the distinct values in the order the steps first gave them, peak RSS, memory), mesh
+    sizes, wire_bytes_per_axis (distinct values over all ranks, sorted), ops_per_axis; per `demo_axes`."""
+    axes = demo_axes(options)
+    return {
+        "ranks": [{"rank": r["rank"], "coords": r["coords"],
+                   "wire_bytes_per_axis": {a: list(dict.fromkeys(r["wire_bytes_per_axis"][a])) for a in axes},
+                   "peak_rss": r["peak_rss"], "memory": r["memory"]} for r in results],
+        "mesh": {a: getattr(options, a) for a in axes},
+        "wire_bytes_per_axis": {a: sorted({w for r in results for w in r["wire_bytes_per_axis"][a]}) for a in axes},
+        "ops_per_axis": results[0]["ops_per_axis"],
+    }
+
+
+def axis_rows(s: DemoSummary) -> list[tuple[str, str]]:
+    """Summary rows: per mesh axis, the wire bytes one rank sent per step, by pp rank (stages hold different
+    layers, so their traffic differs; the ranks of one stage send the same), and rank 0's operations. The
+    steady value comes first; values of earlier steps follow in brackets (ZeRO-1/2 all-gather the updated
+    parameters at the start of the next step, so the first step has no gather). The ep axis's bytes follow the
+    routing, which differs by rank and step: its row gives their range."""
+    rows = []
+    for axis in s.mesh:  # demo_axes: dp, tp, pp, and cp, ep when > 1
+        # dp = 1 still reduces dense gradients when cp > 1: over the dp x cp ranks, counted on dp
+        if s.mesh[axis] == 1 and not any(s.wire_bytes_per_axis[axis]):
+            rows.append((f"{axis} wire bytes/step", f"0  ({axis} = 1)"))
+            continue
+        by_stage: dict[int, dict[int, None]] = {}
+        for r in s.ranks:
+            by_stage.setdefault(r["coords"]["pp"], {}).update(dict.fromkeys(r["wire_bytes_per_axis"][axis]))
+        values = []
+        for _, seen in sorted(by_stage.items()):
+            if axis == "ep" and len(seen) > 1:
+                values.append(f"{min(seen):,} to {max(seen):,} (as the tokens were routed)")
+                continue
+            *early, steady = seen
+            values.append(f"{steady:,}" + (f" (first steps: {', '.join(f'{w:,}' for w in early)})" if early else ""))
+        text = values[0] if len(values) == 1 else " | ".join(f"pp {p}: {v}" for p, v in enumerate(values))
+        ops = ", ".join(f"{op} x{c['calls']}" for op, c in s.ops_per_axis[axis].items())
+        over = "; over dp x cp" if axis == "dp" and s.mesh.get("cp", 1) > 1 else ""
+        rows.append((f"{axis} wire bytes/step", f"{text} per rank  (rank 0: {ops}{over})"))
+    return rows

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .models.gpt import GPT, GPTConfig
-from .planner import Links, Workload, plan
-from .planner.machine import available_ram
+from ..models.gpt import GPT, GPTConfig
+from ..planner import Links, Workload, plan
+from ..planner.machine import available_ram
 
 __all__ = ["choose_strategy"]
 
