@@ -174,3 +174,20 @@ def test_auto_picks_a_strategy_that_fits_and_says_why(corpus_file, tmp_path, cap
     assert summary["options"]["strategy"] == chosen
     # With room for everything, the planner keeps the simplest: DDP.
     assert DemoOptions(strategy="auto", preset="tiny", nproc=2, memory_gb=64.0).strategy == "ddp"
+
+
+def test_progress_off_a_terminal_prints_whole_lines_not_carriage_returns():
+    import io
+
+    from shardwise.demo.progress import LineProgress, progress_bar
+
+    out = io.StringIO()  # not a terminal: a log file, a pipe
+    bar = progress_bar(20, "zero3", out=out)
+    assert isinstance(bar, LineProgress)
+    for step in range(20):
+        bar.set_postfix(loss=f"{5 - step * 0.1:.3f}")
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and len(lines) == 10, lines  # every tenth of the run, the last one included
+    assert lines[-1] == "zero3: 20/20 steps loss=3.100", lines

@@ -14,7 +14,6 @@ import pytest
 import shardwise
 import shardwise_cli
 from shardwise import demo
-from shardwise.cli import main as package_main
 from shardwise.demo import DemoOptions
 from shardwise.hybrid import DP_STRATEGIES
 from shardwise.models.gpt import PRESETS
@@ -66,7 +65,8 @@ def test_usage_errors_and_help_do_not_import_torch(argv, code, needle):
 def test_the_console_script_is_the_torch_free_entry_point():
     (script,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "shardwise"]
     assert script.value == "shardwise_cli:main"
-    assert package_main is main  # the package's name for it stays (and `python -m shardwise` runs it: test_cli.py)
+    # `python -m shardwise` runs it too (test_cli.py); the library itself never imports shardwise_cli
+    # (tests/test_import_graph.py)
     assert importlib.metadata.version("shardwise") == shardwise.__version__  # what --version prints
 
 

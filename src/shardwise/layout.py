@@ -42,10 +42,11 @@ from .boxes import Box, box_numel, box_slices, full_box, intersect, inverse_perm
 from .comm.base import Communicator
 from .sharded_tensor import local
 
-__all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extra_states", "strategies", "placements", "declare",
-           "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices", "box_numel", "intersect", "full_box", "reduction_groups",
-           "counts_here", "record_comms", "is_partitioned", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "register_partial_grad_sum", "buffers",
-           "data_parallel_group", "check_whole_within"]
+__all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extra_states", "strategies", "placements",
+           "declare", "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range",
+           "box_slices", "box_numel", "intersect", "full_box", "reduction_groups", "counts_here", "record_comms",
+           "is_partitioned", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL",
+           "buffers", "data_parallel_group"]
 
 _ATTR = "_shardwise_layout"  # the one attribute a wrapped model carries; read only by this module
 
@@ -378,22 +379,6 @@ def model_world(model: nn.Module, what: str) -> Communicator:
                      f"strategies knows the communicator of all of them; pass comm= (e.g. mesh.world)")
 
 
-def register_partial_grad_sum(param: torch.Tensor, comm: Communicator) -> None:
-    """Sum `param`'s incoming gradient over `comm` before it is accumulated (sequence-parallel weights).
-
-    A hook on the incoming gradient rather than on .grad keeps accumulation right: each backward's contribution is
-    summed once. Strategies that replace parameter objects (the sharding engine) re-register it on their own.
-    """
-    from .comm.base import ReduceOp
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        out = grad.contiguous().clone()  # autograd may hold the incoming gradient elsewhere
-        comm.all_reduce(out, ReduceOp.SUM)
-        return out
-
-    param.register_hook(hook)
-
-
 def data_parallel_group(pl: Placement, comm: Communicator) -> Communicator | None:
     """The ranks of `comm` over which a data-parallel strategy on `comm` averages `pl`'s gradient.
 
@@ -413,12 +398,3 @@ def data_parallel_group(pl: Placement, comm: Communicator) -> Communicator | Non
                          f"and replicated over {group.size if group else 1} of them: the two must tile the group (a "
                          f"MoE model's expert-parallel dp group must be the one data parallel runs over)")
     return group
-
-
-def check_whole_within(model: nn.Module, comm: Communicator, who: str) -> None:
-    """Refuse (ValueError) a strategy over `comm` that cannot reduce a parameter split over ranks of `comm`."""
-    for pl in placements(model).values():
-        if data_parallel_group(pl, comm) is not comm:
-            raise ValueError(f"{who}: parameter {pl.name!r} is split over ranks of its group (expert parallel: "
-                             f"{pl.box_group.size} ranks of {comm.size}); {who} does not shard such parameters yet: "
-                             f"use sw.DDP over the data-parallel group")

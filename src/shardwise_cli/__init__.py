@@ -3,7 +3,7 @@
 Why a top-level package: importing anything under `shardwise.` first runs `shardwise/__init__.py`, which imports
 torch (seconds, up to ~20 on a loaded machine). This package uses only the standard library until a command has
 been parsed and checked, so a usage error or `--help` answers at once; the library is imported by the command's
-handler. `shardwise.cli` re-exports `main` and `build_parser`, and `python -m shardwise` runs the same `main`.
+handler. `python -m shardwise` runs the same `main`.
 
 Each command is one module (demo.py, run.py, plan.py, bench.py) whose `add_<command>(subparsers)` declares the
 options and sets `handler`, a function taking the parsed namespace and returning the exit code; common.py holds what

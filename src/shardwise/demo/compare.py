@@ -35,6 +35,7 @@ from ..benchmarks.timing import alternate
 from ..comm.base import Communicator
 from ..files import save_figure, write_text
 from .options import DemoOptions
+from .progress import progress_bar
 from .report import DemoSummary, make_run_dir
 from .run import announce, finish, launch_ranks, start_run
 
@@ -50,12 +51,7 @@ def compare_rank(comm: Communicator, variants: list[DemoOptions], progress: bool
     runs = [start_run(comm, options) for options in variants]
     bar = None
     if progress and comm.rank == 0:
-        import sys
-
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(v.steps for v in variants), desc="compare " + ",".join(v.strategy for v in variants),
-                   unit="step", file=sys.stderr, dynamic_ncols=True)
+        bar = progress_bar(sum(v.steps for v in variants), "compare " + ",".join(v.strategy for v in variants))
 
     def one(run: Any) -> None:
         if not run.done:  # an early-stopped run sits out the rest (every rank agreed on when: loop.EarlyStop)

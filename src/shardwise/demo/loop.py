@@ -5,7 +5,6 @@ schedule (`lr_at`), rank 0's per-step records and progress bar (`StepLog`), the 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 from ..comm.base import Communicator, ReduceOp
 from ..consensus import agree
 from .options import DemoOptions
+from .progress import progress_bar
 
 __all__ = ["lr_at", "StepLog", "VALIDATION_FRACTION", "split_corpus", "EarlyStop"]
 
@@ -36,10 +36,7 @@ class StepLog:
         self.metrics: list[dict[str, Any]] = []
         self.bar = None
         if self.lead and options.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=options.steps, desc=options.label, unit="step", file=sys.stderr,
-                            dynamic_ncols=True)
+            self.bar = progress_bar(options.steps, options.label)
 
     def set_lr(self, opt: torch.optim.Optimizer, step: int) -> float:
         lr = lr_at(step, self.options)

@@ -52,7 +52,8 @@ from ..unused import used_anywhere
 from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
 from .hook_tools import MarkBackwardDone, cast_floating, inside_backward, tensors_in
 from .policy import ShardingConfig, auto_group_mb, plan_units
-from .unit import GatheredMemory, ParamInfo, Unit
+from .param_info import ParamInfo
+from .unit import GatheredMemory, Unit
 
 __all__ = ["ShardingConfig", "ShardingEngine"]
 

@@ -27,7 +27,6 @@ Three kinds of tensors per unit:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -39,6 +38,7 @@ from ..param_hooks import carry_grad_hooks
 from ..sharded_tensor import ShardSpec, as_sharded, local, spec_of
 from .grad_layout import GradLayout
 from .policy import UnitPlan
+from .param_info import ParamInfo
 from .unit_grads import UnitGradients
 
 __all__ = ["Unit", "ParamInfo", "GatheredMemory"]
@@ -57,22 +57,6 @@ class GatheredMemory:
 
     def freed(self, nbytes: int) -> None:
         self.live -= nbytes
-
-
-@dataclasses.dataclass
-class ParamInfo:
-    """Where one original parameter lives in its unit's flat layout, and this rank's piece of it."""
-
-    name: str
-    shape: torch.Size
-    numel: int
-    offset: int  # in the flat (unpadded) layout
-    requires_grad: bool
-    locations: list[tuple[nn.Module, str]]
-    shard_lo: int  # this rank's piece: flat elements [shard_lo, shard_hi) of the parameter's own flattening
-    shard_hi: int
-    shard_param: nn.Parameter
-    unsharded: nn.Parameter
 
 
 class Unit(UnitGradients):

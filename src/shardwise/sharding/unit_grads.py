@@ -10,15 +10,11 @@ reduce-scatter (AVG), or the compressed reduction; `finish_reduce` waits, all-re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..comm.base import ReduceOp
 from ..sharded_tensor import as_sharded, grad_like, spec_of
-
-if TYPE_CHECKING:
-    from .unit import ParamInfo
+from .param_info import ParamInfo
 
 __all__ = ["UnitGradients"]
 

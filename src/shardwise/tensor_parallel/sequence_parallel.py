@@ -30,13 +30,26 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from ..comm.base import Communicator
-from ..layout import register_partial_grad_sum
+from ..comm.base import Communicator, ReduceOp
 
-__all__ = ["reduce_sequence_parallel_grads", "is_sequence_parallel_param", "SavedActivations",
+__all__ = ["reduce_sequence_parallel_grads", "register_partial_grad_sum", "is_sequence_parallel_param", "SavedActivations",
            "saved_activations"]
 
 _MARK = "_shardwise_sequence_parallel"
+
+
+def register_partial_grad_sum(param: torch.Tensor, comm: Communicator) -> None:
+    """Sum `param`'s incoming gradient over `comm` before it is accumulated (sequence-parallel weights).
+
+    A hook on the incoming gradient rather than on .grad keeps accumulation right: each backward's contribution is
+    summed once. Strategies that replace parameter objects (the sharding engine) re-register it on their own.
+    """
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        out = grad.contiguous().clone()  # autograd may hold the incoming gradient elsewhere
+        comm.all_reduce(out, ReduceOp.SUM)
+        return out
+
+    param.register_hook(hook)
 
 
 def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], comm: Communicator) -> list[nn.Parameter]:

@@ -1,0 +1,263 @@
+"""The engine of `sw.DDP` (ddp.py): gradient buckets, the per-parameter ready hooks, the end-of-backward callback.
+
+`Reducer` packs a module's trainable parameters into flat buckets (reverse registration order; the first one small),
+makes each `.grad` a view into its bucket, launches a bucket's all-reduce (or its compressor) as soon as its last
+gradient is ready and every earlier bucket is launched (index order on every rank), and waits for all of them in a
+callback queued on the autograd engine, so `loss.backward()` returns with averaged gradients (Li et al., VLDB 2020).
+With `find_unused_parameters` it marks unreachable parameters ready at the start of backward and agrees with the
+other ranks on which were used anywhere (unused.py). ddp.py's module docstring describes the whole mechanism.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .agreement import agree_on_recovery
+from .comm.base import Communicator, ReduceOp, Work
+from .comm.coalesced import broadcast_coalesced
+from .compression.base import Compressor
+from .sharded_tensor import grad_like, local
+from .unused import used_anywhere
+
+__all__ = ["Bucket", "Reducer", "reachable_parameters", "MB"]
+
+log = logging.getLogger("shardwise.ddp")
+MB = 1024 * 1024
+
+
+class Bucket:
+    """A flat gradient buffer shared by a run of parameters of one dtype, device and reduction group."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], comm: Communicator | None) -> None:
+        self.index = index
+        self.params = params
+        self.comm = comm  # the group it is averaged over (None: nothing to average, see layout.data_parallel_group)
+        pieces = [local(p) for p in params]  # a tensor-parallel slice's own storage (sharded_tensor.py)
+        numel = sum(p.numel() for p in pieces)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        self.views: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []  # the views as each parameter's .grad (answering for the whole, if sliced)
+        offset = 0
+        for p, piece in zip(params, pieces):
+            view = self.buffer[offset : offset + piece.numel()].view_as(piece)
+            self.views.append(view)
+            self.grads.append(grad_like(view, p))
+            offset += piece.numel()
+        self.pending = len(params)
+        self.work: Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class Reducer:
+    """Per-model DDP state: buckets, hooks, and the bookkeeping of the backward pass in flight."""
+
+    def __init__(self, module: nn.Module, comm: Communicator, bucket_mb: float, first_bucket_mb: float,
+                 find_unused_parameters: bool, broadcast_buffers: bool, compression: Compressor | None = None,
+                 groups: dict[int, Communicator | None] | None = None) -> None:
+        self.comm = comm
+        # Per parameter, the ranks it is averaged over: comm, or for experts split over ranks of comm their replicas
+        # (layout.data_parallel_group); those with no replica in comm are left alone.
+        self.groups = {id(p): (groups or {}).get(id(p), comm) for p in module.parameters()}
+        self.compressor = compression.fresh() if compression is not None else None  # this rank's own state
+        self.find_unused = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.require_sync = True
+        self.names = {p: n for n, p in module.named_parameters()}
+        self.params = [p for p in module.parameters() if p.requires_grad and self.groups[id(p)] is not None]
+        self.buffers = list(module.buffers())
+        self.buckets = self._make_buckets(bucket_mb, first_bucket_mb)
+        self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.reachable: set[nn.Parameter] = set()
+        # Forwards whose backward has not ended yet: a pipeline runs several before the first backward, so the
+        # parameters reachable from any of them must not be marked unused until all their backwards are done.
+        self.outstanding_forwards = 0
+        self.failed = False  # a forward raised: recover before the next one
+        self._reset()
+
+    # ---- layout -----------------------------------------------------------------------------------------------
+    def _make_buckets(self, bucket_mb: float, first_bucket_mb: float) -> list[Bucket]:
+        buckets: list[Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):
+            limit = (first_bucket_mb if not buckets else bucket_mb) * MB
+            if current and (size >= limit or (p.dtype, p.device, self.groups[id(p)]) !=
+                            (current[0].dtype, current[0].device, self.groups[id(current[0])])):
+                buckets.append(Bucket(len(buckets), current, self.groups[id(current[0])]))
+                current, size = [], 0
+            current.append(p)
+            size += local(p).numel() * p.element_size()
+        if current:
+            buckets.append(Bucket(len(buckets), current, self.groups[id(current[0])]))
+        return buckets
+
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.work = None
+        self.marked: set[nn.Parameter] = set()
+        self.used: set[nn.Parameter] = set()
+        self.next_bucket = 0
+        self.in_backward = False
+
+    # ---- forward side -----------------------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if self.failed or (self.in_backward and torch._C._current_graph_task_id() == -1):
+            self._recover()
+        if self.broadcast_buffers and self.buffers and self.comm.size > 1:
+            broadcast_coalesced(self.comm, [b.data for b in self.buffers])
+
+    def sync_now(self) -> None:
+        """All-reduce every bucket now (what backward passes under no_sync accumulated); every .grad views its
+        bucket afterwards, except a parameter no rank used (find_unused_parameters=True), which keeps None."""
+        self._check_all_used([p for p in self.params if p.grad is None])
+        for p in self.params:
+            self._mark_ready(p, used=p.grad is not None)  # launches each bucket as it fills, in bucket order
+        used_flags = self._start_used_flags()
+        for bucket in self.buckets:
+            assert bucket.work is not None
+            bucket.work.wait()
+        self._hand_out_grads(used_flags)
+        self._reset()
+
+    def _recover(self) -> None:
+        """The previous backward raised before its end-of-backward callback ran: wait for the buckets it launched
+        (every rank launched them, in order), then start clean (the partial gradients are the caller's to zero)."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+        agree_on_recovery(self.comm, "DDP")
+        self.reachable = set()
+        self.outstanding_forwards = 0
+        self.failed = False
+        self._reset()
+
+    def after_forward(self, output: Any) -> None:
+        if self.find_unused and self.require_sync and torch.is_grad_enabled():
+            # The union over the outstanding forwards: a parameter outside it gets no gradient in any of their
+            # backwards, so marking it ready early is safe; one inside it is marked at the end of backward if unused.
+            self.reachable |= reachable_parameters(output)
+            self.outstanding_forwards += 1
+
+    # ---- backward side ----------------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.require_sync:
+            return  # no_sync(): let gradients accumulate locally
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            if self.find_unused:
+                for p in self.params:
+                    if p not in self.reachable and p is not param:
+                        self._mark_ready(p, used=p.grad is not None)
+        if param in self.marked:
+            raise RuntimeError(
+                f"DDP: parameter {self.names[param]!r} received its gradient twice in one backward pass. This "
+                f"happens with reentrant activation checkpointing or a module used in two backward passes; use "
+                f"torch.utils.checkpoint(..., use_reentrant=False)"
+            )
+        self._mark_ready(param, used=True)
+
+    def _mark_ready(self, param: nn.Parameter, *, used: bool) -> None:
+        bucket, i = self.location[param]
+        view = bucket.views[i]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(local(grad))
+            param.grad = bucket.grads[i]
+        self.marked.add(param)
+        if used:
+            self.used.add(param)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
+            bucket = self.buckets[self.next_bucket]
+            if self.compressor is not None:
+                bucket.work = self.compressor.reduce(bucket.index, bucket.buffer, self.comm,
+                                                     [local(p).shape for p in bucket.params])
+            else:
+                bucket.work = bucket.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
+            self.next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        try:
+            missing = [p for p in self.params if p not in self.marked]
+            self._check_all_used(missing)
+            for p in missing:
+                self._mark_ready(p, used=p.grad is not None)
+            used_flags = self._start_used_flags()
+            for bucket in self.buckets:
+                assert bucket.work is not None
+                bucket.work.wait()
+            self._hand_out_grads(used_flags)
+        finally:
+            self.outstanding_forwards = max(0, self.outstanding_forwards - 1)
+            if self.outstanding_forwards == 0:
+                self.reachable = set()
+            self._reset()
+
+    def _check_all_used(self, missing: list[nn.Parameter]) -> None:
+        """Without find_unused_parameters, a trainable parameter with no gradient is an error naming it."""
+        if missing and not self.find_unused:
+            names = [self.names[p] for p in missing]
+            raise RuntimeError(
+                f"DDP: {len(names)} trainable parameter(s) got no gradient in this backward pass: {names[:8]}"
+                f"{' ...' if len(names) > 8 else ''}. Their bucket would never be reduced. Pass "
+                f"find_unused_parameters=True to DDP (to sw.parallelize or sw.distribute), or set requires_grad=False "
+                f"on parameters you do not train")
+
+    def _start_used_flags(self) -> list[bool] | None:
+        """With find_unused_parameters: which parameters some rank used (one small all-reduce of flags)."""
+        if not self.find_unused:
+            return None
+        return used_anywhere([p in self.used for p in self.params], [self.comm], self.comm.device)
+
+    def _hand_out_grads(self, used: list[bool] | None) -> None:
+        """Every .grad views its bucket, but a parameter unused on every rank keeps None, as in one process."""
+        for p, was_used in zip(self.params, used if used is not None else [True] * len(self.params)):
+            if not was_used:
+                p.grad = None
+            else:
+                bucket, i = self.location[p]
+                p.grad = bucket.grads[i]
+
+
+def reachable_parameters(output: Any) -> set[nn.Parameter]:
+    """Leaf parameters reachable from the autograd graph of every tensor in `output` (nested lists/dicts too)."""
+    roots = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+    seen, found = set(), set()
+    while roots:
+        fn = roots.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            found.add(variable)
+        roots.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+    return found
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
