@@ -109,8 +109,9 @@ def test_options_validate_when_built_directly():
         (["--ep", "2", "--experts", "0"], "ep=2 splits the experts of a mixture of experts; give experts > 0"),
         (["--ep", "2", "--experts", "3"], "ep=2 must divide experts=3"),
         (["--ep", "3"], "ep=3 must divide dp x cp = 2 x 1 = 2"),
-        (["--ep", "2", "--strategy", "zero1"], "ep=2 needs strategy='ddp'"),
-        (["--experts", "4", "--tp", "2"], "experts=4 with tp=2: tensor parallel does not split experts"),
+        (["--ep", "2", "--strategy", "fsdp:hybrid_shard", "--dp-shard", "2"],
+         "ep=2 with strategy='fsdp:hybrid_shard' is not supported (its shard groups cut across the ranks holding the "
+         "same experts, edp)"),
         (["--experts", "2", "--experts-per-token", "3"], "experts_per_token=3 must be at most experts=2"),
     ],
 )
@@ -147,7 +148,10 @@ def test_five_axis_options_resolve():
     config = moe.gpt_config()
     assert (config.n_experts, config.experts_per_token, config.moe_aux_loss_coef) == (4, 2, 0.0)
     auto = DemoOptions(strategy="auto", ep=2, preset="tiny", memory_gb=1)
-    assert auto.strategy == "ddp" and "only DDP composes with" in auto.planned
+    assert auto.strategy == "ddp" and "not experts split over ep; the demo keeps DDP" in auto.planned
+    # ep with a sharded strategy (experts sharded over edp) and with tp (experts whole on every tp rank)
+    both = DemoOptions(dp=2, ep=2, tp=2, strategy="zero3", preset="tiny")
+    assert (both.nproc, both.dp, both.label) == (4, 2, "zero3 dp2 x tp2 x pp1, ep2")
     planned = DemoOptions(strategy="auto", cp=2, dp=2, preset="tiny", memory_gb=1)  # planned over dp x cp = 4 ranks
     assert planned.strategy == "ddp" and "4 ranks" in planned.planned
 

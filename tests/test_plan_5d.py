@@ -4,6 +4,7 @@ a five-axis Mesh, and the formulas against the bytes and memory a real cp x ep s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -66,7 +67,10 @@ def test_a_moe_module_gives_its_experts():
     model = GPT(MOE, seed=0)
     facts = model_facts(model)
     assert facts.expert_params == _expert_count(model) > 0
-    assert (facts.n_experts, facts.experts_per_token, facts.moe_layers, facts.tp_plan) == (4, 2, 2, None)
+    # the "gpt" plan keeps MoE layers whole on every tp rank; MOE has no balance loss (a pipeline may split it)
+    assert (facts.n_experts, facts.experts_per_token, facts.moe_layers, facts.tp_plan) == (4, 2, 2, "gpt")
+    assert not facts.moe_balance_loss
+    assert model_facts(GPT(GPTConfig.preset("tiny", n_experts=4), seed=0)).moe_balance_loss  # default coef 0.01
     assert model_facts(GPT(GPTConfig.preset("tiny"), seed=0)).expert_params == 0
     by_module = sw.estimate_memory(model, "ddp", 4, ep=2, cp=2, seq_len=32, batch_size=8)
     by_count = sw.estimate_memory(facts.num_params, "ddp", 4, ep=2, cp=2, expert_params=facts.expert_params,
@@ -77,11 +81,11 @@ def test_a_moe_module_gives_its_experts():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(ep=2), r"ep=2 splits the experts of a mixture of experts; give a module with MoE layers, or expert_params="),
-    (dict(ep=2, expert_params=1e8, strategy="zero1"), r"ep=2 needs strategy='ddp' without cpu_offload"),
-    (dict(ep=2, expert_params=1e8, cpu_offload="optimizer"), r"ep=2 needs strategy='ddp'"),
+    (dict(ep=2, expert_params=1e8, strategy="fsdp:hybrid_shard"),
+     r"ep=2 with strategy='fsdp:hybrid_shard' is not supported \(its shard groups cut across the ranks holding the "
+     r"same experts, edp\); allowed \['ddp', 'fsdp', 'fsdp:full_shard'"),
     (dict(ep=3, expert_params=1e8), r"ep=3 must divide dp x cp = 4"),
     (dict(ep=2, expert_params=1e8, n_experts=3, experts_per_token=1), r"ep=2 must divide n_experts=3"),
-    (dict(ep=2, expert_params=1e8, tp=2), r"ep=2 with tp=2: tensor parallel does not split experts"),
     (dict(expert_params=2e9), r"expert_params=2,000,000,000 exceeds the 1,000,000,000 parameters"),
     (dict(n_experts=8), r"give expert_params"),
     (dict(expert_params=1e8, n_experts=2, experts_per_token=3), r"experts_per_token=3 must be at most n_experts=2"),
@@ -96,6 +100,84 @@ def test_bad_cp_ep_input_names_the_argument(kwargs, match):
 def test_a_module_refuses_expert_counts():
     with pytest.raises(ValueError, match="expert_params is read from the module's MoE layers"):
         sw.estimate_memory(GPT(MOE, seed=0), "ddp", 2, expert_params=10)
+
+
+def _paper(psi: float, n: int, strategy: str, width: int = 2, k: int = 12) -> float:
+    """The ZeRO paper's model states of psi parameters shared by n ranks (section 5; width-byte parameters and
+    gradients, k bytes of optimizer state), written out here rather than read from costs.SHARDED."""
+    return {"ddp": (2 * width + k) * psi, "fsdp:no_shard": (2 * width + k) * psi,
+            "zero1": 2 * width * psi + k * psi / n, "zero2": width * psi + (width + k) * psi / n,
+            "fsdp:shard_grad_op": width * psi + (width + k) * psi / n, "zero3": (2 * width + k) * psi / n,
+            "fsdp:full_shard": (2 * width + k) * psi / n}[strategy]
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op",
+                                      "fsdp:no_shard"])
+def test_ep_under_zero_and_fsdp_shards_the_experts_over_edp(strategy):
+    """ZeRO / FSDP over an expert-parallel model (sharding/expert_units.py): the dense D by the strategy over dp x cp,
+    this rank's X/ep experts by the same strategy over the edp = dp x cp / ep ranks holding the same experts."""
+    psi, x, world, cp, ep = 1e9, 6e8, 16, 2, 4  # dp 8 x cp 2: dense over 16 ranks, each expert slice over edp = 4
+    est = sw.estimate_memory(psi, strategy, world, cp=cp, ep=ep, expert_params=x)
+    want = _paper(psi - x, 16, strategy) + _paper(x / ep, 4, strategy)
+    assert est.model_states == pytest.approx(want, rel=1e-12) and est.cpu == 0
+    dp_strategy = {"fsdp:no_shard": "ddp"}.get(strategy, strategy)  # sw.parallelize has no no_shard: DDP's figures
+    c = parse_strategy(f"5d:dp=8,cp=2,ep=4,dp_strategy={dp_strategy}", world)
+    e = estimate(c, Workload(psi, experts=costs.Experts(x)), Links(world, 8, 80 * GB))
+    assert e.states.device == pytest.approx(want, rel=1e-12)
+    if strategy in ("zero3", "fsdp:full_shard"):  # each rank 1/16 of every tensor, dense or expert: 16 psi / 16
+        assert est.model_states == pytest.approx(16 * psi / 16)
+        # the gradients: D reduce-scattered and gathered twice over dp x cp, X/ep over edp (bf16)
+        assert e.wire == pytest.approx({"dp": 3 * 15 / 16 * 2 * (psi - x), "edp": 3 * 3 / 4 * 2 * x / ep})
+
+
+def test_ep_with_cpu_offload_moves_each_familys_shards():
+    """The sharding engine offloads expert units as dense ones (a 4-rank ZeRO-3 + offload run over ep = 2 equals one
+    process): the host holds 16 bytes per parameter of this rank's shards, D/N + (X/ep)/edp."""
+    psi, x, ep = 1e9, 6e8, 2
+    shards = (psi - x) / 8 + x / ep / 4  # dp x cp = 8, edp = 4
+    opt = sw.estimate_memory(psi, "zero3", 8, ep=ep, expert_params=x, cpu_offload="optimizer")
+    assert (opt.params, opt.grads, opt.optimizer, opt.cpu) == pytest.approx((2 * shards, 0, 0, 16 * shards))
+    full = sw.estimate_memory(psi, "zero3", 8, ep=ep, expert_params=x, cpu_offload="full")
+    assert (full.model_states, full.cpu) == pytest.approx((0, 16 * shards))
+    zero1 = sw.estimate_memory(psi, "zero1", 8, ep=ep, expert_params=x, cpu_offload="optimizer")
+    held = (psi - x) + x / ep  # ZeRO-1 keeps whole bf16 parameters and its gradient buffer on the device
+    assert (zero1.model_states, zero1.cpu) == pytest.approx((4 * held, 16 * shards))
+    c = parse_strategy("5d:dp=8,ep=2,dp_strategy=zero3", 8)
+    e = estimate(dataclasses.replace(c, offload="optimizer"), Workload(psi, experts=costs.Experts(x)),
+                 Links(8, 8, 80 * GB))
+    assert (e.states.device, e.states.cpu) == pytest.approx((2 * shards, 16 * shards))
+
+
+def test_tensor_parallel_splits_the_dense_parameters_not_the_experts():
+    """The "gpt" plan keeps each MoE layer whole on every tp rank: tp divides D, and X only by ep (and pp)."""
+    psi, x = 1e9, 6e8
+    d = psi - x
+    # ep x tp: 16 ranks = dp 4 x tp 2 x pp 2, ep = 2 of dp 4 (edp 2); ZeRO-1 over dp / edp
+    est = sw.estimate_memory(psi, "zero1", 16, tp=2, pp=2, ep=2, expert_params=x)
+    assert est.model_states == pytest.approx(_paper(d / 4, 4, "zero1") + _paper(x / 2 / 2, 2, "zero1"), rel=1e-12)
+    # tp alone (ep = 1): every tp rank holds all the experts of its stage
+    ddp = sw.estimate_memory(psi, "ddp", 4, tp=4, expert_params=x)
+    assert ddp.model_states == pytest.approx(16 * (d / 4 + x))
+    assert sw.estimate_memory(psi, "ddp", 4, tp=4).model_states == pytest.approx(16 * psi / 4)  # dense: all / tp
+    c = parse_strategy("5d:dp=4,ep=2,tp=2,pp=2,dp_strategy=zero1", 16)
+    assert (c.ep, c.tp, c.dp_strategy) == (2, 2, "zero1")
+    s, b, h, L, E, k = 1024, 2, 1024, 8, 8, 2
+    g = Activations(s, b, h, L, 8)
+    work = Workload(psi, activations=g, attention="fused", sequence_parallel=True, experts=costs.Experts(x, E, k))
+    e = estimate(c, work, Links(16, 8, 80 * GB))
+    assert e.states.device == pytest.approx(est.model_states, rel=1e-12)
+    # sequence parallel: each tp rank routes its own shard of the tokens (N = b s / tp), and its router and experts'
+    # gradients are partial sums, all-reduced over tp on top of Megatron's 4 activation all-reduces per layer
+    sbh = s * b * h * 2
+    assert e.wire["tp"] == pytest.approx(4 * (1 / 2) * 2 * sbh * L / 2 + 1 / 2 * 2 * (2 * x / 2 / 2))
+    assert e.wire["ep"] == pytest.approx(1 / 2 * L / 2 * (8 * E + 4 * (b * s / 2) * k * h * 2))
+    # ZeRO-3 gathers a MoE layer: its attention (4h^2, / tp) and this rank's experts of it (X / (L ep)), two at a time
+    z3 = estimate(parse_strategy("5d:dp=4,ep=2,tp=2,pp=2,dp_strategy=zero3", 16), work, Links(16, 8, 80 * GB))
+    assert z3.working == pytest.approx(2 * 2 * (4 * h * h / 2 + x / (L * 2)))
+    with pytest.raises(ValueError, match=r"tp=3 must divide model_parallel=4"):
+        costs.model_states(psi, "ddp", 4, model_parallel=4, tp=3, expert_params=x)
+    with pytest.raises(ValueError, match=r"ep=2 with hybrid_shard is not supported"):
+        costs.model_states(psi, "hybrid_shard", 4, ep=2, expert_params=x)
 
 
 def test_cp_ep_one_keeps_the_figures_and_the_repr_is_readable():
@@ -119,12 +201,17 @@ def test_five_axis_strategy_strings_round_trip():
     assert c.strategy == "5d:dp=2,cp=2,ep=4,tp=1,pp=1" and parse_strategy(c.strategy, 4) == c
     assert parse_strategy("5d:cp=2,pp=2,dp_strategy=zero1", 8) == Candidate("3d", "zero1", 2, 1, 2, cp=2)
     assert parse_strategy("3d:dp=2,tp=2,pp=2", 8).strategy == "3d:dp=2,tp=2,pp=2"  # 3-D strings unchanged
+    assert parse_strategy("5d:dp=2,cp=2,tp=2", 8) == Candidate("3d", "ddp", 2, 2, 1, cp=2)  # cp over tp's heads
+    # ep with ZeRO / FSDP (experts sharded over edp) and with tp (experts kept whole on every tp rank)
+    assert parse_strategy("5d:dp=4,ep=2,tp=2,dp_strategy=zero3", 8) == Candidate("3d", "zero3", 4, 2, 1, ep=2)
+    assert parse_strategy("5d:dp=8,ep=2,dp_strategy=fsdp:shard_grad_op", 8).dp_strategy == "fsdp:shard_grad_op"
 
 
 @pytest.mark.parametrize("text, match", [
     ("3d:dp=4,cp=2", r"cp is a key of the 5-D strings; write e.g. '5d:dp=2,cp=2,tp=1,pp=1'"),
-    ("5d:dp=2,cp=2,tp=2", r"cp=2 with tp=2 is not supported by sw.parallelize yet"),
-    ("5d:dp=8,ep=2,dp_strategy=zero1", r"ep=2 needs dp_strategy=ddp"),
+    ("5d:dp=8,ep=2,dp_strategy=fsdp:hybrid_shard",
+     r"ep=2 with dp_strategy='fsdp:hybrid_shard' is not supported \(its shard groups cut across the ranks holding the "
+     r"same experts, edp\); allowed \('ddp', 'zero1', 'zero2', 'zero3', 'fsdp:full_shard', 'fsdp:shard_grad_op'\)"),
     ("5d:dp=2,ep=4,tp=4", r"ep=4 must divide dp x cp = 2 x 1 = 2"),
     ("5d:dp=2,cp=3", r"cp x tp x pp = 3 x 1 x 1 = 3 does not divide the world size 8"),
     ("5d:dp=2,cp=2", r"dp x cp x tp x pp = 2 x 2 x 1 x 1 = 4, but the world has 8 ranks"),
@@ -170,7 +257,9 @@ def test_shardwise_plan_with_experts(capsys):
     row = next(line for line in out.splitlines() if line.startswith("  5d:dp=4,cp=2,ep=4,tp=1,pp=1"))
     assert float(row.split()[1]) == round(16 * (2e9 + 6e9 / 4) / GB, 1)  # 56.0 GB of states
     assert "Given: 5d:dp=4,cp=2,ep=4,tp=1,pp=1." in out and "Mixture of experts: 6.00B" in out
-    assert not re.search(r"^  (tp|3d:dp=\d+,tp=[2-8])", out, re.M)  # tensor parallel does not split experts
+    # tensor parallel splits the 2B dense parameters, not the 6B in experts (kept whole on every tp rank)
+    row = next(line for line in out.splitlines() if line.startswith("  tp "))
+    assert float(row.split()[1]) == round(16 * (2e9 / 8 + 6e9) / GB, 1)  # 100.0 GB, not 16 x 8e9 / 8 = 16.0
     assert main(["plan", "--params", "8e9", "--gpus", "8", "--strategy", "5d:dp=4,cp=2,ep=4"]) == 1
     assert "ep=4 splits the experts of a mixture of experts, but the model has none" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
@@ -189,15 +278,19 @@ def test_distribute_models_a_cp_ep_mesh():
         x, y = corpus.batch(0, 4, MOE.seq_len, rank=model.plan.data_rank, world_size=model.plan.data_world)
         loss = model.step(x, y)
         opt.step()
-        for strategy, match in (("zero1", r"ep=2 needs DDP \(dp_strategy='ddp', no offload\).*got 'zero1'"),
-                                ("tp", r"strategy='tp' splits every layer over all 2 ranks, but the mesh given is "
-                                       r"Mesh\(dp=1, cp=2, ep=2")):
+        zero1 = sw.distribute(GPT(MOE, seed=0), mesh, "zero1")  # a sharded strategy over the split experts
+        zero1.step(x, y)
+        for strategy, options, match in (
+                ("tp", {}, r"strategy='tp' splits every layer over all 2 ranks, but the mesh given is "
+                           r"Mesh\(dp=1, cp=2, ep=2"),
+                ("fsdp:hybrid_shard", {"shard_size": 1}, r"ep=2 with hybrid_shard is not supported")):
             with pytest.raises(ValueError, match=match):
-                sw.distribute(GPT(MOE, seed=0), mesh, strategy)
-        return model.plan.strategy, model.plan.data_world, float(loss), model.plan.explain()
+                sw.distribute(GPT(MOE, seed=0), mesh, strategy, **options)
+        return model.plan.strategy, model.plan.data_world, float(loss), model.plan.explain(), zero1.plan.strategy
 
     results = sw.launch(body, 2, backend="thread", timeout=120)
     assert {r[0] for r in results} == {"5d:dp=1,cp=2,ep=2,tp=1,pp=1"} and {r[1] for r in results} == {1}
+    assert {r[4] for r in results} == {"5d:dp=1,cp=2,ep=2,tp=1,pp=1,dp_strategy=zero1"}
     assert results[0][2] == results[1][2] and 0 < results[0][2] < 10  # the cp ranks report the sequence's loss
     assert "Mixture of experts" in results[0][3] and "Chosen: 5d:dp=1,cp=2,ep=2,tp=1,pp=1." in results[0][3]
 
@@ -229,3 +322,47 @@ def test_measured_cp_ep_step_matches_the_formulas():
     want = sw.estimate_memory(GPT(MOE, seed=0), "ddp", 2, cp=2, ep=2, mixed_precision=False).model_states
     for _, _, got in results:  # AdamW adds a 4-byte step counter per parameter tensor
         assert want <= got <= want + 4 * 64
+
+
+MEASURED = {  # name: (mesh axes, sw.parallelize options, estimate_memory arguments)
+    "zero3_dp4_ep2": ({"dp": 4, "ep": 2}, {"dp_strategy": "zero3"}, {"strategy": "zero3"}),
+    "zero1_dp4_ep2": ({"dp": 4, "ep": 2}, {"dp_strategy": "zero1"}, {"strategy": "zero1"}),
+    "zero3_offload_dp4_ep2": ({"dp": 4, "ep": 2}, {"dp_strategy": "zero3", "cpu_offload": "optimizer"},
+                              {"strategy": "zero3", "cpu_offload": "optimizer"}),
+    "zero3_dp2_ep2_tp2": ({"dp": 2, "ep": 2, "tp": 2}, {"dp_strategy": "zero3", "tp_plan": "gpt"},
+                          {"strategy": "zero3", "tp": 2}),
+    "ddp_dp2_ep2_tp2": ({"dp": 2, "ep": 2, "tp": 2}, {"tp_plan": "gpt"}, {"strategy": "ddp", "tp": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(MEASURED))
+def test_measured_states_of_ep_with_zero_and_tp_match_the_estimate(case):
+    """What each of 4 thread ranks holds after an fp32 AdamW step (memory_stats) against estimate_memory: ZeRO over
+    dp 4 with ep 2 shards the experts over edp = 2; with tp 2 the experts stay whole on each tp rank."""
+    axes, options, wanted = MEASURED[case]
+    corpus = ByteCorpus(max_bytes=100_000)
+
+    def body(comm):
+        mesh = sw.Mesh(comm, **axes)
+        model = sw.parallelize(GPT(MOE, seed=0), mesh, n_microbatches=1, **options)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        dp = mesh.sizes["dp"]
+        x, y = corpus.batch(0, 4, MOE.seq_len, rank=mesh.coords.dp, world_size=dp)
+        model.step(x, y)
+        opt.step()
+        return sw.memory_stats(model, opt).model_states
+
+    est = sw.estimate_memory(GPT(MOE, seed=0), world_size=4, ep=2, mixed_precision=False, **wanted)
+    # On the CPU offload has nowhere else to go: the engine keeps the host figure (est.cpu: fp32 master shard, its
+    # gradient and Adam's moments) beside the compute shard (est.params), so the rank holds their sum.
+    want = est.model_states + est.cpu
+    experts = model_facts(GPT(MOE, seed=0)).expert_params
+    for got in sw.launch(body, 4, backend="thread", timeout=120):
+        if "tp" in axes:  # LayerNorms and the position embedding are replicated over tp: a little over D / tp
+            assert want <= got <= 1.02 * want
+            # were the experts split by tp too (model_parallel 2 dividing them), it would sit far below
+            split = costs.model_states(est.num_params, wanted["strategy"], 2, dtype="fp32", model_parallel=2,
+                                       expert_params=experts, ep=2, tp=1).device
+            assert got - split > 0.2 * want and split < want
+        else:  # AdamW's step counters, a flat buffer's padding to a multiple of the shard group
+            assert want <= got <= want + 1024

@@ -132,7 +132,9 @@ def _workload(model: nn.Module, options: dict[str, Any]) -> tuple[Workload, dict
     work = Workload(facts.num_params, _dtype(model, mp), options.get("optimizer", "adamw"), geometry, bool(ac),
                     attention, bool(options.get("sequence_parallel", False)), facts.hidden_size, experts)
     tp_plan = options.get("tp_plan", facts.tp_plan)
-    allowed = {"tensor_parallel": tp_plan is not None, "pipeline": facts.pipeline_layers is not None,
+    # A MoE balance loss is a function of the whole batch: sw.parallelize refuses it with a pipeline (hybrid_plan).
+    allowed = {"tensor_parallel": tp_plan is not None,
+               "pipeline": facts.pipeline_layers is not None and not facts.moe_balance_loss,
                "max_pp": facts.pipeline_layers, "offload": options.get("offload", True),
                "tp_divides": tuple(d for d in (facts.num_heads, facts.vocab_size) if d)}
     return work, allowed
@@ -150,17 +152,15 @@ def _usable(c: Candidate, options: dict[str, Any]) -> bool:
 
 def _pool(world: Communicator, mesh: Mesh | None, node: int, device: str, work_allowed: dict[str, Any],
           options: dict[str, Any]) -> list[Candidate]:
-    if mesh is not None and _fixed(mesh):  # the mesh is fixed: only dp strategies vary (DDP alone with experts)
-        s = mesh.sizes
-        family = ("ddp",) if s["ep"] > 1 else ("ddp", "zero1", "zero2", "zero3")
-        pool = [_on_mesh(mesh, d) for d in family]
+    if mesh is not None and _fixed(mesh):  # the mesh is fixed: only dp strategies vary
+        pool = [_on_mesh(mesh, d) for d in ("ddp", "zero1", "zero2", "zero3")]
     else:
         allowed = dict(work_allowed, offload=work_allowed["offload"] and device == "cuda")  # CPU: nothing to offload to
         pool = candidates(world.size, node, **allowed)
     usable = [c for c in pool if _usable(c, options)]
-    if not usable:  # e.g. a mesh with ep > 1 (DDP only) and mixed_precision (a sharded engine's option)
+    if not usable:  # e.g. mixed_precision (a sharded engine's option) over a pool of DDP layouts only
         raise ValueError(f"distribute: no layout of {', '.join(sorted({c.strategy for c in pool}))} allows the "
-                         f"options given (mixed_precision needs a sharded strategy, which ep > 1 does not allow)")
+                         f"options given (mixed_precision needs a sharded strategy)")
     return usable
 
 

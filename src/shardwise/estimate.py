@@ -5,8 +5,9 @@ and mixed-precision Adam, 16Ψ (DDP), 4Ψ + 12Ψ/N (ZeRO-1), 2Ψ + 14Ψ/N (ZeRO-
 N = 64) gives 120, 31.4, 16.6 and 1.9 GB. Activations are added when the sequence length and batch are given
 (Korthikanti et al., sbh(34 + 5as/h) per layer; with activation checkpointing 2sbh per layer plus one layer being
 recomputed). Context parallel (cp) divides the activations by cp: each rank holds T/cp tokens of every sequence.
-Expert parallel (ep) divides the parameters, gradients and optimizer state of a mixture of experts' experts by ep
-(the dense ones follow the strategy over the dp x cp ranks), and adds the all-to-all bytes of the token exchange.
+Expert parallel (ep) divides the parameters, gradients and optimizer state of a mixture of experts' experts by ep,
+then the strategy shards them over the dp x cp / ep ranks holding the same experts (the dense ones over dp x cp),
+and adds the all-to-all bytes of the token exchange; tensor parallel divides the dense parameters, not the experts.
 The formulas, their variants (fp32, other optimizers, tensor, pipeline, context and expert parallel, CPU offload)
 and their assumptions live in one place, `shardwise.planner.costs`; this is their user-facing entry point.
 """
@@ -176,14 +177,17 @@ def estimate_memory(
     activation_checkpointing: keep only each layer's input (2sbh) and recompute: True for every layer, k for every
         k-th (the engine's `activation_checkpointing=k`). attention: "eager" stores the
         attention scores (the paper's 5as/h term), "fused" (FlashAttention / SDPA) does not.
-    tp, pp, sequence_parallel: tensor and pipeline parallel sizes within world_size (Ψ divided by tp x pp).
+    tp, pp, sequence_parallel: tensor and pipeline parallel sizes within world_size (Ψ divided by tp x pp; the
+        experts of a mixture of experts by pp only).
     cpu_offload: None, "optimizer" (optimizer state and master copy on the CPU) or "full" (everything; zero3).
     cp: context-parallel ranks within world_size (world_size = dp x cp x tp x pp): each holds seq_len / cp tokens of
         every sequence, so the activations are divided by cp (batch_size stays the sequences of its dp replica);
         the dense states are shared by the strategy over the dp x cp ranks, as without cp.
-    ep: expert-parallel ranks, borrowed from dp x cp (ep must divide it): the experts' parameters, gradients and
-        optimizer state are divided by ep, the dense ones follow `strategy` over dp x cp (ep > 1 needs "ddp",
-        what sw.parallelize trains experts with, and tp = 1: tensor parallel does not split experts).
+    ep: expert-parallel ranks, borrowed from dp x cp (ep must divide it): each rank holds 1/ep of the experts, their
+        states sharded by `strategy` over the edp = dp x cp / ep ranks holding the same experts; the dense ones
+        follow `strategy` over dp x cp (ep > 1 refuses "hybrid_shard", whose shard groups cut across edp). With tp,
+        the experts are replicated over the tensor-parallel ranks (the "gpt" plan keeps each MoE layer whole), so
+        tp divides the dense parameters only, with any ep.
     expert_params, n_experts, experts_per_token: with a parameter count, the parameters inside the experts (of
         every MoE layer, all experts; routers excluded), E and k; a module's MoE layers give them. E and k size the
         all-to-all bytes (`all_to_all`, with seq_len and batch_size; every layer is taken to be MoE).
@@ -211,13 +215,10 @@ def estimate_memory(
                              f"its ranks from the data- and context-parallel ones)")
         if experts.n_experts and experts.n_experts % ep:
             raise ValueError(f"estimate_memory: ep={ep} must divide n_experts={experts.n_experts}")
-        if STRATEGIES[strategy] != "ddp" or cpu_offload is not None:
-            raise ValueError(f"estimate_memory: ep={ep} needs strategy='ddp' without cpu_offload (sw.parallelize "
-                             f"trains experts with DDP; ZeRO / FSDP do not shard them); got strategy={strategy!r}"
-                             f"{f', cpu_offload={cpu_offload!r}' if cpu_offload else ''}")
-        if tp > 1:
-            raise ValueError(f"estimate_memory: ep={ep} with tp={tp}: tensor parallel does not split experts (the "
-                             f"tensor-parallel plans refuse a mixture of experts); use tp=1")
+        if STRATEGIES[strategy] == "hybrid_shard":
+            allowed = sorted(k for k in STRATEGIES if STRATEGIES[k] != "hybrid_shard")
+            raise ValueError(f"estimate_memory: ep={ep} with strategy={strategy!r} is not supported (its shard groups "
+                             f"cut across the ranks holding the same experts, edp); allowed {allowed}")
     if cpu_offload not in costs.OFFLOAD_LEVELS:
         raise ValueError(f"estimate_memory: cpu_offload={cpu_offload!r} is not known; allowed {costs.OFFLOAD_LEVELS}")
     key = STRATEGIES[strategy]
@@ -228,7 +229,7 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: attention={attention!r} is not known; allowed {costs.ATTENTION}")
     dtype = "bf16" if mixed_precision else "fp32"
     states = costs.model_states(psi, key, data_ranks, dtype=dtype, optimizer=optimizer, model_parallel=tp * pp,
-                                offload=cpu_offload, expert_params=experts.params if experts else 0.0, ep=ep)
+                                offload=cpu_offload, expert_params=experts.params if experts else 0.0, ep=ep, tp=tp)
     activations = all_to_all = None
     if (seq_len is None) != (batch_size is None):
         raise ValueError(f"estimate_memory: activations need both seq_len and batch_size; got seq_len={seq_len!r}, "
@@ -241,7 +242,8 @@ def estimate_memory(
                                              checkpointing=activation_checkpointing, attention=attention,
                                              dtype=dtype, cp=cp)
         if ep > 1 and experts is not None and experts.n_experts and experts.per_token:
-            all_to_all = costs.expert_parallel_wire_bytes(geometry, experts, ep, cp=cp, pp=pp, dtype=dtype)
+            all_to_all = costs.expert_parallel_wire_bytes(geometry, experts, ep, cp=cp, pp=pp, dtype=dtype,
+                                                          sp=tp if sequence_parallel else 1)
     return MemoryEstimate(strategy=strategy, world_size=world_size, num_params=psi, params=states.params,
                           grads=states.grads, optimizer=states.optimizer, activations=activations, cpu=states.cpu,
                           cp=cp, ep=ep, expert_params=int(experts.params) if experts else 0, all_to_all=all_to_all)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..models.gpt import GPT, GPTConfig
-from ..planner import Links, Workload, plan
+from ..planner import Links, Workload, model_facts, plan
 from ..planner.machine import available_ram
 
 __all__ = ["choose_strategy"]
@@ -28,14 +28,16 @@ def choose_strategy(preset: str, dp: int, tp: int, pp: int, memory_gb: float | N
     preset with experts) on dp x tp x pp; dp: the ranks the data-parallel strategy spans (dp x cp under context
     parallel)."""
     with torch.device("meta"):  # counts parameters without allocating them
-        num_params = GPT(config or GPTConfig.preset(preset)).num_parameters()
+        model = GPT(config or GPTConfig.preset(preset))
+        num_params, experts = model.num_parameters(), model_facts(model).expert_params
     ranks = dp * tp * pp
     if memory_gb is not None:
         memory: float | None = memory_gb * GB
     else:
         ram = available_ram()
         memory = ram / ranks if ram else None
-    work = Workload(num_params / (tp * pp), dtype="fp32", optimizer="adamw")
+    # A rank's share of the model: tp x pp split the dense parameters, pp alone the experts (whole on each tp rank).
+    work = Workload((num_params - experts) / (tp * pp) + experts / pp, dtype="fp32", optimizer="adamw")
     links = Links(dp, dp, memory=memory)
     chosen = plan(work, links, tensor_parallel=False, pipeline=False, offload=False)
     return chosen.chosen.candidate.dp_strategy, chosen.explain()

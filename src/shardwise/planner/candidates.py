@@ -11,8 +11,9 @@ A strategy string names a layout (Lightning's strategy strings are the model: "d
     "3d:dp=2,tp=2,pp=2[,dp_strategy=zero1]" data x tensor x pipeline through sw.parallelize (dp_strategy default ddp)
     "5d:dp=2,cp=2,ep=2,tp=1,pp=1[,dp_strategy=ddp]"
                                             the same with context parallel (cp ranks split each sequence) and expert
-                                            parallel (ep ranks, borrowed from dp x cp, split the experts); the world
-                                            is dp x cp x tp x pp; keys left out are 1 (dp: the remaining ranks)
+                                            parallel (ep ranks, borrowed from dp x cp, split the experts; any
+                                            dp_strategy but fsdp:hybrid_shard); the world is dp x cp x tp x pp;
+                                            keys left out are 1 (dp: the remaining ranks)
 
 A `Candidate` is one such layout resolved for a world size, plus a CPU offload level for the sharded engine.
 `candidates()` lists those an automatic choice compares: the data-parallel family, tensor parallel within a node,
@@ -151,15 +152,10 @@ def _parse_mesh(text: str, world_size: int) -> Candidate:
     if (dp * cp) % ep:
         raise ValueError(f"strategy={text!r}: ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp} (expert parallel "
                          f"borrows its ranks from the data- and context-parallel ones)")
-    if cp > 1 and tp > 1:
-        raise ValueError(f"strategy={text!r}: cp={cp} with tp={tp} is not supported by sw.parallelize yet (the "
-                         f"context-parallel attention runs on whole heads); use cp with dp and pp")
-    if ep > 1 and tp > 1:
-        raise ValueError(f"strategy={text!r}: ep={ep} with tp={tp}: tensor parallel does not split experts (the "
-                         f"tensor-parallel plans refuse a mixture of experts)")
-    if ep > 1 and dp_strategy != "ddp":
-        raise ValueError(f"strategy={text!r}: ep={ep} needs dp_strategy=ddp (ZeRO / FSDP do not shard experts); got "
-                         f"dp_strategy={dp_strategy!r}")
+    if ep > 1 and dp_strategy == "fsdp:hybrid_shard":
+        allowed = tuple(s for s in DP_FAMILY if s != "fsdp:hybrid_shard")
+        raise ValueError(f"strategy={text!r}: ep={ep} with dp_strategy='fsdp:hybrid_shard' is not supported (its "
+                         f"shard groups cut across the ranks holding the same experts, edp); allowed {allowed}")
     return Candidate("3d", dp_strategy, dp, tp, pp, cp=cp, ep=ep)
 
 

@@ -118,11 +118,12 @@ class Estimate:
 
 
 def _check_experts(c: Candidate, work: Workload) -> costs.Experts | None:
-    """The workload's experts when candidate c splits them (ep > 1); ValueError when it cannot."""
+    """The workload's experts (None: a dense model); ValueError when candidate c splits experts (ep > 1) that the
+    model lacks or that ep does not divide."""
+    x = work.experts if work.experts is not None and work.experts.params else None
     if c.ep == 1:
-        return None
-    x = work.experts
-    if x is None or not x.params:
+        return x
+    if x is None:
         raise ValueError(f"strategy={c.strategy!r}: ep={c.ep} splits the experts of a mixture of experts, but the "
                          f"model has none (give the expert parameters: shardwise plan --expert-params, or a model "
                          f"with MoE layers)")
@@ -135,7 +136,8 @@ def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
     """The figures of candidate `c` (see the module docstring)."""
     psi, dtype, mp = work.num_params, work.dtype, c.model_parallel
     experts = _check_experts(c, work)
-    moe = {"expert_params": experts.params, "ep": c.ep} if experts else {}
+    # The experts are split by ep and the pipeline, not by tensor parallel (it keeps the MoE layers whole).
+    moe = {"expert_params": experts.params, "ep": c.ep, "tp": c.tp} if experts else {}
     data = c.data_parallel  # dp x cp: the ranks dense gradients average over
     states = costs.model_states(psi, c.states_key, data, dtype=dtype, optimizer=work.optimizer, model_parallel=mp,
                                 offload=c.offload, shard=c.shard, **moe)
@@ -148,19 +150,29 @@ def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
         sp = work.sequence_parallel and c.tp > 1
         acts = costs.activation_bytes(g, tp=c.tp, pp=c.pp, sequence_parallel=sp, checkpointing=work.checkpointing,
                                       attention=work.attention, dtype=dtype, cp=c.cp)
-        if c.tp > 1:
-            wire["tp"] = costs.tensor_parallel_wire_bytes(g, c.tp, pp=c.pp, dtype=dtype)
+        micro = dataclasses.replace(g, seq_len=g.seq_len // c.cp) if c.cp > 1 else g  # this rank's tokens (/ cp)
+        if c.tp > 1:  # under sequence parallel each tp rank's MoE gradients are partial sums over tp
+            partial = costs.DTYPE_BYTES[dtype] * experts.params / c.ep / c.pp if experts is not None and sp else 0.0
+            wire["tp"] = costs.tensor_parallel_wire_bytes(micro, c.tp, pp=c.pp, dtype=dtype, partial_grads=partial)
         if c.pp > 1:  # this rank's tokens: its replica's sequences, split over cp
-            micro = dataclasses.replace(g, seq_len=g.seq_len // c.cp) if c.cp > 1 else g
             wire["pp"] = costs.pipeline_wire_bytes(micro, c.pp, tp=c.tp if sp else 1, dtype=dtype)
-        if c.cp > 1:  # ring attention, sw.parallelize's default cp_method
-            wire["cp"] = costs.context_parallel_wire_bytes(g, c.cp, pp=c.pp, dtype=dtype)
-        if experts is not None and experts.n_experts and experts.per_token:
-            wire["ep"] = costs.expert_parallel_wire_bytes(g, experts, c.ep, cp=c.cp, pp=c.pp, dtype=dtype)
+        if c.cp > 1:  # ring attention, sw.parallelize's default cp_method, on this rank's n_heads / tp heads
+            wire["cp"] = costs.context_parallel_wire_bytes(g, c.cp, pp=c.pp, dtype=dtype, tp=c.tp)
+        if c.ep > 1 and experts.n_experts and experts.per_token:
+            wire["ep"] = costs.expert_parallel_wire_bytes(g, experts, c.ep, cp=c.cp, pp=c.pp, dtype=dtype,
+                                                          sp=c.tp if sp else 1)
     # ZeRO-3 gathers a unit (a layer, 12h^2 parameters, as FSDP's transformer wrapping policy cuts them) and
-    # prefetches the next while computing: two units, never more than the model.
+    # prefetches the next while computing: two units, never more than the model. A MoE layer's unit is its
+    # attention (4h^2, split by tp) and this rank's experts of that layer (X / (L_moe ep), not split by tp).
     gathers = c.states_key in ("zero3", "full_shard", "hybrid_shard")
-    working = min(2 * 12 * hidden ** 2, psi) / mp * costs.DTYPE_BYTES[dtype] if gathers else 0.0
+    working = 0.0
+    if gathers and experts is None:
+        working = min(2 * 12 * hidden ** 2, psi) / mp * costs.DTYPE_BYTES[dtype]
+    elif gathers:
+        moe_layers = experts.layers or (g.num_layers if g else costs.default_shape(psi)[1])
+        unit = 4 * hidden ** 2 / c.tp + experts.params / (moe_layers * c.ep)
+        held = (psi - experts.params) / mp + experts.params / (c.ep * c.pp)
+        working = min(2 * unit, held) * costs.DTYPE_BYTES[dtype]
     # Which links each group crosses: ranks are laid out tp fastest, then cp, then dp, then pp (Mesh's order); the
     # experts' groups lie within dp x cp (ep: ep consecutive dp x cp indices; edp: strided across them).
     spans = {"dp": data * c.tp, "shard": (c.shard or data) * c.tp, "replicate": data * c.tp, "tp": c.tp,
@@ -168,7 +180,8 @@ def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
     seconds = sum(b / links.bandwidth(spans[k]) for k, b in wire.items())
     if c.offload:  # gradients down and parameters up over PCIe, the optimizer's pass over its state on the CPU
         width = costs.DTYPE_BYTES[dtype]
-        shard = psi / mp / (c.shard or data)
+        x = experts.params if experts is not None else 0.0  # this rank's share: X / (p x dp x cp) with any ep
+        shard = ((psi - x) / mp + x / c.pp) / (c.shard or data)
         pcie = 2 * width * shard * (3 if c.offload == "full" else 1)
         seconds += pcie / (links.pcie_gbps * GB) + states.cpu / (links.cpu_gbps * GB)
     tier = 3 if c.offload else 2 if c.pp > 1 else 1 if c.tp > 1 else 0
@@ -177,7 +190,7 @@ def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
     # counted (nor the all-to-all without E and k): say so.
     uncounted = () if g is not None else tuple(a for a, size in (("tp", c.tp), ("pp", c.pp), ("cp", c.cp),
                                                                   ("ep", c.ep)) if size > 1)
-    if g is not None and experts is not None and "ep" not in wire:
+    if g is not None and c.ep > 1 and "ep" not in wire:
         uncounted = ("ep",)
     return Estimate(c, states, acts, working, wire, seconds, tier, fits, uncounted)
 
@@ -269,9 +282,10 @@ class Plan:
         if x is not None and x.params:
             shape = f" ({x.n_experts} per layer, {x.per_token} per token)" if x.n_experts and x.per_token else ""
             lines.append(f"Mixture of experts: {_count(x.params)} of the parameters are in experts{shape}; an ep "
-                         f"layout holds 1/ep of them and of their gradients and optimizer state (DDP over dp x cp / "
-                         f"ep), the dense ones as its data-parallel strategy over dp x cp; the ep all-to-alls "
-                         f"assume uniform routing.")
+                         f"layout holds 1/ep of them, their gradients and optimizer state sharded by its data-"
+                         f"parallel strategy over the dp x cp / ep ranks holding the same experts, the dense ones "
+                         f"over dp x cp; tensor parallel keeps the experts whole (it splits the dense parameters "
+                         f"only); the ep all-to-alls assume uniform routing.")
         if any(e.candidate.cp > 1 for e in self.estimates):
             lines.append("Context parallel: each of the cp ranks holds 1/cp of every sequence (activations / cp; "
                          "b is a dp replica's sequences); dense gradients average over dp x cp; ring attention's "

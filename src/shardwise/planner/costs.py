@@ -14,8 +14,8 @@ and gradients take 4 bytes and Adam K = 8 (the parameters are their own master c
 for other optimizers ("none": weights and gradients only, the convention of tables that quote 4 bytes/parameter).
 FSDP's shard_grad_op keeps the parameters sharded at rest but gathered from forward through backward, so its peak is
 ZeRO-2's. hybrid_shard is full_shard within groups of `shard` ranks (N = shard). Tensor parallel (t) and pipeline
-parallel (p) first divide Ψ by t x p (embeddings split too: Megatron's vocabulary-parallel embedding); the
-data-parallel strategy then divides what is left over its dp ranks.
+parallel (p) first divide Ψ by t x p (embeddings split too: Megatron's vocabulary-parallel embedding; a mixture of
+experts' experts by p only, below); the data-parallel strategy then divides what is left over its dp ranks.
 
 **CPU offload** (Ren et al., "ZeRO-Offload", USENIX ATC 2021; Rajbhandari et al., "ZeRO-Infinity", SC 2021):
 level "optimizer" keeps the fp32 master shard, its fp32 gradient shard and the optimizer state on the CPU (the
@@ -43,8 +43,15 @@ attention store no score matrix at all: `attention="fused"` models them exactly)
 
 **Expert parallel** (docs/experts.md). A mixture-of-experts model has Ψ = D + X parameters, D dense and X in its
 experts. ep borrows its ranks from the dp x cp data-parallel ones: each rank holds X/ep of the expert parameters,
-their gradients and optimizer state (DDP over the edp = dp x cp / ep ranks holding the same experts), and the dense
-D as any data-parallel strategy over dp x cp would.
+the ranks holding the same experts form the expert-data-parallel group edp = dp x cp / ep, and the data-parallel
+strategy treats the two families apart (shardwise/sharding/expert_units.py; DeepSpeed-MoE's expert data
+parallelism, Rajbhandari et al. 2022): D as over dp x cp, X/ep with the same formula over edp (ZeRO-3: 16X/ep/edp =
+16X/(dp x cp), as the dense ones; DDP and no_shard: 16X/ep). hybrid_shard, whose shard groups cut across edp, is
+refused, and so is ep that does not divide dp x cp. CPU offload moves each family's shards as above. Tensor
+parallel keeps the MoE layers whole on every tp rank (expert-tensor-parallel size 1: router and experts
+replicated, the "gpt" plan), so it divides D but not X: the experts are divided by the pipeline stages p only, with
+or without ep. Their gradients reduce over edp (over dp x cp when ep = 1); under sequence parallel each tp rank's
+MoE gradient is a partial sum, all-reduced over tp (counted with the tensor-parallel traffic).
 
 **Bytes on the wire** per rank per step, ring collectives (Patarasuk & Yuan 2009; the ZeRO paper's section 7):
 all-reduce of B bytes over n ranks moves 2(n-1)/n B, reduce-scatter and all-gather (n-1)/n B each. DDP, ZeRO-1,
@@ -58,8 +65,9 @@ their gradients in backward: (3cp - 2) x 2b(s/cp)h; Ulysses: four all-to-alls of
 their inverses backward, 8 b (s/cp) h values of which (cp-1)/cp leave the rank. Expert parallel, per MoE layer and
 step (docs/experts.md): one all-to-all of the E int64 routing counts and four of rows of h values (each rank's N k
 assignments dispatched forward and their gradients combined backward; the rows its experts received combined forward
-and their gradients dispatched backward), N = b s / cp this rank's tokens: a payload of 8E + 4 N k h w bytes, of
-which (ep-1)/ep leaves the rank when the routing is uniform.
+and their gradients dispatched backward), N = b s / cp this rank's tokens (/ t under sequence parallel, where each
+tp rank routes its own shard of the sequence): a payload of 8E + 4 N k h w bytes, of which (ep-1)/ep leaves the rank
+when the routing is uniform.
 """
 
 from __future__ import annotations
@@ -114,26 +122,55 @@ class ModelStates:
 
 def model_states(psi: float, strategy: str, dp: int, *, dtype: str = "bf16", optimizer: str = "adamw",
                  model_parallel: int = 1, offload: str | None = None, shard: int | None = None,
-                 expert_params: float = 0.0, ep: int = 1) -> ModelStates:
+                 expert_params: float = 0.0, ep: int = 1, tp: int = 1) -> ModelStates:
     """Model-state bytes per rank (see the module docstring).
 
     psi: parameters of the whole model; strategy: a key of SHARDED; dp: data-parallel ranks (dp x cp under context
     parallel: the ranks dense gradients average over); model_parallel: t x p, the ranks that split the model before
     data parallel; shard: the shard-group size of hybrid_shard (default dp). expert_params: X of the psi parameters
-    that sit in experts, split over ep expert-parallel ranks (ep > 1 needs an unsharded strategy, DDP's: the
-    sharded engines do not shard experts); with ep = 1 the experts are parameters like the others.
+    that sit in experts, split over ep expert-parallel ranks (ep must divide dp) and sharded by the strategy over
+    edp = dp / ep; tp: the t of model_parallel, which splits the dense parameters but not the experts (the MoE
+    layers stay whole on every tensor-parallel rank). Without experts, or with ep = tp = 1, the experts are
+    parameters like the others.
     """
-    if ep == 1:
+    x = _expert_split(psi, strategy, dp, model_parallel, expert_params, ep, tp)
+    if x == 0.0:
         return _model_states(psi, strategy, dp, dtype, optimizer, model_parallel, offload, shard)
-    if any(SHARDED[strategy]) or offload is not None:
-        raise ValueError(f"ep={ep} needs DDP (dp_strategy='ddp', no offload): the experts are split over ranks of "
-                         f"the data-parallel group, which ZeRO / FSDP do not shard; got {strategy!r}"
-                         f"{f' with offload={offload!r}' if offload else ''}")
+    dense = _model_states(psi - x, strategy, dp, dtype, optimizer, model_parallel, offload, shard)
+    # The experts: X / ep on this rank, split by the pipeline only, sharded over the edp ranks holding the same ones
+    # (with ep = 1, edp is the data-parallel group and hybrid_shard's shard groups apply to them as to the others).
+    experts = _model_states(x / ep, strategy, dp // ep, dtype, optimizer, model_parallel // tp, offload,
+                            shard if ep == 1 else None)
+    return ModelStates(dense.params + experts.params, dense.grads + experts.grads,
+                       dense.optimizer + experts.optimizer, dense.cpu + experts.cpu)
+
+
+def _expert_split(psi: float, strategy: str, dp: int, model_parallel: int, expert_params: float, ep: int,
+                  tp: int) -> float:
+    """The expert parameters to count apart (0.0: none, or nothing tells them from the dense ones); ValueError for a
+    layout the engines refuse (module docstring)."""
+    if ep == 1 and tp == 1 and not expert_params:
+        return 0.0
+    for name, value in (("ep", ep), ("tp", tp), ("dp", dp), ("model_parallel", model_parallel)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if model_parallel % tp:
+        raise ValueError(f"tp={tp} must divide model_parallel={model_parallel} (t x p)")
+    if strategy not in SHARDED:
+        raise ValueError(f"strategy={strategy!r} is not known; allowed {sorted(SHARDED)}")
+    if ep == 1:
+        if not 0 <= expert_params <= psi:
+            raise ValueError(f"expert_params={expert_params!r} must be in [0, {psi:g}]")
+        return float(expert_params) if tp > 1 else 0.0
     if not 0 < expert_params <= psi:
         raise ValueError(f"ep={ep} needs the expert parameters, 0 < expert_params <= {psi:g}; got {expert_params!r}")
-    dense = _model_states(psi - expert_params, strategy, dp, dtype, optimizer, model_parallel, None, shard)
-    experts = _model_states(expert_params / ep, strategy, dp, dtype, optimizer, model_parallel, None, shard)
-    return ModelStates(dense.params + experts.params, dense.grads + experts.grads, dense.optimizer + experts.optimizer)
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide the data-parallel ranks dp x cp = {dp} (expert parallel borrows its "
+                         f"ranks from them)")
+    if strategy == "hybrid_shard":
+        raise ValueError(f"ep={ep} with hybrid_shard is not supported: its shard groups cut across the ranks holding "
+                         f"the same experts (edp); allowed {sorted(k for k in SHARDED if k != 'hybrid_shard')}")
+    return float(expert_params)
 
 
 def _model_states(psi: float, strategy: str, dp: int, dtype: str, optimizer: str, model_parallel: int,
@@ -235,19 +272,26 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
 
 
 def data_parallel_wire_bytes(psi: float, strategy: str, dp: int, *, dtype: str = "bf16", model_parallel: int = 1,
-                             shard: int | None = None, expert_params: float = 0.0,
-                             ep: int = 1) -> dict[str, float]:
+                             shard: int | None = None, expert_params: float = 0.0, ep: int = 1,
+                             tp: int = 1) -> dict[str, float]:
     """Bytes one rank sends per step for the data-parallel strategy, by group: {"dp": ...} or, for hybrid_shard,
     {"shard": within the group, "replicate": across the groups}. Gradients travel in the training dtype. With
-    ep > 1 (DDP only: `model_states`), the dense psi - expert_params go over dp ("dp") and this rank's
-    expert_params / ep over the dp / ep ranks holding the same experts ("edp")."""
-    if ep > 1:
-        model_states(psi, strategy, dp, expert_params=expert_params, ep=ep)  # the same checks
-        dense = data_parallel_wire_bytes(psi - expert_params, strategy, dp, dtype=dtype,
-                                         model_parallel=model_parallel)
-        local = DTYPE_BYTES[dtype] * expert_params / ep / model_parallel
-        return {**dense, "edp": _ring("all_reduce", local, dp // ep)}
-    nbytes = DTYPE_BYTES[dtype] * psi / model_parallel
+    experts (`model_states`' arguments), the dense psi - expert_params go over dp and this rank's expert_params / ep,
+    divided by the pipeline only, with the same strategy over the dp / ep ranks holding the same experts: under
+    "edp" when ep > 1, added to the dense groups' bytes when ep = 1."""
+    x = _expert_split(psi, strategy, dp, model_parallel, expert_params, ep, tp)
+    if x == 0.0:
+        return _wire(psi / model_parallel, strategy, dp, dtype, shard)
+    dense = _wire((psi - x) / model_parallel, strategy, dp, dtype, shard)
+    experts = _wire(x / ep / (model_parallel // tp), strategy, dp // ep, dtype, shard if ep == 1 else None)
+    if ep == 1:
+        return {k: dense[k] + experts[k] for k in dense}
+    return {**dense, "edp": experts["dp"]}
+
+
+def _wire(psi: float, strategy: str, dp: int, dtype: str, shard: int | None) -> dict[str, float]:
+    """data_parallel_wire_bytes of psi parameters on this rank (after the model-parallel split)."""
+    nbytes = DTYPE_BYTES[dtype] * psi
     if strategy in ("ddp", "no_shard"):
         return {"dp": _ring("all_reduce", nbytes, dp)}
     if strategy in ("zero1", "zero2", "shard_grad_op"):  # reduce-scatter gradients + all-gather parameters
@@ -261,11 +305,14 @@ def data_parallel_wire_bytes(psi: float, strategy: str, dp: int, *, dtype: str =
     raise ValueError(f"strategy={strategy!r} is not known; allowed {sorted(SHARDED)}")
 
 
-def tensor_parallel_wire_bytes(g: Activations, tp: int, *, pp: int = 1, dtype: str = "bf16") -> float:
+def tensor_parallel_wire_bytes(g: Activations, tp: int, *, pp: int = 1, dtype: str = "bf16",
+                               partial_grads: float = 0.0) -> float:
     """Bytes one rank sends per step for tensor parallel: 4 all-reduces of sbh per layer on its L/pp layers
-    (all-gather + reduce-scatter under sequence parallel move the same bytes)."""
+    (all-gather + reduce-scatter under sequence parallel move the same bytes). partial_grads: bytes of gradients this
+    rank holds as partial sums over tp (replicated parameters that sequence parallel runs on each rank's share of the
+    tokens: a MoE layer kept whole by the "gpt" plan, its router and this rank's experts), all-reduced over tp."""
     sbh = g.seq_len * g.batch_size * g.hidden_size * DTYPE_BYTES[dtype]
-    return 4 * _ring("all_reduce", sbh, tp) * g.num_layers / pp
+    return 4 * _ring("all_reduce", sbh, tp) * g.num_layers / pp + _ring("all_reduce", partial_grads, tp)
 
 
 def pipeline_wire_bytes(g: Activations, pp: int, *, tp: int = 1, dtype: str = "bf16") -> float:
@@ -277,17 +324,18 @@ def pipeline_wire_bytes(g: Activations, pp: int, *, tp: int = 1, dtype: str = "b
 
 
 def context_parallel_wire_bytes(g: Activations, cp: int, *, pp: int = 1, dtype: str = "bf16",
-                                method: str = "ring") -> float:
+                                method: str = "ring", tp: int = 1) -> float:
     """Bytes one rank sends per step for context parallel on its L/pp layers (module docstring): ring attention
     (3cp - 2) x |K| + |V| per layer, Ulysses (cp-1)/cp x 8 b (s/cp) h; |K| = |V| = b (s/cp) h values. g.seq_len is
-    the whole sequence, g.batch_size this rank's sequences per step (its dp replica's)."""
+    the whole sequence, g.batch_size this rank's sequences per step (its dp replica's). Under tensor parallel a
+    rank's attention holds 1/tp of the heads, so it exchanges 1/tp of those bytes."""
     if method not in CP_METHODS:
         raise ValueError(f"method={method!r} is not known; allowed {CP_METHODS}")
     if cp <= 1:
         return 0.0
     chunk = g.batch_size * g.seq_len / cp * g.hidden_size * DTYPE_BYTES[dtype]  # this rank's b x s/cp x h
     per_layer = (3 * cp - 2) * 2 * chunk if method == "ring" else (cp - 1) / cp * 8 * chunk
-    return per_layer * g.num_layers / pp
+    return per_layer * g.num_layers / pp / tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,26 +362,28 @@ class Experts:
 
 
 def expert_all_to_all_bytes(g: Activations, experts: Experts, *, cp: int = 1, pp: int = 1, dtype: str = "bf16",
-                            n_microbatches: int = 1) -> float:
+                            n_microbatches: int = 1, sp: int = 1) -> float:
     """All-to-all payload one rank puts in per step over its MoE layers (L_moe/pp of them; module docstring):
-    8E m + 4 N k h w bytes per layer, N = g.batch_size x g.seq_len / cp this rank's tokens, m the forwards per step
-    (n_microbatches: each exchanges its own counts; the rows add up to the same N). The payload is what
+    8E m + 4 N k h w bytes per layer, N = g.batch_size x g.seq_len / (cp x sp) this rank's tokens, m the forwards per
+    step (n_microbatches: each exchanges its own counts; the rows add up to the same N); sp: the tensor-parallel
+    ranks splitting each sequence under sequence parallel (1 without it: every tp rank routes all of its replica's
+    tokens, as the "gpt" plan keeps the MoE layers whole). The payload is what
     `CommStats.bytes("all_to_all")` counts (each call's whole input); summed over an ep group it is exact (a rank
     receives more or fewer rows as the routing falls; the group's received rows are its sent rows)."""
     if not (experts.n_experts and experts.per_token):
         raise ValueError("the all-to-all bytes need n_experts and experts_per_token")
     layers = experts.layers if experts.layers is not None else g.num_layers
-    tokens = g.batch_size * g.seq_len / cp
+    tokens = g.batch_size * g.seq_len / cp / sp
     counts = COUNT_BYTES * experts.n_experts * n_microbatches
     per_layer = counts + 4 * tokens * experts.per_token * g.hidden_size * DTYPE_BYTES[dtype]
     return per_layer * layers / pp
 
 
 def expert_parallel_wire_bytes(g: Activations, experts: Experts, ep: int, *, cp: int = 1, pp: int = 1,
-                               dtype: str = "bf16", n_microbatches: int = 1) -> float:
+                               dtype: str = "bf16", n_microbatches: int = 1, sp: int = 1) -> float:
     """Bytes one rank sends per step in the expert-parallel all-to-alls: (ep-1)/ep of `expert_all_to_all_bytes`
     (the share of a uniform routing that goes to the other ranks; 0 for ep = 1)."""
     if ep <= 1:
         return 0.0
     return (ep - 1) / ep * expert_all_to_all_bytes(g, experts, cp=cp, pp=pp, dtype=dtype,
-                                                   n_microbatches=n_microbatches)
+                                                   n_microbatches=n_microbatches, sp=sp)

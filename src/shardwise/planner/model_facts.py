@@ -37,8 +37,9 @@ class ModelFacts:
     pipeline_layers: how many layers a pipeline could split (None: the model cannot be pipelined).
     expert_params: parameters inside the experts of its MoE layers (`models.moe.MoE`: w_in, b_in, w_out, b_out;
     routers excluded), 0 for a dense model; n_experts / experts_per_token: E and k of those layers (0 when dense);
-    moe_layers: how many there are. A model with MoE layers has no tensor-parallel plan (the plans split dense
-    MLPs; tensor parallel does not split experts)."""
+    moe_layers: how many there are; moe_balance_loss: whether they add a load-balancing loss (`aux_loss_coef` > 0:
+    a function of the whole batch, which sw.parallelize trains only without a pipeline, pp = 1). The shardwise GPT's
+    "gpt" plan keeps its MoE layers whole on every tensor-parallel rank (experts replicated over tp, not split)."""
 
     num_params: int
     hidden_size: int | None = None
@@ -52,6 +53,7 @@ class ModelFacts:
     n_experts: int = 0
     experts_per_token: int = 0
     moe_layers: int = 0
+    moe_balance_loss: bool = False
 
 
 def _experts(model: nn.Module) -> dict[str, int]:
@@ -69,7 +71,7 @@ def _experts(model: nn.Module) -> dict[str, int]:
                 seen.add(id(p))
                 params += p.numel()
     return {"expert_params": params, "n_experts": layers[0].n_experts, "experts_per_token": layers[0].top_k,
-            "moe_layers": len(layers)}
+            "moe_layers": len(layers), "moe_balance_loss": any(layer.aux_loss_coef > 0 for layer in layers)}
 
 
 def _int_attr(config: object, names: tuple[str, ...]) -> int | None:
@@ -92,6 +94,4 @@ def model_facts(model: nn.Module) -> ModelFacts:
         # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers())
         layers = (geometry.get("num_layers") or 0) + 2 if geometry.get("num_layers") else None
     moe = _experts(model)
-    if moe:
-        tp_plan = None
     return ModelFacts(count_parameters(model), tp_plan=tp_plan, pipeline_layers=layers, **geometry, **moe)
