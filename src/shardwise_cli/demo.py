@@ -70,8 +70,8 @@ def add_demo(subparsers: argparse._SubParsersAction) -> None:
                    help="expert-parallel size, borrowed from dp x cp: ranks splitting the experts of the MoE GPT "
                    "(default: %(default)s)")
     p.add_argument("--experts", type=int_at_least(0), default=None,
-                   help="experts per block of the MoE GPT, built with moe_aux_loss_coef=0 (sw.parallelize refuses "
-                   "a load-balancing loss); 0: the dense GPT (default: 0, or 2 x ep with --ep)")
+                   help="experts per block of the MoE GPT, built with moe_aux_loss_coef=0 (a load-balancing loss "
+                   "needs the whole batch in one microbatch); 0: the dense GPT (default: 0, or 2 x ep with --ep)")
     p.add_argument("--experts-per-token", type=positive_int, default=2,
                    help="experts each token is routed to (default: %(default)s)")
     p.add_argument("--dp-shard", type=positive_int, default=None,

@@ -14,8 +14,9 @@ step), `summary.json` and `loss.png` (skipped, with a note, when matplotlib is m
 load average before and after the run and warns when it exceeds the usable cores: step times are then noise.
 
 With `experts=E` (default 2 x ep when ep > 1) every block's MLP is a mixture of E experts, `experts_per_token` of them
-per token, built with `moe_aux_loss_coef=0`: sw.parallelize refuses a load-balancing loss, which its pipeline's
-per-microbatch loss would leave out, so the demo's MoE trains on the language-model loss alone.
+per token, built with `moe_aux_loss_coef=0`: the load-balancing loss is a function of the whole batch, which
+sw.parallelize trains only in one microbatch (pp = 1, n_microbatches = 1), and the demo's schedule splits every step
+into microbatches; so the demo's MoE trains on the language-model loss alone.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def announce(options: DemoOptions) -> None:
                 f"with {options.microbatches} microbatches{method}")
     if options.experts:
         print(f"mixture of experts: {options.experts} experts per block, {options.experts_per_token} per token, "
-              f"{expert_params / 1e6:.2f}M of the parameters in experts; moe_aux_loss_coef=0 (sw.parallelize "
-              f"refuses a load-balancing loss, which its pipeline would leave out)", flush=True)
+              f"{expert_params / 1e6:.2f}M of the parameters in experts; moe_aux_loss_coef=0 (a load-"
+              f"balancing loss needs the whole batch in one microbatch; the demo's steps are split in "
+              f"microbatches)", flush=True)
     if options.planned:
         print(f"--strategy auto: the planner chose {options.strategy}\n{options.planned}", flush=True)
     print(f"shardwise demo: GPT {options.preset!r} ({num_params / 1e6:.2f}M params), {options.strategy} over "
