@@ -46,6 +46,7 @@ from .compression.support import copies_reconciled
 from .ddp import DDP
 from .hybrid_plan import DP_STRATEGIES, Plan, check_plan
 from .mesh import Mesh
+from .models import hf_parallel
 from .models.moe import MoE
 from .placement import to_comm_device
 from .sharding import FSDP, MixedPrecision, ZeRO
@@ -55,26 +56,26 @@ from .tensor_parallel.mappings import gather_from_region
 __all__ = ["parallelize", "HybridModel", "DP_STRATEGIES"]
 
 
-def _layers_and_loss(model: nn.Module, loss_fn: Callable | None) -> tuple[list[nn.Module], Callable, bool]:
-    """The model's pipeline layers, the loss over the last stage's output, and whether that output is a
-    vocabulary slice (a tensor-parallel GPT's head) that predict() must gather."""
+def _layers_and_loss(model: nn.Module, loss_fn: Callable | None,
+                     mesh: Mesh) -> tuple[list[nn.Module], Callable, bool, bool]:
+    """The model's pipeline layers, the loss over the last stage's output, whether that output is a vocabulary slice
+    (a tensor-parallel GPT's head) that predict() must gather, and whether `step` cuts the targets over cp like the
+    inputs (HuggingFace's loss takes whole labels: models/hf_parallel.py)."""
     from .models.gpt import lm_loss
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if hasattr(model, "pipeline_loss") and (loss_fn is None or loss_fn is lm_loss):
-        return model.pipeline_layers(), model.pipeline_loss(), True  # vocabulary-parallel loss, local logits
+        return model.pipeline_layers(), model.pipeline_loss(), True, True  # vocabulary-parallel loss, local logits
     if hasattr(model, "pipeline_loss"):
-        return model.pipeline_layers(gather_logits=True), loss_fn, False
+        return model.pipeline_layers(gather_logits=True), loss_fn, False, True
     if hasattr(model, "pipeline_layers"):
-        return model.pipeline_layers(), loss_fn or lm_loss, False
-    builders = {"llama": "llama_pipeline_layers", "mistral": "llama_pipeline_layers",
-                "qwen2": "llama_pipeline_layers", "gpt2": "gpt2_pipeline_layers"}
-    if model_type in builders:
-        from .models import hf_stages
-
-        return getattr(hf_stages, builders[model_type])(model), loss_fn or hf_stages.causal_lm_loss, False
+        return model.pipeline_layers(), loss_fn or lm_loss, False, True
+    if model_type in hf_parallel.BUILDERS:  # stages, HF's loss (whole labels under cp), Mixtral's router loss
+        layers, loss, split_targets = hf_parallel.hf_pipeline(model, loss_fn, cp=mesh.cp, batch_group=data_group(mesh))
+        return layers, loss, False, split_targets
     raise ValueError(f"parallelize: {type(model).__name__} has no pipeline_layers() and is not a known HuggingFace "
-                     f"decoder ({sorted(builders)}); give the model a pipeline_layers() method returning its layers")
+                     f"decoder ({sorted(hf_parallel.BUILDERS)}); give the model a pipeline_layers() method returning "
+                     f"its layers")
 
 
 def _balance_layers(model: nn.Module) -> list[MoE]:
@@ -131,8 +132,10 @@ class HybridModel(nn.Module):
     trains; `predict(inputs, to="all")` runs inference; `describe()` says which rank holds which layers and slices.
     """
 
-    def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str]) -> None:
+    def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str],
+                 split_targets: bool = True) -> None:
         super().__init__()
+        self._split_targets = split_targets  # False: the loss takes whole sequences (HF's labels under cp)
         self.pipe = pipe
         self.mesh = mesh
         self.plan = plan
@@ -157,7 +160,8 @@ class HybridModel(nn.Module):
         """
         stages = list(self.pipe.stages.values())
         self._loss_scale = float(loss_scale)
-        inputs, targets = self._split_sequence(inputs), self._split_sequence(targets)
+        inputs = self._split_sequence(inputs)
+        targets = self._split_sequence(targets) if self._split_targets else targets
         if self._overlaps_last_microbatch():
             # One stage per rank and no pipeline: gradient accumulation. Every microbatch but the last runs under
             # no_sync(); the last one's backward launches the reduction unit by unit (bucket by bucket for DDP) as
@@ -311,7 +315,9 @@ def parallelize(
     n_microbatches: microbatches per step (default 2 x pp, at least 1; 1 with pp = 1 for a model whose MoE layers have
         a load-balancing loss); this rank's batch must split evenly.
     loss_fn: loss_fn(output, target) of one microbatch; default: the model's own (the GPT's next-token loss,
-        vocabulary-parallel under tensor parallel; HuggingFace's causal-LM loss).
+        vocabulary-parallel under tensor parallel; HuggingFace's causal-LM loss of `step(input_ids, labels)`, which
+        under cp > 1 takes the whole labels: models/hf_parallel.py). Under cp > 1 a loss_fn of your own gets this
+        rank's chunks of the output and of the targets, cut alike.
     dp_strategy: "ddp", "zero1", "zero2", "zero3", "fsdp:full_shard", "fsdp:shard_grad_op" or "fsdp:hybrid_shard"
         (with dp_shard: the size of the shard groups within dp).
     activation_checkpointing: recompute layers between the first and the last in backward: True for every one, an
@@ -331,14 +337,15 @@ def parallelize(
         divisible by cp); every rank of a cp group is given its dp rank's batch and `step` splits the sequence; with
         tp > 1 context parallel runs on each tp rank's heads (docs/context_parallel.md).
     With ep > 1 the model's MoE layers have their experts split over mesh.ep (shardwise.experts; docs/experts.md).
-    A MoE layer's load-balancing loss (moe_aux_loss_coef > 0) is added to the loss, over the global batch as
-    `GPT.forward` computes it; it is a function of the whole batch, so it needs pp = 1 and n_microbatches = 1.
+    A MoE layer's load-balancing loss (moe_aux_loss_coef > 0; a HuggingFace Mixtral's with output_router_logits and
+    router_aux_loss_coef > 0) is added to the loss, over the global batch as `GPT.forward` (Mixtral's forward)
+    computes it; it is a function of the whole batch, so it needs pp = 1 and n_microbatches = 1.
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
         raise ValueError(f"parallelize: mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
     if n_microbatches is None:  # one with a MoE balance loss at pp = 1: it is a function of the whole batch
-        balanced = isinstance(model, nn.Module) and _balance_layers(model)
+        balanced = isinstance(model, nn.Module) and (_balance_layers(model) or hf_parallel.router_loss_coef(model) > 0)
         n_microbatches = 1 if mesh.sizes["pp"] == 1 and balanced else 2 * mesh.sizes["pp"]
     plan = Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
@@ -351,7 +358,7 @@ def parallelize(
         context_parallel.apply(model, mesh.cp, method=cp_method)
     if mesh.sizes["ep"] > 1:
         experts.expert_parallel(model, mesh)
-    layers, loss, gather_vocab = _layers_and_loss(model, loss_fn)
+    layers, loss, gather_vocab, split_targets = _layers_and_loss(model, loss_fn, mesh)
     loss = _with_balance_loss(loss, _balance_layers(model))
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
     pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss)
@@ -372,7 +379,7 @@ def parallelize(
             own[pl.name] = pl
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
         _wrap_data_parallel(stage, mesh, plan)
-    hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages))
+    hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets)
     pipe.loss_fn = hybrid.scaled_loss(loss)
     _declare(hybrid, model, mesh)
     return hybrid

@@ -135,6 +135,14 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if attention_mask is not None:
         raise ValueError("context parallel attention is causal over the whole sequence; attention_mask (padding) "
                          "is not supported: pass attention_mask=None")
+    if dropout:  # GPT-2 passes its attn_pdrop here in training mode: the blockwise attention has no dropout
+        raise ValueError(f"context parallel attention: attention dropout {dropout} is not implemented by ring / "
+                         f"Ulysses attention; allowed: 0.0 (e.g. GPT2Config(attn_pdrop=0.0), or eval())")
+    window, length = kwargs.get("sliding_window"), query.shape[2] * state.comm.size
+    if window is not None and length > window:  # a window at least as long as the sequence masks nothing
+        raise ValueError(f"context parallel attention: sliding window {window} is shorter than the sequence length "
+                         f"T={length}; ring / Ulysses attention has no sliding window: use sequences of at most "
+                         f"{window} tokens, or cp=1")
     return state.attend(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
 
 
@@ -162,9 +170,10 @@ def _apply_hf(model: nn.Module, state: ContextParallelState) -> None:
     from transformers import AttentionInterface
 
     config = model.config
-    if getattr(config, "attention_dropout", 0.0):
-        raise ValueError(f"context_parallel.apply: attention_dropout={config.attention_dropout} is not "
-                         f"implemented by ring / Ulysses attention; allowed: 0.0")
+    for field in ("attention_dropout", "attn_pdrop"):  # Llama family; GPT-2
+        if getattr(config, field, 0.0):
+            raise ValueError(f"context_parallel.apply: {field}={getattr(config, field)} is not implemented by ring / "
+                             f"Ulysses attention; allowed: 0.0")
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
     config._attn_implementation = HF_ATTENTION
     attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")]

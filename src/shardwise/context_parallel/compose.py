@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import layout
 
-__all__ = ["METHODS", "attention_heads", "check_method", "tensor_parallel_beneath"]
+__all__ = ["METHODS", "attention_dropout", "attention_heads", "check_method", "tensor_parallel_beneath"]
 
 METHODS = ("ring", "ulysses")
 #: strategies context parallel may be applied on top of (by their layout record's name)
@@ -41,6 +41,17 @@ def attention_heads(model: nn.Module) -> tuple[str, int] | None:
     for field in ("n_heads", "num_attention_heads"):
         value = getattr(config, field, None)
         if isinstance(value, int) and not isinstance(value, bool):
+            return field, value
+    return None
+
+
+def attention_dropout(model: nn.Module) -> tuple[str, float] | None:
+    """(config field, value) of a nonzero attention dropout, which ring / Ulysses attention does not implement: the
+    GPT's ``dropout`` (it drops attention probabilities too), HF's ``attention_dropout`` or GPT-2's ``attn_pdrop``."""
+    config = getattr(model, "config", None)
+    for field in ("dropout", "attention_dropout", "attn_pdrop"):
+        value = getattr(config, field, 0.0)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
             return field, value
     return None
 

@@ -24,8 +24,9 @@ sequences (its f and P are per sequence), so equal per-rank batches already aver
 
 Refused at wrap time (ValueError naming the value): E not divisible by ep, a router with jitter noise (each rank
 would draw its own), ``capacity_factor`` (these routers apply their own capacity), a model already wrapped by any
-strategy, a model mixing shardwise's MoE layers with HuggingFace's, a HuggingFace experts module of another class,
-and a load-balancing loss (``router_aux_loss_coef > 0``) that this module cannot make the global batch's.
+strategy but tensor or context parallel (which `sw.parallelize` applies first), a model mixing shardwise's MoE
+layers with HuggingFace's, a HuggingFace experts module of another class, and a load-balancing loss
+(``router_aux_loss_coef > 0``) that this module cannot make the global batch's.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ MODULE_EXPERTS = ("SwitchTransformersExperts",)
 GLOBAL_AUX = ("MixtralForCausalLM",)
 ROW_LOCAL_AUX = ("SwitchTransformersForConditionalGeneration", "SwitchTransformersEncoderModel",
                  "SwitchTransformersModel")
+#: Strategies expert parallel may come after (sw.parallelize's order: tp, cp, ep, ..., dp): they leave the experts
+#: modules whole (tensor parallel keeps a MoE block whole on every tp rank, as the GPT plan does).
+BENEATH = ("tensor_parallel", "context_parallel")
+
+
+def _is_one_of(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether `module` is of one of the classes `names`, also once tensor or context parallel mixed in a subclass."""
+    return any(c.__name__ in names for c in type(module).__mro__)
 
 
 def _is_hf(module: nn.Module) -> bool:
@@ -89,10 +98,11 @@ def _refuse(model: nn.Module, layers: list[tuple[str, nn.Module]], ep: Communica
         raise ValueError(f"{WHO}: capacity_factor={capacity_factor!r} applies to shardwise's MoE layer; a HuggingFace "
                          f"router applies its own capacity (Switch: config.expert_capacity, per sequence): pass "
                          f"capacity_factor=None")
-    if layout.strategies(model):
+    if any(s.name not in BENEATH for s in layout.strategies(model)):
         applied = " + ".join(s.name for s in layout.strategies(model))
-        raise ValueError(f"{WHO}: the model is already wrapped ({applied}); apply expert parallel to the plain "
-                         f"HuggingFace model first, then sw.DDP over the data-parallel group")
+        raise ValueError(f"{WHO}: the model is already wrapped ({applied}); apply expert parallel to the plain (or "
+                         f"tensor / context parallel) HuggingFace model first, then sw.DDP over the data-parallel "
+                         f"group")
     if any(isinstance(m, MoE) for m in model.modules()):
         raise ValueError(f"{WHO}: the model mixes shardwise MoE layers with HuggingFace experts modules; expert "
                          f"parallel splits one kind per model")
@@ -107,7 +117,7 @@ def _refuse(model: nn.Module, layers: list[tuple[str, nn.Module]], ep: Communica
                              f"would draw its own noise and no layout reproduces one process; set it to 0")
     for name, module in model.named_modules():
         coef, cls = getattr(module, "router_aux_loss_coef", 0.0), type(module).__name__
-        if dp.size > 1 and coef and cls not in GLOBAL_AUX and cls not in ROW_LOCAL_AUX:
+        if dp.size > 1 and coef and not _is_one_of(module, GLOBAL_AUX + ROW_LOCAL_AUX):
             raise ValueError(f"{WHO}: {name or 'the model'} ({cls}) has router_aux_loss_coef={coef}: its "
                              f"load-balancing loss is a product of batch means, which each rank would compute on its "
                              f"own part of the batch; set it to 0 (supported with the loss: {list(GLOBAL_AUX)}, and "
@@ -154,15 +164,17 @@ def _split_modules(module: nn.Module, prefix: str, ep: Communicator) -> tuple[li
     return replaced, boxes
 
 
-def _placements(model: nn.Module, boxes: dict[int, tuple], ep: Communicator,
-                edp: Communicator) -> dict[str, layout.Placement]:
+def _placements(model: nn.Module, boxes: dict[int, tuple], ep: Communicator, edp: Communicator,
+                new_of: dict[int, nn.Parameter]) -> dict[str, layout.Placement]:
     out = {}
     for name, pl in layout.placements(model).items():
-        by_rank = boxes.get(id(pl.param))
+        # A record made before the split (tensor parallel's) still names the whole tensor: follow it to the piece.
+        param = new_of.get(id(pl.param), pl.param)
+        by_rank = boxes.get(id(param))
         if by_rank is None:
             out[name] = pl
             continue
-        out[name] = dataclasses.replace(pl, boxes=by_rank[ep.rank], box_group=ep, boxes_by_rank=by_rank,
+        out[name] = dataclasses.replace(pl, param=param, boxes=by_rank[ep.rank], box_group=ep, boxes_by_rank=by_rank,
                                         concat_dim=0,
                                         replicated_over=(*pl.replicated_over, *((edp,) if edp.size > 1 else ())))
     return out
@@ -182,6 +194,7 @@ def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep
     to_comm_device(model, ep, WHO)
     groups = ExpertGroups(ep, dp, edp)
     replaced, boxes = [], {}
+    whole = {id(p): (module, name) for _, module in layers for name, p in module.named_parameters()}
     if ep.size > 1:  # with ep = 1 HuggingFace's own experts forward is one process's
         for name, module in layers:
             fused = type(module).__name__ in FUSED_EXPERTS
@@ -190,13 +203,14 @@ def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep
             boxes.update(placed)
             mix_in(module, FusedExpertsParallel if fused else ModuleExpertsParallel, "ExpertParallel")
             module._sw_ep = groups
+    new_of = {key: module.get_parameter(name) for key, (module, name) in whole.items()}
     for _, module in list(model.named_modules()) if dp.size > 1 else ():
-        if type(module).__name__ in GLOBAL_AUX:  # the model itself, or a model inside the user's
+        if _is_one_of(module, GLOBAL_AUX):  # the model itself, or a model inside the user's
             mix_in(module, GlobalRouterLoss, "GlobalRouterLoss")
             module._sw_batch_group = dp
     mark_replaced(replaced, WHO)
     layout.declare(model, layout.Parallelized(
-        WHO, (dp,), _placements(model, boxes, ep, edp), world=dp,
+        WHO, (dp,), _placements(model, boxes, ep, edp, new_of), world=dp,
         options={"ep": ep.size, "edp": edp.size, "dp": dp.size, "capacity_factor": None,
                  "experts": sorted({type(m).__name__ for _, m in layers})}))
     register_wrapped(model)

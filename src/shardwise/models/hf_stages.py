@@ -25,6 +25,13 @@ results are equal). Other implementations (flash attention, flex attention) expe
 rejected with a ValueError. A sliding-window layer (Mistral's ``sliding_window``; Qwen2's ``layer_types``) also
 masks keys ``window`` or more positions back, as HuggingFace's sliding-window mask does.
 
+Context parallel (``cp=``, the group ``shardwise.context_parallel.apply`` made the model's attention context-parallel
+over): each rank holds chunks of every sequence (``split_sequence``'s zigzag split), so the stages give the layers
+the *global* positions of those tokens (rotary angles and GPT-2's position embeddings of their places in the whole
+sequence) and no mask: the ring / Ulysses attention is causal over the whole sequence itself. A sliding window
+shorter than the whole sequence is refused (that attention has none). The loss of such stages is in hf_parallel.py:
+labels are shifted over the whole sequence before they are cut, so no label crosses a chunk edge.
+
 ``causal_lm_loss`` is HuggingFace's ``ForCausalLMLoss``: logits at position t predict label t + 1, -100 labels are
 ignored, the mean is over the remaining tokens.
 """
@@ -34,6 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..comm.base import Communicator, is_communicator
 
 __all__ = [
     "SUPPORTED_ATTENTION",
@@ -51,8 +60,19 @@ SUPPORTED_ATTENTION = ("eager", "sdpa")
 IGNORE_INDEX = -100
 
 
-def _check_attention(config: object, who: str) -> None:
+def _check_attention(config: object, who: str, positions: _Positions | None = None) -> None:
+    from ..context_parallel.apply import HF_ATTENTION
+
     impl = getattr(config, "_attn_implementation", None)
+    if positions is not None and positions.cp is not None:
+        if impl != HF_ATTENTION:
+            raise ValueError(f"{who}: cp is given but the model's attention implementation is {impl!r}, not context "
+                             f"parallel's {HF_ATTENTION!r}; call shardwise.context_parallel.apply(model, cp) first")
+        return
+    if impl == HF_ATTENTION:
+        raise ValueError(f"{who}: the model's attention is context parallel ({impl!r}, from "
+                         f"shardwise.context_parallel.apply): pass its group as cp= so the stages give each token its "
+                         f"global position and no chunk-local causal mask")
     if impl not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"{who}: attention implementation {impl!r} is not supported; allowed {list(SUPPORTED_ATTENTION)} (the "
@@ -74,20 +94,57 @@ def _check_hidden(hidden: torch.Tensor, who: str) -> None:
         raise ValueError(f"{who}: expected hidden states of shape (B, T, d), got {got}")
 
 
+class _Positions:
+    """The position ids of the T tokens a stage receives, (1, T) (broadcast over the batch, as HuggingFace's own
+    forward builds them without a cache): ``arange(T)`` for whole sequences; under context parallel (`cp`, a group
+    of ranks each holding chunks of every sequence) the global positions of this rank's chunks (split.py)."""
+
+    def __init__(self, cp: Communicator | None = None, zigzag: bool = True) -> None:
+        if cp is not None and not is_communicator(cp):
+            raise ValueError(f"pipeline layers: cp={cp!r} must be a Communicator (mesh.cp) or None")
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.zigzag = zigzag
+
+    def global_length(self, local: int) -> int:
+        return local * (self.cp.size if self.cp is not None else 1)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        T = hidden.shape[1]
+        if self.cp is None:
+            return torch.arange(T, device=hidden.device).unsqueeze(0)
+        from ..context_parallel.split import SequenceSplit
+
+        return SequenceSplit(self.cp.size, self.zigzag).positions(self.cp.rank, T, hidden.device).unsqueeze(0)
+
+    def check_window(self, window: int | None, T: int, who: str) -> None:
+        """Context parallel's attention is causal over the whole sequence with no window: refuse a window shorter
+        than the sequence (a window at least as long masks nothing, so the result is exact)."""
+        if self.cp is not None and window is not None and self.global_length(T) > window:
+            raise ValueError(f"{who}: sliding window {window} is shorter than the sequence length T="
+                             f"{self.global_length(T)} (cp={self.cp.size} x {T}); context parallel attention has no "
+                             f"sliding window: use sequences of at most {window} tokens, or cp=1")
+
+
 class _CausalMasks:
-    """The additive causal masks of one model's decoder stages, built once per (T, window, dtype, device).
+    """The additive causal masks of one model's decoder stages, built once per (T, window, dtype, device), and the
+    stages' position ids (`positions`).
 
     Shared by the stages of one ``*_pipeline_layers`` call (a plain object, not a module: it holds no state to
     save or move). Only the latest mask per window is kept, so varying sequence lengths do not accumulate masks;
     reusing one tensor also means an attention kernel that saves its mask for backward keeps one copy, not one
-    per layer and microbatch.
+    per layer and microbatch. Under context parallel there is no mask (None): the attention is causal over the
+    whole sequence by itself.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, positions: _Positions) -> None:
         self._latest: dict[int | None, tuple[tuple, torch.Tensor]] = {}
+        self.positions = positions
 
-    def __call__(self, hidden: torch.Tensor, window: int | None) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, window: int | None, who: str) -> torch.Tensor | None:
         B, T = hidden.shape[:2]
+        if self.positions.cp is not None:
+            self.positions.check_window(window, T, who)
+            return None
         key = (T, hidden.dtype, hidden.device)
         hit = self._latest.get(window)
         if hit is None or hit[0] != key:
@@ -100,11 +157,6 @@ class _CausalMasks:
             mask = torch.where(allowed, zero, torch.finfo(hidden.dtype).min).view(1, 1, T, T)
             hit = self._latest[window] = (key, mask)
         return hit[1].expand(B, 1, T, T)
-
-
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
-    # (1, T), as HuggingFace's own forward builds it without a cache: broadcasts over the batch.
-    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
 class LlamaEmbeddingStage(nn.Module):
@@ -122,9 +174,11 @@ class LlamaEmbeddingStage(nn.Module):
 class LlamaDecoderStage(nn.Module):
     """One Llama-style decoder layer as a stage: hidden (B, T, d) -> hidden (B, T, d).
 
-    Builds what ``LlamaModel.forward`` builds once for all layers: position ids ``arange(T)``, the rotary
+    Builds what ``LlamaModel.forward`` builds once for all layers: position ids ``arange(T)`` (under context
+    parallel the global positions of this rank's chunks), the rotary
     ``(cos, sin)`` from the model's own ``rotary_emb`` (a module without parameters, shared by every decoder
-    stage), and the additive causal mask (sliding-window when ``window`` is set); then calls ``layer`` with them.
+    stage), and the additive causal mask (sliding-window when ``window`` is set; none under context parallel); then
+    calls ``layer`` with them.
     """
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: object, window: int | None,
@@ -139,9 +193,10 @@ class LlamaDecoderStage(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         _check_hidden(hidden, "LlamaDecoderStage")
         # Read at call time: set_attn_implementation may switch it after the stages were built.
-        _check_attention(self.config, "LlamaDecoderStage")
-        position_ids = _positions(hidden)
-        out = self.layer(hidden, attention_mask=self._masks(hidden, self.window), position_ids=position_ids,
+        _check_attention(self.config, "LlamaDecoderStage", self._masks.positions)
+        position_ids = self._masks.positions(hidden)
+        out = self.layer(hidden, attention_mask=self._masks(hidden, self.window, "LlamaDecoderStage"),
+                         position_ids=position_ids,
                          position_embeddings=self.rotary_emb(hidden, position_ids))
         # Older transformers returned a 1-tuple (hidden,); 5.x returns the tensor.
         return out[0] if isinstance(out, tuple) else out
@@ -183,7 +238,8 @@ def _layer_window(config: object, index: int, who: str) -> int | None:
                      f"'sliding_attention'")
 
 
-def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zigzag: bool = True
+                          ) -> list[nn.Module]:
     """``[LlamaEmbeddingStage, LlamaDecoderStage per layer, HFHeadStage]`` for a Llama-style causal LM.
 
     `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (Mistral, Qwen2, ...):
@@ -191,6 +247,10 @@ def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     those modules (no copies); applying them in order to input_ids (B, T) gives ``model(input_ids).logits``.
     Raises ValueError naming what is missing for another structure, and for an attention implementation other
     than eager or sdpa.
+
+    cp: the context-parallel group of a model prepared by ``shardwise.context_parallel.apply(model, cp)``; the
+    stages then take this rank's chunks of every sequence (``split_sequence(x, cp, zigzag=zigzag)``) and give each
+    token its global position, with no mask (module docstring). Mixtral (same structure, fused experts) works too.
     """
     who = "llama_pipeline_layers"
     expected = "a Llama-style causal LM (model.model.embed_tokens, .layers, .norm, .rotary_emb; model.lm_head)"
@@ -198,8 +258,8 @@ def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         ("embed_tokens", "model.embed_tokens"), ("layers", "model.layers"), ("norm", "model.norm"),
         ("rotary_emb", "model.rotary_emb"), ("lm_head", "lm_head"))}
     config = model.config
-    _check_attention(config, who)
-    masks = _CausalMasks()
+    masks = _CausalMasks(_Positions(cp, zigzag))
+    _check_attention(config, who, masks.positions)
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
     return [
@@ -213,16 +273,18 @@ def llama_pipeline_layers(model: nn.Module) -> list[nn.Module]:
 class GPT2EmbeddingStage(nn.Module):
     """First stage of GPT-2: ``drop(wte(input_ids) + wpe(arange(T)))``, (B, T) int -> (B, T, d)."""
 
-    def __init__(self, wte: nn.Module, wpe: nn.Embedding, drop: nn.Module) -> None:
+    def __init__(self, wte: nn.Module, wpe: nn.Embedding, drop: nn.Module, positions: _Positions | None = None
+                 ) -> None:
         super().__init__()
         self.wte = wte
         self.wpe = wpe
         self.drop = drop
+        self._positions = positions if positions is not None else _Positions()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(input_ids, "GPT2EmbeddingStage", self.wpe.num_embeddings)
+        _check_ids(input_ids, "GPT2EmbeddingStage", self.wpe.num_embeddings // self._positions.global_length(1))
         # Same operand order as GPT2Model.forward (token embeddings first), so the sum is bitwise the same.
-        return self.drop(self.wte(input_ids) + self.wpe(_positions(input_ids)))
+        return self.drop(self.wte(input_ids) + self.wpe(self._positions(input_ids)))
 
 
 class GPT2BlockStage(nn.Module):
@@ -236,18 +298,21 @@ class GPT2BlockStage(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         _check_hidden(hidden, "GPT2BlockStage")
-        _check_attention(self.config, "GPT2BlockStage")
-        out = self.block(hidden, attention_mask=self._masks(hidden, None), position_ids=_positions(hidden))
+        _check_attention(self.config, "GPT2BlockStage", self._masks.positions)
+        out = self.block(hidden, attention_mask=self._masks(hidden, None, "GPT2BlockStage"),
+                         position_ids=self._masks.positions(hidden))
         return out[0] if isinstance(out, tuple) else out
 
 
-def gpt2_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+def gpt2_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zigzag: bool = True
+                         ) -> list[nn.Module]:
     """``[GPT2EmbeddingStage, GPT2BlockStage per block, HFHeadStage]`` for ``transformers.GPT2LMHeadModel``.
 
     The stages hold the model's ``transformer.wte``, ``.wpe``, ``.drop``, each block of ``.h``, ``.ln_f`` and
     ``lm_head`` (no copies); ``lm_head.weight`` is ``wte.weight``, so the first and last stage share that Parameter.
     Applying them in order to input_ids (B, T) gives ``model(input_ids).logits``. Raises ValueError naming what is
-    missing for another structure, and for an attention implementation other than eager or sdpa.
+    missing for another structure, and for an attention implementation other than eager or sdpa. cp, zigzag: as
+    for `llama_pipeline_layers` (context parallel).
     """
     who = "gpt2_pipeline_layers"
     expected = "a GPT-2 causal LM (model.transformer.wte, .wpe, .drop, .h, .ln_f; model.lm_head)"
@@ -255,10 +320,10 @@ def gpt2_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         ("wte", "transformer.wte"), ("wpe", "transformer.wpe"), ("drop", "transformer.drop"), ("h", "transformer.h"),
         ("ln_f", "transformer.ln_f"), ("lm_head", "lm_head"))}
     config = model.config
-    _check_attention(config, who)
-    masks = _CausalMasks()
+    masks = _CausalMasks(_Positions(cp, zigzag))
+    _check_attention(config, who, masks.positions)
     return [
-        GPT2EmbeddingStage(parts["wte"], parts["wpe"], parts["drop"]),
+        GPT2EmbeddingStage(parts["wte"], parts["wpe"], parts["drop"], masks.positions),
         *(GPT2BlockStage(block, config, masks) for block in parts["h"]),
         HFHeadStage(parts["ln_f"], parts["lm_head"]),
     ]

@@ -166,8 +166,9 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     """The plan of Llama-style models with HuggingFace module names.
 
     q/k/v_proj colwise and o_proj rowwise (heads, and key/value heads under grouped-query attention, split across
-    ranks), gate/up_proj colwise and down_proj rowwise, embed_tokens vocabulary-parallel, lm_head colwise with
-    gathered output (the model computes its own loss over full logits); a tied lm_head shares the embedding's shard.
+    ranks), gate/up_proj colwise and down_proj rowwise (a MoE block without them, Mixtral's, stays whole),
+    embed_tokens vocabulary-parallel, lm_head colwise with gathered output (the model computes its own loss over full
+    logits); a tied lm_head shares the embedding's shard.
     Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads.
     """
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -182,8 +183,14 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     plan: dict[str, Style] = {
         "embed_tokens": Vocab(),
         "q_proj": Colwise(), "k_proj": Colwise(), "v_proj": Colwise(), "o_proj": Rowwise(),
-        "gate_proj": Colwise(), "up_proj": Colwise(), "down_proj": Rowwise(),
     }
+    # A mixture-of-experts MLP (Mixtral's fused experts: no gate/up/down_proj modules) stays whole on every rank, as
+    # the GPT plan keeps its MoE layers; expert parallel may split it over ep afterwards.
+    mlp = {k: v for k, v in (("gate_proj", Colwise()), ("up_proj", Colwise()), ("down_proj", Rowwise())) if k in names}
+    if not mlp and not any(type(m).__name__.endswith(("Experts", "SparseMoeBlock")) for m in model.modules()):
+        raise ValueError("tensor parallel plan 'llama': the model has neither gate_proj / up_proj / down_proj MLPs "
+                         "nor a mixture-of-experts block; pass a plan dict naming its MLP's modules")
+    plan.update(mlp)
     if "lm_head" in names:
         plan["lm_head"] = Colwise(gather_output=True)
     return plan

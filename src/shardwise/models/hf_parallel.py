@@ -1,0 +1,140 @@
+"""HuggingFace causal LMs under `sw.parallelize`: their pipeline layers and the loss that makes each rank's share of
+the global batch train as one process on the whole batch, with context parallel and Mixtral's router loss.
+
+`hf_pipeline(model, loss_fn, cp=..., batch_group=...)` returns the stages (hf_stages.py), the loss over the last
+stage's output and whether the targets are cut like the inputs. Two things HuggingFace's own forward does over the
+whole sequence and batch have to be rebuilt for a rank that sees only part of them:
+
+* **The causal-LM loss under context parallel.** ``model(x, labels=x).loss`` shifts the labels left by one and
+  averages the cross entropy over every label that is not -100. A rank of a context-parallel group holds chunks of
+  each sequence (zigzag: chunks r and 2cp-1-r), so shifting inside its chunks would pair each chunk's last token with
+  the wrong label (or none) and the chunks' own means would weigh unequal counts equally (the sequence's last token
+  predicts nothing, and it sits on one rank). `ChunkedCausalLMLoss` takes the *whole* labels instead (the step does
+  not cut them), shifts them over the whole sequence, keeps this rank's positions and returns
+  ``cp x (sum of this rank's cross entropies) / (the microbatch's label count over the whole sequence)``: the mean
+  over the cp ranks, which their data-parallel gradient average takes, is HuggingFace's mean over the sequence.
+* **Mixtral's load-balancing loss** (``output_router_logits=True``, ``router_aux_loss_coef > 0``): HuggingFace adds
+  ``coef x aux`` computed from every MoE layer's router logits in the model's forward, which the stages bypass.
+  `RouterLoss` records those logits with forward hooks on the routers and adds ``coef x aux`` to the loss, with aux
+  over the ranks splitting the batch (``experts.hf_aux.global_balance_loss``: counts, rows and probability sums
+  summed over dp x cp, the gradient summed back), so it is the global batch's. It is a product of two batch means,
+  not a mean over microbatches: `sw.parallelize` allows it with pp = 1 and one microbatch (hybrid_plan.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.base import Communicator
+from . import hf_stages
+
+__all__ = ["BUILDERS", "ChunkedCausalLMLoss", "RouterLoss", "hf_pipeline", "router_loss_coef"]
+
+#: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
+BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
+    "llama": hf_stages.llama_pipeline_layers, "mistral": hf_stages.llama_pipeline_layers,
+    "qwen2": hf_stages.llama_pipeline_layers, "mixtral": hf_stages.llama_pipeline_layers,
+    "gpt2": hf_stages.gpt2_pipeline_layers,
+}
+#: Router modules whose first output is the router logits that Mixtral's load-balancing loss reads.
+ROUTERS = ("MixtralTopKRouter",)
+
+
+class ChunkedCausalLMLoss:
+    """HuggingFace's causal-LM loss of this context-parallel rank's chunks: ``loss(logits, labels)`` with logits
+    (b, T / cp, V) of the tokens `split_sequence` gave this rank and the whole labels (b, T) (module docstring)."""
+
+    def __init__(self, cp: Communicator, zigzag: bool = True) -> None:
+        from ..context_parallel.split import SequenceSplit
+
+        self.cp, self.split = cp, SequenceSplit(cp.size, zigzag)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        L, T = logits.shape[-2], labels.shape[-1]
+        if logits.dim() != 3 or labels.dim() != 2 or labels.shape[0] != logits.shape[0] or T != L * self.cp.size:
+            raise ValueError(f"context parallel causal-LM loss: labels of shape {tuple(labels.shape)} must be the "
+                             f"whole sequences (b, cp x L) of logits {tuple(logits.shape)} (b, L, V), cp="
+                             f"{self.cp.size}")
+        shifted = F.pad(labels[:, 1:], (0, 1), value=hf_stages.IGNORE_INDEX).to(logits.device)
+        mine = shifted.index_select(1, self.split.positions(self.cp.rank, L, logits.device))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mine.reshape(-1),
+                                ignore_index=hf_stages.IGNORE_INDEX, reduction="sum")
+        # Counted over the whole sequence, which every rank holds: no communication; 0 labels give NaN as HF does.
+        count = (shifted != hf_stages.IGNORE_INDEX).sum()
+        return total * self.cp.size / count
+
+
+def router_loss_coef(model: nn.Module) -> float:
+    """Mixtral's ``router_aux_loss_coef`` when its forward adds the load-balancing loss (output_router_logits on and
+    a coefficient > 0), else 0.0."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "mixtral" or not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+class RouterLoss:
+    """Records the router logits of every MoE layer of a Mixtral in the stages' forward and adds HuggingFace's
+    ``router_aux_loss_coef x load_balancing_loss`` of the global batch to `loss_fn` (module docstring).
+
+    The record restarts at each forward of the first layer (the embedding), so logits recomputed in backward by
+    activation checkpointing never mix with the next step's; the loss takes exactly one set per forward."""
+
+    def __init__(self, model: nn.Module, first: nn.Module, batch_group: Communicator) -> None:
+        config = model.config
+        self.coef = router_loss_coef(model)
+        self.experts, self.top_k = config.num_local_experts, config.num_experts_per_tok
+        self.batch_group = batch_group
+        self.logits: list[torch.Tensor] = []
+        routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+        if len(routers) != config.num_hidden_layers:
+            raise ValueError(f"parallelize: found {len(routers)} routers {ROUTERS} in {type(model).__name__} for "
+                             f"{config.num_hidden_layers} layers; the load-balancing loss needs one per layer "
+                             f"(router_aux_loss_coef=0 trains without it)")
+        self.n_routers = len(routers)
+        first.register_forward_pre_hook(lambda module, args: self.logits.clear())
+        for router in routers:
+            router.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.logits.append(output[0] if isinstance(output, tuple) else output)
+
+    def wrap(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+        from ..experts.hf_aux import global_balance_loss
+
+        def loss(output: Any, target: Any) -> torch.Tensor:
+            logits, self.logits = self.logits, []
+            if len(logits) != self.n_routers:
+                raise RuntimeError(f"parallelize: {len(logits)} router outputs recorded for {self.n_routers} MoE "
+                                   f"layers in this forward; the load-balancing loss needs the whole batch in one "
+                                   f"forward (pp=1, n_microbatches=1)")
+            aux = global_balance_loss(tuple(logits), self.experts, self.top_k, None, self.batch_group)
+            return loss_fn(output, target) + self.coef * aux.to(output.device)
+
+        return loss
+
+
+def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, cp: Communicator,
+                batch_group: Communicator) -> tuple[list[nn.Module], Callable[[Any, Any], torch.Tensor], bool]:
+    """(pipeline layers, loss, whether `step` cuts the targets like the inputs) of a known HuggingFace decoder.
+
+    cp: the context-parallel group (size 1: none). batch_group: the ranks splitting the global batch (dp x cp).
+    loss_fn None (or hf_stages.causal_lm_loss) is HuggingFace's loss on ``step(input_ids, labels)``; under context
+    parallel the labels stay whole (`ChunkedCausalLMLoss`). A loss_fn of the user's gets this rank's chunks of the
+    output and of the targets, cut alike. Mixtral's router loss is added when its config asks for it.
+    """
+    layers = BUILDERS[model.config.model_type](model, cp=cp)
+    default = loss_fn is None or loss_fn is hf_stages.causal_lm_loss
+    split_targets = cp.size == 1 or not default
+    loss = hf_stages.causal_lm_loss if default else loss_fn
+    if default and cp.size > 1:
+        loss = ChunkedCausalLMLoss(cp)
+    if router_loss_coef(model) > 0:
+        loss = RouterLoss(model, layers[0], batch_group).wrap(loss)
+    return layers, loss, split_targets

@@ -1,0 +1,186 @@
+"""HuggingFace decoders through `sw.parallelize` with context parallel and expert parallel: three AdamW steps (weight
+decay, eps 1e-5, a binding `sw.clip_grad_norm_`) equal one process training the same model on the whole batch with
+HuggingFace's own loss, ``model(x, labels=x).loss``.
+
+* Llama with cp=2 (ring and Ulysses), cp=2 x dp=2, cp=2 x tp=2 (the llama plan) and cp=2 x pp=2: the stages give
+  each token its global position (zigzag chunks) and no chunk-local mask, and the loss shifts the labels over the
+  whole sequence before keeping this rank's positions (models/hf_parallel.py). A batch whose -100 labels fall
+  unevenly on the chunks checks that the mean is over the sequence's labels, not a mean of chunk means.
+* Mixtral (4 experts, top-2) with its load-balancing loss (output_router_logits=True, router_aux_loss_coef > 0) on
+  dp=2 x ep=2 (DDP and ZeRO-3), dp=4 x ep=2 (experts averaged over edp=2), ep=2 x tp=2 and ep=2 x cp=2: the router
+  loss is the global batch's.
+What stays unsupported is refused at wrap time by name. Each rank's model is a copy of one built before launch
+(thread ranks share torch's RNG)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import shardwise as sw
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, MAX_NORM, B, T = 3, 0.05, 4, 16
+
+
+def llama(**extra):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False, attn_implementation="eager", **extra)
+    return transformers.LlamaForCausalLM(config)
+
+
+def mixtral(**extra):
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        router_jitter_noise=0.0, output_router_logits=True, router_aux_loss_coef=0.05, attention_dropout=0.0,
+        sliding_window=None, tie_word_embeddings=False, pad_token_id=None, bos_token_id=0, eos_token_id=1,
+        attn_implementation="eager", experts_implementation="eager", **extra)
+    return transformers.MixtralForCausalLM(config)
+
+
+def gpt2(**extra):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", **extra)
+    return transformers.GPT2LMHeadModel(config)
+
+
+MODELS = {"llama": llama, "mixtral": mixtral, "gpt2": gpt2}
+
+
+def labels_of(step, masked=False):
+    """(input_ids, labels) of the global batch; masked: -100 on a few labels, unevenly over the zigzag chunks."""
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(100 + step))
+    labels = ids.clone()
+    if masked:
+        labels[:, 1:6] = -100  # chunk 0 (positions 0-3) and the start of chunk 1: rank 0 loses more than rank 1
+        labels[0, 9:12] = -100
+    return ids, labels
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5, weight_decay=0.1)
+
+
+def one_process(model, masked=False):
+    opt = optimizer(model.parameters())
+    norms, losses = [], []
+    for step in range(STEPS):
+        x, labels = labels_of(step, masked)
+        loss = model(x, labels=labels).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > MAX_NORM  # the clip binds at every step
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
+
+
+_REFERENCES: dict = {}
+
+
+def reference(kind, masked=False):
+    if (kind, masked) not in _REFERENCES:
+        _REFERENCES[kind, masked] = one_process(MODELS[kind](), masked)
+    return _REFERENCES[kind, masked]
+
+
+def train(comm, model, axes, options, masked):
+    mesh = sw.Mesh(comm, **axes)
+    hybrid = sw.parallelize(copy.deepcopy(model), mesh, **options)
+    opt = optimizer(hybrid.parameters())
+    norms, losses = [], []
+    dp, index = mesh.sizes["dp"], mesh.coords.dp
+    for step in range(STEPS):
+        x, labels = (t[index * B // dp:(index + 1) * B // dp] for t in labels_of(step, masked))
+        losses.append(float(hybrid.step(x, labels)))  # every cp rank gets its dp rank's whole sequences
+        norms.append(float(sw.clip_grad_norm_(hybrid, MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    hybrid.eval()
+    logits = hybrid.predict(labels_of(STEPS)[0][index * B // dp:(index + 1) * B // dp])  # cut and gathered again
+    return sw.full_state_dict(hybrid), norms, losses, (index, dp, logits)
+
+
+CASES = {
+    "llama_cp2_ring": ("llama", {"cp": 2}, {}),
+    "llama_cp2_ulysses": ("llama", {"cp": 2}, {"cp_method": "ulysses"}),
+    "llama_cp2_masked_labels": ("llama", {"cp": 2}, {"n_microbatches": 1}),
+    "llama_cp2_dp2": ("llama", {"dp": 2, "cp": 2}, {}),
+    "llama_cp2_tp2_ulysses": ("llama", {"cp": 2, "tp": 2}, {"tp_plan": "llama", "cp_method": "ulysses"}),
+    "llama_cp2_pp2": ("llama", {"cp": 2, "pp": 2}, {"n_microbatches": 2}),
+    "gpt2_cp2_ring": ("gpt2", {"cp": 2}, {}),
+    "mixtral_dp2_ep2_ddp": ("mixtral", {"dp": 2, "ep": 2}, {}),
+    "mixtral_dp2_ep2_zero3": ("mixtral", {"dp": 2, "ep": 2}, {"dp_strategy": "zero3"}),
+    "mixtral_dp2_ep2_checkpointed": ("mixtral", {"dp": 2, "ep": 2}, {"activation_checkpointing": True}),
+    "mixtral_dp4_ep2": ("mixtral", {"dp": 4, "ep": 2}, {}),
+    "mixtral_ep2_tp2": ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {"tp_plan": "llama"}),
+    "mixtral_ep2_cp2": ("mixtral", {"dp": 1, "cp": 2, "ep": 2}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_model_through_parallelize_trains_like_one_process(case):
+    kind, axes, options = CASES[case]
+    masked = case.endswith("masked_labels")
+    want, want_norms, want_losses = reference(kind, masked)
+    world = axes.get("dp", 1) * axes.get("cp", 1) * axes.get("tp", 1) * axes.get("pp", 1)
+    results = sw.launch(train, world, MODELS[kind](), axes, options, masked)
+    dp = axes.get("dp", 1)
+    by_dp = {where[0]: losses for _, _, losses, where in results}
+    assert [sum(step) / dp for step in zip(*by_dp.values())] == pytest.approx(want_losses, rel=1e-5)
+    trained = MODELS[kind]().eval()
+    trained.load_state_dict(want)
+    with torch.no_grad():
+        want_logits = trained(labels_of(STEPS)[0]).logits
+    for state, norms, _, (index, dp, logits) in results:
+        torch.testing.assert_close(logits, want_logits[index * B // dp:(index + 1) * B // dp], rtol=1e-5, atol=1e-5)
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        assert set(state) == set(want)
+        for name in want:
+            torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _error(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_what_stays_unsupported_is_refused_by_name():
+    """Mixtral's router loss is a function of the whole batch: refused with pp > 1 or several microbatches, before
+    anything is changed. Context parallel refuses attention dropout at wrap time (before tensor parallel runs) and a
+    sliding window shorter than the sequence at the step (its length is known then)."""
+    dropout = llama(attention_dropout=0.1)
+    torch.manual_seed(0)
+    windowed = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, attn_implementation="eager"))
+    moe = mixtral()
+
+    def body(comm):
+        errors = {"pp": _error(lambda: sw.parallelize(moe, sw.Mesh(comm, pp=2))),
+                  "microbatches": _error(lambda: sw.parallelize(moe, sw.Mesh(comm, dp=2), n_microbatches=2)),
+                  "dropout": _error(lambda: sw.parallelize(dropout, sw.Mesh(comm, cp=2, tp=1)))}
+        untouched = not sw.layout.strategies(moe) and not sw.layout.strategies(dropout)
+        hybrid = sw.parallelize(copy.deepcopy(windowed), sw.Mesh(comm, cp=2))
+        x = labels_of(0)[0]
+        errors["window"] = _error(lambda: hybrid.step(x, x))
+        return errors, untouched
+
+    for errors, untouched in sw.launch(body, 2):
+        assert untouched
+        assert "pp=2" in errors["pp"] and "router_aux_loss_coef" in errors["pp"]
+        assert "n_microbatches=2" in errors["microbatches"] and "router_aux_loss_coef" in errors["microbatches"]
+        assert "attention_dropout=0.1" in errors["dropout"]
+        assert "sliding window 8" in errors["window"] and "T=16" in errors["window"]
