@@ -92,6 +92,9 @@ CASES = {  # name: (world, mesh axes, parallelize options)
     "dp2": (2, {}, {}),
     "dp2_zero3": (2, {}, {"dp_strategy": "zero3"}),
     "dp2_ep2_checkpointed": (2, {"ep": 2}, {"activation_checkpointing": True}),
+    "cp2_ep2": (2, {"cp": 2, "ep": 2}, {}),  # ep borrows the cp ranks: the balance loss summed over dp x cp
+    "dp2_cp2_ep2_zero1": (4, {"cp": 2, "ep": 2}, {"dp_strategy": "zero1"}),
+    "dp2_ep2_tp2_zero3": (4, {"ep": 2, "tp": 2}, {**TP, "dp_strategy": "zero3"}),
 }
 
 
