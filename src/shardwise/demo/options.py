@@ -45,8 +45,8 @@ def _check_int(name: str, value: object) -> None:
 class DemoOptions:
     """Everything one demo run needs; picklable, since gloo ranks receive it in a spawned process.
 
-    nproc: number of ranks (None: dp x cp x tp x pp). strategy: one of STRATEGIES. steps: optimizer steps (about two
-    minutes of the "small" preset on 2 cores, for DDP x2 and for dp2 x tp2 x pp2 on 8 thread ranks alike).
+    nproc: number of ranks (None: dp x cp x tp x pp). strategy: one of STRATEGIES. steps: optimizer steps (DDP x2 of the
+    "small" preset: 246 s on the 2-core development machine at load 6-8).
     data: corpus path for `ByteCorpus` (None: the Python standard library's sources).
     preset: `GPTConfig.preset` name. batch_size: sequences per dp rank per step (seq_len comes from the preset).
     lr: peak learning rate of AdamW. warmup: steps of linear warmup (None: 10% of steps, at most 50).
