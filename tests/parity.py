@@ -79,3 +79,12 @@ def assert_state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def value_error_text(fn) -> str | None:
+    """The message of the ValueError `fn()` raises, or None when it raises none (tests of refusals by name)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None

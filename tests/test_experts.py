@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import accumulated_backward
+from expert_cases import ATOL, CFG, MAX_NORM, RTOL, STEPS, batch, one_process, optimizer, train
+from parity import accumulated_backward, value_error_text
 from torch import nn
 
 import shardwise as sw
@@ -21,46 +22,10 @@ from shardwise.models.moe import MoE
 from shardwise.sharded_tensor import local
 from shardwise.whole.gather import gather_full
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=8, experts_per_token=2,
-                moe_aux_loss_coef=0.1)
-GLOBAL_BATCH, STEPS, MAX_NORM = 8, 3, 0.3
-RTOL, ATOL = 1e-5, 1e-6
-
-
-def batch(step, rank=0, world=1):
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len), generator=g)
-    y = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len), generator=g)
-    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    return x[rows], y[rows]
-
-
-def optimizer(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.1)
-
-
-def train(model, step_batch, clip):
-    """STEPS steps; returns (first step's gradients by name, norms, losses)."""
-    opt, grads, norms, losses = optimizer(model), None, [], []
-    for step in range(STEPS):
-        x, y = step_batch(step)
-        loss = model(x, y)
-        loss.backward()
-        if grads is None:
-            grads = {name: gather_full(pl, pl.param.grad).clone() for name, pl in layout.placements(model).items()}
-        norms.append(float(clip(model, MAX_NORM)))
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-    return grads, norms, losses
-
-
 @pytest.fixture(scope="module")
 def reference():
-    model = GPT(CFG, seed=0)
-    grads, norms, _ = train(model, batch, lambda m, n: torch.nn.utils.clip_grad_norm_(m.parameters(), n))
-    assert min(norms) > MAX_NORM  # the clipping binds
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, grads, norms
+    state, grads, norms, _ = one_process()
+    return state, grads, norms
 
 
 def run_ep(comm, ep_size, accumulate=1, form="groups"):
@@ -86,7 +51,7 @@ def run_ep(comm, ep_size, accumulate=1, form="groups"):
 
 
 def _accumulated(model, step_batch, accumulate):
-    opt, norms = optimizer(model), []
+    opt, norms = optimizer(model.parameters()), []
     for step in range(STEPS):
         accumulated_backward(model, *step_batch(step), accumulate)
         norms.append(float(sw.clip_grad_norm_(model, MAX_NORM)))
@@ -115,7 +80,7 @@ def test_gradient_accumulation_under_no_sync_with_expert_data_parallel():
     """Micro-batches: the aux loss is per micro-batch (a different quantity), so compare with one process doing the
     same micro-batches."""
     model = GPT(CFG, seed=0)
-    opt = optimizer(model)
+    opt = optimizer(model.parameters())
     for step in range(STEPS):
         x, y = batch(step)
         for micro in range(2):  # the global micro-batch `micro` is every dp rank's micro-batch `micro`
@@ -204,32 +169,24 @@ def test_capacity_factor_drops_and_reports_as_one_process_per_rank():
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
-def _error(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def test_bad_configurations_raise_at_wrap_on_every_rank():
     def body(comm):
         mesh = sw.Mesh(comm, ep=2)
         odd = GPTConfig(**{**CFG.__dict__, "n_experts": 6})
         errors = {
-            "divisible": _error(lambda: expert_parallel(GPT(odd, seed=0), comm)),
-            "no_moe": _error(lambda: expert_parallel(GPT(GPTConfig.preset("tiny"), seed=0), comm)),
-            "capacity": _error(lambda: expert_parallel(GPT(CFG, seed=0), comm, capacity_factor=0)),
-            "capacity_bool": _error(lambda: expert_parallel(GPT(CFG, seed=0), comm, capacity_factor=True)),
-            "not_nested": _error(lambda: expert_parallel(GPT(CFG, seed=0), comm, dp=mesh.ep)),
-            "wrapped": _error(lambda: expert_parallel(sw.DDP(GPT(CFG, seed=0), comm), comm)),
-            "comm": _error(lambda: expert_parallel(GPT(CFG, seed=0), "world")),
+            "divisible": value_error_text(lambda: expert_parallel(GPT(odd, seed=0), comm)),
+            "no_moe": value_error_text(lambda: expert_parallel(GPT(GPTConfig.preset("tiny"), seed=0), comm)),
+            "capacity": value_error_text(lambda: expert_parallel(GPT(CFG, seed=0), comm, capacity_factor=0)),
+            "capacity_bool": value_error_text(lambda: expert_parallel(GPT(CFG, seed=0), comm, capacity_factor=True)),
+            "not_nested": value_error_text(lambda: expert_parallel(GPT(CFG, seed=0), comm, dp=mesh.ep)),
+            "wrapped": value_error_text(lambda: expert_parallel(sw.DDP(GPT(CFG, seed=0), comm), comm)),
+            "comm": value_error_text(lambda: expert_parallel(GPT(CFG, seed=0), "world")),
         }
         ep_model = expert_parallel(GPT(CFG, seed=0), mesh.ep, dp=mesh.dp, edp=mesh.edp)
-        errors["zero"] = _error(lambda: sw.FSDP(ep_model, comm, sharding="hybrid_shard", shard_size=2))
-        errors["again"] = _error(lambda: expert_parallel(ep_model, mesh.ep, dp=mesh.dp, edp=mesh.edp))
+        errors["zero"] = value_error_text(lambda: sw.FSDP(ep_model, comm, sharding="hybrid_shard", shard_size=2))
+        errors["again"] = value_error_text(lambda: expert_parallel(ep_model, mesh.ep, dp=mesh.dp, edp=mesh.edp))
         # The aux statistics summed over ep only, but DDP over all 4 ranks: the experts' copies would be missed.
-        errors["ddp_group"] = _error(lambda: sw.DDP(expert_parallel(GPT(CFG, seed=0), mesh.ep), comm))
+        errors["ddp_group"] = value_error_text(lambda: sw.DDP(expert_parallel(GPT(CFG, seed=0), mesh.ep), comm))
         return errors
 
     for errors in sw.launch(body, 4):
@@ -282,7 +239,7 @@ def test_checkpoint_saved_under_expert_parallel_reloads_in_one_process(tmp_path)
     def body(comm):
         mesh = sw.Mesh(comm, ep=2)
         model = sw.DDP(expert_parallel(GPT(CFG, seed=0), mesh.ep, dp=mesh.dp, edp=mesh.edp), mesh.dp)
-        opt = optimizer(model)
+        opt = optimizer(model.parameters())
         model(*batch(0, comm.rank, comm.size)).backward()
         opt.step()
         sw.save_checkpoint(tmp_path, model, opt, step=1)
@@ -290,7 +247,7 @@ def test_checkpoint_saved_under_expert_parallel_reloads_in_one_process(tmp_path)
 
     saved = sw.launch(body, 4)[0]
     plain = GPT(CFG, seed=1)
-    sw.load_checkpoint(tmp_path, plain, optimizer(plain))
+    sw.load_checkpoint(tmp_path, plain, optimizer(plain.parameters()))
     for name, value in plain.state_dict().items():
         assert torch.equal(value, saved[name]), name
 
@@ -315,7 +272,7 @@ def test_checkpoint_round_trip_ep2_dp4_to_one_process_to_ep4_is_bit_identical(tm
     def trained_on_ep2(comm):
         mesh = sw.Mesh(comm, ep=2)
         model = sw.DDP(expert_parallel(GPT(CFG, seed=0), mesh), mesh.dp_cp)
-        opt = optimizer(model)
+        opt = optimizer(model.parameters())
         for step in range(2):
             model(*batch(step, comm.rank, comm.size)).backward()
             opt.step()
@@ -325,7 +282,7 @@ def test_checkpoint_round_trip_ep2_dp4_to_one_process_to_ep4_is_bit_identical(tm
 
     params_ep2, optim_ep2 = sw.launch(trained_on_ep2, 4)[0]
     plain = GPT(CFG, seed=1)
-    opt = optimizer(plain)
+    opt = optimizer(plain.parameters())
     sw.load_checkpoint(tmp_path / "ep2", plain, opt)
     for name, value in plain.state_dict().items():
         assert torch.equal(value, params_ep2[name]), name
@@ -343,7 +300,7 @@ def test_checkpoint_round_trip_ep2_dp4_to_one_process_to_ep4_is_bit_identical(tm
     def resumed_on_ep4(comm):
         mesh = sw.Mesh(comm, ep=4)
         model = sw.DDP(expert_parallel(GPT(CFG, seed=2), mesh), mesh.dp_cp)
-        opt = optimizer(model)
+        opt = optimizer(model.parameters())
         sw.load_checkpoint(tmp_path / "one", model, opt)
         loaded = sw.full_state_dict(model), sw.full_optimizer_state_dict(model, opt)
         model(*batch(2, comm.rank, comm.size)).backward()

@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 from families import moe_per_expert as switch
+from parity import value_error_text
 
 import shardwise as sw
 from shardwise import layout
@@ -268,22 +269,14 @@ def test_experts_are_split_and_state_round_trips(kind, tmp_path):
         assert kind == "mixtral" or counts[0] == 0, name  # a Switch expert module lives on one rank only
 
 
-def _error(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def test_bad_configurations_raise_at_wrap_on_every_rank():
     def body(comm):
         mesh = sw.Mesh(comm, ep=4)
         return {
-            "divisible": _error(lambda: expert_parallel(mixtral(experts=6), mesh)),
-            "jitter": _error(lambda: expert_parallel(mixtral(jitter=0.1), mesh)),
-            "capacity": _error(lambda: expert_parallel(mixtral(), mesh, capacity_factor=1.25)),
-            "wrapped": _error(lambda: expert_parallel(sw.DDP(mixtral(), comm), mesh)),
+            "divisible": value_error_text(lambda: expert_parallel(mixtral(experts=6), mesh)),
+            "jitter": value_error_text(lambda: expert_parallel(mixtral(jitter=0.1), mesh)),
+            "capacity": value_error_text(lambda: expert_parallel(mixtral(), mesh, capacity_factor=1.25)),
+            "wrapped": value_error_text(lambda: expert_parallel(sw.DDP(mixtral(), comm), mesh)),
         }
 
     for errors in sw.launch(body, 4):
@@ -303,7 +296,7 @@ def test_an_unsupported_huggingface_experts_module_is_named():
         model = Qwen2MoeForCausalLM(config)
 
     def body(comm):
-        return _error(lambda: expert_parallel(model, comm))
+        return value_error_text(lambda: expert_parallel(model, comm))
 
     for error in sw.launch(body, 2):
         assert "Qwen2MoeExperts" in error and "MixtralExperts" in error

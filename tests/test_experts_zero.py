@@ -13,54 +13,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from expert_cases import ATOL, CFG, MAX_NORM, RTOL, STEPS, batch, one_process, optimizer, train
+from parity import value_error_text
+
 import shardwise as sw
 from shardwise import layout
 from shardwise.experts import expert_parallel
 from shardwise.models import GPT, GPTConfig
 from shardwise.sharded_tensor import local
-from shardwise.whole.gather import gather_full
 
-CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=8, experts_per_token=2,
-                moe_aux_loss_coef=0.1)
-GLOBAL_BATCH, STEPS, MAX_NORM = 8, 3, 0.3
-RTOL, ATOL = 1e-5, 1e-6
 EXPERTS = ("w_in", "b_in", "w_out", "b_out")
-
-
-def batch(step, rank=0, world=1):
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len), generator=g)
-    y = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.seq_len), generator=g)
-    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    return x[rows], y[rows]
-
-
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5, weight_decay=0.1)
-
-
-def train(model, step_batch, clip, steps=STEPS):
-    """`steps` steps; returns (first step's gradients by name, norms, losses)."""
-    opt, grads, norms, losses = optimizer(model.parameters()), None, [], []
-    for step in range(steps):
-        x, y = step_batch(step)
-        loss = model(x, y)
-        loss.backward()
-        if grads is None:
-            grads = {name: gather_full(pl, pl.param.grad).clone() for name, pl in layout.placements(model).items()}
-        norms.append(float(clip(model, MAX_NORM)))
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-    return grads, norms, losses
 
 
 @pytest.fixture(scope="module")
 def reference():
-    model = GPT(CFG, seed=0)
-    grads, norms, losses = train(model, batch, lambda m, n: torch.nn.utils.clip_grad_norm_(m.parameters(), n))
-    assert min(norms) > MAX_NORM  # the clipping binds
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, grads, norms, losses
+    return one_process()
 
 
 def wrap(model, mesh, strategy):
@@ -266,14 +233,6 @@ def test_checkpoint_zero3_ep2_to_one_process_to_zero1_ep2_is_bit_identical(tmp_p
         assert_close(stepped, want)
 
 
-def _error(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def test_what_cannot_shard_experts_is_refused_at_wrap_by_name():
     def body(comm):
         mesh = sw.Mesh(comm, ep=2)
@@ -284,15 +243,15 @@ def test_what_cannot_shard_experts_is_refused_at_wrap_by_name():
         model = ep_model()
         w_in = model.blocks[0].mlp.w_in
         return {
-            "hybrid": _error(lambda: sw.FSDP(ep_model(), mesh.dp, sharding="hybrid_shard", shard_size=2)),
-            "compression": _error(lambda: sw.ZeRO(ep_model(), mesh.dp, stage=2,
+            "hybrid": value_error_text(lambda: sw.FSDP(ep_model(), mesh.dp, sharding="hybrid_shard", shard_size=2)),
+            "compression": value_error_text(lambda: sw.ZeRO(ep_model(), mesh.dp, stage=2,
                                                   compression=sw.compression.BF16())),
             # ep == dp: the slices have no copies (which compression refuses on its own), still their own group
-            "compression_ep4": _error(lambda: sw.ZeRO(expert_parallel(GPT(CFG, seed=0), sw.Mesh(comm, ep=4)), comm,
+            "compression_ep4": value_error_text(lambda: sw.ZeRO(expert_parallel(GPT(CFG, seed=0), sw.Mesh(comm, ep=4)), comm,
                                                       stage=2, compression=sw.compression.BF16())),
-            "replicated": _error(lambda: sw.ZeRO(model, mesh.dp, stage=3, replicated_params=(w_in,))),
-            "tiling": _error(lambda: sw.ZeRO(expert_parallel(GPT(CFG, seed=0), mesh.ep), comm, stage=3)),
-            "parallelize": _error(lambda: sw.parallelize(
+            "replicated": value_error_text(lambda: sw.ZeRO(model, mesh.dp, stage=3, replicated_params=(w_in,))),
+            "tiling": value_error_text(lambda: sw.ZeRO(expert_parallel(GPT(CFG, seed=0), mesh.ep), comm, stage=3)),
+            "parallelize": value_error_text(lambda: sw.parallelize(
                 GPT(GPTConfig(**{**CFG.__dict__, "moe_aux_loss_coef": 0.0}), seed=0), sw.Mesh(comm, dp=4, ep=2),
                 dp_strategy="fsdp:hybrid_shard", dp_shard=2)),
         }

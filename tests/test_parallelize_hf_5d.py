@@ -18,6 +18,7 @@ import copy
 
 import pytest
 import torch
+from parity import value_error_text
 
 import shardwise as sw
 
@@ -149,14 +150,6 @@ def test_hf_model_through_parallelize_trains_like_one_process(case):
             torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def _error(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def test_what_stays_unsupported_is_refused_by_name():
     """Mixtral's router loss is a function of the whole batch: refused with pp > 1 or several microbatches, before
     anything is changed. Context parallel refuses attention dropout at wrap time (before tensor parallel runs) and a
@@ -169,13 +162,13 @@ def test_what_stays_unsupported_is_refused_by_name():
     moe = mixtral()
 
     def body(comm):
-        errors = {"pp": _error(lambda: sw.parallelize(moe, sw.Mesh(comm, pp=2))),
-                  "microbatches": _error(lambda: sw.parallelize(moe, sw.Mesh(comm, dp=2), n_microbatches=2)),
-                  "dropout": _error(lambda: sw.parallelize(dropout, sw.Mesh(comm, cp=2, tp=1)))}
+        errors = {"pp": value_error_text(lambda: sw.parallelize(moe, sw.Mesh(comm, pp=2))),
+                  "microbatches": value_error_text(lambda: sw.parallelize(moe, sw.Mesh(comm, dp=2), n_microbatches=2)),
+                  "dropout": value_error_text(lambda: sw.parallelize(dropout, sw.Mesh(comm, cp=2, tp=1)))}
         untouched = not sw.layout.strategies(moe) and not sw.layout.strategies(dropout)
         hybrid = sw.parallelize(copy.deepcopy(windowed), sw.Mesh(comm, cp=2))
         x = labels_of(0)[0]
-        errors["window"] = _error(lambda: hybrid.step(x, x))
+        errors["window"] = value_error_text(lambda: hybrid.step(x, x))
         return errors, untouched
 
     for errors, untouched in sw.launch(body, 2):
