@@ -10,6 +10,8 @@ PYTEST_ARGS ?=
 # `make test` runs the suite on this many pytest-xdist workers, whole files per worker (--dist loadfile: a file's
 # module fixtures are built once). Two fit the 2-core CI machine: the process tests spend much of their time waiting
 # on launches and timeouts, which the other worker fills (410 s serial -> 267 s). TEST_WORKERS=0 runs it serially.
+# --no-loadscope-reorder keeps tests/conftest.py's file order (the files that start processes first), where xdist's
+# own (most tests first) left those long files to the end.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-gpu gpu-check soak bench clean
@@ -50,7 +52,7 @@ demo: $(VENV)/.installed
 	$(BIN)/shardwise demo
 
 test: $(VENV)/.installed $(VENV)/.mpi
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The CUDA paths on a GPU machine (NCCL in a world of one process; skipped with the reason printed elsewhere). Needs a
 # CUDA build of torch in the venv: on a GPU machine install it first, e.g. pip install torch==$(TORCH_VERSION).

@@ -8,6 +8,32 @@ strict. Run with SHARDWISE_STRICT=0 to compare with the buffered backend; a test
 passes strict=False to ThreadWorld and says why.
 """
 
+import itertools
 import os
 
+import pytest
+
 os.environ.setdefault("SHARDWISE_STRICT", "1")
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: order what runs
+def pytest_collection_modifyitems(config, items):
+    """Whole files, alternating between those with a test that starts processes (marked `multiprocess`) and the rest,
+    each kind in xdist's own order (most tests first); each file keeps its own order.
+
+    `make test` hands whole files to its two workers in collection order (--dist loadfile --no-loadscope-reorder),
+    a worker taking the next file when it is free. The process tests are the long poles (20-60 s each on a busy
+    2-core machine, against 0.1-5 s for a thread-rank test) and spend much of that starting interpreters and
+    waiting on timeouts. xdist's order (most tests first) left them to the end, where one long file on one worker
+    leaves the other idle and the two workers' process tests, running together, crowd each other towards their
+    timeouts. Alternating starts them early (list scheduling ends best with the long jobs started first: Graham
+    1969) with, most of the time, a thread-rank file on the other worker; the many short thread-rank files fill in
+    the end."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    process, threads = [], []
+    for tests in sorted(files.values(), key=len, reverse=True):  # stable: collection order among equals
+        (process if any(t.get_closest_marker("multiprocess") for t in tests) else threads).append(tests)
+    ordered = [tests for pair in itertools.zip_longest(process, threads) for tests in pair if tests is not None]
+    items[:] = [item for tests in ordered for item in tests]

@@ -7,6 +7,7 @@ would be the target's doing), with `pip` and `pip3` on PATH replaced by scripts 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ def scratch(tmp_path):
     return work, fake, tmp_path
 
 
+@pytest.mark.multiprocess  # make, then bench/gpu_check.py and its dry run: interpreters importing torch
 @pytest.mark.timeout(170)
 def test_make_gpu_check_without_cuda_runs_the_dry_run_and_installs_nothing(scratch):
     work, fake, tmp = scratch
@@ -61,8 +63,14 @@ def test_make_gpu_check_without_cuda_runs_the_dry_run_and_installs_nothing(scrat
     assert proc.stdout.rstrip().endswith(text.rstrip())  # the summary is printed last
 
 
-def test_gpu_check_refuses_unknown_stages_and_limits():
+def test_gpu_check_refuses_unknown_stages_and_limits(capsys):
+    """Its main() in this process (an interpreter per case would cost seconds of `import torch` each; the test above
+    runs the script itself): exit status 2 and the reason on stderr, before any stage runs."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
     for args, words in ((["--stages", "bench,nope"], "unknown ['nope']"), (["--limit", "tests=soon"], "STAGE=SECONDS")):
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), *args], capture_output=True,
-                              text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-        assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+        with pytest.raises(SystemExit) as info:
+            gpu_check.main(args)
+        stderr = capsys.readouterr().err
+        assert info.value.code == 2 and words in stderr, stderr

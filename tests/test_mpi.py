@@ -1,9 +1,11 @@
 """The MPI backend under mpirun: the shared comm checks, DDP / ZeRO-3 parity, hangs, failures, gloo bootstrap.
 
 mpirun and a rank's `import torch` cost seconds, so each launch batches many checks: one launch per world size runs
-the shared comm checks, MPI-specific dtype checks, DDP and ZeRO-3 training (and, with 2 ranks, gloo bootstrapped
-through MPI), and the tests below assert on its results. Open MPI and mpi4py are part of the test set-up (`make
-test` installs them): when they are missing these tests fail, loudly, rather than skip.
+the shared comm checks, MPI-specific dtype checks, recv_any and all_to_all (the bodies of tests/test_comm.py and
+tests/test_all_to_all.py), DDP and ZeRO-3 training (and, with 2 ranks, tests/test_collective_check.py's all-reduce of
+mismatched sizes, then gloo bootstrapped through MPI), and the tests below assert on its results. Open MPI and mpi4py
+are part of the test set-up (`make test` installs them): when they are missing these tests fail, loudly, rather than
+skip.
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ import time
 
 import pytest
 import torch
+from collective_check_cases import sizes_differ
 from comm_checks import check_collectives, check_point_to_point, check_split
 from parity import assert_state_close, reference_state
 from sharding_cases import train_sharded
-from test_ddp import STEPS, _grad_bytes, train_ddp
+from test_all_to_all import _check_exercise, _check_mismatches
+from test_all_to_all import mpi_body as all_to_all_body
+from test_comm import _parameter_server
+from test_ddp import _grad_bytes, train_ddp
 
 import shardwise as sw
+from shardwise.comm import CommError, ReduceOp
 from shardwise.launch.mpi import mpirun_command
-from shardwise.comm import ReduceOp
 
 SETUP_HINT = "run `make test` (it installs openmpi-bin, libopenmpi-dev and mpi4py) or install them by hand"
+STEPS = 3  # of DDP and ZeRO-3 training, against one process
 
 
 # ---- rank bodies (module level: the ranks import them by name) ---------------------------------------------------------
@@ -93,17 +100,27 @@ def progress_without_mpi_calls(comm) -> float | None:
 
 
 def _everything(comm, with_gloo: bool) -> dict:
-    """One launch: the shared comm checks, MPI-only checks, DDP and ZeRO-3 training; gloo bootstrapped from MPI."""
+    """One launch: the shared comm checks, MPI-only checks, recv_any, all_to_all, DDP and ZeRO-3 training; with 2
+    ranks a mismatched all-reduce (caught here: the group stays usable) and gloo bootstrapped from MPI."""
     results = {"backend": comm.backend, "stats": check_collectives(comm)}
     check_point_to_point(comm)
     results["split"] = check_split(comm)
     check_mpi_dtypes(comm)
     results["progress_wait"] = progress_without_mpi_calls(comm)
-    results["ddp"] = train_ddp(comm)
-    results["zero3"] = train_sharded(comm, "zero3")[0]
+    comm.barrier()  # the workers' staggered pushes start together
+    results["recv_any"] = _parameter_server(comm)
+    results["all_to_all"] = all_to_all_body(comm)
+    results["ddp"] = train_ddp(comm, STEPS)
+    results["zero3"] = train_sharded(comm, "zero3", STEPS)[0]
     if with_gloo:
+        try:
+            sizes_differ(comm)
+            results["sizes_differ"] = None
+        except CommError as exc:
+            results["sizes_differ"] = str(exc)
         gloo = sw.init(backend="gloo", timeout=60)  # under mpirun: the store's address travels by MPI broadcast
-        results["gloo"] = {"backend": gloo.backend, "rank": gloo.rank, "size": gloo.size, "ddp": train_ddp(gloo)[0]}
+        results["gloo"] = {"backend": gloo.backend, "rank": gloo.rank, "size": gloo.size,
+                           "ddp": train_ddp(gloo, STEPS)[0]}
     return results
 
 
@@ -183,6 +200,29 @@ def test_mpi_async_operations_progress_while_the_issuer_computes(run):
     _, results = run
     waits = [r["progress_wait"] for r in results[1:]]
     assert max(waits) < 0.5, waits  # not the 1 s that rank 0 spent away from MPI
+
+
+@pytest.mark.multiprocess
+def test_mpi_recv_any_takes_messages_in_arrival_order(run):
+    """The workers push to rank 0 in reverse rank order (tests/test_comm.py's parameter server)."""
+    world, results = run
+    assert [r["recv_any"] for r in results] == [list(range(world - 1, 0, -1))] + [[10.0 * r] * 2 for r in
+                                                                                 range(1, world)]
+
+
+@pytest.mark.multiprocess
+def test_mpi_all_to_all_delivers_every_message_and_names_mismatches(run):
+    world, results = run
+    _check_exercise([r["all_to_all"] for r in results], world)
+    _check_mismatches([r["all_to_all"]["mismatches"] for r in results])
+
+
+@pytest.mark.multiprocess
+def test_mpi_all_reduces_of_other_sizes_are_named(run_two_ranks):
+    for text in (r["sizes_differ"] for r in run_two_ranks):
+        assert text and "collectives do not match across the group [0, 1]" in text, text
+        assert "rank 0 called all_reduce(op=SUM, numel=4) float32" in text, text
+        assert "rank 1 called all_reduce(op=SUM, numel=6) float32" in text, text
 
 
 @pytest.mark.multiprocess
