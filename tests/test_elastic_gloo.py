@@ -116,10 +116,11 @@ class _Job:
         return codes
 
     def outputs(self) -> str:
+        """Each worker's last output. A worker still running is killed first (reading its pipe would block): a run
+        that hangs shows every worker's lines, not only those of the ones that ended."""
+        self.close()
         texts = []
         for i, p in enumerate(self.procs):
-            if p.poll() is None:
-                continue
             texts.append(f"--- worker {i} (exit {p.returncode}) ---\n{p.stdout.read()[-3000:]}")
         return "\n".join(texts)
 
