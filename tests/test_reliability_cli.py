@@ -21,24 +21,23 @@ from shardwise_cli import MAX_RANKS, main, max_ranks
 
 FAST = ["--backend", "thread", "--nproc", "1", "--steps", "1", "--preset", "tiny", "--no-progress"]
 
-# Runs the entry point in a fresh interpreter; prints the exit code, whether torch (or the shardwise package) got
-# imported, and the seconds from importing the entry module to its exit (the interpreter's own start left out).
+# Runs the entry point in a fresh interpreter; prints the exit code and whether torch (or the shardwise package) got
+# imported. No time is asserted: on a loaded CI machine even the parser can take a second.
 _PROBE = textwrap.dedent("""
-    import sys, time
-    start = time.perf_counter()
+    import sys
     from shardwise_cli import main
     try:
         code = main(sys.argv[1:])
     except SystemExit as exc:
         code = exc.code
-    print(code, "torch" in sys.modules, "shardwise" in sys.modules, time.perf_counter() - start)
+    print(code, "torch" in sys.modules, "shardwise" in sys.modules)
 """)
 
 
-def _probe(argv: list[str]) -> tuple[int, bool, bool, float, str]:
+def _probe(argv: list[str]) -> tuple[int, bool, bool, str]:
     result = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120)
-    code, torch_loaded, package_loaded, seconds = result.stdout.split()[-4:]
-    return int(code), torch_loaded == "True", package_loaded == "True", float(seconds), result.stderr
+    code, torch_loaded, package_loaded = result.stdout.split()[-3:]
+    return int(code), torch_loaded == "True", package_loaded == "True", result.stderr
 
 
 @pytest.mark.parametrize(
@@ -55,11 +54,10 @@ def _probe(argv: list[str]) -> tuple[int, bool, bool, float, str]:
     ],
 )
 def test_usage_errors_and_help_do_not_import_torch(argv, code, needle):
-    got, torch_loaded, package_loaded, seconds, err = _probe(argv)
+    got, torch_loaded, package_loaded, err = _probe(argv)
     assert got == code, err
     assert needle in err
-    assert not torch_loaded and not package_loaded
-    assert seconds < 1.0  # the parser alone: tens of milliseconds (torch's import takes seconds)
+    assert not torch_loaded and not package_loaded  # the parser alone answers
 
 
 def test_the_console_script_is_the_torch_free_entry_point():
