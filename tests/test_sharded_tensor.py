@@ -73,6 +73,9 @@ def test_a_training_scripts_own_idioms_give_one_process_answers(name):
 OPTIMIZERS = {
     "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
     "Adam": lambda p: torch.optim.Adam(p, lr=1e-2), "AdamW-foreach": lambda p: torch.optim.AdamW(p, foreach=True),
+    "AdamW-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "SGD-fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1, fused=True),
+    "Adagrad-fused": lambda p: torch.optim.Adagrad(p, lr=0.1, fused=True),
     "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1), "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-2),
     "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2), "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2),
     "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2), "Adadelta": lambda p: torch.optim.Adadelta(p),
@@ -107,6 +110,27 @@ def test_every_elementwise_torch_optimizer_steps_the_pieces_like_one_process(nam
     want = _train_with(_mlp(), OPTIMIZERS[name], 0, 1)
     for got in sw.launch(body, 2):
         assert_state_close(got, want)
+
+
+def test_optimizers_pick_their_multi_tensor_step_for_pieces_as_for_plain_parameters(monkeypatch):
+    """torch's optimizers default to the foreach (multi-tensor) step only for tensor types they list, and only on
+    CUDA-like devices: made to treat the CPU as one, they pick it for the pieces exactly as for plain parameters
+    (unlisted, an AdamW on GPUs would loop over the tensors one by one)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+
+    def body(comm):
+        model = sw.ZeRO(_mlp(), comm, stage=3, wrap=None)
+        model(X).square().mean().backward()
+        params = list(model.parameters())
+        return (all(is_sharded(p) for p in params), torch_optimizer._default_to_fused_or_foreach(params, False),
+                torch_optimizer._default_to_fused_or_foreach([p.grad for p in params], False))
+
+    plain = torch_optimizer._default_to_fused_or_foreach(list(_mlp().parameters()), False)
+    assert plain == (False, True)
+    for sharded, params_pick, grads_pick in sw.launch(body, 2):
+        assert sharded and params_pick == grads_pick == plain
 
 
 def _after_backward(comm):

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
+from torch.utils import _foreach_utils as torch_foreach_utils
 
 __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
            "grad_like"]
@@ -135,6 +137,16 @@ class ShardedParameter(_Sharded, nn.Parameter):
     """What `model.parameters()` yields under ZeRO / FSDP: this rank's piece, answering for the whole parameter."""
 
 
+# An optimizer picks its multi-tensor (foreach) or fused implementation by default only for the tensor types listed
+# here (torch.optim.optimizer._default_to_fused_or_foreach), as DTensor registers itself: without this a sharded
+# model's AdamW on CUDA would loop over its tensors one by one (a few kernels per tensor instead of a few in all).
+for _types in (getattr(torch_optimizer, "_foreach_supported_types", []),
+               getattr(torch_foreach_utils, "_foreach_supported_types", [])):
+    for _cls in (ShardedTensor, ShardedParameter):
+        if _cls not in _types:
+            _types.append(_cls)
+
+
 def as_sharded(piece: torch.Tensor, spec: ShardSpec, parameter: bool = False, requires_grad: bool = False) -> Any:
     """`piece` (its storage, no copy) as a ShardedParameter / ShardedTensor answering for `spec`."""
     piece = local(piece)
@@ -178,6 +190,9 @@ _IDENTITY = frozenset({
     "uniform_", "bernoulli_", "exponential_", "random_", "log_normal_", "geometric_", "cauchy_", "requires_grad_",
     "masked_fill_", "lerp_", "div_", "mul_", "add_", "sub_", "clamp_min_", "clamp_max_", "sign_", "pow_",
 })
+# torch's fused optimizer steps (`fused=True`, nanoGPT's default on CUDA): one kernel updating every element from
+# its own gradient and state; the loss-scale arguments (`grad_scale`, `found_inf`) are plain scalars.
+_FUSED_OPTIMIZERS = frozenset({"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"})
 _PLAIN = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"})
 _META = frozenset({
     "__get__", "__set__", "__delete__", "data_ptr", "element_size", "untyped_storage", "storage_offset", "stride",
@@ -208,6 +223,8 @@ def _kind_of_name(name: str) -> str:
         return "elementwise"
     if name.startswith("_foreach_"):
         return "refuse" if name in ("_foreach_norm", "_foreach_max") else "elementwise"
+    if name in _FUSED_OPTIMIZERS:
+        return "elementwise"
     if name.startswith("__") and name.endswith("__"):
         inner = name[2:-2]
         if inner.startswith("i") and hasattr(torch.ops.aten, inner[1:] + "_"):
