@@ -38,6 +38,8 @@ stdout carries JSON lines only (one per row, a parity line, a ratios line); the 
     .venv/bin/python bench/gpu.py                                  # GPT-2 small, batch 8 x 1024, on cuda:0
     .venv/bin/python bench/gpu.py --batch-size 16 --peak-tflops 989 --precision params
     .venv/bin/python bench/gpu.py --device cpu --preset tiny --steps 2   # the CPU smoke (gloo group of one), seconds
+    .venv/bin/python bench/gpu.py --device cpu --preset gpt2 --d-model 96 --vocab-size 256 --seq-len 16 --batch-size 1
+                                     # each row's host time per step: GPT-2's 148 tensors, negligible compute
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Config:
     warmup: int
     impls: tuple[str, ...]
     precision: str
+    d_model: int | None = None
+    vocab_size: int | None = None
     lr: float = 1e-4
     seed: int = 0
     n_batches: int = 4
@@ -90,10 +94,12 @@ class Config:
     profile: str | None = None  # a folder: after the timed rounds, 3 profiled steps per row, tables written there
 
 
-def model_config(preset: str, seq_len: int | None) -> GPTConfig:
+def model_config(preset: str, seq_len: int | None, d_model: int | None = None,
+                 vocab_size: int | None = None) -> GPTConfig:
     """A GPTConfig preset (gpt2: GPT-2 small's shape, as transformers' GPT2Config() defaults; our GPT has no
-    dropout by default, as the other benches); seq_len overrides."""
-    return GPTConfig.preset(preset, **({} if seq_len is None else {"seq_len": seq_len}))
+    dropout by default, as the other benches); seq_len, d_model and vocab_size override."""
+    given = {"seq_len": seq_len, "d_model": d_model, "vocab_size": vocab_size}
+    return GPTConfig.preset(preset, **{k: v for k, v in given.items() if v is not None})
 
 
 def peak_tflops(device: torch.device, given: float | None) -> tuple[float | None, str]:
@@ -248,7 +254,7 @@ def profile_row(row: Row, batches: list, device: torch.device, folder: str) -> N
 
 def run(cfg: Config) -> tuple[list[Row], dict[str, float]]:
     device = torch.device(cfg.device)
-    mcfg = model_config(cfg.preset, cfg.seq_len)
+    mcfg = model_config(cfg.preset, cfg.seq_len, cfg.d_model, cfg.vocab_size)
     with world_of_one(device) as comm:
         rows = [build(name, comm, cfg, mcfg) for name in cfg.impls]
         batches = make_batches(cfg, mcfg)
@@ -285,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", default=",".join(ALL), help=f"comma list of {ALL} (default: all)")
     ap.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 8; tiny preset: 4)")
     ap.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len (gpt2: 1024)")
+    ap.add_argument("--d-model", type=int, default=None,
+                    help="override the preset's width (host overhead without a GPU: --device cpu --preset gpt2 "
+                         "--d-model 96 --vocab-size 256 --seq-len 16 --batch-size 1 keeps GPT-2's 148 tensors with "
+                         "negligible compute)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary size")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per row per round (default 5)")
     ap.add_argument("--rounds", type=int, default=6, help="alternation rounds (default 6; the smoke: use 2)")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps of each row first (default 3)")
@@ -311,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         ap.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     warnings.filterwarnings("ignore", category=UserWarning)  # FSDP2 on a mesh of one, autocast on CPU
-    mcfg = model_config(args.preset, args.seq_len)
+    try:
+        mcfg = model_config(args.preset, args.seq_len, args.d_model, args.vocab_size)
+    except ValueError as e:
+        ap.error(str(e))
     batch_size = args.batch_size or (4 if args.preset == "tiny" else 8)
     cfg = Config(args.device, args.preset, batch_size, mcfg.seq_len, args.steps, args.rounds, args.warmup, impls,
-                 args.precision, compile=args.compile, profile=args.profile)
+                 args.precision, args.d_model, args.vocab_size, compile=args.compile, profile=args.profile)
     device = torch.device(cfg.device)
-    nparams = GPT(mcfg, seed=0).num_parameters() if args.preset != "gpt2" else _gpt2_params(mcfg)
+    nparams = _count_params(mcfg)
     peak, peak_src = peak_tflops(device, args.peak_tflops)
     tokens = cfg.batch_size * cfg.seq_len
     flops_6n = 6 * nparams * tokens
@@ -376,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _gpt2_params(mcfg: GPTConfig) -> int:
-    # Counted on the meta device: building 124 M parameters on the host just to count them costs seconds.
+def _count_params(mcfg: GPTConfig) -> int:
+    # Counted on the meta device: building GPT-2's 124 M parameters on the host just to count them costs seconds.
     with torch.device("meta"):
         return sum(p.numel() for p in GPT(mcfg).parameters())
 

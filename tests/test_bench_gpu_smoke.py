@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.models.gpt import GPT, GPTConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.py"
 IMPLS = ("plain", "sw_zero3", "sw_ddp", "fsdp2")
@@ -69,7 +71,23 @@ def test_without_a_peak_mfu_is_null_and_bf16_params_mode_runs():
     assert 0 < parity["sw_zero3"] < 1e-2 and parity["sw_zero3"] == pytest.approx(parity["fsdp2"], rel=0.05)
 
 
+def test_the_host_overhead_shape_keeps_gpt2s_tensors_at_a_narrow_width():
+    """--d-model / --vocab-size: GPT-2's 12 blocks (148 tensors) with negligible compute, so that each row's step
+    time on a CPU is its host work (what limits a wrapper on a fast GPU)."""
+    proc = _run("--device", "cpu", "--preset", "gpt2", "--d-model", "96", "--vocab-size", "256", "--seq-len", "16",
+                "--batch-size", "1", "--steps", "1", "--rounds", "1", "--warmup", "1", "--impls", "plain,sw_zero3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    rows = {r["name"]: r for r in lines if "name" in r}
+    model = GPT(GPTConfig.preset("gpt2", d_model=96, vocab_size=256, seq_len=16))
+    assert len(list(model.parameters())) == 148
+    assert all(r["params"] == model.num_parameters() and r["tokens_per_step"] == 16 for r in rows.values())
+    parity = next(line["parity_max_rel_diff_vs_plain"] for line in lines if "parity_max_rel_diff_vs_plain" in line)
+    assert parity["sw_zero3"] <= 1e-6, parity
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--device", "cpu", "--preset", "gpt2", "--d-model", "100"], "d_model=100 must be divisible by n_heads=12"),
     (["--impls", "plain,zero9"], "allowed ('plain', 'sw_zero3', 'sw_ddp', 'fsdp2')"),
     (["--device", "cpu", "--preset", "huge"], "--preset 'huge': allowed bench, gpt2, small, tiny"),
     (["--device", "cpu", "--steps", "0"], "--steps, --rounds and --warmup must be >= 1"),

@@ -34,6 +34,28 @@ def test_gradient_accumulation(name, plain_reference):
     assert all(step["reduce_scatter"]["calls"] == per_step[0]["reduce_scatter"]["calls"] for step in per_step)
 
 
+def _accumulate_synced(comm, name, steps=5):
+    """Two half-batch backwards per step, both reduced (no no_sync): the reduced gradients add up on .grad."""
+    model = wrap(GPT(CONFIG, seed=0), comm, name)
+    opt = make_optimizer(model.parameters())
+    for step in range(steps):
+        x, y = batch(step, comm.rank, comm.size)
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            (model(xm, ym) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return sw.full_state_dict(model)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "shard_grad_op"])
+def test_accumulation_with_every_backward_reduced(name, world, plain_reference):
+    """As torch adds a second backward's gradients to `.grad`; a world of one included, where each piece is the
+    whole tensor in its own shape."""
+    for state in sw.launch(_accumulate_synced, world, name):
+        assert_state_close(state, plain_reference)
+
+
 def _two_forwards_one_backward(comm, name, steps=5):
     """Each step: two half-batch forwards summed into one loss, then one backward (outside no_sync): ZeRO-3 keeps
     the first forward's last unit gathered until the second forward's first unit starts, which must free it."""

@@ -275,6 +275,8 @@ class ShardingEngine:
             if any(part.needs_gather() or not part.unsharded_in_modules for part in self.families[unit]):
                 self._gather(unit)
                 self._swap_in(unit)
+            for part in self.families[unit]:
+                part.prepare_grad_views()  # autograd accumulates into the flat gradient buffers directly
             if self.config.prefetch and unit in self.forward_pos:
                 pos = self.forward_pos[unit]
                 if pos > 0:

@@ -181,6 +181,9 @@ class Unit(UnitGradients):
         self.grad_buffer: torch.Tensor | None = None
         self.grad_buffer_dirty = False  # holds last step's averaged shard, viewed by .grad: a new cycle before reuse
         self.grads_written: set[str] = set()  # parameters whose gradient this cycle's buffer holds
+        self.grad_buffer_zeroed = False  # filled with zeros at this cycle's start (unit_grads.prepare_grad_views)
+        self.grad_views: dict[str, tuple[ParamInfo, torch.Tensor]] = {}  # unsharded .grad viewing the buffer
+        self.grad_view_groups: list[tuple[int, list[ParamInfo]]] | None = None  # unit_grads._view_groups
         self.grad_pending = 0
         self.grads_seen: set[str] = set()
         self.reduce_work: Work | None = None

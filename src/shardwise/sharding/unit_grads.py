@@ -11,9 +11,10 @@ reduce-scatter (AVG), or the compressed reduction; `finish_reduce` waits, all-re
 from __future__ import annotations
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from ..comm.base import ReduceOp
-from ..sharded_tensor import as_sharded, grad_like, spec_of
+from ..sharded_tensor import as_sharded, grad_like, local, spec_of
 from .param_info import ParamInfo
 
 __all__ = ["UnitGradients"]
@@ -26,10 +27,68 @@ class UnitGradients:
         self.grad_pending = len(self.trainable)
         self.grads_seen: set[str] = set()
 
+    def prepare_grad_views(self) -> None:
+        """Before the unit's backward: make each unsharded parameter's `.grad` a view of its slice of the flat
+        gradient buffer, so autograd accumulates straight into the buffer (`AccumulateGrad` adds in place into a
+        defined `.grad`) and the per-parameter hook only counts: no copy and no tensor work in Python per parameter
+        (PyTorch DDP's `gradient_as_bucket_view`). Possible where the gradient has the buffer's dtype and its slice
+        is contiguous (it crosses no flag band); the others keep the copy in `accumulate_grad`. The buffer is zeroed
+        in one fill at the start of a cycle; a slice an earlier backward of the cycle wrote (under no_sync) keeps its
+        sum, to which autograd adds."""
+        if self.grad_views or not self.trainable or self.reduce_dtype != self.param_dtype:
+            return
+        self._ready_grad_buffer()
+        assert self.grad_buffer is not None
+        if not self.grads_written and not self.grad_buffer_zeroed:
+            self.grad_buffer.zero_()
+            self.grad_buffer_zeroed = True
+        for at, infos in self._view_groups():
+            numel = sum(info.numel for info in infos)
+            # One C++ call cuts a group's views (a Python slice and view per parameter cost ~3x more host time).
+            views = _unflatten_dense_tensors(self.grad_buffer[at : at + numel], [info.unsharded for info in infos])
+            for info, view in zip(infos, views):
+                if info.name in self.grads_seen:
+                    continue  # its gradient of this pass was copied in already
+                if not self.grad_buffer_zeroed and info.name not in self.grads_written:
+                    view.zero_()  # the buffer was not filled with zeros this cycle (a gradient was copied in first)
+                info.unsharded.grad = view
+                self.grad_views[info.name] = (info, view)
+
+    def _view_groups(self) -> list[tuple[int, list[ParamInfo]]]:
+        """Runs of trainable parameters whose gradients lie back to back in the flat buffer, as (buffer offset,
+        parameters); a parameter crossing a flag band is in none (its gradient is copied). Fixed by the layout."""
+        if self.grad_view_groups is None:
+            groups: list[tuple[int, list[ParamInfo]]] = []
+            end = -1
+            for info in self.trainable:
+                runs = self.grad_layout.runs(info.offset, info.numel)
+                if len(runs) != 1:
+                    end = -1
+                    continue
+                at = runs[0][0]
+                if at == end:
+                    groups[-1][1].append(info)
+                else:
+                    groups.append((at, [info]))
+                end = at + info.numel
+            self.grad_view_groups = groups
+        return self.grad_view_groups
+
+    def _drop_grad_views(self) -> None:
+        """The unsharded parameters let go of the buffer (before it becomes the reduction's scratch, or is freed)."""
+        for info, view in self.grad_views.values():
+            if info.unsharded.grad is view:
+                info.unsharded.grad = None
+        self.grad_views = {}
+
     def accumulate_grad(self, info: ParamInfo) -> None:
-        """Add an unsharded gradient into the flat gradient buffer (allocated, zeroed, on first use)."""
+        """Count a parameter's gradient of this pass; unless autograd accumulated it straight into the flat buffer
+        (`prepare_grad_views`), add it there (the buffer allocated on first use)."""
         grad = info.unsharded.grad
-        if grad is not None:
+        viewed = self.grad_views.get(info.name)
+        if viewed is not None and grad is viewed[1]:
+            self.grads_written.add(info.name)
+        elif grad is not None:
             self._ready_grad_buffer()
             flat = grad.reshape(-1)
             again = info.name in self.grads_written
@@ -46,16 +105,23 @@ class UnitGradients:
             self.grad_pending -= 1
 
     def flush_unused(self) -> None:
-        """End of backward: parameters whose hook never fired contribute zeros (or a gradient left on them)."""
+        """End of backward: parameters whose hook never fired contribute zeros (or a gradient left on them); a
+        parameter whose `.grad` is still the untouched buffer view got none this pass."""
         for info in self.trainable:
             if info.name not in self.grads_seen:
-                self.accumulate_grad(info)
+                viewed = self.grad_views.get(info.name)
+                if viewed is not None and info.unsharded.grad is viewed[1]:
+                    self.grads_seen.add(info.name)
+                    self.grad_pending -= 1
+                else:
+                    self.accumulate_grad(info)
 
     def start_reduce(self) -> None:
         """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously."""
         if not self.trainable:
             return  # a frozen unit has nothing to reduce
         self._ready_grad_buffer()
+        self._drop_grad_views()
         used = self.used_here = self._zero_unwritten()
         self.reduced_shard = torch.empty(self.grad_layout.segment, dtype=self.reduce_dtype, device=self.device)
         if not self.grad_layout.band:
@@ -122,8 +188,9 @@ class UnitGradients:
                 piece = piece if info.shard_hi > info.shard_lo else shard[:0]
                 info.shard_param.grad = grad_like(piece.view(info.shape), info.shard_param) if self.whole_pieces \
                     else as_sharded(piece, spec_of(info.shard_param))
-            else:
-                info.shard_param.grad.add_(piece)
+            else:  # a second reduced backward before the step: add, as torch does (a whole piece in its shape)
+                held = local(info.shard_param.grad)
+                held.add_(piece.view(held.shape))
         self.reduced_shard = None
         if not self.keep_grad_buffer:
             self._drop_grad_buffer()
@@ -151,6 +218,7 @@ class UnitGradients:
         return used
 
     def _drop_grad_buffer(self) -> None:
+        self._drop_grad_views()
         if self.grad_buffer is not None:
             self.grad_memory.freed(self.grad_buffer.numel() * self.grad_buffer.element_size())
             self.grad_buffer = None
@@ -165,12 +233,14 @@ class UnitGradients:
         self.entered = False
         self.grads_seen = set()
         self.grad_pending = 0
+        self.grad_views = {}
         for info in self.infos:
             info.unsharded.grad = None
         if self.grad_buffer is not None:
             if self.keep_grad_buffer:
                 self._ready_grad_buffer()
                 self.grads_written = set()  # what the abandoned pass wrote counts as never written
+                self.grad_buffer_zeroed = False  # and autograd may have added into the views: zero it again
             else:
                 self._drop_grad_buffer()
         self.swap_to_sharded()
@@ -188,6 +258,7 @@ class UnitGradients:
             self.grad_memory.allocated(self.grad_buffer.numel() * self.grad_buffer.element_size())
             self.grads_written = set()
             self.grad_buffer_dirty = False
+            self.grad_buffer_zeroed = False
         elif self.grad_buffer_dirty:
             storage = self.grad_buffer.untyped_storage().data_ptr()
             for info in self.trainable:  # gradients the user kept (no zero_grad) must survive the new cycle
@@ -196,12 +267,18 @@ class UnitGradients:
                     info.shard_param.grad = g.clone()
             self.grads_written = set()
             self.grad_buffer_dirty = False
+            self.grad_buffer_zeroed = False
 
     def _zero_unwritten(self) -> list[bool]:
         """Zero every data element of the flat buffer that no gradient of this cycle was copied into, write the
         used flags, and return them (per trainable parameter: whether this rank wrote its gradient this cycle)."""
         assert self.grad_buffer is not None
         used = [info.name in self.grads_written for info in self.trainable]
+        if self.grad_buffer_zeroed:  # filled with zeros at the cycle's start: nothing unwritten to clear
+            self.grad_layout.write_flags(self.grad_buffer, used)
+            self.grads_written = {info.name for info in self.infos}
+            self.grad_buffer_zeroed = False  # the reduction may use the buffer as scratch
+            return used
         start = 0
         gaps = []
         for info in self.infos:
