@@ -54,6 +54,17 @@ class UnitGradients:
                 info.unsharded.grad = view
                 self.grad_views[info.name] = (info, view)
 
+    def _whole_views(self, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Whole pieces (a shard group of one): each parameter's averaged gradient in its own shape, cut from the
+        shard by one call per run of `_view_groups` (one chunk, so a buffer offset is the data offset)."""
+        assert self.shard_comm.size == 1
+        views: dict[str, torch.Tensor] = {}
+        for at, infos in self._view_groups():
+            numel = sum(info.numel for info in infos)
+            cut = _unflatten_dense_tensors(shard[at : at + numel], [info.unsharded for info in infos])
+            views.update(zip([info.name for info in infos], cut))
+        return views
+
     def _view_groups(self) -> list[tuple[int, list[ParamInfo]]]:
         """Runs of trainable parameters whose gradients lie back to back in the flat buffer, as (buffer offset,
         parameters); a parameter crossing a flag band is in none (its gradient is copied). Fixed by the layout."""
@@ -180,13 +191,17 @@ class UnitGradients:
             self.grad_buffer_dirty = True
         # Offloaded: always a copy, so the gradient lives on the host as on a GPU, even where host is the device.
         shard = reduced.to(self.master_device, self.master_dtype, copy=self.offload != "none")
+        whole = self._whole_views(shard) if self.whole_pieces else {}
         for info, was_used in zip(self.trainable, used):
             if not was_used:
                 continue  # no rank used it: .grad stays as it was (None after zero_grad), as in one process
-            piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
-            if info.shard_param.grad is None:  # shaped like its parameter: whole, or a piece answering for it
+            piece = whole.get(info.name)
+            if piece is None:
+                piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
                 piece = piece if info.shard_hi > info.shard_lo else shard[:0]
-                info.shard_param.grad = grad_like(piece.view(info.shape), info.shard_param) if self.whole_pieces \
+                piece = piece.view(info.shape) if self.whole_pieces else piece
+            if info.shard_param.grad is None:  # shaped like its parameter: whole, or a piece answering for it
+                info.shard_param.grad = grad_like(piece, info.shard_param) if self.whole_pieces \
                     else as_sharded(piece, spec_of(info.shard_param))
             else:  # a second reduced backward before the step: add, as torch does (a whole piece in its shape)
                 held = local(info.shard_param.grad)
