@@ -174,6 +174,10 @@ def test_tensor_parallel_splits_the_dense_parameters_not_the_experts():
     # ZeRO-3 gathers a MoE layer: its attention (4h^2, / tp) and this rank's experts of it (X / (L ep)), two at a time
     z3 = estimate(parse_strategy("5d:dp=4,ep=2,tp=2,pp=2,dp_strategy=zero3", 16), work, Links(16, 8, 80 * GB))
     assert z3.working == pytest.approx(2 * 2 * (4 * h * h / 2 + x / (L * 2)))
+    # a dense layer's unit, 12h^2, is split by tp only: the pipeline splits the layers among stages, not a layer
+    dense = estimate(parse_strategy("5d:dp=4,tp=2,pp=2,dp_strategy=zero3", 16),
+                     Workload(psi, activations=g, attention="fused"), Links(16, 8, 80 * GB))
+    assert psi / 4 > 2 * 12 * h * h / 2 and dense.working == pytest.approx(2 * 2 * 12 * h * h / 2)
     with pytest.raises(ValueError, match=r"tp=3 must divide model_parallel=4"):
         costs.model_states(psi, "ddp", 4, model_parallel=4, tp=3, expert_params=x)
     with pytest.raises(ValueError, match=r"ep=2 with hybrid_shard is not supported"):

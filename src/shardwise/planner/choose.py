@@ -161,13 +161,14 @@ def estimate(c: Candidate, work: Workload, links: Links) -> Estimate:
         if c.ep > 1 and experts.n_experts and experts.per_token:
             wire["ep"] = costs.expert_parallel_wire_bytes(g, experts, c.ep, cp=c.cp, pp=c.pp, dtype=dtype,
                                                           sp=c.tp if sp else 1)
-    # ZeRO-3 gathers a unit (a layer, 12h^2 parameters, as FSDP's transformer wrapping policy cuts them) and
-    # prefetches the next while computing: two units, never more than the model. A MoE layer's unit is its
-    # attention (4h^2, split by tp) and this rank's experts of that layer (X / (L_moe ep), not split by tp).
+    # ZeRO-3 gathers a unit (a layer, 12h^2 parameters split by tp, as FSDP's transformer wrapping policy cuts them;
+    # the pipeline splits the layers among stages, not a layer) and prefetches the next while computing: two units,
+    # never more than this rank's share of the model. A MoE layer's unit is its attention (4h^2, split by tp) and
+    # this rank's experts of that layer (X / (L_moe ep), not split by tp).
     gathers = c.states_key in ("zero3", "full_shard", "hybrid_shard")
     working = 0.0
     if gathers and experts is None:
-        working = min(2 * 12 * hidden ** 2, psi) / mp * costs.DTYPE_BYTES[dtype]
+        working = min(2 * 12 * hidden ** 2 / c.tp, psi / mp) * costs.DTYPE_BYTES[dtype]
     elif gathers:
         moe_layers = experts.layers or (g.num_layers if g else costs.default_shape(psi)[1])
         unit = 4 * hidden ** 2 / c.tp + experts.params / (moe_layers * c.ep)
