@@ -11,11 +11,11 @@ point-to-point is unbuffered and in order, as on NCCL.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_cases import tiny_llama
 
 import shardwise as sw
 from shardwise import context_parallel as cp
@@ -189,19 +189,6 @@ def test_gpt_logits_and_positions():
 
 
 # ---- a HuggingFace Llama: rotary positions offset per chunk, grouped-query heads ------------------------------
-_BUILD = threading.Lock()
-
-
-def llama():
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False, attn_implementation="eager")
-    with _BUILD:  # thread ranks share torch's global RNG
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(config)
-
 
 IDS = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
 
@@ -216,10 +203,10 @@ def llama_grads(model, x, y):
 def test_hf_llama_gradients_match_one_process(world, method):
     pytest.importorskip("transformers")
     x, y = IDS[:, :-1], IDS[:, 1:]
-    want = llama_grads(llama(), x, y)
+    want = llama_grads(tiny_llama(), x, y)
 
     def body(comm):
-        model = sw.DDP(cp.apply(llama(), comm, method=method), comm)
+        model = sw.DDP(cp.apply(tiny_llama(), comm, method=method), comm)
         return llama_grads(model, *cp.split_sequence((x, y), comm))
 
     for got in sw.launch(body, world):
@@ -271,7 +258,7 @@ def test_hf_labels_and_padding_masks_are_refused():
     pytest.importorskip("transformers")
 
     def body(comm):
-        model = cp.apply(llama(), comm)
+        model = cp.apply(tiny_llama(), comm)
         x = cp.split_sequence(IDS[:, :16], comm)
         with pytest.raises(ValueError, match="labels= shifts targets within this rank's chunk"):
             model(input_ids=x, labels=x)

@@ -9,12 +9,12 @@ process, and the next step matches. Ulysses with n_heads / tp not divisible by c
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 from checkpoint_cases import state_equal
+from hf_cases import tiny_llama
 
 import shardwise as sw
 from shardwise import context_parallel as cp
@@ -185,23 +185,11 @@ def test_checkpoint_from_cp_tp_reloads_on_other_layouts(tmp_path, dst, world):
 
 
 # ---- a HuggingFace Llama: the llama plan over tp, then cp over the local (grouped-query) heads ---------------------
-_BUILD = threading.Lock()
-
-
-def llama():
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False, attn_implementation="eager")
-    with _BUILD:  # thread ranks share torch's global RNG
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(config)
 
 
 def llama_train(comm, method):
     """Three AdamW steps with a binding clip; comm None: one process on the whole sequence."""
-    model, group = llama(), None
+    model, group = tiny_llama(), None
     if comm is not None:
         mesh = sw.Mesh(comm, cp=2, tp=2)
         model = sw.DDP(cp.apply(tp.parallelize(model, mesh.tp, "llama"), mesh.cp, method=method), mesh.dp_cp)
