@@ -42,28 +42,28 @@ class UnitGradients:
         if not self.grads_written and not self.grad_buffer_zeroed:
             self.grad_buffer.zero_()
             self.grad_buffer_zeroed = True
+        for info, view in self._cut_views(self.grad_buffer):
+            if info.name in self.grads_seen:
+                continue  # its gradient of this pass was copied in already
+            if not self.grad_buffer_zeroed and info.name not in self.grads_written:
+                view.zero_()  # the buffer was not filled with zeros this cycle (a gradient was copied in first)
+            info.unsharded.grad = view
+            self.grad_views[info.name] = (info, view)
+
+    def _cut_views(self, flat: torch.Tensor) -> list[tuple[ParamInfo, torch.Tensor]]:
+        """Each parameter of `_view_groups` with its slice of `flat` in its own shape. One C++ call per group (a
+        Python slice and view per parameter cost ~3x more host time)."""
+        out: list[tuple[ParamInfo, torch.Tensor]] = []
         for at, infos in self._view_groups():
             numel = sum(info.numel for info in infos)
-            # One C++ call cuts a group's views (a Python slice and view per parameter cost ~3x more host time).
-            views = _unflatten_dense_tensors(self.grad_buffer[at : at + numel], [info.unsharded for info in infos])
-            for info, view in zip(infos, views):
-                if info.name in self.grads_seen:
-                    continue  # its gradient of this pass was copied in already
-                if not self.grad_buffer_zeroed and info.name not in self.grads_written:
-                    view.zero_()  # the buffer was not filled with zeros this cycle (a gradient was copied in first)
-                info.unsharded.grad = view
-                self.grad_views[info.name] = (info, view)
+            out += zip(infos, _unflatten_dense_tensors(flat[at : at + numel], [info.unsharded for info in infos]))
+        return out
 
     def _whole_views(self, shard: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Whole pieces (a shard group of one): each parameter's averaged gradient in its own shape, cut from the
-        shard by one call per run of `_view_groups` (one chunk, so a buffer offset is the data offset)."""
+        """Whole pieces (a shard group of one): each parameter's averaged gradient in its own shape, by name (one
+        chunk, so a buffer offset of `_view_groups` is the data offset in the shard)."""
         assert self.shard_comm.size == 1
-        views: dict[str, torch.Tensor] = {}
-        for at, infos in self._view_groups():
-            numel = sum(info.numel for info in infos)
-            cut = _unflatten_dense_tensors(shard[at : at + numel], [info.unsharded for info in infos])
-            views.update(zip([info.name for info in infos], cut))
-        return views
+        return {info.name: view for info, view in self._cut_views(shard)}
 
     def _view_groups(self) -> list[tuple[int, list[ParamInfo]]]:
         """Runs of trainable parameters whose gradients lie back to back in the flat buffer, as (buffer offset,
@@ -96,8 +96,7 @@ class UnitGradients:
         """Count a parameter's gradient of this pass; unless autograd accumulated it straight into the flat buffer
         (`prepare_grad_views`), add it there (the buffer allocated on first use)."""
         grad = info.unsharded.grad
-        viewed = self.grad_views.get(info.name)
-        if viewed is not None and grad is viewed[1]:
+        if self._grad_is_view(info):
             self.grads_written.add(info.name)
         elif grad is not None:
             self._ready_grad_buffer()
@@ -111,21 +110,29 @@ class UnitGradients:
                     piece.copy_(values)  # first of the cycle: the buffer was never zeroed for it
             self.grads_written.add(info.name)
             info.unsharded.grad = None  # the flat buffer holds it now; free the unsharded gradient
-        if info.name not in self.grads_seen:
-            self.grads_seen.add(info.name)
-            self.grad_pending -= 1
+        self._count_seen(info)
 
     def flush_unused(self) -> None:
         """End of backward: parameters whose hook never fired contribute zeros (or a gradient left on them); a
         parameter whose `.grad` is still the untouched buffer view got none this pass."""
         for info in self.trainable:
-            if info.name not in self.grads_seen:
-                viewed = self.grad_views.get(info.name)
-                if viewed is not None and info.unsharded.grad is viewed[1]:
-                    self.grads_seen.add(info.name)
-                    self.grad_pending -= 1
-                else:
-                    self.accumulate_grad(info)
+            if info.name in self.grads_seen:
+                continue
+            if self._grad_is_view(info):
+                self._count_seen(info)
+            else:
+                self.accumulate_grad(info)
+
+    def _grad_is_view(self, info: ParamInfo) -> bool:
+        """Whether the unsharded parameter's `.grad` is still its view of the flat buffer (`prepare_grad_views`)."""
+        viewed = self.grad_views.get(info.name)
+        return viewed is not None and info.unsharded.grad is viewed[1]
+
+    def _count_seen(self, info: ParamInfo) -> None:
+        """This pass's arrival of the parameter's gradient, once: the unit reduces when none is pending."""
+        if info.name not in self.grads_seen:
+            self.grads_seen.add(info.name)
+            self.grad_pending -= 1
 
     def start_reduce(self) -> None:
         """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously."""
