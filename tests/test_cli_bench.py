@@ -47,6 +47,15 @@ def test_bad_config_values_are_named():
         BenchConfig(warmup=0)
 
 
+def test_torch_peers_are_refused_on_a_communicator_without_a_torch_group():
+    from shardwise.comm import ThreadWorld
+    from shardwise.comm.rendezvous import torch_process_group
+
+    comm = ThreadWorld(1).communicators()[0]
+    with pytest.raises(ValueError, match=r"torch's own DDP/FSDP2 need a torch.distributed communicator .* got Thread"):
+        torch_process_group(comm)
+
+
 @pytest.mark.multiprocess
 def test_bench_writes_table_and_plots_with_every_row(tmp_path, capsys, monkeypatch):
     found = suite.missing

@@ -18,8 +18,9 @@ and the no-communication floor.
 Every row trains the same GPT (same seed) with AdamW in fp32 on the same batches, one step being forward,
 backward, optimizer step and zero_grad (DeepSpeed: engine(x, y), engine.backward(loss), engine.step()), as in
 /work's PEERS.md measurements. A peer whose library cannot be imported is not run; `missing()` says why and
-`Peer.install` how to get it. torch peers run on the default process group that `shardwise.launch(backend="gloo")`
-initialised (the only place torch.distributed is touched is inside torch's own wrappers).
+`Peer.install` how to get it. torch peers run on the process group of the Communicator they are given
+(comm/rendezvous.py's `torch_process_group` and `torch_device_mesh`: the group comes from comm/, DESIGN.md rule 1;
+this file imports only torch's wrappers themselves).
 
 Model states (`Runner.held_bytes`): shardwise rows ask `sw.memory_stats` (strategies declare what they hold); the
 others count the storages of their parameters (DTensors by their local shard), gradients and optimizer state,
@@ -186,12 +187,15 @@ def build(name: str, comm: Communicator, model: torch.nn.Module, lr: float, batc
     if name == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return plain(DistributedDataParallel(model))
+        from ..comm.rendezvous import torch_process_group
+
+        return plain(DistributedDataParallel(model, process_group=torch_process_group(comm)))
     if name == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (comm.size,))  # over the default group shardwise.launch initialised
+        from ..comm.rendezvous import torch_device_mesh
+
+        mesh = torch_device_mesh(comm, "cpu")
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -1,5 +1,6 @@
-"""How ranks talk: the Communicator protocol and its backends. The only package that calls torch.distributed (besides
-benchmarks/peers.py, which runs torch's own DDP and FSDP2 as the peers we measure against)."""
+"""How ranks talk: the Communicator protocol and its backends. The only package that calls torch.distributed; the one
+file beside it that imports from it is benchmarks/peers.py, which wraps models in torch's own DDP and FSDP2 (the
+peers we measure against) over the process group that rendezvous.py's `torch_process_group` gives it."""
 
 from .base import CommError, CommStats, Communicator, CompletedWork, OpCount, ReduceOp, Work, wire_bytes
 from .thread_backend import ThreadCommunicator, ThreadWorld
