@@ -158,6 +158,7 @@ class _ProbeWork:
         t = time.perf_counter()
         self.inner.wait(timeout)
         self.rec["wait"] = (t, time.perf_counter())
+        self.rec.setdefault("done", self.rec["wait"][1])
 
     def is_completed(self) -> bool:
         return self.inner.is_completed()
@@ -181,46 +182,51 @@ class _ProbeComm:
         self.events.append(rec)
         if work is None:
             return None
-        torch_work = getattr(work, "work", None)  # the torch.distributed Work inside shardwise's handle
-        if torch_work is not None:
-            torch_work.get_future().add_done_callback(lambda _f: rec.__setitem__("done", time.perf_counter()))
+        # The torch.distributed Work inside shardwise's handle, when it has a future (the shared-memory channel of a
+        # one-host group does not: there "done" is when the reducer's wait returned).
+        get_future = getattr(getattr(work, "work", None), "get_future", None)
+        if get_future is not None:
+            get_future().add_done_callback(lambda _f: rec.__setitem__("done", time.perf_counter()))
         return _ProbeWork(work, rec)
 
 
 class _ReducerProbe:
-    """Probes a shardwise model's reducer (its comm, end-of-backward callback and grad hook are swapped for timing
-    wrappers on the instance) and runs normal training steps that record, relative to the start of backward: when
-    the first gradient was ready, when each bucket's all_reduce was launched and completed, when autograd finished
-    (the end-of-backward callback starts), how long that callback waited, and the time spent in the grad hooks."""
+    """A shardwise DDP model of its own, built for the profile (the measured rows are never touched): its
+    Communicator is a `_ProbeComm` from construction (so every bucket's all_reduce is recorded), and every
+    parameter carries two post-accumulate-grad hooks of ours, one registered before DDP wraps the model and one
+    after, so they run just before and just after DDP's own hook (torch runs a tensor's hooks in registration
+    order). The first one also queues an autograd-engine callback at the first gradient, which runs just before
+    DDP's end-of-backward callback (queued after it, at the same gradient). Normal training steps then record,
+    relative to the start of backward: when the first gradient was ready, when each bucket's all_reduce was
+    launched and completed, when autograd finished, how long the end of backward took, and the time spent in
+    DDP's grad hooks. Public means only: DESIGN.md rule 7 (no swapping of the reducer's private methods)."""
 
-    def __init__(self, impl: _Impl) -> None:
-        self.impl = impl
-        self.reducer = reducer = impl.model._ddp
-        self.comm = reducer.comm
-        self.probe = _ProbeComm(reducer.comm)
+    def __init__(self, template: _Impl, comm: shardwise.Communicator, cfg: Config) -> None:
+        self.probe = _ProbeComm(comm)
         self.marks: dict[str, float] = {}
         self.hook_time = [0.0, 0]
-        orig_finish, orig_mark = reducer._finish_backward, reducer._mark_ready
+        self._hook_start = 0.0
+        model = GPT(_model_config(cfg), seed=cfg.seed)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._before_ddp_hook)
+        info = template.info
+        model = shardwise.DDP(model, self.probe, bucket_mb=info["bucket_mb"], first_bucket_mb=info["first_bucket_mb"])
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._after_ddp_hook)
+        self.impl = _Impl(template.name, model, cfg.lr, **info)
 
-        def finish() -> None:
-            self.marks["compute_end"] = time.perf_counter()
-            try:
-                orig_finish()
-            finally:
-                self.marks["finish_end"] = time.perf_counter()
+    def _before_ddp_hook(self, param: torch.Tensor) -> None:
+        self._hook_start = t = time.perf_counter()
+        if "first_ready" not in self.marks:
+            self.marks["first_ready"] = t
+            torch.autograd.Variable._execution_engine.queue_callback(self._autograd_done)
 
-        def mark(param: torch.nn.Parameter, *, used: bool) -> None:
-            t = time.perf_counter()
-            self.marks.setdefault("first_ready", t)
-            orig_mark(param, used=used)
-            self.hook_time[0] += time.perf_counter() - t
-            self.hook_time[1] += 1
+    def _after_ddp_hook(self, param: torch.Tensor) -> None:
+        self.hook_time[0] += time.perf_counter() - self._hook_start
+        self.hook_time[1] += 1
 
-        reducer.comm, reducer._finish_backward, reducer._mark_ready = self.probe, finish, mark
-
-    def close(self) -> None:
-        self.reducer.comm = self.comm
-        del self.reducer._finish_backward, self.reducer._mark_ready  # back to the class's methods
+    def _autograd_done(self) -> None:
+        self.marks["compute_end"] = time.perf_counter()
 
     def step(self, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int) -> dict[str, Any]:
         impl, marks, events = self.impl, self.marks, self.probe.events
@@ -239,7 +245,7 @@ class _ReducerProbe:
         return {
             "backward_ms": ms(b1), "first_grad_ready_ms": ms(marks["first_ready"]),
             "autograd_done_ms": ms(marks["compute_end"]),
-            "end_callback_ms": (marks["finish_end"] - marks["compute_end"]) * 1e3,
+            "end_callback_ms": ms(b1) - ms(marks["compute_end"]),
             "hooks_ms": self.hook_time[0] * 1e3, "hooks": self.hook_time[1],
             "buckets": [{"bytes": e["bytes"], "launch_ms": ms(e["launch"]), "done_ms": ms(e.get("done", b1)),
                          "comm_ms": (e.get("done", b1) - e["launch"]) * 1e3,
@@ -282,26 +288,23 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
     out: dict[str, Any] = {"rank": rank}
     # 1+2. Backward without communication (no_sync) and with it, step by step in alternation so that load bursts
     # hit every variant alike; shardwise steps are probed bucket by bucket.
-    probes = {i.name: _ReducerProbe(i) for i in impls if i.name.startswith("shardwise")}
+    probes = {i.name: _ReducerProbe(i, comm, cfg) for i in impls if i.name.startswith("shardwise")}
+    impls = [probes[i.name].impl if i.name in probes else i for i in impls]
     nosync: dict[str, list[list[float]]] = {i.name: [] for i in impls}
     synced: dict[str, list[float]] = {i.name: [] for i in impls if not i.info.get("no_sync")}
     probed: dict[str, list[dict]] = {name: [] for name in probes}
-    try:
-        for k in range(2 * n):
-            for impl in impls[k % len(impls):] + impls[: k % len(impls)]:
-                comm.barrier()
-                nosync[impl.name].append(_nosync_step(impl, corpus, cfg, seq_len, rank, world))
-                if impl.name not in synced:
-                    continue
-                comm.barrier()
-                if impl.name in probes:
-                    probed[impl.name].append(probes[impl.name].step(corpus, cfg, seq_len, rank, world))
-                    synced[impl.name].append(probed[impl.name][-1]["backward_ms"] / 1e3)
-                else:
-                    synced[impl.name].append(_step(impl, corpus, cfg, seq_len, rank, world)[2])
-    finally:
-        for probe in probes.values():
-            probe.close()
+    for k in range(2 * n):
+        for impl in impls[k % len(impls):] + impls[: k % len(impls)]:
+            comm.barrier()
+            nosync[impl.name].append(_nosync_step(impl, corpus, cfg, seq_len, rank, world))
+            if impl.name not in synced:
+                continue
+            comm.barrier()
+            if impl.name in probes:
+                probed[impl.name].append(probes[impl.name].step(corpus, cfg, seq_len, rank, world))
+                synced[impl.name].append(probed[impl.name][-1]["backward_ms"] / 1e3)
+            else:
+                synced[impl.name].append(_step(impl, corpus, cfg, seq_len, rank, world)[2])
     ms = lambda xs: round(median(xs) * 1e3, 2)  # noqa: E731
     out["backward"] = {}
     for name, v in nosync.items():
