@@ -230,7 +230,8 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def profile_row(row: Row, batches: list, device: torch.device, folder: str) -> None:
-    """3 steps of `row` under torch.profiler (host and CUDA activity): the operators by self host time and by device
+    """3 steps of `row` under torch.profiler (host and CUDA activity): the hooks' named ranges (shardwise's
+    `shardwise::...`, FSDP2's `FSDP::...`) by inclusive host time, the operators by self host time and by device
     time, and the host's wall time per step beside the device's busy time, into <folder>/profile-<row>.txt. Where the
     host time exceeds the device's, the step is bound by host work (hooks, bookkeeping, waits), not by the GPU."""
     from torch.profiler import ProfilerActivity, profile
@@ -247,7 +248,11 @@ def profile_row(row: Row, batches: list, device: torch.device, folder: str) -> N
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"profile-{row.name}.txt"), "w") as f:
         f.write(f"{row.name}: {wall * 1e3:.1f} ms wall per step (profiled), device busy {device_us / 1e3:.1f} ms\n\n")
-        f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+        hooks = sorted((e for e in events if e.key.startswith(("shardwise::", "FSDP::"))),
+                       key=lambda e: -e.cpu_time_total)
+        f.write("hook ranges (inclusive host ms per step, calls per step):\n")
+        f.writelines(f"  {e.key:<60} {e.cpu_time_total / 3e3:8.2f} ms {e.count / 3:6.1f}\n" for e in hooks[:40])
+        f.write("\n" + events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
         if device.type == "cuda":
             f.write(events.table(sort_by="self_device_time_total", row_limit=25) + "\n")
 

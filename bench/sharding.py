@@ -32,10 +32,9 @@ libraries of all rows compared (DeepSpeed, FSDP2) before its baseline, so the pr
 
 Parity: same init, same data, same number of steps, so the final full parameters of each shardwise row must equal
 its peer's (on 2 ranks every implementation sums the same two numbers per element; measured: bit-identical).
---profile (after the measured rounds): a plain no-communication replica as the compute floor; every shardwise row's
-step split into hook time (by hook), time blocked waiting on all-gathers / reduce-scatters, compute outside the
-hooks, and what is still held when autograd finishes; torch.profiler totals of FSDP2's labelled regions; and the
-collectives alone at the size of one unit.
+--profile (after the measured rounds): a plain no-communication replica as the compute floor; every shardwise row and
+FSDP2 under torch.profiler, by labelled region (shardwise's hooks are `shardwise::<hook> (<unit>)` ranges, FSDP2's
+`FSDP::...`; gloo's collectives; the optimizer's foreach kernels); and the collectives alone at the size of one unit.
 stdout carries JSON lines only (one per row, memory rows, a parity line, optionally a profile line, then the ratio
 line); the human-readable summary goes to stderr.
 
@@ -309,171 +308,6 @@ def _memory_main(comm: shardwise.Communicator, cfg: Config, name: str, steps: in
 # Run after the measured rounds and the parity check, so the probes never touch the headline figures.
 
 
-class _ProbeWork:
-    """Wraps the Work of one collective: records how long the engine blocked in wait() (incl. the AVG divide)."""
-
-    def __init__(self, inner: shardwise.Work, rec: dict) -> None:
-        self.inner, self.rec = inner, rec
-
-    def wait(self, timeout: float | None = None) -> None:
-        t = time.perf_counter()
-        self.inner.wait(timeout)
-        self.rec["wait_s"] = self.rec.get("wait_s", 0.0) + time.perf_counter() - t
-
-    def is_completed(self) -> bool:
-        return self.inner.is_completed()
-
-
-class _ProbeComm:
-    """Stands in for the units' Communicator: records launch time, completion time (a done-callback on the torch
-    Future, run by gloo's own thread) and time blocked in wait() of every all_gather / reduce_scatter."""
-
-    def __init__(self, inner: shardwise.Communicator) -> None:
-        self.inner = inner
-        self.events: list[dict] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def _probe(self, op: str, nbytes: int, issue: Any, async_op: bool) -> Any:
-        rec: dict[str, Any] = {"op": op, "bytes": nbytes, "launch": time.perf_counter()}
-        self.events.append(rec)
-        if not async_op:
-            issue(False)
-            rec["done"] = time.perf_counter()
-            rec["wait_s"] = rec["done"] - rec["launch"]
-            return None
-        work = issue(True)
-        rec["issue_s"] = time.perf_counter() - rec["launch"]
-        torch_work = getattr(work, "work", None)
-        if torch_work is not None:
-            try:
-                fut = torch_work.get_future()
-            except (RuntimeError, AttributeError):  # gloo's reduce_scatter and the ring's work have no future
-                rec["no_future"] = True
-            else:
-                fut.add_done_callback(lambda _f: rec.__setitem__("done", time.perf_counter()))
-        return _ProbeWork(work, rec)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Any:
-        return self._probe("all_gather", output.numel() * output.element_size(),
-                           lambda a: self.inner.all_gather(output, input, async_op=a), async_op)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Any = shardwise.ReduceOp.SUM, *,
-                       async_op: bool = False, scratch_input: bool = False) -> Any:
-        return self._probe("reduce_scatter", input.numel() * input.element_size(),
-                           lambda a: self.inner.reduce_scatter(output, input, op, async_op=a,
-                                                               scratch_input=scratch_input), async_op)
-
-
-class _HookTimer:
-    """Inclusive wall time of every engine hook, by kind (instance attributes shadow the engine's methods)."""
-
-    KINDS = ("_pre_forward", "_post_forward", "_on_grad", "_post_backward", "_finish_backward")
-
-    def __init__(self, engine: Any, model: torch.nn.Module) -> None:
-        self.engine, self.model = engine, model
-        self.acc: dict[str, list[float]] = {}
-        self.phase = "forward"
-        for kind in self.KINDS:
-            setattr(engine, kind, self._timed(kind, getattr(engine, kind)))
-        make = engine._make_pre_backward
-        engine._make_pre_backward = lambda unit: self._timed("_pre_backward", make(unit))
-        self.root_key = None
-        for key, fn in model._forward_pre_hooks.items():  # the root pre-forward is bound at registration
-            if getattr(fn, "__func__", None) is type(engine)._root_pre_forward:
-                self.root_key = key
-                model._forward_pre_hooks[key] = self._timed("_root_pre_forward", fn)
-
-    def _timed(self, kind: str, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                rec = self.acc.setdefault(kind, [0.0, 0])
-                rec[0] += time.perf_counter() - t
-                rec[1] += 1
-
-        return wrapper
-
-    def restore(self) -> None:
-        for kind in self.KINDS + ("_make_pre_backward",):
-            self.engine.__dict__.pop(kind, None)
-        if self.root_key is not None:
-            self.model._forward_pre_hooks[self.root_key] = self.engine._root_pre_forward
-
-
-def _instrumented_steps(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int,
-                        n: int) -> dict[str, Any]:
-    """n normal steps of a shardwise model with its collectives and hooks probed (see _ProbeComm, _HookTimer)."""
-    engine = impl.model._sharding
-    probe = _ProbeComm(engine.units[0].shard_comm)
-    originals = [u.shard_comm for u in engine.units]
-    for u in engine.units:
-        u.shard_comm = probe
-    timer = _HookTimer(engine, impl.model)
-    live: dict[str, float] = {}
-    timed_finish = engine._finish_backward
-
-    def finish_probe() -> None:
-        # What the engine holds when autograd is done, just before it waits for the reductions and frees.
-        live["grad_buffers_MB"] = sum(u.grad_buffer.numel() * u.grad_buffer.element_size()
-                                      for u in engine.units if u.grad_buffer is not None) / MB
-        live["full_buffers_MB"] = sum(u.full_bytes for u in engine.units if u.full_allocated) / MB
-        live["reduces_in_flight"] = sum(1 for u in engine.units if u.reduce_work is not None)
-        timed_finish()
-
-    engine._finish_backward = finish_probe
-    per_step = []
-    try:
-        for _ in range(n):
-            x, y = corpus.batch(impl.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
-            impl.step_no += 1
-            probe.events.clear()
-            timer.acc.clear()
-            t0 = time.perf_counter()
-            loss = impl.model(x, y)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            impl.opt.step()
-            impl.opt.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
-            rec: dict[str, Any] = {"step_ms": (t3 - t0) * 1e3, "fwd_ms": (t1 - t0) * 1e3, "bwd_ms": (t2 - t1) * 1e3,
-                                   "opt_ms": (t3 - t2) * 1e3}
-            hooks_total = 0.0
-            for kind in ("_root_pre_forward",) + _HookTimer.KINDS + ("_pre_backward",):
-                s, c = timer.acc.get(kind, [0.0, 0])
-                rec[f"hook{kind}_ms"] = s * 1e3
-                rec[f"hook{kind}_calls"] = c
-                hooks_total += s
-            rec["hooks_inclusive_ms"] = hooks_total * 1e3
-            waits = 0.0
-            for op, short in (("all_gather", "ag"), ("reduce_scatter", "rs")):
-                evs = [e for e in probe.events if e["op"] == op]
-                for phase, lo, hi in (("fwd", t0, t1), ("bwd", t1, t2)):
-                    sel = [e for e in evs if lo <= e["launch"] < hi]
-                    rec[f"{short}_{phase}_calls"] = len(sel)
-                    rec[f"{short}_{phase}_wait_ms"] = sum(e.get("wait_s", 0.0) for e in sel) * 1e3
-                    timed = [e for e in sel if "done" in e]
-                    rec[f"{short}_{phase}_inflight_ms"] = (sum(e["done"] - e["launch"] for e in timed) * 1e3
-                                                           if timed or not sel else None)
-                    rec[f"{short}_{phase}_issue_ms"] = sum(e.get("issue_s", 0.0) for e in sel) * 1e3
-                waits += sum(e.get("wait_s", 0.0) for e in evs)
-            rec["comm_wait_ms"] = waits * 1e3
-            rec["hooks_exclusive_ms"] = (hooks_total - waits) * 1e3  # bookkeeping, copies, allocation, launching
-            rec["compute_ms"] = (t2 - t0 - hooks_total) * 1e3  # forward + backward outside every hook
-            rec.update({f"at_end_of_autograd_{k}": v for k, v in live.items()})
-            per_step.append(rec)
-    finally:
-        for u, c in zip(engine.units, originals):
-            u.shard_comm = c
-        timer.restore()
-    return {k: (None if per_step[0][k] is None else round(median(r[k] for r in per_step), 2))
-            for k in per_step[0]}
-
-
 def _ring_reduce_scatter(comm: shardwise.Communicator, out: torch.Tensor, inp: torch.Tensor) -> None:
     """Textbook ring reduce-scatter over isend/irecv, AVG: N-1 steps of 1/N of the buffer each, so (N-1)/N x the
     buffer on the wire per rank. (gloo's reduce_scatter_tensor runs a whole all-reduce: 2(N-1)/N x.)"""
@@ -492,18 +326,24 @@ def _ring_reduce_scatter(comm: shardwise.Communicator, out: torch.Tensor, inp: t
 
 def _torch_profile(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int,
                    n: int) -> dict[str, Any]:
-    """torch.profiler over n steps: the labelled regions (FSDP2's own record_function ranges, gloo collectives),
-    inclusive CPU ms per step."""
+    """torch.profiler over n steps: the labelled regions, inclusive CPU ms and calls per step. shardwise's hooks are
+    named ranges (`shardwise::<hook> (<unit>)`, shardwise/profiler_ranges.py), summed here over the units by hook;
+    FSDP2's are its own `FSDP::...` ranges; beside them gloo's collectives and the foreach optimizer kernels. The
+    ranges nest (a pre_forward holds its all-gather's wait), so the figures are inclusive, not a partition."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
-            _step(impl, corpus, cfg, seq_len, rank, world)
-    out = {}
+        steps = [_step(impl, corpus, cfg, seq_len, rank, world) for _ in range(n)]
+    totals: dict[str, list[float]] = {}
     for ev in prof.key_averages():
-        if "FSDP" in ev.key or "gloo" in ev.key or ev.key.startswith("c10d::") or ev.key.startswith("aten::_foreach"):
-            out[ev.key] = {"ms_per_step": round(ev.cpu_time_total / 1e3 / n, 2), "calls_per_step": ev.count / n}
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms_per_step"])[:25])
+        key = ev.key.split(" (")[0] if ev.key.startswith("shardwise::") else ev.key
+        if key.startswith(("shardwise::", "c10d::", "aten::_foreach")) or "FSDP" in key or "gloo" in key:
+            acc = totals.setdefault(key, [0.0, 0])
+            acc[0] += ev.cpu_time_total
+            acc[1] += ev.count
+    out = {k: {"ms_per_step": round(t / 1e3 / n, 2), "calls_per_step": c / n} for k, (t, c) in totals.items()}
+    ranges = dict(sorted(out.items(), key=lambda kv: -kv[1]["ms_per_step"])[:25])
+    return {"step_ms": round(median(s[0] for s in steps) * 1e3, 2), "ranges": ranges}
 
 
 def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpus, cfg: Config,
@@ -520,28 +360,22 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
     steps = [_step(local, corpus, cfg, seq_len, rank, world) for _ in range(n)]
     out["local_no_comm"] = {k: round(median(s[i] for s in steps) * 1e3, 2)
                             for i, k in enumerate(("step_ms", "fwd_ms", "bwd_ms", "opt_ms"))}
-    # 2. shardwise rows, hooks and collectives probed
-    out["shardwise"] = {}
-    for impl in impls:
-        if impl.name.startswith("sw_"):
-            comm.barrier()
-            out["shardwise"][impl.name] = _instrumented_steps(impl, corpus, cfg, seq_len, rank, world, n)
-    # 3. torch.profiler view of FSDP2 and of the first shardwise row (same tool for both)
+    # 2. every shardwise row and FSDP2 under torch.profiler: hooks by named range, collectives, optimizer kernels
     out["torch_profiler"] = {}
     for impl in impls:
-        if impl.name in ("fsdp2", "sw_zero3", "sw_fsdp") and not (impl.name == "sw_fsdp" and "sw_zero3" in
-                                                                   out["torch_profiler"]):
+        if impl.name.startswith("sw_") or impl.name == "fsdp2":
             comm.barrier()
             out["torch_profiler"][impl.name] = _torch_profile(impl, corpus, cfg, seq_len, rank, world, n)
-    # 4. the collectives alone at the sizes of one Block unit, CPUs otherwise idle (on our side)
-    sw = next((i for i in impls if i.name.startswith("sw_")), None)
-    if sw is not None:
-        unit = max(sw.model._sharding.units, key=lambda u: u.padded)
-        full = torch.randn(unit.padded)
-        shard = torch.empty(unit.shard_size)
+    # 3. the collectives alone at the size of one Block unit (its parameters padded to a multiple of the world),
+    # CPUs otherwise idle (on our side)
+    if any(i.name.startswith("sw_") for i in impls):
+        block = max(sum(p.numel() for p in b.parameters()) for b in GPT(_model_config(cfg), seed=0).blocks)
+        shard_size = -(-block // world)
+        full = torch.randn(shard_size * world)
+        shard = torch.empty(shard_size)
         c = comm
         out["collective_alone"] = {
-            "unit_MB": round(unit.padded * 4 / MB, 2),
+            "unit_MB": round(full.numel() * 4 / MB, 2),
             "all_gather_ms": timed(lambda: c.all_gather(full, shard), 7, c.barrier),
             "reduce_scatter_avg_ms": timed(lambda: c.reduce_scatter(shard, full, shardwise.ReduceOp.AVG), 7, c.barrier),
             "all_reduce_sum_ms": timed(lambda: c.all_reduce(full), 7, c.barrier),

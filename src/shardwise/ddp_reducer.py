@@ -21,6 +21,7 @@ from .agreement import agree_on_recovery
 from .comm.base import Communicator, ReduceOp, Work
 from .comm.coalesced import broadcast_coalesced
 from .compression.base import Compressor
+from .profiler_ranges import profiler_range
 from .sharded_tensor import grad_like, local
 from .unused import used_anywhere
 
@@ -186,29 +187,31 @@ class Reducer:
     def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             bucket = self.buckets[self.next_bucket]
-            if self.compressor is not None:
-                bucket.work = self.compressor.reduce(bucket.index, bucket.buffer, self.comm,
-                                                     [local(p).shape for p in bucket.params])
-            else:
-                bucket.work = bucket.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
+            with profiler_range("ddp_all_reduce", f"bucket {bucket.index}"):
+                if self.compressor is not None:
+                    bucket.work = self.compressor.reduce(bucket.index, bucket.buffer, self.comm,
+                                                         [local(p).shape for p in bucket.params])
+                else:
+                    bucket.work = bucket.comm.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
             self.next_bucket += 1
 
     def _finish_backward(self) -> None:
-        try:
-            missing = [p for p in self.params if p not in self.marked]
-            self._check_all_used(missing)
-            for p in missing:
-                self._mark_ready(p, used=p.grad is not None)
-            used_flags = self._start_used_flags()
-            for bucket in self.buckets:
-                assert bucket.work is not None
-                bucket.work.wait()
-            self._hand_out_grads(used_flags)
-        finally:
-            self.outstanding_forwards = max(0, self.outstanding_forwards - 1)
-            if self.outstanding_forwards == 0:
-                self.reachable = set()
-            self._reset()
+        with profiler_range("ddp_finish_backward"):
+            try:
+                missing = [p for p in self.params if p not in self.marked]
+                self._check_all_used(missing)
+                for p in missing:
+                    self._mark_ready(p, used=p.grad is not None)
+                used_flags = self._start_used_flags()
+                for bucket in self.buckets:
+                    assert bucket.work is not None
+                    bucket.work.wait()
+                self._hand_out_grads(used_flags)
+            finally:
+                self.outstanding_forwards = max(0, self.outstanding_forwards - 1)
+                if self.outstanding_forwards == 0:
+                    self.reachable = set()
+                self._reset()
 
     def _check_all_used(self, missing: list[nn.Parameter]) -> None:
         """Without find_unused_parameters, a trainable parameter with no gradient is an error naming it."""

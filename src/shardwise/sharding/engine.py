@@ -48,6 +48,7 @@ from ..activation_checkpointing import checkpoint_module, every_kth
 from ..agreement import agree_on_recovery
 from ..comm.base import Communicator, ReduceOp
 from ..placement import map_buffers
+from ..profiler_ranges import profiler_range
 from ..unused import used_anywhere
 from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
 from .hook_tools import MarkBackwardDone, cast_floating, inside_backward, tensors_in
@@ -155,13 +156,15 @@ class ShardingEngine:
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return self._pre_forward(unit, args, kwargs)
+            with profiler_range("pre_forward", unit.name):
+                return self._pre_forward(unit, args, kwargs)
 
         return hook
 
     def _make_post_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            return self._post_forward(unit, output)
+            with profiler_range("post_forward", unit.name or "<root>"):
+                return self._post_forward(unit, output)
 
         return hook
 
@@ -173,19 +176,21 @@ class ShardingEngine:
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.forward_running or (self.in_backward and not inside_backward()) or any(u.entered for u in self.units):
-            self._recover()
-        self.forward_running = not self.in_backward
-        if not self.in_backward and self.forward_order:
-            self.order_recorded = True
-        dtype = self.config.mixed_precision.param_dtype
-        if dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), dtype)
-        self._gather(self.root)
-        self._swap_in(self.root)
-        if self.config.prefetch and self.order_recorded and self.forward_order:
-            self._start_gather(self.forward_order[0])
-        return args, kwargs
+        with profiler_range("root_pre_forward"):
+            interrupted = self.in_backward and not inside_backward()  # a backward that raised part-way
+            if self.forward_running or interrupted or any(u.entered for u in self.units):
+                self._recover()
+            self.forward_running = not self.in_backward
+            if not self.in_backward and self.forward_order:
+                self.order_recorded = True
+            dtype = self.config.mixed_precision.param_dtype
+            if dtype is not None:
+                args, kwargs = cast_floating((args, kwargs), dtype)
+            self._gather(self.root)
+            self._swap_in(self.root)
+            if self.config.prefetch and self.order_recorded and self.forward_order:
+                self._start_gather(self.forward_order[0])
+            return args, kwargs
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.in_backward and self._finished_forward is not None and self._finished_forward is not unit:
@@ -271,18 +276,22 @@ class ShardingEngine:
 
     def _make_pre_backward(self, unit: Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            self._begin_backward()
-            if any(part.needs_gather() or not part.unsharded_in_modules for part in self.families[unit]):
-                self._gather(unit)
-                self._swap_in(unit)
-            for part in self.families[unit]:
-                part.prepare_grad_views()  # autograd accumulates into the flat gradient buffers directly
-            if self.config.prefetch and unit in self.forward_pos:
-                pos = self.forward_pos[unit]
-                if pos > 0:
-                    self._start_gather(self.forward_order[pos - 1])
+            with profiler_range("pre_backward", unit.name or "<root>"):
+                self._pre_backward(unit)
 
         return hook
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._begin_backward()
+        if any(part.needs_gather() or not part.unsharded_in_modules for part in self.families[unit]):
+            self._gather(unit)
+            self._swap_in(unit)
+        for part in self.families[unit]:
+            part.prepare_grad_views()  # autograd accumulates into the flat gradient buffers directly
+        if self.config.prefetch and unit in self.forward_pos:
+            pos = self.forward_pos[unit]
+            if pos > 0:
+                self._start_gather(self.forward_order[pos - 1])
 
     def _on_grad(self, unit: Unit, info: ParamInfo) -> None:
         self._begin_backward()
@@ -297,34 +306,38 @@ class ShardingEngine:
             self.next_launch += 1
 
     def _start_reduce(self, unit: Unit) -> None:
-        unit.start_reduce()
+        with profiler_range("reduce_scatter", unit.name or "<root>"):
+            unit.start_reduce()
         self._inflight.append(unit)
         self._drain(self.config.max_inflight_reductions)
 
     def _drain(self, limit: int) -> None:
         """Finish the oldest reductions until at most `limit` are in flight (the same order on every rank)."""
         while len(self._inflight) > limit:
-            self._inflight.popleft().finish_reduce()
+            unit = self._inflight.popleft()
+            with profiler_range("finish_reduce", unit.name or "<root>"):
+                unit.finish_reduce()
 
     def _post_backward(self, unit: Unit) -> None:
         if not unit.keep_full and not unit.is_root:
             self._reshard(unit)
 
     def _finish_backward(self) -> None:
-        try:
-            for unit in self.launch_order:
-                unit.flush_unused()  # parameters that got no gradient this pass contribute zeros
-            if self.require_sync:
-                self._launch_ready()
-                self._drain(0)
-                self._reduce_replicated()
-        finally:
-            self._finished_forward = None
-            for unit in self.units:
-                unit.swap_to_sharded()
-                if not unit.keep_full:
-                    unit.free_full()
-            self.in_backward = False
+        with profiler_range("finish_backward"):
+            try:
+                for unit in self.launch_order:
+                    unit.flush_unused()  # parameters that got no gradient this pass contribute zeros
+                if self.require_sync:
+                    self._launch_ready()
+                    self._drain(0)
+                    self._reduce_replicated()
+            finally:
+                self._finished_forward = None
+                for unit in self.units:
+                    unit.swap_to_sharded()
+                    if not unit.keep_full:
+                        unit.free_full()
+                self.in_backward = False
 
     def _recover(self) -> None:
         """A previous forward or backward raised part-way (the autograd callback that ends a backward never ran):
