@@ -2,8 +2,10 @@
 
 Both sides save the same thing: the model (ZeRO-3 over N gloo processes) and its AdamW state after one step.
 * shardwise: `save_checkpoint` (each rank writes its shard; fsync; atomic rename) and `load_checkpoint`.
-* peer: gather the full model state dict and the full optimizer state to rank 0, `torch.save` it to one file
-  (fsync for a fair comparison), and `torch.load` + load on every rank (what people do without a sharded format).
+* peer: gather the full model state dict and the full optimizer state (`sw.full_state_dict`,
+  `sw.full_optimizer_state_dict`), `torch.save` it on rank 0 to one file (fsync for a fair comparison), and
+  `torch.load` + `sw.load_full_state_dict` / `sw.load_full_optimizer_state_dict` on every rank (what people do
+  without a sharded format).
 Runs alternate, median of --repeats. Prints JSON lines.
 
     .venv/bin/python bench/checkpoint.py --nproc 2 --repeats 5
@@ -31,26 +33,6 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _gathered_optimizer_state(model, opt, comm):
-    """Full (unsharded) optimizer state per parameter name, gathered with the model's own shards (peer path)."""
-    engine = model._sharding
-    names = {id(p): n for n, p in model.named_parameters()}
-    full = {}
-    for unit in engine.units:
-        for key in ("exp_avg", "exp_avg_sq"):
-            flat = torch.zeros(unit.shard_size)
-            for info in unit.infos:
-                state = opt.state.get(info.shard_param)
-                if state and info.shard_hi > info.shard_lo:
-                    start = info.offset + info.shard_lo - unit.shard_range[0]
-                    flat[start : start + state[key].numel()] = state[key]
-            gathered = torch.empty(unit.padded)
-            comm.all_gather(gathered, flat)
-            for info in unit.infos:
-                full[f"{names[id(info.shard_param)]}/{key}"] = gathered[info.offset : info.offset + info.numel].clone()
-    return full
-
-
 def body(comm, root: str, repeats: int, preset: str, verify: bool) -> dict:
     model = sw.ZeRO(GPT(GPTConfig.preset(preset), seed=0), comm, stage=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -76,7 +58,7 @@ def body(comm, root: str, repeats: int, preset: str, verify: bool) -> dict:
         peer = Path(root) / f"torch-{r}.pt"
         comm.barrier()
         t0 = time.perf_counter()
-        state = {"model": sw.full_state_dict(model), "optim": _gathered_optimizer_state(model, opt, comm)}
+        state = {"model": sw.full_state_dict(model), "optim": sw.full_optimizer_state_dict(model, opt)}
         if comm.rank == 0:
             with open(peer, "wb") as f:
                 torch.save(state, f)
@@ -88,6 +70,7 @@ def body(comm, root: str, repeats: int, preset: str, verify: bool) -> dict:
         t0 = time.perf_counter()
         loaded = torch.load(peer, weights_only=True)
         sw.load_full_state_dict(model, loaded["model"])
+        sw.load_full_optimizer_state_dict(model, opt, loaded["optim"])
         comm.barrier()
         times["torch_load"].append(time.perf_counter() - t0)
         if comm.rank == 0:
