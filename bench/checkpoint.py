@@ -40,7 +40,7 @@ def body(comm, root: str, repeats: int, preset: str, verify: bool) -> dict:
     model(x, x).backward()
     opt.step()
     opt.zero_grad()
-    times = {"shardwise_save": [], "shardwise_load": [], "torch_save": [], "torch_load": []}
+    times = {"shardwise_save": [], "shardwise_load": [], "torch_save": [], "torch_load": [], "gather": []}
     sizes = {}
     for r in range(repeats):
         target = Path(root) / f"sw-{r}"
@@ -59,6 +59,7 @@ def body(comm, root: str, repeats: int, preset: str, verify: bool) -> dict:
         comm.barrier()
         t0 = time.perf_counter()
         state = {"model": sw.full_state_dict(model), "optim": sw.full_optimizer_state_dict(model, opt)}
+        times["gather"].append(time.perf_counter() - t0)
         if comm.rank == 0:
             with open(peer, "wb") as f:
                 torch.save(state, f)
@@ -106,6 +107,8 @@ def main() -> None:
         emit({"impl": impl, "save_ms": round(medians[f"{impl}_save"], 1), "load_ms": round(medians[f"{impl}_load"], 1),
               "bytes": result["sizes"][impl], "nproc": args.nproc, "preset": args.preset, "repeats": args.repeats,
               "verify": not args.no_verify})
+    emit({"gather_ms": round(medians["gather"], 1), "what": "sw.full_state_dict + sw.full_optimizer_state_dict, "
+          "inside torch save"})
     emit({"save_ratio": round(medians["shardwise_save"] / medians["torch_save"], 3),
           "load_ratio": round(medians["shardwise_load"] / medians["torch_load"], 3),
           "parameters_identical": result["same"]})

@@ -1,12 +1,12 @@
 """Full gradients by original name, gathered through the layout as `full_state_dict` gathers parameters.
 
 Each parameter's `.grad` lives where its placement says (a ZeRO flat range, a tensor-parallel box, a whole replica),
-so `gather_full(pl, grad)` rebuilds the dense gradient. A gather is collective, and a strategy may leave `.grad`
-None on some ranks and set it on others (the very bug a check hunts), so the ranks first agree: one all-reduce over
-the model's groups (`layout.reduction_groups`, the same order on every rank) of three counts per placement: pieces
-with elements and a gradient, pieces with elements and none, and pieces with any gradient (an empty ZeRO shard
-holds no elements either way). Then every rank gathers the same placements, substituting zeros for a missing
-gradient, and names the placements whose ranks disagreed.
+so `gather_full(pl, grad)` rebuilds the dense gradient (here `iter_gathered`: all of them, coalesced). A gather is
+collective, and a strategy may leave `.grad` None on some ranks and set it on others (the very bug a check hunts),
+so the ranks first agree: one all-reduce over the model's groups (`layout.reduction_groups`, the same order on every
+rank) of three counts per placement: pieces with elements and a gradient, pieces with elements and none, and pieces
+with any gradient (an empty ZeRO shard holds no elements either way). Then every rank gathers the same placements,
+substituting zeros for a missing gradient, and names the placements whose ranks disagreed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import Communicator, ReduceOp
 from ..placement import comm_device
-from ..whole.gather import gather_full
+from ..whole.gather import iter_gathered
 
 __all__ = ["full_gradients", "data_parallel_group"]
 
@@ -35,14 +35,16 @@ def full_gradients(model: nn.Module) -> tuple[dict[str, torch.Tensor | None], tu
         group.all_reduce(flags, ReduceOp.SUM)
     out: dict[str, torch.Tensor | None] = {}
     split = []
+    wanted = []
     for pl, (held, missing, anywhere) in zip(pls, flags.cpu().tolist()):
+        out[pl.name] = None
         if held == 0 and (missing > 0 or anywhere == 0):
-            out[pl.name] = None
             continue
         if held > 0 and missing > 0:
             split.append(pl.name)
-        grad = pl.param.grad if pl.param.grad is not None else torch.zeros_like(pl.param)
-        out[pl.name] = gather_full(pl, grad).detach().cpu().clone()
+        wanted.append((pl, pl.param.grad if pl.param.grad is not None else torch.zeros_like(pl.param)))
+    for (pl, _), full in zip(wanted, iter_gathered(wanted)):
+        out[pl.name] = full.detach().cpu().clone()
     return out, tuple(split)
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from .. import layout
 from ..sharded_tensor import local
-from .gather import gather_full, write_held
+from .gather import iter_gathered, write_held
 
 __all__ = ["follows_param", "full_optimizer_state_dict", "load_full_optimizer_state_dict", "local_state_dict",
            "localize_loaded_state", "optimizer_names", "reading_pieces", "to_local_optimizer_state"]
@@ -104,6 +104,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     with local_state_dict():
         packed = optimizer.state_dict()
     state: dict[int, dict[str, Any]] = {}
+    sharded: list[tuple[int, str, layout.Placement, torch.Tensor]] = []  # gathered together below
     # Every rank walks the same parameters in the same order, so the gathers pair up; a parameter no rank has state
     # for (never stepped: no gradient anywhere) has none on every rank, as the used flags agree.
     for index, param in enumerate(params):
@@ -111,13 +112,16 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         entry = packed["state"].get(index)
         if entry is None:
             continue
-        out = {}
+        out = state[index] = {}
         for key, value in entry.items():
             if pl is not None and follows_param(value, param):
-                out[key] = gather_full(pl, value).detach().cpu().clone()
+                out[key] = None  # keeps torch's key order; filled from the gather
+                sharded.append((index, key, pl, value))
             else:
                 out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-        state[index] = out
+    gathered = iter_gathered([(pl, value) for _, _, pl, value in sharded])
+    for (index, key, _, _), full in zip(sharded, gathered):
+        state[index][key] = full.detach().cpu().clone()
     return {"state": state, "param_groups": packed["param_groups"]}
 
 

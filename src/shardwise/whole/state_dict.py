@@ -21,7 +21,7 @@ from torch import nn
 from .. import layout
 from ..comm.objects import all_gather_json
 from ..sharded_tensor import as_sharded, local, spec_of
-from .gather import gather_full, write_held
+from .gather import iter_gathered, write_held
 
 __all__ = ["full_state_dict", "load_full_into_pieces", "load_full_state_dict"]
 
@@ -55,8 +55,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     other than the model's first get {}.
     """
     out: dict[str, torch.Tensor] = {}
-    for pl in layout.placements(model).values():
-        full = gather_full(pl).detach().cpu()
+    pls = list(layout.placements(model).values())
+    for pl, full in zip(pls, iter_gathered([(pl, None) for pl in pls])):
+        full = full.detach().cpu()
         for name in pl.names:
             out[name] = full.clone()
     for name, b in layout.buffers(model).items():
