@@ -21,9 +21,8 @@ is the forward and backward of causal attention on q, k, v of shape (batch, head
 * ``ring_overlap`` at cp = 2 (``--cp``): ``ring_attention`` as shipped: each K/V (and, backward, dK/dV) transfer is
   posted before the block's compute and waited for after it.
 * ``ring_serial``: the same code, but every transfer is waited for right after it is posted, before any compute
-  (no overlap). src/ offers no switch, so for this row the script swaps ring.py's private ``_exchange`` for a
-  wrapper that waits at once on threads flagged serial (other threads are unaffected); the row checks that the
-  wrapper ran.
+  (no overlap): ring_attention runs over a communicator wrapper that waits for each ``batch_isend_irecv`` as soon
+  as it is posted; the row checks that the wrapper waited on every exchange.
 * ``one_rank_ring``: ``ring_attention`` on a group of one over the whole sequence (the same block code, no
   transfers), run by rank 0 while the others wait; ``one_rank_sdpa``: torch's ``scaled_dot_product_attention``
   (is_causal) on the whole sequence, rank 0 alone.
@@ -46,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from typing import Any
 
@@ -56,7 +54,6 @@ from shardwise.benchmarks.timing import alternate, comma_list, emit, loadavg, ma
 
 import shardwise as sw
 from shardwise import context_parallel as cp
-from shardwise.context_parallel import ring as ring_module
 from shardwise.data import ByteCorpus
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.tensor_parallel import saved_activations
@@ -88,27 +85,24 @@ def transient_bytes(config: GPTConfig, batch: int, seq: int, n: int, method: str
 
 
 # ---- --mode overlap: ring attention's time per forward + backward ----------------------------------------------
-_SERIAL = threading.local()  # .on: this rank thread runs the no-overlap variant; .calls: exchanges it waited at once
+class _WaitAtOnce:
+    """ring_serial's communicator: `comm` itself, except that every batch of point-to-point transfers (ring.py posts
+    each K/V, dK/dV exchange as one `batch_isend_irecv`) is waited for as soon as it is posted, before the caller
+    computes anything, and counted. ring_attention takes it like any communicator (public means: nothing of ring.py
+    is swapped)."""
 
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.waited = 0
 
-def _exchange_serial_where_flagged(comm, send):  # noqa: ANN001, ANN202
-    """ring.py's `_exchange` (post send to rank+1 and receive from rank-1), waiting at once on flagged threads."""
-    recv, works = _RING_EXCHANGE(comm, send)
-    if getattr(_SERIAL, "on", False):
-        for w in works:
-            w.wait()
-        _SERIAL.calls += 1
-        return recv, []
-    return recv, works
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
-
-_RING_EXCHANGE = ring_module._exchange
-
-
-def _patch_ring() -> None:
-    """Route ring.py's exchanges through the wrapper above (idempotent; per process, so also in gloo ranks)."""
-    if ring_module._exchange is not _exchange_serial_where_flagged:
-        ring_module._exchange = _exchange_serial_where_flagged
+    def batch_isend_irecv(self, ops: list) -> list:
+        for work in self.inner.batch_isend_irecv(ops):
+            work.wait()
+        self.waited += 1
+        return []
 
 
 def _ring_kv_bytes(batch: int, heads: int, local_len: int, head_dim: int) -> int:
@@ -119,20 +113,15 @@ def overlap_rank(comm, qkv: torch.Tensor, do: torch.Tensor, want: dict[str, torc
                  steps: int, rounds: int, warmup: int) -> dict[str, Any]:
     """One rank of --mode overlap: the rows of the module docstring, alternating; returns times, bytes, errors."""
     torch.set_num_threads(1)
-    _patch_ring()
+    serial_comm = _WaitAtOnce(comm)
     n = comm.size
     solo = comm.split(comm.rank)  # a group of one per rank, for the one-rank ring row
     pos = cp.SequenceSplit(n).positions(comm.rank, qkv.shape[3] // n)
     local_qkv, local_do = qkv[:, :, :, pos].contiguous(), do[:, :, pos].contiguous()
-    _SERIAL.calls = 0
 
     def ring(serial: bool, q, k, v, g):  # noqa: ANN001, ANN202
-        _SERIAL.on = serial
-        try:
-            out = cp.ring_attention(q, k, v, comm)
-            out.backward(g)
-        finally:
-            _SERIAL.on = False
+        out = cp.ring_attention(q, k, v, serial_comm if serial else comm)
+        out.backward(g)
         return out
 
     def one_rank_ring(q, k, v, g):  # noqa: ANN001, ANN202
@@ -176,9 +165,9 @@ def overlap_rank(comm, qkv: torch.Tensor, do: torch.Tensor, want: dict[str, torc
             ref = (want["out"], *want["grads"]) if not rows[name][1] else \
                 (want["out"][:, :, pos], *(g[:, :, pos] for g in want["grads"]))
             errors[name] = max((a - b).abs().max().item() for a, b in zip(got, ref))
-    serial_before = _SERIAL.calls
+    serial_before = serial_comm.waited
     alternate(list(rows), rounds, steps, lambda name: call(name, measured=True), comm.barrier)
-    return {"times": times, "sent": sent, "errors": errors, "serial_waits": _SERIAL.calls - serial_before}
+    return {"times": times, "sent": sent, "errors": errors, "serial_waits": serial_comm.waited - serial_before}
 
 
 def overlap_main(args: argparse.Namespace, sizes: list[int]) -> None:
