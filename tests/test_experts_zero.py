@@ -263,3 +263,12 @@ def test_what_cannot_shard_experts_is_refused_at_wrap_by_name():
         assert "replicated_params entries [0]" in errors["replicated"]
         assert errors["tiling"].startswith("ZeRO/FSDP:") and "tile" in errors["tiling"]
         assert "ep=2" in errors["parallelize"] and "fsdp:hybrid_shard" in errors["parallelize"]
+
+
+@pytest.mark.parametrize("cell", ["ep2_ddp", "ep2_zero3"])
+def test_the_gpu_matrix_expert_cells_match_one_process_on_cpu(cell):
+    """tests/test_gpu_matrix.py's expert-parallel cells, on CPU: a lent GPU machine then checks only the device."""
+    from test_gpu_matrix import check_expert_cell
+
+    report = check_expert_cell(cell, "cpu")
+    assert report.ok, report.text(verbose=True)

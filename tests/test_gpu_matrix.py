@@ -7,16 +7,20 @@ strategy's loop is not check's (pipelines and 3-D step inside a schedule; local 
 the same comparison written out. CUDA kernels sum in other orders than CPU ones, so the tolerance is the suite's
 (rtol 1e-5) with an absolute floor of 1e-5 where tensor parallel splits the matmuls.
 On CPU the same cells run in tests/test_matrix_*.py and tests/test_hybrid.py; here only the device changes.
+Expert parallel (a mixture-of-experts GPT, its tokens exchanged by all_to_all between CUDA thread ranks) runs the same
+check; its cells are defined so that tests/test_experts_zero.py's CPU cases and these agree.
 """
 
 from __future__ import annotations
 
+import expert_cases
 import pytest
 import torch
 from parity import CONFIG, RTOL, batch
 
 import shardwise as sw
 from shardwise.async_sgd import LocalSGD
+from shardwise.experts import expert_parallel
 from shardwise.models import GPT
 
 pytestmark = [
@@ -146,3 +150,22 @@ def test_context_parallel_cp2_on_cuda_thread_ranks_matches_one_gpu(method):
     want, _ = _dense(3, max_norm=0.3)
     for state in sw.launch(_context_parallel, 2, method, 3, device=DEVICE, timeout=120):
         _close(state, want)
+
+
+EXPERT_CELLS = {
+    "ep2_ddp": lambda model, comm: sw.DDP(expert_parallel(model, comm), comm),
+    "ep2_zero3": lambda model, comm: sw.ZeRO(expert_parallel(model, comm), comm, stage=3),
+}
+
+
+def check_expert_cell(cell: str, device: str) -> sw.CheckReport:
+    """A mixture-of-experts GPT (8 experts, top-2, balance loss) with its experts split over 2 ranks (ep = dp = 2),
+    dense parameters averaged by DDP or sharded by ZeRO-3, against one process on `device`."""
+    return sw.check(lambda: GPT(expert_cases.CFG, seed=0), expert_cases.batch, strategy=EXPERT_CELLS[cell],
+                    world_size=2, optimizer=optimizer, max_norm=0.3, device=device, rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("cell", list(EXPERT_CELLS))
+def test_expert_parallel_on_cuda_thread_ranks_matches_one_gpu(cell):
+    report = check_expert_cell(cell, DEVICE)
+    assert report.ok, report.text(verbose=True)
