@@ -51,6 +51,26 @@ def test_ddp_buckets_and_end_of_backward_are_named_ranges():
                       **{f"shardwise::ddp_all_reduce (bucket {i})": 1 for i in range(buckets)}}
 
 
+def test_pipeline_actions_are_named_ranges():
+    """A world of one running two stages (interleaved 1F1B, two virtual stages): every compute action of the
+    schedule is one range named as the schedule writes it."""
+    from shardwise import pipeline as pp
+    from shardwise.models import lm_loss
+
+    comm = ThreadWorld(1).communicators()[0]
+    model = GPT(CFG, seed=0)
+    stages = pp.partition(model.pipeline_layers(), 1, virtual_stages=2)
+    pipe = pp.Pipeline(stages, comm, schedule="interleaved_1f1b", n_microbatches=2, loss_fn=lm_loss)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(0))
+    pipe.step(x, x)
+    with profile() as prof:
+        pipe.step(x, x)
+    ranges = collections.Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("shardwise::")})
+    actions = [str(a) for a in pipe.schedule.actions[0] if a.op.value in ("F", "B", "W")]
+    assert sorted(actions) == sorted(f"{s}{op}{mb}" for s in (0, 1) for op in "FB" for mb in (0, 1))
+    assert ranges == {f"shardwise::pipeline ({a})": 1 for a in actions}
+
+
 def test_no_record_function_is_entered_without_a_profiler():
     assert profiler_range("pre_forward", "blocks.0") is profiler_range("finish_backward")  # the shared no-op
     with profile():

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
+from ..profiler_ranges import profiler_range
 from .actions import Action, Op, Schedule
 from .batches import host_steps
 from .messages import Messenger, Spec, spec_of
@@ -238,12 +239,14 @@ class Pipeline(nn.Module):
         try:
             for step in host_steps(actions):
                 if isinstance(step, Action):
-                    with around(step) if around is not None else contextlib.nullcontext():
+                    around_step = around(step) if around is not None else contextlib.nullcontext()
+                    with around_step, profiler_range("pipeline", step):
                         start, end = self._compute(step)
                     if self.record_timeline:
                         st.events.append(Event(self.comm.rank, str(step), start, end))
                 else:
-                    self._communicate(step)
+                    with profiler_range("pipeline_p2p", step):
+                        self._communicate(step)
             st.messenger.finish()
             leftovers = [k for d in (st.inputs, st.outputs, st.grads, st.weight) for k in d]
             if leftovers:
