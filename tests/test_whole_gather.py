@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parity import CONFIG, batch
 from torch import nn
 
 import shardwise as sw
 from shardwise import layout
+from shardwise.models import GPT
 from shardwise.whole import gather
 
 
@@ -82,3 +84,30 @@ def test_coalesced_gathers_equal_one_gather_per_tensor_in_fewer_collectives(worl
             assert list(optim["state"][index]) == list(entry)  # torch's key order kept
             for key, value in entry.items():
                 assert torch.equal(optim["state"][index][key], value), (index, key)
+
+
+def _tp_zero3_body(comm):
+    """dp=2 x tp=2, ZeRO-3 over dp: every parameter's gathers in both steps, coalesced or one at a time."""
+    mesh = sw.Mesh(comm, dp=2, tp=2)
+    model = sw.parallelize(GPT(CONFIG, seed=0), mesh, tp_plan="gpt", dp_strategy="zero3")
+    initial = sw.full_state_dict(model)  # the unwrapped model's own weights, bit for bit
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x, y = batch(0, mesh.coords.dp, 2)
+    model.step(x, y)
+    opt.step()
+    return (initial, sw.full_state_dict(model), sw.full_optimizer_state_dict(model, opt),
+            mesh.tp.stats.calls("all_gather"))
+
+
+def test_tensor_parallel_slices_gather_coalesced_too(monkeypatch):
+    initials, states, optims, tp_gathers = zip(*sw.launch(_tp_zero3_body, 4))
+    monkeypatch.setattr(gather, "BATCH_BYTES", 1)
+    _, states1, optims1, tp_gathers1 = zip(*sw.launch(_tp_zero3_body, 4))
+    want = GPT(CONFIG, seed=0).state_dict()
+    for initial, state, state1, optim, optim1 in zip(initials, states, states1, optims, optims1):
+        assert initial.keys() == want.keys() and all(torch.equal(initial[k], want[k]) for k in want)
+        assert state.keys() == want.keys()
+        assert all(torch.equal(state[k], state1[k]) and state[k].shape == want[k].shape for k in want)
+        for index, entry in optim1["state"].items():
+            assert all(torch.equal(optim["state"][index][key], value) for key, value in entry.items())
+    assert max(tp_gathers) * 3 < min(tp_gathers1), (tp_gathers, tp_gathers1)  # many tensors per step-2 all-gather
