@@ -8,6 +8,6 @@ from .optim_state import full_optimizer_state_dict, load_full_optimizer_state_di
 from .replicas import ReplicaMismatch, check_replicas
 from .state_dict import full_state_dict, load_full_state_dict
 
-__all__ = ["MemoryStats", "ReplicaMismatch", "ShardedGradScaler", "check_replicas", "clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict",
-           "global_grad_norm", "load_full_optimizer_state_dict", "load_full_state_dict", "memory_stats",
-           "peak_rss_bytes"]
+__all__ = ["MemoryStats", "ReplicaMismatch", "ShardedGradScaler", "check_replicas", "clip_grad_norm_",
+           "full_optimizer_state_dict", "full_state_dict", "global_grad_norm", "load_full_optimizer_state_dict",
+           "load_full_state_dict", "memory_stats", "peak_rss_bytes"]
