@@ -5,14 +5,17 @@ with a momentum-free SGD. Ranks are threads."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
 import torch
 from parity import batch, frozen_model
+from torch.profiler import profile
 
 import shardwise as sw
 from shardwise.compression import TopK
+from shardwise.models import GPT, GPTConfig
 
 NUMEL, STEPS = 300, 6
 
@@ -165,3 +168,27 @@ def test_ddp_trains_with_dgc_and_a_momentum_free_sgd():
     assert config == {"method": "topk", "ratio": 0.05, "momentum_correction": 0.9, "clip_norm": 10.0}
     assert dgc < first * 0.8
     assert dgc < plain * 0.99
+
+
+def test_local_clipping_reads_nothing_on_the_host():
+    """DGC's local clipping scales by min(limit / norm, 1) as a tensor: over several buckets, one backward of DDP with
+    TopK(clip_norm) reads one value on the host per step (the state transaction's finite check, which CUDA defers by
+    a step), not one per bucket (`aten::_local_scalar_dense` is what .item(), float() and bool() run)."""
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
+
+    def body(comm):
+        model = sw.DDP(GPT(cfg, seed=0), comm, bucket_mb=0.01, first_bucket_mb=0.01,
+                       compression=TopK(0.1, momentum_correction=0.9, clip_norm=0.01))
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(comm.rank))
+        for _ in range(2):
+            model(x, x).backward()
+        if comm.rank != 0:
+            model(x, x).backward()
+            return None
+        with profile() as prof:
+            model(x, x).backward()
+        ops = collections.Counter({e.key: e.count for e in prof.key_averages()})
+        return len(model.ddp_buckets()), ops["aten::_local_scalar_dense"]
+
+    buckets, reads = sw.launch(body, 2)[0]
+    assert buckets > 2 and reads == 1, (buckets, reads)

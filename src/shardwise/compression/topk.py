@@ -113,10 +113,10 @@ class TopK(Compressor):
         if self.clip_norm is not None:
             # DGC's local clipping: the threshold scaled by N^-1/2 (the ranks' gradients add up like random walks),
             # in the bucket's units (times the loss scale).
+            # A tensor factor min(limit / norm, 1): the host never reads the norm (on a GPU that would stall the
+            # queue once per bucket per step), and a bucket under the threshold is multiplied by exactly 1.
             limit = self.clip_norm * self.loss_scale / math.sqrt(world)
-            norm = float(torch.linalg.vector_norm(grad))
-            if norm > limit:
-                grad = grad * (limit / norm)
+            grad = grad * torch.clamp(limit / torch.linalg.vector_norm(grad), max=1.0)
         velocity = None
         if self.momentum_correction is not None:
             velocity = self.velocity.get(key)
