@@ -1,5 +1,6 @@
-"""profiler_ranges.py: under torch.profiler every hook of the sharding engine and the DDP reducer shows as a named
-range, once per unit (or bucket) per step; with no profiler running, no record_function is entered at all."""
+"""profiler_ranges.py: under torch.profiler every hook of the sharding engine and the DDP reducer, and every compute
+action of a pipeline, shows as a named range, once per unit (bucket, action) per step; with no profiler running, no
+record_function is entered at all."""
 
 from __future__ import annotations
 
