@@ -35,7 +35,8 @@ from torch.profiler import record_function
 __all__ = ["profiler_range"]
 
 _OFF = contextlib.nullcontext()  # reusable: entering and leaving it does nothing
-_profiler_enabled = torch.autograd._profiler_enabled
+# torch's own check, exported under torch.autograd and defined in its C extension (where older releases keep it).
+_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", None) or torch._C._autograd._profiler_enabled
 
 
 def profiler_range(what: str, detail: Any = None) -> contextlib.AbstractContextManager:
