@@ -49,7 +49,7 @@ def test_bad_config_values_are_named():
 
 def test_torch_peers_are_refused_on_a_communicator_without_a_torch_group():
     from shardwise.comm import ThreadWorld
-    from shardwise.comm.rendezvous import torch_process_group
+    from shardwise.comm.torch_peers import torch_process_group
 
     comm = ThreadWorld(1).communicators()[0]
     with pytest.raises(ValueError, match=r"torch's own DDP/FSDP2 need a torch.distributed communicator .* got Thread"):

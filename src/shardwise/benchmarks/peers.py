@@ -18,9 +18,8 @@ and the no-communication floor.
 Every row trains the same GPT (same seed) with AdamW in fp32 on the same batches, one step being forward,
 backward, optimizer step and zero_grad (DeepSpeed: engine(x, y), engine.backward(loss), engine.step()), as in
 /work's PEERS.md measurements. A peer whose library cannot be imported is not run; `missing()` says why and
-`Peer.install` how to get it. torch peers run on the process group of the Communicator they are given
-(comm/rendezvous.py's `torch_process_group` and `torch_device_mesh`: the group comes from comm/, DESIGN.md rule 1;
-this file imports only torch's wrappers themselves).
+`Peer.install` how to get it. torch peers are wrapped by comm/torch_peers.py over the process group of the
+Communicator they are given (this file never touches a process group: DESIGN.md rule 1).
 
 Model states (`Runner.held_bytes`): shardwise rows ask `sw.memory_stats` (strategies declare what they hold); the
 others count the storages of their parameters (DTensors by their local shard), gradients and optimizer state,
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator
+from ..comm.torch_peers import FSDP2_REQUIRES, fully_shard_blocks, import_fsdp2, torch_ddp
 
 __all__ = ["Peer", "PEERS", "ORDER", "missing", "prepare", "build", "Runner"]
 
@@ -74,8 +74,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("sw_zero2", "shardwise ZeRO-2", "shardwise", "zero2"),
     Peer("ds_zero2", "DeepSpeed ZeRO-2", "deepspeed", "zero2", ("deepspeed", None), _DS_INSTALL, "sw_zero2"),
     Peer("sw_zero3", "shardwise ZeRO-3", "shardwise", "zero3"),
-    Peer("fsdp2", "PyTorch FSDP2 (fully_shard)", "torch", "zero3", ("torch.distributed.fsdp", "fully_shard"),
-         _FSDP2_INSTALL, "sw_zero3"),
+    Peer("fsdp2", "PyTorch FSDP2 (fully_shard)", "torch", "zero3", FSDP2_REQUIRES, _FSDP2_INSTALL, "sw_zero3"),
     Peer("ds_zero3", "DeepSpeed ZeRO-3", "deepspeed", "zero3", ("deepspeed", None), _DS_INSTALL, "sw_zero3"),
 ]}
 #: The rows in table order.
@@ -163,7 +162,7 @@ def prepare(name: str) -> None:
         _quiet_deepspeed()
         importlib.import_module("deepspeed")
     elif name == "fsdp2":
-        importlib.import_module("torch.distributed.fsdp")
+        import_fsdp2()
 
 
 def build(name: str, comm: Communicator, model: torch.nn.Module, lr: float, batch_size: int) -> Runner:
@@ -185,21 +184,9 @@ def build(name: str, comm: Communicator, model: torch.nn.Module, lr: float, batc
         opt = adamw(wrapped)
         return Runner(name, wrapped, opt, held=lambda: memory_stats(wrapped, opt).model_states)
     if name == "torch_ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        from ..comm.rendezvous import torch_process_group
-
-        return plain(DistributedDataParallel(model, process_group=torch_process_group(comm)))
+        return plain(torch_ddp(model, comm))
     if name == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        from ..comm.rendezvous import torch_device_mesh
-
-        mesh = torch_device_mesh(comm, "cpu")
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return plain(model)
+        return plain(fully_shard_blocks(model, model.blocks, comm))
     if name.startswith("ds_zero"):
         prepare(name)
         import deepspeed

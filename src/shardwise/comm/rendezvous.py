@@ -51,8 +51,6 @@ __all__ = [
     "new_job_token",
     "rank_zero_store",
     "store_via_mpi",
-    "torch_device_mesh",
-    "torch_process_group",
     "world_communicator",
     "world_initialized",
 ]
@@ -73,24 +71,6 @@ def world_initialized() -> bool:
 def world_communicator(timeout: float, watch: RankWatch | None = None) -> TorchCommunicator:
     """The Communicator over the existing default process group (`watch`: this rank's heartbeat, if any)."""
     return TorchCommunicator(None, timeout=timeout, _watch=watch)
-
-
-def torch_process_group(comm: Any) -> dist.ProcessGroup:
-    """The torch.distributed process group under `comm`, for torch's own wrappers run beside shardwise's (the
-    `shardwise bench` peers: DistributedDataParallel(process_group=...), FSDP2 through `torch_device_mesh`). Raises
-    ValueError for a communicator that has none (threads, MPI): torch's wrappers need a torch.distributed group."""
-    if not isinstance(comm, TorchCommunicator):
-        raise ValueError(f"torch's own DDP/FSDP2 need a torch.distributed communicator (gloo or nccl, from "
-                         f"shardwise.launch(backend='gloo') or torchrun); got {type(comm).__name__}")
-    return comm.group if comm.group is not None else dist.group.WORLD
-
-
-def torch_device_mesh(comm: Any, device_type: str = "cpu") -> Any:
-    """A one-dimensional torch DeviceMesh over `comm`'s process group (`torch_process_group`), for FSDP2's
-    fully_shard: the same ranks as `comm`, whether it is the world or a group split from it."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(torch_process_group(comm), device_type)
 
 
 def is_loopback(addr: str | None) -> bool:
