@@ -70,18 +70,18 @@ def _box_widths(pl: layout.Placement) -> list[int]:
     return [math.prod(pl.stored_shape(boxes)) for boxes in pl.boxes_by_rank]
 
 
-def _join_flat(pl: layout.Placement, rows: torch.Tensor) -> torch.Tensor:
+def _join_flat(pl: layout.Placement, rows: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """Step (1) undone: this rank's flattened tensor-parallel slice from every rank's flat range (rows)."""
     whole = torch.empty(pl.local_numel, dtype=rows.dtype, device=rows.device)
-    for r, (lo, hi) in enumerate(pl.flat_by_rank):
-        whole[lo:hi].copy_(rows[r, : hi - lo])
+    for r, ((lo, hi), n) in enumerate(zip(pl.flat_by_rank, widths)):
+        whole[lo:hi].copy_(rows[r, :n])
     return whole
 
 
-def _join_boxes(pl: layout.Placement, rows: torch.Tensor) -> torch.Tensor:
+def _join_boxes(pl: layout.Placement, rows: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """Step (2) undone: the dense tensor from every rank's flattened tensor-parallel slice (rows)."""
     full = torch.empty(pl.shape, dtype=rows.dtype, device=rows.device)
-    for r, (boxes, n) in enumerate(zip(pl.boxes_by_rank, _box_widths(pl))):
+    for r, (boxes, n) in enumerate(zip(pl.boxes_by_rank, widths)):
         for box, view in layout.slice_views(pl, rows[r, :n].view(pl.stored_shape(boxes)), boxes):
             full[layout.box_slices(box)] = view
     return full
@@ -96,16 +96,16 @@ def _dense(pl: layout.Placement, slice_: torch.Tensor) -> torch.Tensor:
 def _coalesced(items: Iterator[Item], group_of, widths_of, join, alone) -> Iterator[Item]:  # noqa: ANN001
     """One step over a stream of items, in order: runs of consecutive items over the same group (of more than one
     rank), dtype and device, at most BATCH_BYTES gathered, share one `_gather_slots`, and `join` rebuilds each item
-    from its rows; an item with no such group is `alone(pl, tensor)`. Every input of the cut is the same on every
-    rank of the group (widths come from every rank's layout), so every rank cuts the same runs."""
-    run: list[Item] = []
+    from its rows and every rank's width; an item with no such group is `alone(pl, tensor)`. Every input of the cut
+    is the same on every rank of the group (widths come from every rank's layout), so every rank cuts the same
+    runs."""
+    run: list[tuple[layout.Placement, torch.Tensor, list[int]]] = []  # each item with every rank's width
     run_bytes = 0
 
-    def flush() -> Iterator[tuple[layout.Placement, torch.Tensor]]:
-        group = group_of(run[0][0])
-        widths = [max(widths_of(pl)) for pl, _ in run]
-        for (pl, _), rows in zip(run, _gather_slots(group, [t for _, t in run], widths)):
-            yield pl, join(pl, rows)
+    def flush() -> Iterator[Item]:
+        slots = _gather_slots(group_of(run[0][0]), [t for _, t, _ in run], [max(w) for _, _, w in run])
+        for (pl, _, widths), rows in zip(run, slots):
+            yield pl, join(pl, rows, widths)
 
     for pl, tensor in items:
         group = group_of(pl)
@@ -115,12 +115,13 @@ def _coalesced(items: Iterator[Item], group_of, widths_of, join, alone) -> Itera
                 run, run_bytes = [], 0
             yield pl, alone(pl, tensor)
             continue
-        size = max(widths_of(pl)) * group.size * tensor.element_size()
+        widths = widths_of(pl)
+        size = max(widths) * group.size * tensor.element_size()
         if run and (group is not group_of(run[0][0]) or tensor.dtype != run[0][1].dtype
                     or tensor.device != run[0][1].device or run_bytes + size > BATCH_BYTES):
             yield from flush()
             run, run_bytes = [], 0
-        run.append((pl, tensor))
+        run.append((pl, tensor, widths))
         run_bytes += size
     if run:
         yield from flush()
