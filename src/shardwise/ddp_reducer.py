@@ -187,7 +187,7 @@ class Reducer:
     def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             bucket = self.buckets[self.next_bucket]
-            with profiler_range("ddp_all_reduce", f"bucket {bucket.index}"):
+            with profiler_range("ddp_all_reduce", ("bucket", bucket.index)):  # the name is formatted only if recorded
                 if self.compressor is not None:
                     bucket.work = self.compressor.reduce(bucket.index, bucket.buffer, self.comm,
                                                          [local(p).shape for p in bucket.params])
