@@ -63,7 +63,7 @@ log = logging.getLogger("shardwise.sharding")
 
 def _describe_units(units: list[Unit], shown: int = 6) -> str:
     """'blocks.0 (0.79M params, 3 tensors), ...': the units the log line names (the first `shown`, then a count)."""
-    parts = [f"{u.name or '<root>'} ({u.numel / 1e6:.3g}M params, {len(u.infos)} tensors)" for u in units[:shown]]
+    parts = [f"{u.label} ({u.numel / 1e6:.3g}M params, {len(u.infos)} tensors)" for u in units[:shown]]
     if len(units) > shown:
         parts.append(f"... {len(units) - shown} more")
     return ", ".join(parts)
@@ -156,14 +156,14 @@ class ShardingEngine:
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            with profiler_range("pre_forward", unit.name):
+            with profiler_range("pre_forward", unit.label):
                 return self._pre_forward(unit, args, kwargs)
 
         return hook
 
     def _make_post_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            with profiler_range("post_forward", unit.name or "<root>"):
+            with profiler_range("post_forward", unit.label):
                 return self._post_forward(unit, output)
 
         return hook
@@ -276,7 +276,7 @@ class ShardingEngine:
 
     def _make_pre_backward(self, unit: Unit) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            with profiler_range("pre_backward", unit.name or "<root>"):
+            with profiler_range("pre_backward", unit.label):
                 self._pre_backward(unit)
 
         return hook
@@ -306,7 +306,7 @@ class ShardingEngine:
             self.next_launch += 1
 
     def _start_reduce(self, unit: Unit) -> None:
-        with profiler_range("reduce_scatter", unit.name or "<root>"):
+        with profiler_range("reduce_scatter", unit.label):
             unit.start_reduce()
         self._inflight.append(unit)
         self._drain(self.config.max_inflight_reductions)
@@ -315,7 +315,7 @@ class ShardingEngine:
         """Finish the oldest reductions until at most `limit` are in flight (the same order on every rank)."""
         while len(self._inflight) > limit:
             unit = self._inflight.popleft()
-            with profiler_range("finish_reduce", unit.name or "<root>"):
+            with profiler_range("finish_reduce", unit.label):
                 unit.finish_reduce()
 
     def _post_backward(self, unit: Unit) -> None:

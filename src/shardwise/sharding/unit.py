@@ -80,6 +80,7 @@ class Unit(UnitGradients):
         compressor: Compressor | None = None,
     ) -> None:
         self.name = plan.name
+        self.label = plan.name or "<root>"  # how logs and profiler ranges name it (the root unit's name is "")
         self.memory = memory
         self.grad_memory = grad_memory if grad_memory is not None else GatheredMemory()
         self.index = index
