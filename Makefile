@@ -51,7 +51,11 @@ $(VENV)/.mpi: $(BIN)/python
 demo: $(VENV)/.installed
 	$(BIN)/shardwise demo
 
+# Byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (as on CI), every process the tests start (over a hundred: ranks,
+# supervisors, scripts) would otherwise compile shardwise's sources again on import (~0.5 s of CPU each); Python reads
+# a cached .pyc all the same and recompiles in memory any file changed since.
 test: $(VENV)/.installed $(VENV)/.mpi
+	$(BIN)/python -m compileall -q src tests bench examples
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The CUDA paths on a GPU machine (NCCL in a world of one process; skipped with the reason printed elsewhere). Needs a
