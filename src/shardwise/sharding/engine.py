@@ -51,7 +51,7 @@ from ..placement import map_buffers
 from ..profiler_ranges import profiler_range
 from ..unused import used_anywhere
 from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
-from .hook_tools import MarkBackwardDone, cast_floating, inside_backward, tensors_in
+from .hook_tools import MarkBackwardDone, cast_floating, eager_under_compile, inside_backward, tensors_in
 from .policy import ShardingConfig, auto_group_mb, plan_units
 from .param_info import ParamInfo
 from .unit import GatheredMemory, Unit
@@ -132,9 +132,9 @@ class ShardingEngine:
     # ---- wiring -----------------------------------------------------------------------------------------------
     def _register_hooks(self) -> None:
         # The forward hooks gather, free and swap parameters and issue collectives: under torch.compile they run
-        # eagerly (torch.compiler.disable: a graph break at each unit's edges, the layers between them compiled),
-        # as inductor cannot lower what they do (record_stream, attribute swaps) and must not try.
-        eager = torch.compiler.disable
+        # eagerly (a graph break at each unit's edges, the layers between them compiled), as inductor cannot lower
+        # what they do (record_stream, attribute swaps) and must not try.
+        eager = eager_under_compile
         for unit in self.families:
             if unit.is_root:
                 continue
