@@ -46,3 +46,18 @@ def test_clip_is_foreach_kernels_without_a_host_read(max_norm):
         fresh = sw.ZeRO(GPT(CFG, seed=0), ThreadWorld(1).communicators()[0], stage=3, wrap=Block)
         _grads_of(fresh)
         assert all(torch.equal(grads[n], g) for n, g in full_gradients(fresh)[0].items())
+
+
+def test_tools_given_parameters_instead_of_the_model_name_the_mistake():
+    """torch's habit, clip_grad_norm_(model.parameters(), ...), gives a generator: refused with a TypeError that says
+    what to pass, not an AttributeError from deep inside (the tools need the model's layout)."""
+    model = sw.ZeRO(GPT(CFG, seed=0), ThreadWorld(1).communicators()[0], stage=3)
+    opt = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+    _grads_of(model)
+    for call in (lambda: sw.clip_grad_norm_(model.parameters(), 1.0), lambda: sw.full_state_dict(model.parameters()),
+                 lambda: sw.memory_stats(list(model.parameters()), opt),
+                 lambda: sw.full_optimizer_state_dict(model.parameters(), opt)):
+        with pytest.raises(TypeError, match=r"expected the model \(a torch.nn.Module.*got (generator|list).*"
+                                            r"sw.clip_grad_norm_\(model, max_norm\), not model.parameters\(\)"):
+            call()
+    assert sw.clip_grad_norm_(model, 1.0) > 0  # the model itself is fine

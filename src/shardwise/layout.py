@@ -198,7 +198,13 @@ class Parallelized:
 
 def _inner(model: nn.Module) -> nn.Module:
     """The module itself, or the one torch.compile wrapped (an OptimizedModule's `_orig_mod`): tools given the compiled
-    model (sw.clip_grad_norm_(torch.compile(wrapped), ...)) must see the wrapped model's layout."""
+    model (sw.clip_grad_norm_(torch.compile(wrapped), ...)) must see the wrapped model's layout. Anything but a
+    module is refused by name: torch's habit `clip_grad_norm_(model.parameters(), ...)` passes a generator, and the
+    whole-model tools need the model, whose strategies say where each piece lives."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected the model (a torch.nn.Module, as the wrapper returned it), got "
+                        f"{type(model).__name__}: shardwise's whole-model tools take the model itself, e.g. "
+                        f"sw.clip_grad_norm_(model, max_norm), not model.parameters()")
     return model._orig_mod if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod") else model
 
 
