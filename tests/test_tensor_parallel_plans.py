@@ -169,6 +169,74 @@ def test_llama_plan_without_a_head_and_with_heads_from_config():
     assert isinstance(model.embed_tokens, tp.VocabParallelEmbedding)
 
 
+# ---- modules with a forward of their own ----------------------------------------------------------------------------
+class ScaledEmbedding(nn.Embedding):
+    """As transformers' GemmaTextScaledWordEmbedding: an nn.Embedding whose forward scales its output."""
+
+    def forward(self, ids):
+        return super().forward(ids) * D**0.5
+
+
+class ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def _gemma_like(tie):
+    model = LlamaForCausalLM(tie)
+    scaled = ScaledEmbedding(VOCAB, D, padding_idx=0)
+    scaled.weight = model.model.embed_tokens.weight  # the same values (and the tie, if any)
+    model.model.embed_tokens = scaled
+    return model
+
+
+def train_gemma_like_tp(comm, tie):
+    model = tp.parallelize(_gemma_like(tie), comm, "llama")
+    kinds = (type(model.model.embed_tokens).__name__, type(model.lm_head).__name__)
+    train(model)
+    return tp.full_state_dict(model), kinds
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_llama_plan_keeps_an_embedding_with_its_own_forward_whole(tie):
+    """Gemma's embedding scales its output: a vocabulary-parallel embedding would not, a different model without an
+    error (the plan split it until this test). The plan keeps it whole, and a head tied to it; the rest is split."""
+    want = train(_gemma_like(tie)).state_dict()
+    for state, kinds in sw.launch(train_gemma_like_tp, 2, tie):
+        assert kinds == ("ScaledEmbedding", "Linear" if tie else "ColumnParallelLinear")
+        for name in want:
+            torch.testing.assert_close(state[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_plan_that_splits_a_module_with_its_own_forward_is_refused():
+    def body(comm):
+        with pytest.raises(ValueError, match=r"'model.embed_tokens' is a ScaledEmbedding, an nn.Embedding with a forward "
+                                             r"of its own.*leave 'model.embed_tokens' out of the plan"):
+            tp.parallelize(_gemma_like(False), comm, {"embed_tokens": "vocab"})
+        model = LlamaForCausalLM()
+        dense, model.lm_head = model.lm_head, ScaledLinear(D, VOCAB, bias=False)
+        model.lm_head.weight = dense.weight  # the same values on every rank
+        with pytest.raises(ValueError, match=r"'lm_head' is a ScaledLinear, an nn.Linear with a forward of its own"):
+            tp.parallelize(model, comm, {"lm_head": "colwise"})
+
+    sw.launch(body, 2)
+
+
+def test_huggingface_gemma_with_the_llama_plan_trains_like_one_process():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, head_dim=D // HEADS, intermediate_size=FF,
+                                      max_position_embeddings=T)
+
+    def batch(step):
+        ids = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(step))
+        return {"input_ids": ids, "labels": ids}
+
+    report = sw.check(lambda: transformers.GemmaForCausalLM(config), batch, strategy="tp:llama", world_size=2,
+                      steps=2, rtol=RTOL, atol=ATOL)
+    assert report.ok, str(report)
+
+
 # ---- dict plans ---------------------------------------------------------------------------------------------------
 CONFIG = GPTConfig.preset("tiny")
 

@@ -87,6 +87,7 @@ def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: b
         if not isinstance(module, nn.Linear):
             raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, but style {style} needs an "
                              f"nn.Linear (or a HuggingFace Conv1D)")
+        _refuse_own_forward(name, module, nn.Linear)
         if isinstance(style, Colwise):
             return column.from_dense(module, comm, gather_output=style.gather_output,
                                      sequence_parallel=sp, sequence_dim=dim, fused=style.fused)
@@ -95,7 +96,18 @@ def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: b
     if not isinstance(module, nn.Embedding):
         raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, but style {style} needs an "
                          f"nn.Embedding")
+    _refuse_own_forward(name, module, nn.Embedding)
     return VocabParallelEmbedding.from_dense(module, comm, sequence_parallel=sp, sequence_dim=dim)
+
+
+def _refuse_own_forward(name: str, module: nn.Module, base: type[nn.Module]) -> None:
+    """A subclass of nn.Linear / nn.Embedding with a forward of its own (transformers' GemmaTextScaledWordEmbedding
+    multiplies its output by sqrt(hidden size)) cannot be split: the tensor-parallel layer that replaces it runs the
+    base class's computation, so the model would compute something else, without an error."""
+    if type(module).forward is not base.forward:
+        raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, an nn.{base.__name__} with a "
+                         f"forward of its own, which the tensor-parallel layer replacing it would not run (a different "
+                         f"result); leave {name!r} out of the plan (it then stays whole on every rank)")
 
 
 def _adjust_head_counts(model: nn.Module, tp: int, proj: str = "q_proj",

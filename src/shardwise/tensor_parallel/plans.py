@@ -168,7 +168,9 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     q/k/v_proj colwise and o_proj rowwise (heads, and key/value heads under grouped-query attention, split across
     ranks), gate/up_proj colwise and down_proj rowwise (a MoE block without them, Mixtral's, stays whole),
     embed_tokens vocabulary-parallel, lm_head colwise with gathered output (the model computes its own loss over full
-    logits); a tied lm_head shares the embedding's shard.
+    logits); a tied lm_head shares the embedding's shard. An embedding with a forward of its own (Gemma's scales its
+    output by sqrt(hidden size)) stays whole on every rank, and so does an lm_head tied to it: the parallel embedding
+    would not run that forward (parallelize refuses to split such a module).
     Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads.
     """
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -180,8 +182,10 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
                 heads = _heads_of(module, child, *attrs)
                 if heads is not None:
                     _check_divides(f"the number of {what} of {name or 'the model'} ({attrs[-1]})", heads, tp)
+    modules = [(name.rsplit(".", 1)[-1], module) for name, module in model.named_modules()]
+    whole = [m for n, m in modules if n == "embed_tokens" and type(m).forward is not nn.Embedding.forward]
     plan: dict[str, Style] = {
-        "embed_tokens": Vocab(),
+        **({} if whole else {"embed_tokens": Vocab()}),
         "q_proj": Colwise(), "k_proj": Colwise(), "v_proj": Colwise(), "o_proj": Rowwise(),
     }
     # A mixture-of-experts MLP (Mixtral's fused experts: no gate/up/down_proj modules) stays whole on every rank, as
@@ -191,7 +195,8 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
         raise ValueError("tensor parallel plan 'llama': the model has neither gate_proj / up_proj / down_proj MLPs "
                          "nor a mixture-of-experts block; pass a plan dict naming its MLP's modules")
     plan.update(mlp)
-    if "lm_head" in names:
+    tied_to_whole = any(getattr(m, "weight", None) is e.weight for n, m in modules if n == "lm_head" for e in whole)
+    if "lm_head" in names and not tied_to_whole:
         plan["lm_head"] = Colwise(gather_output=True)
     return plan
 
