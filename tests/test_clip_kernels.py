@@ -58,6 +58,6 @@ def test_tools_given_parameters_instead_of_the_model_name_the_mistake():
                  lambda: sw.memory_stats(list(model.parameters()), opt),
                  lambda: sw.full_optimizer_state_dict(model.parameters(), opt)):
         with pytest.raises(TypeError, match=r"expected the model \(a torch.nn.Module.*got (generator|list).*"
-                                            r"sw.clip_grad_norm_\(model, max_norm\), not model.parameters\(\)"):
+                                            r"sw.clip_grad_norm_\(model, max_norm\)"):
             call()
     assert sw.clip_grad_norm_(model, 1.0) > 0  # the model itself is fine

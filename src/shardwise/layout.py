@@ -43,10 +43,10 @@ from .comm.base import Communicator
 from .sharded_tensor import local
 
 __all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extra_states", "strategies", "placements",
-           "declare", "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range",
-           "box_slices", "box_numel", "intersect", "full_box", "reduction_groups", "counts_here", "record_comms",
-           "is_partitioned", "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL",
-           "buffers", "data_parallel_group"]
+           "declare", "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices",
+           "box_numel", "intersect", "full_box", "reduction_groups", "counts_here", "record_comms", "is_partitioned",
+           "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "buffers",
+           "data_parallel_group"]
 
 _ATTR = "_shardwise_layout"  # the one attribute a wrapped model carries; read only by this module
 
@@ -197,14 +197,11 @@ class Parallelized:
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    """The module itself, or the one torch.compile wrapped (an OptimizedModule's `_orig_mod`): tools given the compiled
-    model (sw.clip_grad_norm_(torch.compile(wrapped), ...)) must see the wrapped model's layout. Anything but a
-    module is refused by name: torch's habit `clip_grad_norm_(model.parameters(), ...)` passes a generator, and the
-    whole-model tools need the model, whose strategies say where each piece lives."""
+    """The module, or the one torch.compile wrapped (OptimizedModule._orig_mod): tools given the compiled model see the
+    wrapped model's layout. Not a module (torch's habit clip_grad_norm_(model.parameters(), ...)): a TypeError."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"expected the model (a torch.nn.Module, as the wrapper returned it), got "
-                        f"{type(model).__name__}: shardwise's whole-model tools take the model itself, e.g. "
-                        f"sw.clip_grad_norm_(model, max_norm), not model.parameters()")
+        raise TypeError(f"expected the model (a torch.nn.Module, as the wrapper returned it), got {type(model).__name__}"
+                        f": the whole-model tools take the model itself, e.g. sw.clip_grad_norm_(model, max_norm)")
     return model._orig_mod if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod") else model
 
 
@@ -277,10 +274,7 @@ def _evaluate(value: Any) -> Any:
 
 def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Persistent buffers by their original names (strategies that rename modules declare the mapping)."""
-    rename: dict[str, str] = {}
-    for record in strategies(model):
-        if record.buffer_names:
-            rename.update(record.buffer_names)
+    rename = {old: new for record in strategies(model) for old, new in (record.buffer_names or {}).items()}
     out = {}
     for prefix, module in _inner(model).named_modules():
         for name, b in module._buffers.items():
