@@ -237,6 +237,33 @@ def test_huggingface_gemma_with_the_llama_plan_trains_like_one_process():
     assert report.ok, str(report)
 
 
+def test_huggingface_qwen3_per_head_norms_get_whole_gradients():
+    """Qwen3 normalizes each head of q and k (q_norm / k_norm, a weight of head_dim): a rank holding half the heads
+    computes half of their gradient. The plan makes them "heads" regions (gradients summed over the group); before,
+    q_norm's gradient was this rank's part and the model trained differently, without an error."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, head_dim=D // HEADS, intermediate_size=FF,
+                                      max_position_embeddings=T)
+
+    def batch(step):
+        ids = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(step))
+        return {"input_ids": ids, "labels": ids}
+
+    report = sw.check(lambda: transformers.Qwen3ForCausalLM(config), batch, strategy="tp:llama", world_size=2,
+                      steps=2, rtol=RTOL, atol=ATOL)
+    assert report.ok, str(report)
+
+
+def test_a_q_norm_across_heads_is_refused_by_the_llama_plan():
+    """A norm over the whole q projection (not per head) cannot run on a rank's heads."""
+    model = LlamaForCausalLM()
+    model.model.layers[0].self_attn.q_norm = RMSNorm(D)  # D = HEADS x head_dim features, normalized together
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_norm \(weight of 32\) does not normalize each "
+                                         r"head of model.layers.0.self_attn.q_proj \(32 features\)"):
+        tp.parallelize(model, sw.init(), "llama")
+
+
 # ---- dict plans ---------------------------------------------------------------------------------------------------
 CONFIG = GPTConfig.preset("tiny")
 

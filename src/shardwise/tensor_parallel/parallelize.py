@@ -49,7 +49,7 @@ from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRo
                       is_conv1d)
 from .layer_base import name_slices
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding
-from .plans import Colwise, Rowwise, Sequence, Style, Vocab, builtin_plan, match_plan
+from .plans import Colwise, Heads, Rowwise, Sequence, Style, Vocab, builtin_plan, match_plan
 from .sequence_parallel import reduce_sequence_parallel_grads
 
 __all__ = ["parallelize", "full_state_dict", "TensorParallelState"]
@@ -186,7 +186,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     replaced: dict[int, tuple[nn.Parameter, str]] = {}  # id(any dense parameter replaced) -> (new one, its name)
     keep_alive = []  # the dense parameters, so their ids stay unique while we compare them
     for name, style in styles.items():
-        if isinstance(style, Sequence):
+        if isinstance(style, (Sequence, Heads)):
             continue
         dense = model.get_submodule(name)
         layer = _build(name, dense, style, comm, sp, sequence_dim)
@@ -210,12 +210,13 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     _follow_ties(model, replaced)
     del keep_alive
-    if sp:
-        tp_params = {id(p) for m in model.modules() if isinstance(m, TensorParallelLayer) for p in m.parameters()}
-        for name, style in styles.items():
-            if isinstance(style, Sequence):
-                params = [p for p in model.get_submodule(name).parameters() if id(p) not in tp_params]
-                reduce_sequence_parallel_grads(params, comm)
+    # Replicated parameters whose rank computes on part of the activations get partial gradients, summed over tp:
+    # "sequence" regions under sequence parallel, "heads" regions always.
+    tp_params = {id(p) for m in model.modules() if isinstance(m, TensorParallelLayer) for p in m.parameters()}
+    for name, style in styles.items():
+        if isinstance(style, Heads) or (sp and isinstance(style, Sequence)):
+            params = [p for p in model.get_submodule(name).parameters() if id(p) not in tp_params]
+            reduce_sequence_parallel_grads(params, comm)
     if plan_name == "llama":
         _adjust_head_counts(model, comm.size)
     if plan_name == "gpt2":

@@ -14,6 +14,9 @@ is one of the strings ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"sequence"`` 
 ``"sequence"`` / :class:`Sequence`  a module with replicated parameters (LayerNorm, RMSNorm, a position embedding) that
                                      runs on sequence shards under sequence parallel: its parameters' gradients are
                                      all-reduced over the group. Without sequence parallel it is left as it is.
+``"heads"`` / :class:`Heads`        a module with replicated parameters that runs on this rank's attention heads (a
+                                     per-head norm: Qwen3's q_norm / k_norm): each rank's gradient is its heads' part,
+                                     so the gradients are all-reduced over the group, with or without sequence parallel
 =================================  =====================================================================================
 
 Built-in plans (``plan="gpt"`` / ``plan="llama"`` / ``plan="gpt2"``) are computed from the model by
@@ -29,7 +32,7 @@ from typing import Union
 
 from torch import nn
 
-__all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Style", "STYLES", "as_style", "match_plan", "builtin_plan",
+__all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Heads", "Style", "STYLES", "as_style", "match_plan", "builtin_plan",
            "gpt_plan", "llama_plan", "gpt2_plan", "BUILTIN_PLANS"]
 
 
@@ -62,17 +65,23 @@ class Sequence:
     """Replicated parameters used on sequence shards: gradients all-reduced under sequence parallel."""
 
 
-Style = Union[Colwise, Rowwise, Vocab, Sequence]
-STYLES = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": Vocab(), "sequence": Sequence()}
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """Replicated parameters used on this rank's attention heads (a per-head norm): gradients always all-reduced
+    (torchtitan plans Qwen3's q_norm / k_norm as SequenceParallel over the heads dimension, to the same effect)."""
+
+
+Style = Union[Colwise, Rowwise, Vocab, Sequence, Heads]
+STYLES = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": Vocab(), "sequence": Sequence(), "heads": Heads()}
 
 
 def as_style(pattern: str, style: object) -> Style:
-    if isinstance(style, (Colwise, Rowwise, Vocab, Sequence)):
+    if isinstance(style, (Colwise, Rowwise, Vocab, Sequence, Heads)):
         return style
     if isinstance(style, str) and style in STYLES:
         return STYLES[style]
     raise ValueError(f"parallelize: plan[{pattern!r}]={style!r} is not a style; allowed {sorted(STYLES)} or a "
-                     f"Colwise / Rowwise / Vocab / Sequence object")
+                     f"Colwise / Rowwise / Vocab / Sequence / Heads object")
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -168,7 +177,8 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     q/k/v_proj colwise and o_proj rowwise (heads, and key/value heads under grouped-query attention, split across
     ranks), gate/up_proj colwise and down_proj rowwise (a MoE block without them, Mixtral's, stays whole),
     embed_tokens vocabulary-parallel, lm_head colwise with gathered output (the model computes its own loss over full
-    logits); a tied lm_head shares the embedding's shard. An embedding with a forward of its own (Gemma's scales its
+    logits); a tied lm_head shares the embedding's shard; per-head norms (Qwen3's q_norm / k_norm) are "heads"
+    regions (their gradients summed over the group). An embedding with a forward of its own (Gemma's scales its
     output by sqrt(hidden size)) stays whole on every rank, and so does an lm_head tied to it: the parallel embedding
     would not run that forward (parallelize refuses to split such a module).
     Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads.
@@ -196,6 +206,20 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
                          "nor a mixture-of-experts block; pass a plan dict naming its MLP's modules")
     plan.update(mlp)
     tied_to_whole = any(getattr(m, "weight", None) is e.weight for n, m in modules if n == "lm_head" for e in whole)
+    # A per-head norm (Qwen3's q_norm / k_norm, weight of head_dim) runs on this rank's heads: partial gradients.
+    for name, module in model.named_modules():
+        for norm, proj in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
+            child, linear = getattr(module, norm, None), getattr(module, proj, None)
+            weight = getattr(child, "weight", None)
+            if child is None or weight is None or not isinstance(linear, nn.Linear):
+                continue
+            heads = _heads_of(module, linear, "num_heads", "num_attention_heads") if norm == "q_norm" else \
+                _heads_of(module, linear, "num_key_value_heads")
+            if heads is None or weight.numel() * heads != linear.out_features:
+                raise ValueError(f"tensor parallel plan 'llama': {name}.{norm} (weight of {weight.numel()}) does not "
+                                 f"normalize each head of {name}.{proj} ({linear.out_features} features) on its own, "
+                                 f"so it cannot run on a rank's heads; pass a plan dict")
+            plan[norm] = Heads()
     if "lm_head" in names and not tied_to_whole:
         plan["lm_head"] = Colwise(gather_output=True)
     return plan
