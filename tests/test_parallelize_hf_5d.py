@@ -2,6 +2,8 @@
 decay, eps 1e-5, a binding `sw.clip_grad_norm_`) equal one process training the same model on the whole batch with
 HuggingFace's own loss, ``model(x, labels=x).loss``.
 
+* Gemma (cp=2 x tp=2 Ulysses, pp=2) and Qwen3 (dp=2 x tp=2 ZeRO-3, cp=2), Llama-shaped decoders whose embedding
+  scales its output (Gemma) and whose attention normalizes each head (Qwen3).
 * Llama with cp=2 (ring and Ulysses), cp=2 x dp=2, cp=2 x tp=2 (the llama plan) and cp=2 x pp=2: the stages give
   each token its global position (zigzag chunks) and no chunk-local mask, and the loss shifts the labels over the
   whole sequence before keeping this rank's positions (models/hf_parallel.py). A batch whose -100 labels fall
@@ -53,7 +55,24 @@ def gpt2(**extra):
     return transformers.GPT2LMHeadModel(config)
 
 
-MODELS = {"llama": llama, "mixtral": mixtral, "gpt2": gpt2}
+def gemma(**extra):  # its embedding scales its output (a forward of its own: kept whole under tensor parallel)
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, attn_implementation="eager", **extra)
+    return transformers.GemmaForCausalLM(config)
+
+
+def qwen3(**extra):  # per-head q_norm / k_norm: partial gradients under tensor parallel
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, tie_word_embeddings=False,
+                                      attn_implementation="eager", **extra)
+    return transformers.Qwen3ForCausalLM(config)
+
+
+MODELS = {"llama": llama, "mixtral": mixtral, "gpt2": gpt2, "gemma": gemma, "qwen3": qwen3}
 
 
 def labels_of(step, masked=False):
@@ -119,6 +138,10 @@ CASES = {
     "llama_cp2_tp2_ulysses": ("llama", {"cp": 2, "tp": 2}, {"tp_plan": "llama", "cp_method": "ulysses"}),
     "llama_cp2_pp2": ("llama", {"cp": 2, "pp": 2}, {"n_microbatches": 2}),
     "gpt2_cp2_ring": ("gpt2", {"cp": 2}, {}),
+    "gemma_cp2_tp2_ulysses": ("gemma", {"cp": 2, "tp": 2}, {"tp_plan": "llama", "cp_method": "ulysses"}),
+    "gemma_pp2": ("gemma", {"pp": 2}, {"n_microbatches": 2}),
+    "qwen3_dp2_tp2_zero3": ("qwen3", {"dp": 2, "tp": 2}, {"tp_plan": "llama", "dp_strategy": "zero3"}),
+    "qwen3_cp2_ring": ("qwen3", {"cp": 2}, {}),
     "mixtral_dp2_ep2_ddp": ("mixtral", {"dp": 2, "ep": 2}, {}),
     "mixtral_dp2_ep2_zero3": ("mixtral", {"dp": 2, "ep": 2}, {"dp_strategy": "zero3"}),
     "mixtral_dp2_ep2_checkpointed": ("mixtral", {"dp": 2, "ep": 2}, {"activation_checkpointing": True}),

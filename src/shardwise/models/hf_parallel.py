@@ -38,7 +38,8 @@ __all__ = ["BUILDERS", "ChunkedCausalLMLoss", "RouterLoss", "hf_pipeline", "rout
 #: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
 BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
     "llama": hf_stages.llama_pipeline_layers, "mistral": hf_stages.llama_pipeline_layers,
-    "qwen2": hf_stages.llama_pipeline_layers, "mixtral": hf_stages.llama_pipeline_layers,
+    "qwen2": hf_stages.llama_pipeline_layers, "qwen3": hf_stages.llama_pipeline_layers,
+    "gemma": hf_stages.llama_pipeline_layers, "mixtral": hf_stages.llama_pipeline_layers,
     "gpt2": hf_stages.gpt2_pipeline_layers,
 }
 #: Router modules whose first output is the router logits that Mixtral's load-balancing loss reads.

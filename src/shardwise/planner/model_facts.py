@@ -23,7 +23,8 @@ _FIELDS = {  # our name -> config attribute names, first found wins
     "seq_len": ("seq_len", "max_position_embeddings", "n_positions"),
 }
 #: HuggingFace model types with a built-in tensor-parallel plan and pipeline layers (tensor_parallel.plans, hybrid).
-_HF_PLANS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+_HF_PLANS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
+             "gpt2": "gpt2"}
 
 
 def count_parameters(model: nn.Module) -> int:
