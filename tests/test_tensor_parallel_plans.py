@@ -255,12 +255,20 @@ def test_huggingface_qwen3_per_head_norms_get_whole_gradients():
     assert report.ok, str(report)
 
 
-def test_a_q_norm_across_heads_is_refused_by_the_llama_plan():
-    """A norm over the whole q projection (not per head) cannot run on a rank's heads."""
+@pytest.mark.parametrize("norm", ["across_heads", "one_per_head"])
+def test_an_attention_module_the_plan_cannot_split_by_heads_is_refused(norm):
+    """Inside an attention, a norm over the whole q projection (OLMo2's), or a list of one norm per head (StableLM's:
+    a rank would apply the first heads' norms to its own heads), cannot run on a rank's heads: refused by name."""
     model = LlamaForCausalLM()
-    model.model.layers[0].self_attn.q_norm = RMSNorm(D)  # D = HEADS x head_dim features, normalized together
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_norm \(weight of 32\) does not normalize each "
-                                         r"head of model.layers.0.self_attn.q_proj \(32 features\)"):
+    attn = model.model.layers[0].self_attn
+    if norm == "across_heads":
+        attn.q_norm = RMSNorm(D)  # D = HEADS x head_dim features, normalized together
+        where = "q_norm \\(RMSNorm\\)"
+    else:
+        attn.q_layernorm = nn.ModuleList(nn.LayerNorm(D // HEADS) for _ in range(HEADS))
+        where = "q_layernorm \\(ModuleList\\)"
+    with pytest.raises(ValueError, match=rf"model.layers.0.self_attn.{where} has parameters and runs on the heads of "
+                                         rf"model.layers.0.self_attn.*not a per-head norm"):
         tp.parallelize(model, sw.init(), "llama")
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import fnmatch
 from typing import Union
 
+import torch
 from torch import nn
 
 __all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Heads", "Style", "STYLES", "as_style", "match_plan", "builtin_plan",
@@ -206,23 +207,38 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
                          "nor a mixture-of-experts block; pass a plan dict naming its MLP's modules")
     plan.update(mlp)
     tied_to_whole = any(getattr(m, "weight", None) is e.weight for n, m in modules if n == "lm_head" for e in whole)
-    # A per-head norm (Qwen3's q_norm / k_norm, weight of head_dim) runs on this rank's heads: partial gradients.
-    for name, module in model.named_modules():
-        for norm, proj in (("q_norm", "q_proj"), ("k_norm", "k_proj")):
-            child, linear = getattr(module, norm, None), getattr(module, proj, None)
-            weight = getattr(child, "weight", None)
-            if child is None or weight is None or not isinstance(linear, nn.Linear):
-                continue
-            heads = _heads_of(module, linear, "num_heads", "num_attention_heads") if norm == "q_norm" else \
-                _heads_of(module, linear, "num_key_value_heads")
-            if heads is None or weight.numel() * heads != linear.out_features:
-                raise ValueError(f"tensor parallel plan 'llama': {name}.{norm} (weight of {weight.numel()}) does not "
-                                 f"normalize each head of {name}.{proj} ({linear.out_features} features) on its own, "
-                                 f"so it cannot run on a rank's heads; pass a plan dict")
-            plan[norm] = Heads()
+    plan.update(_head_regions(model))
     if "lm_head" in names and not tied_to_whole:
         plan["lm_head"] = Colwise(gather_output=True)
     return plan
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _head_regions(model: nn.Module) -> dict[str, Style]:
+    """The llama plan's "heads" regions: per-head norms inside an attention (Qwen3's, Gemma3's q_norm / k_norm, a
+    weight of head_dim), which run on this rank's heads (partial gradients). Any other module with parameters inside
+    an attention runs on the split heads too, in a way the plan cannot know (StableLM's list of one LayerNorm per
+    head would apply the first heads' norms to this rank's heads): a ValueError naming it."""
+    regions: dict[str, Style] = {}
+    for name, attn in model.named_modules():
+        if not all(isinstance(getattr(attn, proj, None), nn.Linear) for proj in ("q_proj", "k_proj", "o_proj")):
+            continue
+        for child_name, child in attn.named_children():
+            if child_name in _PROJECTIONS or not any(True for _ in child.parameters()):
+                continue
+            proj = {"q_norm": "q_proj", "k_norm": "k_proj"}.get(child_name)
+            weight = getattr(child, "weight", None)
+            heads = None if proj is None else _heads_of(attn, getattr(attn, proj), *(
+                ("num_heads", "num_attention_heads") if proj == "q_proj" else ("num_key_value_heads",)))
+            if heads is None or not isinstance(weight, torch.Tensor) or \
+                    weight.numel() * heads != getattr(attn, proj).out_features:
+                raise ValueError(f"tensor parallel plan 'llama': {name}.{child_name} ({type(child).__name__}) has "
+                                 f"parameters and runs on the heads of {name}, which tensor parallel splits, but it "
+                                 f"is not a per-head norm of q_proj or k_proj (weight of head_dim); pass a plan dict")
+            regions[f"{name}.{child_name}"] = Heads()
+    return regions
 
 
 def gpt2_plan(model: nn.Module, tp: int) -> dict[str, Style]:
