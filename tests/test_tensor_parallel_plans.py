@@ -222,36 +222,22 @@ def test_a_plan_that_splits_a_module_with_its_own_forward_is_refused():
     sw.launch(body, 2)
 
 
-def test_huggingface_gemma_with_the_llama_plan_trains_like_one_process():
+@pytest.mark.parametrize("kind", ["Gemma", "Qwen3"])
+def test_huggingface_decoders_that_once_trained_wrong_under_the_llama_plan_train_like_one_process(kind):
+    """Gemma: its embedding scales its output (kept whole, see above). Qwen3: it normalizes each head of q and k
+    (q_norm / k_norm, a weight of head_dim), so a rank holding half the heads computes their part of those norms'
+    gradients; the plan makes them "heads" regions, summed over the group (before, each rank trained on its part)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS,
-                                      num_key_value_heads=KV_HEADS, head_dim=D // HEADS, intermediate_size=FF,
-                                      max_position_embeddings=T)
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=D // HEADS, intermediate_size=FF, max_position_embeddings=T)
 
     def batch(step):
         ids = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(step))
         return {"input_ids": ids, "labels": ids}
 
-    report = sw.check(lambda: transformers.GemmaForCausalLM(config), batch, strategy="tp:llama", world_size=2,
-                      steps=2, rtol=RTOL, atol=ATOL)
-    assert report.ok, str(report)
-
-
-def test_huggingface_qwen3_per_head_norms_get_whole_gradients():
-    """Qwen3 normalizes each head of q and k (q_norm / k_norm, a weight of head_dim): a rank holding half the heads
-    computes half of their gradient. The plan makes them "heads" regions (gradients summed over the group); before,
-    q_norm's gradient was this rank's part and the model trained differently, without an error."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS,
-                                      num_key_value_heads=KV_HEADS, head_dim=D // HEADS, intermediate_size=FF,
-                                      max_position_embeddings=T)
-
-    def batch(step):
-        ids = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(step))
-        return {"input_ids": ids, "labels": ids}
-
-    report = sw.check(lambda: transformers.Qwen3ForCausalLM(config), batch, strategy="tp:llama", world_size=2,
-                      steps=2, rtol=RTOL, atol=ATOL)
+    report = sw.check(lambda: getattr(transformers, f"{kind}ForCausalLM")(config), batch, strategy="tp:llama",
+                      world_size=2, steps=2, rtol=RTOL, atol=ATOL)
     assert report.ok, str(report)
 
 
