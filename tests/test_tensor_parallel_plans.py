@@ -241,20 +241,23 @@ def test_huggingface_decoders_that_once_trained_wrong_under_the_llama_plan_train
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("norm", ["across_heads", "one_per_head"])
+@pytest.mark.parametrize("norm", ["across_heads", "one_per_head", "sinks"])
 def test_an_attention_module_the_plan_cannot_split_by_heads_is_refused(norm):
-    """Inside an attention, a norm over the whole q projection (OLMo2's), or a list of one norm per head (StableLM's:
-    a rank would apply the first heads' norms to its own heads), cannot run on a rank's heads: refused by name."""
+    """Inside an attention, a norm over the whole q projection (OLMo2's), a list of one norm per head (StableLM's: a
+    rank would apply the first heads' norms to its own heads) or a parameter of the attention itself (GPT-OSS's
+    per-head sinks: a shape error deep in the first forward) cannot run on a rank's heads: refused by name."""
     model = LlamaForCausalLM()
     attn = model.model.layers[0].self_attn
     if norm == "across_heads":
         attn.q_norm = RMSNorm(D)  # D = HEADS x head_dim features, normalized together
-        where = "q_norm \\(RMSNorm\\)"
-    else:
+        match = r"self_attn.q_norm \(RMSNorm\) has parameters and runs on the heads of .*not a per-head norm"
+    elif norm == "one_per_head":
         attn.q_layernorm = nn.ModuleList(nn.LayerNorm(D // HEADS) for _ in range(HEADS))
-        where = "q_layernorm \\(ModuleList\\)"
-    with pytest.raises(ValueError, match=rf"model.layers.0.self_attn.{where} has parameters and runs on the heads of "
-                                         rf"model.layers.0.self_attn.*not a per-head norm"):
+        match = r"self_attn.q_layernorm \(ModuleList\) has parameters and runs on the heads of .*not a per-head norm"
+    else:
+        attn.sinks = nn.Parameter(torch.zeros(HEADS))
+        match = r"self_attn.sinks is a parameter of the attention model.layers.0.self_attn \(LlamaAttention\)"
+    with pytest.raises(ValueError, match=r"tensor parallel plan 'llama': model.layers.0." + match):
         tp.parallelize(model, sw.init(), "llama")
 
 

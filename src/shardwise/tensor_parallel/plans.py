@@ -220,11 +220,16 @@ def _head_regions(model: nn.Module) -> dict[str, Style]:
     """The llama plan's "heads" regions: per-head norms inside an attention (Qwen3's, Gemma3's q_norm / k_norm, a
     weight of head_dim), which run on this rank's heads (partial gradients). Any other module with parameters inside
     an attention runs on the split heads too, in a way the plan cannot know (StableLM's list of one LayerNorm per
-    head would apply the first heads' norms to this rank's heads): a ValueError naming it."""
+    head would apply the first heads' norms to this rank's heads), and so is a parameter of the attention itself
+    (GPT-OSS's per-head `sinks`): a ValueError naming it."""
     regions: dict[str, Style] = {}
     for name, attn in model.named_modules():
         if not all(isinstance(getattr(attn, proj, None), nn.Linear) for proj in ("q_proj", "k_proj", "o_proj")):
             continue
+        for param_name, _ in attn.named_parameters(recurse=False):
+            raise ValueError(f"tensor parallel plan 'llama': {name}.{param_name} is a parameter of the attention "
+                             f"{name} ({type(attn).__name__}), whose heads tensor parallel splits; the plan does not "
+                             f"know how it relates to the heads; pass a plan dict")
         for child_name, child in attn.named_children():
             if child_name in _PROJECTIONS or not any(True for _ in child.parameters()):
                 continue
