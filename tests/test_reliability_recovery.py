@@ -5,6 +5,8 @@ gathered parameters like one called positionally; moving a wrapped model raises 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -145,6 +147,25 @@ def test_moving_a_wrapped_model_raises_unless_it_is_a_no_op(strategy):
             model.to(torch.float64)
 
     sw.launch(move, 2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_copying_a_wrapped_model_says_to_copy_before_wrapping(strategy):
+    """An EMA copy (copy.deepcopy(model), torch's deepcopy(model.module)) of a wrapped model failed with "cannot
+    pickle '_thread.RLock' object"; it now names the way: copy first, or load sw.full_state_dict into a plain model.
+    A copy taken before wrapping loads the wrapped model's full state dict."""
+    def copy_it(comm):
+        ema = copy.deepcopy(fresh())
+        model = wrap(fresh(), comm, strategy)
+        for target in (model, model.module):
+            with pytest.raises(TypeError, match=r"copy.deepcopy of a wrapped model \(\w+\): copy the model before "
+                                                r"wrapping it .* or load sw.full_state_dict\(model\) into a plain"):
+                copy.deepcopy(target)
+        ema.load_state_dict(sw.full_state_dict(model))
+        return [tuple(p.shape) for p in ema.parameters()]
+
+    shapes = [tuple(p.shape) for p in fresh().parameters()]
+    assert sw.launch(copy_it, 2) == [shapes, shapes]
 
 
 def one_rank_fails(comm, strategy):

@@ -32,7 +32,14 @@ def mix_in(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
 class MovesRefused(nn.Module):
     """Base of the in-place wrappers (DDP, ZeRO / FSDP): `model.to(...)`, `.half()`, `.cuda()` after wrapping would
     change tensors the wrapper's buffers, shards and hooks point at, so a move that changes anything raises; a no-op
-    move (`.to("cpu")` on CPU, `.float()` on fp32) is allowed."""
+    move (`.to("cpu")` on CPU, `.float()` on fp32) is allowed. `copy.deepcopy` (an EMA copy, torch's
+    `deepcopy(model.module)`) raises too, saying how: a copy would hold this rank's shards and the wrapper's hooks
+    and communicator, which cannot be copied (it failed with "cannot pickle '_thread.RLock' object")."""
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        raise TypeError(f"copy.deepcopy of a wrapped model ({type(self).__name__}): copy the model before wrapping it "
+                        f"(ema = copy.deepcopy(model), then wrap model), or load sw.full_state_dict(model) into a "
+                        f"plain model")
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - torch.nn.Module's signature
         probe = next(iter(self.parameters()), None)
