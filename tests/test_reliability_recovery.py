@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise.models import GPT, GPTConfig
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "shard_grad_op"]
 
@@ -166,6 +167,16 @@ def test_copying_a_wrapped_model_says_to_copy_before_wrapping(strategy):
 
     shapes = [tuple(p.shape) for p in fresh().parameters()]
     assert sw.launch(copy_it, 2) == [shapes, shapes]
+
+
+def test_copying_a_tensor_parallel_model_says_how():
+    def copy_it(comm):
+        model = sw.tensor_parallel.parallelize(GPT(GPTConfig.preset("tiny"), seed=0), comm, "gpt")
+        with pytest.raises(TypeError, match=r"copy.deepcopy of a tensor-parallel model \(VocabParallelEmbedding "
+                                            r"layer\): copy the model before splitting it"):
+            copy.deepcopy(model)
+
+    sw.launch(copy_it, 2)
 
 
 def one_rank_fails(comm, strategy):
