@@ -203,6 +203,33 @@ def test_batchnorm_per_rank_statistics_are_diagnosed():
     assert {"1.running_mean", "1.running_var"} <= {r.name for r in report.rows if r.kind == "buffer"}
 
 
+def test_a_forward_difference_names_the_first_module_that_computes_differently():
+    """BatchNorm under DDP: every rank normalizes by its own rows, so the first output that differs is the
+    BatchNorm's ('1'); the Linear before it agrees on each rank's rows of the one-process output."""
+    report = check(_bn_model, _regression_batch, strategy="ddp", world_size=2, steps=1, loss_fn=_mse)
+    assert any(note.startswith("the first module whose output differs in the first forward is '1' (BatchNorm1d): "
+                               "max |diff|") and note.endswith("the 1 module outputs compared before it agree")
+               for note in report.notes), report.notes
+
+
+def _tanh_in_block_3(model, comm):
+    model[3][1] = nn.Tanh()  # the rank's model computes something else from block 3 on (a planted "wrong layer")
+    return sw.ZeRO(model, comm, stage=3)
+
+
+def test_a_planted_wrong_layer_is_located():
+    def blocks():
+        return nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.ReLU()) for _ in range(5)))
+
+    report = check(blocks, torch.randn(8, 6, generator=torch.Generator().manual_seed(0)), strategy=_tanh_in_block_3,
+                   steps=1, loss_fn=lambda model, x: model(x).pow(2).mean())
+    assert report.first_mismatch[:3] == (0, "forward", "loss")
+    assert any("first module whose output differs in the first forward is '3.1' (ReLU in one process, Tanh under "
+               "the strategy): max |diff|" in n for n in report.notes), report.notes
+    # finishing order: each block's Linear and ReLU, then the block: 3 blocks x 3 and block 3's Linear agree first
+    assert any(n.endswith("the 10 module outputs compared before it agree") for n in report.notes), report.notes
+
+
 def _deep_stack():
     return nn.Sequential(*(nn.Linear(4, 4) for _ in range(25)))  # 50 tensors
 

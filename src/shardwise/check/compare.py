@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .forward_outputs import first_difference
 from .report import CheckReport, Mismatch, TensorRow
 from .run import Trace
 
@@ -129,6 +130,10 @@ def _diagnose(report: CheckReport, ref: Trace, got: Trace) -> list[str]:
                      "process computes on the whole batch. The check compares the average of the data-parallel "
                      "ranks' losses with the global batch's, which holds when the loss is a mean over examples of "
                      "equal weight (not a sum, not a mean over unevenly padded tokens) and nothing random runs")
+        where = first_difference(ref.outputs, got.outputs, ref.kinds, got.kinds, got.dp_index, got.dp, report.rtol,
+                                 report.atol)
+        if where is not None:
+            notes.append(where)
     dropout = tuple(dict.fromkeys((*ref.dropout, *got.dropout)))
     if dropout:
         notes.append(f"Dropout with p > 0 in training mode ({_names(dropout)}): its random masks differ between "

@@ -26,6 +26,7 @@ from .. import layout
 from ..comm.base import Communicator, ReduceOp
 from ..placement import comm_device
 from ..whole import clip_grad_norm_, full_state_dict
+from .forward_outputs import OutputRecorder
 from .grads import data_parallel_group, full_gradients
 from .inputs import build_seeded, compute_loss, describe_optimizer, make_optimizer, slice_batch
 from .spec import Spec
@@ -69,6 +70,9 @@ class Trace:
     optimizer: str
     batchnorm: tuple[str, ...] = ()
     dropout: tuple[str, ...] = ()
+    outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # first forward (forward_outputs.py)
+    kinds: dict[str, str] = dataclasses.field(default_factory=dict)  # module name -> class name
+    dp_index: int = 0  # this rank's data-parallel index: which rows of the batch its outputs hold
 
 
 def _facts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -88,14 +92,18 @@ def _refuse_pipelines(model: nn.Module) -> None:
 
 
 def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Callable[[torch.Tensor], torch.Tensor],
-           clip: Callable[[], torch.Tensor], keep: bool) -> tuple[list[StepRecord], str]:
-    """The loop both runs share (see the module docstring); records only when `keep`."""
+           clip: Callable[[], torch.Tensor], keep: bool) -> tuple[list[StepRecord], str, OutputRecorder | None]:
+    """The loop both runs share (see the module docstring); records only when `keep`, with every module's output
+    of the first forward."""
     opt = make_optimizer(job.optimizer, model)
     names = [pl.name for pl in layout.placements(model).values()]
     buffers = list(layout.buffers(model))
     records = []
+    recorder = OutputRecorder(model) if keep else None
     for batch in job.batches:
         loss = compute_loss(job.loss_fn, model, slicer(batch))
+        if recorder is not None:
+            recorder.remove()
         loss.backward()
         value = float(average(loss.detach().to(torch.float64).reshape(1))[0])
         grads, split = full_gradients(model)
@@ -106,7 +114,7 @@ def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Ca
         if keep:
             records.append(StepRecord(value, grads, split, norm, {n: state[n] for n in names},
                                       {n: state[n] for n in buffers if n in state}))
-    return records, describe_optimizer(opt)
+    return records, describe_optimizer(opt), recorder
 
 
 def reference_trace(job: Job) -> Trace:
@@ -119,8 +127,9 @@ def reference_trace(job: Job) -> Trace:
     def clip() -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_norm)
 
-    steps, opt = _train(model, job, lambda b: slice_batch(b, 0, 1, job.device), lambda t: t, clip, True)
-    return Trace(steps, aliases, 1, opt, *_facts(model))
+    steps, opt, recorder = _train(model, job, lambda b: slice_batch(b, 0, 1, job.device), lambda t: t, clip, True)
+    assert recorder is not None
+    return Trace(steps, aliases, 1, opt, *_facts(model), outputs=recorder.outputs, kinds=recorder.kinds)
 
 
 def rank_trace(comm: Communicator, job: Job) -> Trace | None:
@@ -141,8 +150,10 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     def clip() -> torch.Tensor:
         return clip_grad_norm_(model, job.max_norm)
 
-    steps, opt = _train(model, job, lambda b: slice_batch(b, index, parts, device), average, clip, comm.rank == 0)
-    if comm.rank != 0:
+    steps, opt, recorder = _train(model, job, lambda b: slice_batch(b, index, parts, device), average, clip,
+                                  comm.rank == 0)
+    if recorder is None:
         return None
     pls = layout.placements(model).values()
-    return Trace(steps, {pl.name: pl.names for pl in pls}, parts, opt, *_facts(model))
+    return Trace(steps, {pl.name: pl.names for pl in pls}, parts, opt, *_facts(model), outputs=recorder.outputs,
+                 kinds=recorder.kinds, dp_index=index)

@@ -1,0 +1,75 @@
+"""Where a forward first differs: every module's output at the first step, compared between the two runs.
+
+When the loss differs at step 0, before any gradient or update, some module computes differently under the strategy
+(a layer a plan replaced without its own forward, a statistic over the batch). Both runs record, during their first
+forward, the first output of every module (its first call; a tensor, or the first tensor of a tuple, list or
+HuggingFace ModelOutput), by module name, in the order the modules finished. `first_difference` walks the
+reference's modules in that order and compares each output the two runs can compare: a module of the same name whose
+output, on the strategy's rank 0, has the shape of that data-parallel rank's rows of the reference's output (the
+batch is split along dim 0). Others (a tensor-parallel shard, an output that is not batch-major) are skipped. The
+first module that differs is named, with the number that agreed before it: the place to look.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["OutputRecorder", "first_difference"]
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
+class OutputRecorder:
+    """Forward hooks on every module of `model` that keep a detached copy of each module's first output."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.kinds: dict[str, str] = {}
+        self._handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()]
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            tensor = _first_tensor(output)
+            if name not in self.outputs and tensor is not None and tensor.is_floating_point():
+                self.outputs[name] = tensor.detach().to("cpu", torch.float64, copy=True)
+                self.kinds[name] = type(module).__name__
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def first_difference(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], kinds: dict[str, str],
+                     got_kinds: dict[str, str], index: int, parts: int, rtol: float, atol: float) -> str | None:
+    """A note naming the first module (in the reference's finishing order) whose output on data-parallel rank
+    `index` of `parts` differs from its rows of the reference's, with its class in both runs when the strategy
+    replaced it; None when every comparable output agrees."""
+    agreed = 0
+    for name, want in ref.items():
+        have = got.get(name)
+        if have is None or want.dim() == 0 or want.shape[0] % parts:
+            continue
+        rows = want.shape[0] // parts
+        want = want[index * rows:(index + 1) * rows]
+        if have.shape != want.shape:
+            continue
+        diff = (have - want).abs()
+        if bool((diff > atol + rtol * want.abs()).any()):
+            kind, replaced = kinds.get(name, "?"), got_kinds.get(name, "?")
+            kind = kind if replaced == kind else f"{kind} in one process, {replaced} under the strategy"
+            where = f"{name!r} ({kind})" if name else f"the model ({kind})"
+            return (f"the first module whose output differs in the first forward is {where}: max |diff| "
+                    f"{float(diff.max()):.3g}; the {agreed} module outputs compared before it agree")
+        agreed += 1
+    return None
