@@ -9,7 +9,8 @@ Both run the same loop for `steps` steps and record, at every step, what the rep
 
 The ranks gather what they hold to dense tensors (collectives on every rank); rank 0 keeps the record and returns
 it, so the comparison happens once, in the caller's process, after both runs. That costs host memory of about
-2 x steps x (the model's parameters + gradients): the check is for small copies of a model.
+2 x steps x (the model's parameters + gradients), plus every module's output of the first forward in float64
+(forward_outputs.py): the check is for small copies of a model.
 """
 
 from __future__ import annotations
