@@ -210,8 +210,8 @@ def test_llama_plan_keeps_an_embedding_with_its_own_forward_whole(tie):
 
 def test_a_plan_that_splits_a_module_with_its_own_forward_is_refused():
     def body(comm):
-        with pytest.raises(ValueError, match=r"'model.embed_tokens' is a ScaledEmbedding, an nn.Embedding with a forward "
-                                             r"of its own.*leave 'model.embed_tokens' out of the plan"):
+        with pytest.raises(ValueError, match=r"'model.embed_tokens' is a ScaledEmbedding, an nn.Embedding with a "
+                                             r"forward of its own.*leave 'model.embed_tokens' out of the plan"):
             tp.parallelize(_gemma_like(False), comm, {"embed_tokens": "vocab"})
         model = LlamaForCausalLM()
         dense, model.lm_head = model.lm_head, ScaledLinear(D, VOCAB, bias=False)

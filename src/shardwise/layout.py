@@ -200,8 +200,8 @@ def _inner(model: nn.Module) -> nn.Module:
     """The module, or the one torch.compile wrapped (OptimizedModule._orig_mod): tools given the compiled model see the
     wrapped model's layout. Not a module (torch's habit clip_grad_norm_(model.parameters(), ...)): a TypeError."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"expected the model (a torch.nn.Module, as the wrapper returned it), got {type(model).__name__}"
-                        f": the whole-model tools take the model itself, e.g. sw.clip_grad_norm_(model, max_norm)")
+        raise TypeError(f"expected the model (a torch.nn.Module, as the wrapper returned it), got "
+                        f"{type(model).__name__}: pass the model itself, e.g. sw.clip_grad_norm_(model, max_norm)")
     return model._orig_mod if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod") else model
 
 

@@ -61,8 +61,8 @@ class TensorParallelLayer(nn.Module):
     def __deepcopy__(self, memo: dict) -> nn.Module:
         # The layer holds this rank's slices and its group's communicator, which cannot be copied (the copy failed
         # with "cannot pickle '_thread.RLock' object"): say how to get a copy instead.
-        raise TypeError(f"copy.deepcopy of a tensor-parallel model ({type(self).__name__} layer): copy the model before "
-                        f"splitting it, or load sw.full_state_dict(model) into a plain model")
+        raise TypeError(f"copy.deepcopy of a tensor-parallel model ({type(self).__name__} layer): copy the model "
+                        f"before splitting it, or load sw.full_state_dict(model) into a plain model")
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter of this layer gathered to its original (dense) shape, by name. Collective."""

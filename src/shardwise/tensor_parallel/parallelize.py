@@ -49,7 +49,7 @@ from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRo
                       is_conv1d)
 from .layer_base import name_slices
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding
-from .plans import Colwise, Heads, Rowwise, Sequence, Style, Vocab, builtin_plan, match_plan
+from .plans import Colwise, Heads, Rowwise, Sequence, Style, Vocab, builtin_plan, has_own_forward, match_plan
 from .sequence_parallel import reduce_sequence_parallel_grads
 
 __all__ = ["parallelize", "full_state_dict", "TensorParallelState"]
@@ -104,7 +104,7 @@ def _refuse_own_forward(name: str, module: nn.Module, base: type[nn.Module]) -> 
     """A subclass of nn.Linear / nn.Embedding with a forward of its own (transformers' GemmaTextScaledWordEmbedding
     multiplies its output by sqrt(hidden size)) cannot be split: the tensor-parallel layer that replaces it runs the
     base class's computation, so the model would compute something else, without an error."""
-    if type(module).forward is not base.forward:
+    if has_own_forward(module, base):
         raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, an nn.{base.__name__} with a "
                          f"forward of its own, which the tensor-parallel layer replacing it would not run (a different "
                          f"result); leave {name!r} out of the plan (it then stays whole on every rank)")

@@ -33,8 +33,8 @@ from typing import Union
 import torch
 from torch import nn
 
-__all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Heads", "Style", "STYLES", "as_style", "match_plan", "builtin_plan",
-           "gpt_plan", "llama_plan", "gpt2_plan", "BUILTIN_PLANS"]
+__all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Heads", "Style", "STYLES", "as_style", "match_plan",
+           "builtin_plan", "gpt_plan", "llama_plan", "gpt2_plan", "BUILTIN_PLANS", "has_own_forward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +159,19 @@ def gpt_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     }
 
 
+def has_own_forward(module: nn.Module, base: type[nn.Module]) -> bool:
+    """Whether `module`, an instance of `base` (nn.Linear, nn.Embedding), overrides its forward: a parallel layer
+    replacing it would compute `base`'s forward instead (transformers' GemmaTextScaledWordEmbedding scales its
+    output)."""
+    return type(module).forward is not base.forward
+
+
+#: The llama plan's projections that hold heads: (module name, attributes or config fields naming their head count,
+#: what they are called in messages).
+_HEAD_COUNTS = (("q_proj", ("num_heads", "num_attention_heads"), "attention heads"),
+                ("k_proj", ("num_key_value_heads",), "key/value heads"))
+
+
 def _heads_of(attn: nn.Module, proj: nn.Linear, *names: str) -> int | None:
     """Number of heads a projection holds: from the attention module's attributes or its config."""
     head_dim = getattr(attn, "head_dim", None)
@@ -184,17 +197,16 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     would not run that forward (parallelize refuses to split such a module).
     Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads.
     """
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     for name, module in model.named_modules():
-        for proj, attrs, what in (("q_proj", ("num_heads", "num_attention_heads"), "attention heads"),
-                                  ("k_proj", ("num_key_value_heads",), "key/value heads")):
+        for proj, attrs, what in _HEAD_COUNTS:
             child = getattr(module, proj, None)
             if isinstance(child, nn.Linear):
                 heads = _heads_of(module, child, *attrs)
                 if heads is not None:
                     _check_divides(f"the number of {what} of {name or 'the model'} ({attrs[-1]})", heads, tp)
     modules = [(name.rsplit(".", 1)[-1], module) for name, module in model.named_modules()]
-    whole = [m for n, m in modules if n == "embed_tokens" and type(m).forward is not nn.Embedding.forward]
+    names = {n for n, _ in modules}
+    whole = [m for n, m in modules if n == "embed_tokens" and has_own_forward(m, nn.Embedding)]
     plan: dict[str, Style] = {
         **({} if whole else {"embed_tokens": Vocab()}),
         "q_proj": Colwise(), "k_proj": Colwise(), "v_proj": Colwise(), "o_proj": Rowwise(),
@@ -214,6 +226,8 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_PER_HEAD_NORMS = {"q_norm": "q_proj", "k_norm": "k_proj"}  # a norm -> the projection whose heads it normalizes
+_COUNT_ATTRS = {proj: attrs for proj, attrs, _ in _HEAD_COUNTS}
 
 
 def _head_regions(model: nn.Module) -> dict[str, Style]:
@@ -233,12 +247,10 @@ def _head_regions(model: nn.Module) -> dict[str, Style]:
         for child_name, child in attn.named_children():
             if child_name in _PROJECTIONS or not any(True for _ in child.parameters()):
                 continue
-            proj = {"q_norm": "q_proj", "k_norm": "k_proj"}.get(child_name)
-            weight = getattr(child, "weight", None)
-            heads = None if proj is None else _heads_of(attn, getattr(attn, proj), *(
-                ("num_heads", "num_attention_heads") if proj == "q_proj" else ("num_key_value_heads",)))
-            if heads is None or not isinstance(weight, torch.Tensor) or \
-                    weight.numel() * heads != getattr(attn, proj).out_features:
+            proj = _PER_HEAD_NORMS.get(child_name)
+            linear, weight = getattr(attn, proj) if proj else None, getattr(child, "weight", None)
+            heads = None if linear is None else _heads_of(attn, linear, *_COUNT_ATTRS[proj])
+            if heads is None or not isinstance(weight, torch.Tensor) or weight.numel() * heads != linear.out_features:
                 raise ValueError(f"tensor parallel plan 'llama': {name}.{child_name} ({type(child).__name__}) has "
                                  f"parameters and runs on the heads of {name}, which tensor parallel splits, but it "
                                  f"is not a per-head norm of q_proj or k_proj (weight of head_dim); pass a plan dict")
