@@ -31,6 +31,12 @@ plus cp x |dK|+|dV|.
 Zigzag (split.py) gives every rank the same number of computed blocks at every step after the first, so no rank
 waits for another; with the contiguous split rank cp-1 computes cp blocks while rank 0 computes one.
 
+Soft-capped scores (Gemma 2) are capped inside every block, forward and backward (the cap's derivative multiplies
+dS). Attention sinks (GPT-OSS; Xiao et al. 2023, arXiv 2309.17453: one logit per head in every softmax denominator,
+with no value) enter once, after the last block, as one more term of each row's log-sum-exp; the backward's
+probabilities are then computed against that final log-sum-exp, and the sink's own gradient is
+``-sum over rows of P(sink) D``.
+
 Grouped-query attention (fewer key/value heads than query heads, Llama): the key/value blocks travel with their
 own head count (less traffic) and are repeated to the query heads only inside each block; their gradients are
 summed back over the repeated heads. The blocks are computed with matmuls in float32 or wider (float64 stays
@@ -47,7 +53,7 @@ import torch
 from ..comm.base import Communicator, P2POp
 from .split import SequenceSplit
 
-__all__ = ["ring_attention", "RingAttention", "check_qkv"]
+__all__ = ["ring_attention", "RingAttention", "check_extras", "check_qkv"]
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str) -> tuple[int, int]:
@@ -82,25 +88,40 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(B, H // groups, groups, c, D).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool,
+            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block's scores, soft-capped (``softcap * tanh(s / softcap)``, Gemma 2) when asked, causal-masked on the
+    diagonal; and the tanh before masking (the cap's derivative is ``1 - tanh^2``), None without a cap."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(s / softcap)
+        s = capped * softcap
     if diagonal:  # same chunk: positions equal, so key j is visible to query i iff j <= i
         c = s.shape[-1]
         s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+    return s, capped
 
 
-def _block_forward(q, k, v, scale, diagonal):  # noqa: ANN001, ANN202
-    s = _scores(q, k, scale, diagonal)
+def _block_forward(q, k, v, scale, diagonal, softcap):  # noqa: ANN001, ANN202
+    s, _ = _scores(q, k, scale, diagonal, softcap)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def _block_backward(q, k, v, do, lse, delta, scale, diagonal):  # noqa: ANN001, ANN202
-    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
+def _block_backward(q, k, v, do, lse, delta, scale, diagonal, softcap):  # noqa: ANN001, ANN202
+    s, capped = _scores(q, k, scale, diagonal, softcap)
+    p = torch.exp(s - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    if capped is not None:  # masked entries have p = 0, so ds is 0 there whatever the factor
+        ds = ds * (1 - capped * capped)
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+def _sink_logits(sinks: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """(H,) per-head sink logits as (1, H, 1), to broadcast against a (B, H, rows) log-sum-exp."""
+    return sinks.to(acc).view(1, -1, 1)
 
 
 def _pairs(split: SequenceSplit, rank: int, src: int):  # noqa: ANN202
@@ -129,7 +150,7 @@ class RingAttention(torch.autograd.Function):
     module docstring). Call through :func:`ring_attention`, which validates the arguments."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, split, scale):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, sinks, comm, split, scale, softcap):  # noqa: ANN001, ANN205
         n, rank = comm.size, comm.rank
         acc = torch.promote_types(q.dtype, torch.float32)
         m = split.chunks_per_rank
@@ -144,24 +165,29 @@ class RingAttention(torch.autograd.Function):
                 nxt, works = _exchange(comm, kv)
             for a, b, diagonal in _pairs(split, rank, (rank - step) % n):
                 kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in kv)
-                o_b, l_b = _block_forward(qs[a], kb, vb, scale, diagonal)
+                o_b, l_b = _block_forward(qs[a], kb, vb, scale, diagonal, softcap)
                 merged = torch.logaddexp(lse[a], l_b)
                 out[a] = out[a] * torch.exp(lse[a] - merged).unsqueeze(-1) + o_b * torch.exp(l_b - merged).unsqueeze(-1)
                 lse[a] = merged
             if step < n - 1:
                 _wait(works)
                 kv = nxt
+        if sinks is not None:  # one more logit per head in every row's denominator, with no value: o shrinks
+            for a in range(m):
+                merged = torch.logaddexp(lse[a], _sink_logits(sinks, acc).expand_as(lse[a]))
+                out[a] = out[a] * torch.exp(lse[a] - merged).unsqueeze(-1)
+                lse[a] = merged
         # Laid out (B, L, H, D) as fused kernels return it: the caller's transpose + reshape to (B, L, H*D) is then
         # a view, so the output projection saves this same storage instead of a copy.
         o = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2))
-        ctx.comm, ctx.split, ctx.scale = comm, split, scale
+        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2), sinks)
+        ctx.comm, ctx.split, ctx.scale, ctx.softcap = comm, split, scale, softcap
         return o
 
     @staticmethod
     def backward(ctx, do):  # noqa: ANN001, ANN205
-        q, k, v, o, lse = ctx.saved_tensors
-        comm, split, scale = ctx.comm, ctx.split, ctx.scale
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        comm, split, scale, softcap = ctx.comm, ctx.split, ctx.scale, ctx.softcap
         n, rank = comm.size, comm.rank
         acc = lse.dtype
         m = split.chunks_per_rank
@@ -179,7 +205,8 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv)
             for a, b, diagonal in _pairs(split, rank, (rank - step) % n):
                 kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in kv)
-                dq_b, dk_b, dv_b = _block_backward(qs[a], kb, vb, dos[a], lses[a], deltas[a], scale, diagonal)
+                dq_b, dk_b, dv_b = _block_backward(qs[a], kb, vb, dos[a], lses[a], deltas[a], scale,
+                                                   diagonal, softcap)
                 dq[a] += dq_b
                 dkv[0].narrow(2, b * c, c).add_(_fold(dk_b, groups))
                 dkv[1].narrow(2, b * c, c).add_(_fold(dv_b, groups))
@@ -194,21 +221,43 @@ class RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = nxt
         _wait(dkv_works)
-        return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None)
+        dsinks = None
+        if sinks is not None:  # d l / d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
+            dsinks = -(torch.exp(_sink_logits(sinks, acc) - lse) * delta).sum((0, 2)).to(sinks.dtype)
+        return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), dsinks,
+                None, None, None, None)
+
+
+def check_extras(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None, who: str) -> float | None:
+    """ValueError unless softcap is None or a positive number and sinks None or one logit per query head."""
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+            raise ValueError(f"{who}: softcap={softcap!r} must be a positive number (or None)")
+        softcap = float(softcap)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"{who}: sinks must be a tensor of one logit per query head, shape ({q.shape[1]},), "
+                         f"got {shape}")
+    return softcap
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence's keys, by ring attention.
 
     q: (B, H, L, D) this rank's L = T / cp tokens in the order `split_sequence` gives them (zigzag: chunks r and
     2cp-1-r); k, v: (B, Hkv, L, D) with H a multiple of Hkv. Every rank of `comm` calls it together (forward and
-    backward communicate). scale: multiplies q k^T; default 1 / sqrt(D). Returns (B, H, L, D), what
-    ``F.scaled_dot_product_attention(..., is_causal=True)`` on the whole sequence gives for these tokens.
-    ValueError if the shapes disagree or L is odd under zigzag.
+    backward communicate). scale: multiplies q k^T; default 1 / sqrt(D). softcap: scores become
+    ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2). sinks: (H,) one extra logit per head in every
+    softmax denominator, with no value (GPT-OSS's attention sinks; it gets a gradient). Returns (B, H, L, D), what
+    ``F.scaled_dot_product_attention(..., is_causal=True)`` on the whole sequence gives for these tokens (with the
+    cap and the sinks applied as HuggingFace's eager attention applies them). ValueError if the shapes disagree or
+    L is odd under zigzag.
     """
     check_qkv(q, k, v, "ring_attention")
+    softcap = check_extras(q, softcap, sinks, "ring_attention")
     split = SequenceSplit(comm.size, zigzag)
     split.chunk_len(q.shape[2], "ring_attention")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return RingAttention.apply(q, k, v, comm, split, scale)
+    return RingAttention.apply(q, k, v, sinks, comm, split, scale, softcap)

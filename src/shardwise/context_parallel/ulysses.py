@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.base import Communicator
-from .ring import check_qkv
+from .ring import check_extras, check_qkv
 from .split import SequenceSplit
 
 __all__ = ["ulysses_attention", "AllToAll", "all_to_all"]
@@ -62,15 +62,38 @@ def all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim
     return AllToAll.apply(x, comm, scatter_dim, gather_dim)
 
 
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                      softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Full causal attention of one head group, fused (``scaled_dot_product_attention``) unless a soft cap or sinks
+    need the scores themselves: then as HuggingFace's eager attention computes them (autograd differentiates it)."""
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    acc = torch.promote_types(q.dtype, torch.float32)
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1).to(acc) for t in (k, v))
+    s = torch.matmul(q.to(acc), k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    T = s.shape[-1]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if sinks is not None:  # a column of per-head logits in the softmax, dropped from the weights
+        s = torch.cat([s, sinks.to(acc).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)
+    return torch.matmul(p[..., :T] if sinks is not None else p, v).to(q.dtype)
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence, by all-to-all over heads (Ulysses).
 
     Same contract as :func:`~shardwise.context_parallel.ring_attention`: q (B, H, L, D), k and v (B, Hkv, L, D),
-    this rank's tokens in `split_sequence` order; returns (B, H, L, D). ValueError unless H is divisible by
-    cp = comm.size. If Hkv is not, k and v are repeated to H heads before the exchange.
+    this rank's tokens in `split_sequence` order, softcap and sinks as there; returns (B, H, L, D). ValueError
+    unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated to H heads before the exchange.
+    A soft cap or sinks make the local attention the eager one (the fused kernel has neither).
     """
     H, Hkv = check_qkv(q, k, v, "ulysses_attention")
+    softcap = check_extras(q, softcap, sinks, "ulysses_attention")
     cp = comm.size
     if H % cp:
         raise ValueError(f"ulysses_attention: {H} attention heads are not divisible by the context-parallel size "
@@ -88,6 +111,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     where = torch.cat([split.positions(r, L, q.device) for r in range(cp)])  # rank order -> sequence position
     full = full.index_select(2, torch.argsort(where))
     qf, kf, vf = full.split([hq, hkv, hkv], dim=1)
-    y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    mine = None if sinks is None else sinks.narrow(0, comm.rank * hq, hq)  # this rank's head group
+    y = _causal_attention(qf, kf, vf, scale, softcap, mine)
     y = y.index_select(2, where).unflatten(2, (cp, L))  # back to rank order: (B, hq, cp, L, D)
     return all_to_all(y, comm, scatter_dim=2, gather_dim=1).squeeze(2)  # (B, H, L, D)

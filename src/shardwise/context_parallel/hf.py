@@ -1,0 +1,182 @@
+"""HuggingFace decoders under context parallel: ring / Ulysses attention as a transformers attention function.
+
+transformers' decoders (Llama, Qwen, Mistral, Gemma, GPT-2, GPT-OSS, ...) call their attention through
+``AttentionInterface``: the function named by ``config._attn_implementation`` receives (B, H, L, D) queries, keys and
+values after rotary embedding, plus keywords for what the model's attention does besides softmax(q k^T) v. `apply_hf`
+registers :func:`hf_attention` under :data:`HF_ATTENTION`, selects it in the model's config, and makes the model's
+forward pass ``position_ids`` = the global positions of this rank's tokens, so rotary embeddings rotate each token by
+its place in the whole sequence.
+
+What the attention function does with each keyword: ``scaling`` scales q k^T; ``softcap`` (Gemma 2's
+``attn_logit_softcapping``) caps the scores as ``softcap * tanh(s / softcap)``; ``s_aux`` (GPT-OSS's per-head
+``sinks``) adds one logit per head to every softmax denominator; ``sliding_window`` at least as long as the sequence
+masks nothing and is accepted, a shorter one is refused (ring / Ulysses attention has no window). Keywords that do
+not change the result (``position_ids``, ``use_cache``, ...) pass; any other keyword with a value is refused by
+name at the first forward, so a model whose attention does something this function does not implement raises
+instead of training a different model. Refused too: a padding ``attention_mask``, attention dropout, ``labels=``
+(HF shifts them within the chunk, wrong at chunk edges), bidirectional attention (``is_causal=False``: an encoder
+such as BERT), and attention modules whose class does not dispatch through ``AttentionInterface`` (Falcon's, which
+would compute attention over the chunk alone). As a last guard every attention module checks, each time it runs,
+that it called this function.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._mixin import mix_in
+from .state import ContextParallelState, get_state, set_state
+
+__all__ = ["HF_ATTENTION", "apply_hf", "hf_attention", "is_hf"]
+
+#: the name under which the attention is registered in transformers' AttentionInterface
+HF_ATTENTION = "shardwise_context_parallel"
+
+#: keywords transformers' attention modules pass along that do not change the attention's result
+_NEUTRAL = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits", "output_attentions",
+                      "past_key_values", "past_key_value", "encoder_hidden_states", "layer_idx"})
+
+
+class _Calls:
+    """How many times an attention module called `hf_attention` (the guard in ContextParallelHFAttentionMixin)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: (B, H, L, D) in, (B, L, H, D) out, no attention weights."""
+    state, who = get_state(module), type(module).__name__
+    if state is None:
+        raise ValueError(f"attention implementation {HF_ATTENTION!r} is used by {who}, which "
+                         f"shardwise.context_parallel.apply did not prepare; apply it to the whole model")
+    calls = module.__dict__.get("_shardwise_cp_calls")
+    if calls is not None:
+        calls.count += 1
+    if attention_mask is not None:
+        raise ValueError("context parallel attention is causal over the whole sequence; attention_mask (padding) "
+                         "is not supported: pass attention_mask=None")
+    if dropout:  # GPT-2 passes its attn_pdrop here in training mode: the blockwise attention has no dropout
+        raise ValueError(f"context parallel attention: attention dropout {dropout} is not implemented by ring / "
+                         f"Ulysses attention; allowed: 0.0 (e.g. GPT2Config(attn_pdrop=0.0), or eval())")
+    window, length = kwargs.pop("sliding_window", None), query.shape[2] * state.comm.size
+    if window is not None and length > window:  # a window at least as long as the sequence masks nothing
+        raise ValueError(f"context parallel attention: sliding window {window} is shorter than the sequence length "
+                         f"T={length}; ring / Ulysses attention has no sliding window: use sequences of at most "
+                         f"{window} tokens, or cp=1")
+    causal = kwargs.pop("is_causal", None)
+    if (getattr(module, "is_causal", True) if causal is None else causal) is False:
+        raise ValueError(_bidirectional(who))
+    softcap, sinks = kwargs.pop("softcap", None), kwargs.pop("s_aux", None)
+    other = sorted(k for k, v in kwargs.items() if k not in _NEUTRAL and v is not None and v is not False)
+    if other:
+        raise ValueError(f"context parallel attention: {who} passes {other} to its attention function, which ring "
+                         f"/ Ulysses attention does not implement (it implements scaling, softcap, s_aux sinks and "
+                         f"a sliding window no shorter than the sequence); use cp=1 for this model")
+    out = state.attend(query, key, value, scale=scaling, softcap=softcap, sinks=sinks)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _bidirectional(who: str) -> str:
+    return (f"context parallel attention: {who} attends both ways (is_causal=False, an encoder such as BERT); ring / "
+            f"Ulysses attention here is causal; allowed: decoders with causal self-attention")
+
+
+class ContextParallelHFMixin:
+    """HF model forward with ``position_ids`` = the global positions of this rank's tokens (rotary offsets)."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise ValueError("context parallel HF model: pass the arguments after input_ids by keyword")
+        if kwargs.get("labels") is not None:
+            raise ValueError("context parallel HF model: labels= shifts targets within this rank's chunk, wrong at "
+                             "chunk edges; compute the loss from .logits against split_sequence((x, y))'s targets")
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError("context parallel HF model: attention_mask (padding) is not supported; pass None")
+        ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if ref is not None:
+            state = get_state(self)
+            state.split.chunk_len(ref.shape[1], "context parallel HF model")
+            mine = state.positions(ref.shape[1], ref.device).unsqueeze(0).expand(ref.shape[0], -1)
+            given = kwargs.get("position_ids")
+            if given is None:
+                kwargs["position_ids"] = mine
+            elif given.shape[-1] != mine.shape[-1] or not torch.equal(given, mine.expand_as(given)):
+                raise ValueError("context parallel HF model: position_ids must be this rank's global positions "
+                                 "(context_parallel.sequence_positions), not chunk-local ones; or pass none and "
+                                 "the model computes them")
+        kwargs.setdefault("use_cache", False)  # no generation cache: a chunk is not a prefix of the sequence
+        return super().forward(input_ids, **kwargs)
+
+
+class ContextParallelHFAttentionMixin:
+    """An attention module that checks, each time it runs, that it called :func:`hf_attention`: one that computes
+    attention some other way would attend over this rank's chunk only and train a different model."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        calls = self.__dict__["_shardwise_cp_calls"]
+        before = calls.count
+        out = super().forward(*args, **kwargs)
+        if calls.count == before:
+            raise ValueError(f"context parallel: {type(self).__name__} ran without calling the attention function "
+                             f"the config selects ({HF_ATTENTION!r}), so it attended over this rank's chunk only; "
+                             f"allowed: attention that dispatches through transformers' AttentionInterface")
+        return out
+
+
+def _uses_attention_interface(module: nn.Module) -> bool:
+    """Whether the module's class (or a base) comes from a file that looks attention functions up by name."""
+    return any(hasattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS") for cls in type(module).__mro__)
+
+
+def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The innermost modules whose class name ends in 'Attention' (BertSelfAttention, not BertAttention around it)."""
+    named = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+    return [(n, m) for n, m in named
+            if not any(o is not m and type(o).__name__.endswith("Attention") for o in m.modules())]
+
+
+def apply_hf(model: nn.Module, state: ContextParallelState) -> None:
+    """Select :func:`hf_attention` in `model`'s config and mark its attention modules and forward (module
+    docstring). ValueError for what it cannot make exact."""
+    from transformers import AttentionInterface
+
+    config = model.config
+    for field in ("attention_dropout", "attn_pdrop"):  # Llama family; GPT-2
+        if getattr(config, field, 0.0):
+            raise ValueError(f"context_parallel.apply: {field}={getattr(config, field)} is not implemented by ring / "
+                             f"Ulysses attention; allowed: 0.0")
+    attention = _attention_modules(model)
+    if not attention:
+        raise ValueError(f"context_parallel.apply: found no attention module (class name ending in 'Attention') in "
+                         f"{type(model).__name__}")
+    for name, module in attention:
+        if not _uses_attention_interface(module):
+            raise ValueError(f"context_parallel.apply: {name} ({type(module).__name__}) computes attention itself, "
+                             f"not through transformers' AttentionInterface, so ring / Ulysses attention cannot "
+                             f"replace it; allowed: decoders whose attention uses AttentionInterface (Llama family)")
+        if getattr(module, "is_causal", True) is False:
+            raise ValueError(_bidirectional(f"{name} ({type(module).__name__})"))
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    config._attn_implementation = HF_ATTENTION
+    for _, module in attention:
+        set_state(module, state)
+        object.__setattr__(module, "_shardwise_cp_calls", _Calls())
+        mix_in(module, ContextParallelHFAttentionMixin, "ContextParallel")
+    mix_in(model, ContextParallelHFMixin, "ContextParallel")
+
+
+def is_hf(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)

@@ -1,0 +1,176 @@
+"""Context parallel on what HuggingFace decoders put in their attention: Gemma 2's soft-capped scores and GPT-OSS's
+attention sinks (ring and Ulysses, float64 kernels against the eager formula, then both models' gradients against one
+process), and the refusals for what it cannot make exact (an encoder, attention computed outside transformers'
+AttentionInterface, a keyword it does not implement, chunk-local position_ids).
+
+Before the soft cap and the sinks were implemented, both models trained silently wrong under cp: the attention
+function dropped the ``softcap`` and ``s_aux`` keywords (Gemma 2's gradients off by up to 0.43; GPT-OSS's sinks
+got no gradient at all), and a BERT trained with causal attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_cases import _BUILD, tiny_llama
+
+import shardwise as sw
+from shardwise import context_parallel as cp
+
+transformers = pytest.importorskip("transformers")
+
+B, H, HKV, T, D = 2, 4, 2, 16, 8
+_GEN = torch.Generator().manual_seed(0)
+Q, K, V, DO = (torch.randn(B, h, T, D, generator=_GEN, dtype=torch.float64) for h in (H, HKV, HKV, H))
+SINKS = torch.randn(H, generator=_GEN, dtype=torch.float64)
+SOFTCAP = 0.7  # |q k^T| / sqrt(D) reaches ~3 here: a cap this small bends most scores
+
+
+def eager_attention(softcap, sinks):
+    """HuggingFace's eager formula on the whole sequence (Gemma 2's cap, GPT-OSS's sink column): output and
+    gradients of <output, DO> for q, k, v and the sinks."""
+    q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
+    s_param = None if sinks is None else sinks.clone().requires_grad_()
+    kr, vr = (t.repeat_interleave(H // HKV, dim=1) for t in (k, v))
+    s = q @ kr.transpose(-1, -2) / D ** 0.5
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    if s_param is not None:
+        s = torch.cat([s, s_param.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
+    out = torch.softmax(s, dim=-1)[..., :T] @ vr
+    out.backward(DO)
+    return [out.detach(), q.grad, k.grad, v.grad] + ([] if s_param is None else [s_param.grad])
+
+
+def cp_attention(comm, fn, zigzag, softcap, sinks):
+    q_r, k_r, v_r, do_r = (cp.split_sequence(t, comm, zigzag=zigzag, dim=2).requires_grad_() for t in (Q, K, V, DO))
+    s_param = None if sinks is None else sinks.clone().requires_grad_()
+    out = fn(q_r, k_r, v_r, comm, zigzag=zigzag, softcap=softcap, sinks=s_param)
+    out.backward(do_r.detach())
+    got = [cp.gather_sequence(t, comm, zigzag=zigzag, dim=2) for t in (out, q_r.grad, k_r.grad, v_r.grad)]
+    if s_param is not None:  # each rank's share of the sinks' gradient (its tokens): summed over the group
+        total = s_param.grad.clone()
+        comm.all_reduce(total)
+        got.append(total)
+    return got
+
+
+@pytest.mark.parametrize("fn,world,zigzag", [(cp.ring_attention, 2, True), (cp.ring_attention, 4, True),
+                                             (cp.ring_attention, 4, False), (cp.ulysses_attention, 2, True),
+                                             (cp.ulysses_attention, 4, False)])
+@pytest.mark.parametrize("softcap,sinks", [(SOFTCAP, None), (None, SINKS), (SOFTCAP, SINKS)])
+def test_softcap_and_sinks_equal_the_eager_formula_float64(fn, world, zigzag, softcap, sinks):
+    want = eager_attention(softcap, sinks)
+    for got in sw.launch(cp_attention, world, fn, zigzag, softcap, sinks):
+        for name, g, w in zip(("output", "dq", "dk", "dv", "dsinks"), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+def test_bad_softcap_and_sinks_raise():
+    def body(comm):
+        q = cp.split_sequence(Q, comm, dim=2)
+        with pytest.raises(ValueError, match=r"softcap=-1.0 must be a positive number"):
+            cp.ring_attention(q, q, q, comm, softcap=-1.0)
+        with pytest.raises(ValueError, match=r"sinks must be a tensor of one logit per query head, shape \(4,\)"):
+            cp.ulysses_attention(q, q, q, comm, sinks=torch.zeros(3))
+
+    sw.launch(body, 2)
+
+
+# ---- HuggingFace models --------------------------------------------------------------------------------------------
+def _build(cls, config):
+    with _BUILD:  # thread ranks share torch's global RNG
+        torch.manual_seed(0)
+        return cls(config)
+
+
+def gemma2():
+    """Gemma 2 with a small attention soft cap (its default 50 bends only large scores) and no final-logit cap; the
+    query and key projections are scaled up so that the scores reach the cap (at initialization they are ~0.01,
+    where the cap is the identity to 1e-5 and dropping it would go unseen)."""
+    model = _build(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_logit_softcapping=2.0,
+        final_logit_softcapping=None, sliding_window=64, query_pre_attn_scalar=8, attn_implementation="eager"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    return model
+
+
+def gpt_oss():
+    """GPT-OSS: per-head attention sinks, a mixture of experts, a sliding-window layer (window >= sequence)."""
+    return _build(transformers.GptOssForCausalLM, transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=64, layer_types=["sliding_attention", "full_attention"], attn_implementation="eager"))
+
+
+IDS = torch.randint(1, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+def gradients(model, x, y):
+    logits = model(input_ids=x).logits
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("build", [gemma2, gpt_oss])
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_hf_gradients_match_one_process(build, method):
+    x, y = IDS[:, :-1], IDS[:, 1:]
+    want = gradients(build(), x, y)
+
+    def body(comm):
+        model = sw.DDP(cp.apply(build(), comm, method=method), comm, find_unused_parameters=True)
+        return gradients(model, *cp.split_sequence((x, y), comm))
+
+    for got in sw.launch(body, 2):
+        for name, w in want.items():
+            if w is None:  # an expert no token chose, in one process as under cp
+                assert got[name] is None or not got[name].any(), name
+                continue
+            assert got[name] is not None, f"{name}: no gradient under context parallel"
+            torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+class HandRolledAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """A user's attention that computes softmax itself instead of calling the configured attention function."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (p(hidden_states).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2)), None
+
+
+def test_what_cannot_be_exact_is_refused():
+    bert = _build(transformers.BertForMaskedLM, transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager"))
+    falcon = _build(transformers.FalconForCausalLM, transformers.FalconConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, attention_dropout=0.0))
+
+    def body(comm):
+        with pytest.raises(ValueError, match=r"BertSelfAttention\) attends both ways \(is_causal=False"):
+            cp.apply(bert, comm)
+        with pytest.raises(ValueError, match=r"FalconAttention\) computes attention itself, not through"):
+            cp.apply(falcon, comm)
+        x = cp.split_sequence(IDS[:, :16], comm)
+        model = cp.apply(tiny_llama(), comm)
+        with pytest.raises(ValueError, match=r"LlamaAttention passes \['relative_bias'\] to its attention function"):
+            model(input_ids=x, relative_bias=torch.zeros(1))  # HF forwards unknown keywords to the attention
+        with pytest.raises(ValueError, match=r"position_ids must be this rank's global positions"):
+            model(input_ids=x, position_ids=torch.arange(8).expand(2, -1))
+        model(input_ids=x, position_ids=cp.sequence_positions(8, comm).expand(2, -1))  # the global ones pass
+        hand = tiny_llama()
+        for layer in hand.model.layers:
+            layer.self_attn.__class__ = HandRolledAttention
+        hand = cp.apply(hand, comm)
+        with pytest.raises(ValueError, match=r"HandRolledAttention ran without calling the attention function"):
+            hand(input_ids=x)
+
+    sw.launch(body, 2)
