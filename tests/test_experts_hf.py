@@ -287,16 +287,17 @@ def test_bad_configurations_raise_at_wrap_on_every_rank():
 
 
 def test_an_unsupported_huggingface_experts_module_is_named():
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    """GPT-OSS's experts have biases, an interleaved gate and a clamped activation: not Mixtral's formula."""
+    from transformers import GptOssConfig, GptOssForCausalLM
 
-    config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-                            shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    config = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2)
     with _BUILD:
-        model = Qwen2MoeForCausalLM(config)
+        model = GptOssForCausalLM(config)
 
     def body(comm):
         return value_error_text(lambda: expert_parallel(model, comm))
 
     for error in sw.launch(body, 2):
-        assert "Qwen2MoeExperts" in error and "MixtralExperts" in error
+        assert "GptOssExperts" in error and "MixtralExperts" in error

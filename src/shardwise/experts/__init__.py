@@ -5,8 +5,8 @@ with all-to-alls (GShard, arXiv 2006.16668; Switch, 2101.03961; DeepSpeed-MoE, 2
     model = expert_parallel(GPT(GPTConfig(n_experts=8, experts_per_token=2)), mesh.ep, dp=mesh.dp, edp=mesh.edp)
     model = sw.DDP(model, mesh.dp)     # dense gradients averaged over dp, experts' over edp
 
-HuggingFace MoE models (Mixtral's fused experts, Switch Transformers' expert modules) go through the same call
-(hf.py).
+HuggingFace MoE models (Mixtral's fused experts and every family whose experts compute the same: Qwen2/3-MoE, OLMoE,
+DeepSeek-V3 ... (hf_kinds.py); Switch Transformers' expert modules) go through the same call (hf.py).
 """
 
 from .layer import ExpertGroups, ExpertParallelLayer

@@ -3,10 +3,11 @@
 `expert_parallel(model, ep, ...)` (parallel.py) hands a HuggingFace model here when it finds one of these experts
 modules (transformers 5.x):
 
-* fused experts, ``MixtralExperts`` (``MixtralForCausalLM``): ``gate_up_proj`` (E, 2 f, d) and ``down_proj``
-  (E, d, f) Parameters. Each rank of `ep` keeps rows ``[p E/ep, (p+1) E/ep)`` of both as ShardedParameters
-  answering for (E, ...), declared like shardwise's own MoE layer: boxes along dim 0 over `ep`, replicated over
-  `edp`;
+* fused experts, ``MixtralExperts`` (``MixtralForCausalLM``) and every experts module that computes what it does
+  (hf_kinds.py: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE, Granite-MoE, Phi-MoE ...): ``gate_up_proj``
+  (E, 2 f, d) and ``down_proj`` (E, d, f) Parameters. Each rank of `ep` keeps rows ``[p E/ep, (p+1) E/ep)`` of
+  both as ShardedParameters answering for (E, ...), declared like shardwise's own MoE layer: boxes along dim 0 over
+  `ep`, replicated over `edp`;
 * experts as modules, ``SwitchTransformersExperts`` (``SwitchTransformersForConditionalGeneration``): a ModuleDict
   of ``expert_<i>`` MLPs. Expert i belongs to ep rank ``i // (E / ep)``, which keeps its module unchanged; on every
   other rank each of its weights becomes an *empty* ShardedParameter answering for the weight's shape. The layout
@@ -19,13 +20,15 @@ modules (transformers 5.x):
 The blocks' routers stay HuggingFace's code (hf_experts.py runs the dispatch). Gradients: x 1 / ep on every expert
 weight of this rank (slices.py), averaged over `edp` by `sw.DDP` over dp (sharded over edp by `sw.ZeRO` / `sw.FSDP`:
 sharding/expert_units.py). Losses: Mixtral's load-balancing loss is a product of batch means, made the global
-batch's by `GlobalRouterLoss` (hf_aux.py) when the batch is split; Switch's auxiliary and z losses are means over
+batch's by `GlobalRouterLoss` (hf_aux.py) when the batch is split (also for models whose forward is Mixtral's:
+hf_kinds.py); Switch's auxiliary and z losses are means over
 sequences (its f and P are per sequence), so equal per-rank batches already average to one process's.
 
 Refused at wrap time (ValueError naming the value): E not divisible by ep, a router with jitter noise (each rank
 would draw its own), ``capacity_factor`` (these routers apply their own capacity), a model already wrapped by any
 strategy but tensor or context parallel (which `sw.parallelize` applies first), a model mixing shardwise's MoE
-layers with HuggingFace's, a HuggingFace experts module of another class, and a load-balancing loss
+layers with HuggingFace's, a HuggingFace experts module that computes something else (named with what differs),
+and a load-balancing loss
 (``router_aux_loss_coef > 0``) that this module cannot make the global batch's.
 """
 
@@ -47,33 +50,21 @@ from ..placement import to_comm_device
 from ..whole.state_dict import load_full_into_pieces
 from .hf_aux import GlobalRouterLoss
 from .hf_experts import FusedExpertsParallel, ModuleExpertsParallel
+from .hf_kinds import GLOBAL_AUX, MODULE_EXPERTS, ROW_LOCAL_AUX, fused_difference, global_aux_model, is_one_of
 from .layer import ExpertGroups
 from .slices import expert_piece, scale_gradient
 
-__all__ = ["FUSED_EXPERTS", "MODULE_EXPERTS", "expert_parallel_hf", "hf_expert_layers"]
+__all__ = ["expert_parallel_hf", "hf_expert_layers"]
 
 WHO = "expert_parallel"
-#: HuggingFace experts modules with fused (E, ...) weights whose forward hf_experts.FusedExpertsParallel computes.
-FUSED_EXPERTS = ("MixtralExperts",)
-#: HuggingFace experts modules holding one module per expert (``expert_<i>``), routed by a dispatch mask.
-MODULE_EXPERTS = ("SwitchTransformersExperts",)
-#: Top-level models whose load-balancing loss hf_aux makes the global batch's, and those whose router losses are
-#: already means over sequences (exact under data parallel as they are).
-GLOBAL_AUX = ("MixtralForCausalLM",)
-ROW_LOCAL_AUX = ("SwitchTransformersForConditionalGeneration", "SwitchTransformersEncoderModel",
-                 "SwitchTransformersModel")
 #: Strategies expert parallel may come after (sw.parallelize's order: tp, cp, ep, ..., dp): they leave the experts
 #: modules whole (tensor parallel keeps a MoE block whole on every tp rank, as the GPT plan does).
 BENEATH = ("tensor_parallel", "context_parallel")
 
 
-def _is_one_of(module: nn.Module, names: tuple[str, ...]) -> bool:
-    """Whether `module` is of one of the classes `names`, also once tensor or context parallel mixed in a subclass."""
-    return any(c.__name__ in names for c in type(module).__mro__)
-
-
 def _is_hf(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("transformers.")
+    """A transformers class, or a user's subclass of one."""
+    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
 
 
 def hf_expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -82,12 +73,16 @@ def hf_expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if cls in FUSED_EXPERTS or cls in MODULE_EXPERTS:
+        if is_one_of(module, MODULE_EXPERTS):
             found.append((name, module))
         elif _is_hf(module) and cls.endswith("Experts") and hasattr(module, "num_experts"):
-            raise ValueError(f"{WHO}: {name!r} is a HuggingFace {cls}, a mixture-of-experts layer expert_parallel "
-                             f"does not support; supported: fused {list(FUSED_EXPERTS)} (Mixtral) and per-expert "
-                             f"modules {list(MODULE_EXPERTS)} (Switch Transformers)")
+            why = fused_difference(module)
+            if why is not None:
+                raise ValueError(f"{WHO}: {name!r} is a HuggingFace {cls}, a mixture-of-experts layer expert_parallel "
+                                 f"does not support: {why}; supported: fused experts that compute Mixtral's "
+                                 f"(MixtralExperts, Qwen2/3-MoE, OLMoE, DeepSeek-V3 ...) and per-expert modules "
+                                 f"{list(MODULE_EXPERTS)} (Switch Transformers)")
+            found.append((name, module))
     return found
 
 
@@ -117,11 +112,13 @@ def _refuse(model: nn.Module, layers: list[tuple[str, nn.Module]], ep: Communica
                              f"would draw its own noise and no layout reproduces one process; set it to 0")
     for name, module in model.named_modules():
         coef, cls = getattr(module, "router_aux_loss_coef", 0.0), type(module).__name__
-        if dp.size > 1 and coef and not _is_one_of(module, GLOBAL_AUX + ROW_LOCAL_AUX):
+        if dp.size > 1 and coef and not (global_aux_model(module) or is_one_of(module, ROW_LOCAL_AUX)):
             raise ValueError(f"{WHO}: {name or 'the model'} ({cls}) has router_aux_loss_coef={coef}: its "
                              f"load-balancing loss is a product of batch means, which each rank would compute on its "
-                             f"own part of the batch; set it to 0 (supported with the loss: {list(GLOBAL_AUX)}, and "
-                             f"{list(ROW_LOCAL_AUX)} whose router losses are means over sequences)")
+                             f"own part of the batch; set it to 0 (supported with the loss: {list(GLOBAL_AUX)}, "
+                             f"models whose forward is its forward (Qwen2/3-MoE, OLMoE ...), and {list(ROW_LOCAL_AUX)} "
+                             f"whose "
+                             f"router losses are means over sequences)")
 
 
 def _split_fused(module: nn.Module, prefix: str, ep: Communicator) -> tuple[list[nn.Parameter], dict[int, tuple]]:
@@ -197,7 +194,7 @@ def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep
     whole = {id(p): (module, name) for _, module in layers for name, p in module.named_parameters()}
     if ep.size > 1:  # with ep = 1 HuggingFace's own experts forward is one process's
         for name, module in layers:
-            fused = type(module).__name__ in FUSED_EXPERTS
+            fused = not is_one_of(module, MODULE_EXPERTS)
             more, placed = (_split_fused if fused else _split_modules)(module, name, ep)
             replaced += more
             boxes.update(placed)
@@ -205,7 +202,7 @@ def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep
             module._sw_ep = groups
     new_of = {key: module.get_parameter(name) for key, (module, name) in whole.items()}
     for _, module in list(model.named_modules()) if dp.size > 1 else ():
-        if _is_one_of(module, GLOBAL_AUX):  # the model itself, or a model inside the user's
+        if global_aux_model(module):  # the model itself, or a model inside the user's
             mix_in(module, GlobalRouterLoss, "GlobalRouterLoss")
             module._sw_batch_group = dp
     mark_replaced(replaced, WHO)

@@ -147,8 +147,9 @@ def expert_parallel(model: nn.Module, ep: Communicator | Mesh, *, dp: Communicat
                     edp: Communicator | None = None, capacity_factor: float | None = None) -> nn.Module:
     """Split the experts of every MoE layer of `model` over `ep` in place and return the model.
 
-    model: the dense model (a GPT with ``n_experts > 0``, or a HuggingFace Mixtral / Switch Transformers model:
-        hf.py), identical on every rank of `dp`, not yet wrapped by DDP.
+    model: the dense model (a GPT with ``n_experts > 0``, or a HuggingFace MoE model with Mixtral-like fused experts
+        (Qwen2/3-MoE, OLMoE, DeepSeek-V3 ...) or Switch Transformers: hf.py), identical on every rank of `dp`, not
+        yet wrapped by DDP.
     ep: the expert-parallel Communicator (``mesh.ep``), or a Mesh (then dp = ``mesh.dp_cp``, edp = ``mesh.edp``).
     dp: the group splitting the global batch, whose ranks ep borrows (``mesh.dp`` / ``mesh.dp_cp``); default `ep`
         (ep == dp: every rank of the batch group holds different experts).
