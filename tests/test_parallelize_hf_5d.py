@@ -11,6 +11,8 @@ HuggingFace's own loss, ``model(x, labels=x).loss``.
 * Mixtral (4 experts, top-2) with its load-balancing loss (output_router_logits=True, router_aux_loss_coef > 0) on
   dp=2 x ep=2 (DDP and ZeRO-3), dp=4 x ep=2 (experts averaged over edp=2), ep=2 x tp=2 and ep=2 x cp=2: the router
   loss is the global batch's.
+* Qwen3-MoE on dp=2 x ep=2 x tp=2 and Qwen2-MoE (a gated shared expert) on cp=2 x ep=2 Ulysses, both with the
+  load-balancing loss: other classes computing Mixtral's experts and loss (experts/hf_kinds.py).
 What stays unsupported is refused at wrap time by name. Each rank's model is a copy of one built before launch
 (thread ranks share torch's RNG)."""
 
@@ -72,7 +74,28 @@ def qwen3(**extra):  # per-head q_norm / k_norm: partial gradients under tensor 
     return transformers.Qwen3ForCausalLM(config)
 
 
-MODELS = {"llama": llama, "mixtral": mixtral, "gpt2": gpt2, "gemma": gemma, "qwen3": qwen3}
+def qwen3_moe(**extra):  # Mixtral's experts and load-balancing loss under another class (experts/hf_kinds.py)
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, output_router_logits=True, router_aux_loss_coef=0.05, tie_word_embeddings=False,
+        attn_implementation="eager", **extra)
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def qwen2_moe(**extra):  # a sigmoid-gated shared expert beside the routed ones
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, output_router_logits=True,
+        router_aux_loss_coef=0.05, tie_word_embeddings=False, attn_implementation="eager", **extra)
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+MODELS = {"llama": llama, "mixtral": mixtral, "gpt2": gpt2, "gemma": gemma, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
+          "qwen2_moe": qwen2_moe}
 
 
 def labels_of(step, masked=False):
@@ -148,6 +171,8 @@ CASES = {
     "mixtral_dp4_ep2": ("mixtral", {"dp": 4, "ep": 2}, {}),
     "mixtral_ep2_tp2": ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {"tp_plan": "llama"}),
     "mixtral_ep2_cp2": ("mixtral", {"dp": 1, "cp": 2, "ep": 2}, {}),
+    "qwen3_moe_dp2_ep2_tp2": ("qwen3_moe", {"dp": 2, "ep": 2, "tp": 2}, {"tp_plan": "llama"}),
+    "qwen2_moe_cp2_ep2_ulysses": ("qwen2_moe", {"dp": 1, "cp": 2, "ep": 2}, {"cp_method": "ulysses"}),
 }
 
 

@@ -40,10 +40,9 @@ BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
     "llama": hf_stages.llama_pipeline_layers, "mistral": hf_stages.llama_pipeline_layers,
     "qwen2": hf_stages.llama_pipeline_layers, "qwen3": hf_stages.llama_pipeline_layers,
     "gemma": hf_stages.llama_pipeline_layers, "mixtral": hf_stages.llama_pipeline_layers,
+    "qwen2_moe": hf_stages.llama_pipeline_layers, "qwen3_moe": hf_stages.llama_pipeline_layers,
     "gpt2": hf_stages.gpt2_pipeline_layers,
 }
-#: Router modules whose first output is the router logits that Mixtral's load-balancing loss reads.
-ROUTERS = ("MixtralTopKRouter",)
 
 
 class ChunkedCausalLMLoss:
@@ -72,16 +71,31 @@ class ChunkedCausalLMLoss:
 
 
 def router_loss_coef(model: nn.Module) -> float:
-    """Mixtral's ``router_aux_loss_coef`` when its forward adds the load-balancing loss (output_router_logits on and
-    a coefficient > 0), else 0.0."""
+    """``router_aux_loss_coef`` of a model whose forward adds Mixtral's load-balancing loss (Mixtral, Qwen2/3-MoE:
+    experts.hf_kinds.global_aux_model) with output_router_logits on and a coefficient > 0, else 0.0."""
+    from ..experts.hf_kinds import global_aux_model
+
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "mixtral" or not getattr(config, "output_router_logits", False):
+    if not getattr(config, "output_router_logits", False) or not global_aux_model(model):
         return 0.0
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
+def _routers(model: nn.Module) -> tuple[list[nn.Module], int]:
+    """The modules whose outputs HuggingFace records as ``router_logits`` (the model's ``_can_record_outputs``:
+    MixtralTopKRouter, Qwen3MoeTopKRouter, ...) and the index of the logits in their output."""
+    recorder = getattr(type(model), "_can_record_outputs", None) or {}
+    recorder = recorder.get("router_logits")
+    target = getattr(recorder, "target_class", None)
+    if target is None:
+        raise ValueError(f"parallelize: {type(model).__name__} does not say which modules' outputs are its router "
+                         f"logits (_can_record_outputs['router_logits']); router_aux_loss_coef=0 trains without the "
+                         f"load-balancing loss")
+    return [m for m in model.modules() if isinstance(m, target)], int(getattr(recorder, "index", 0) or 0)
+
+
 class RouterLoss:
-    """Records the router logits of every MoE layer of a Mixtral in the stages' forward and adds HuggingFace's
+    """Records the router logits of every MoE layer (Mixtral, Qwen2/3-MoE) in the stages' forward and adds HF's
     ``router_aux_loss_coef x load_balancing_loss`` of the global batch to `loss_fn` (module docstring).
 
     The record restarts at each forward of the first layer (the embedding), so logits recomputed in backward by
@@ -90,21 +104,22 @@ class RouterLoss:
     def __init__(self, model: nn.Module, first: nn.Module, batch_group: Communicator) -> None:
         config = model.config
         self.coef = router_loss_coef(model)
-        self.experts, self.top_k = config.num_local_experts, config.num_experts_per_tok
+        self.experts, self.top_k = model.num_experts, model.num_experts_per_tok
         self.batch_group = batch_group
         self.logits: list[torch.Tensor] = []
-        routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
-        if len(routers) != config.num_hidden_layers:
-            raise ValueError(f"parallelize: found {len(routers)} routers {ROUTERS} in {type(model).__name__} for "
-                             f"{config.num_hidden_layers} layers; the load-balancing loss needs one per layer "
-                             f"(router_aux_loss_coef=0 trains without it)")
+        routers, self.index = _routers(model)
+        run = {id(m) for layer in list(model.model.layers)[: config.num_hidden_layers] for m in layer.modules()}
+        routers = [r for r in routers if id(r) in run]  # the MoE layers HuggingFace's forward runs (dense: none)
+        if not routers:
+            raise ValueError(f"parallelize: found no router module in {type(model).__name__}'s decoder layers; "
+                             f"router_aux_loss_coef=0 trains without the load-balancing loss")
         self.n_routers = len(routers)
         first.register_forward_pre_hook(lambda module, args: self.logits.clear())
         for router in routers:
             router.register_forward_hook(self._record)
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.logits.append(output[0] if isinstance(output, tuple) else output)
+        self.logits.append(output[self.index] if isinstance(output, tuple) else output)
 
     def wrap(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         from ..experts.hf_aux import global_balance_loss
