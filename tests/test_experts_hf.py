@@ -287,17 +287,18 @@ def test_bad_configurations_raise_at_wrap_on_every_rank():
 
 
 def test_an_unsupported_huggingface_experts_module_is_named():
-    """GPT-OSS's experts have biases, an interleaved gate and a clamped activation: not Mixtral's formula."""
-    from transformers import GptOssConfig, GptOssForCausalLM
+    """Experts whose transformers flags select another formula (a norm after each expert) are refused by name."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                          num_experts_per_tok=2)
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                            num_experts_per_tok=2)
     with _BUILD:
-        model = GptOssForCausalLM(config)
+        model = Qwen3MoeForCausalLM(config)
+    model.model.layers[0].mlp.experts.has_post_expert_norm = True
 
     def body(comm):
         return value_error_text(lambda: expert_parallel(model, comm))
 
     for error in sw.launch(body, 2):
-        assert "GptOssExperts" in error and "MixtralExperts" in error
+        assert "Qwen3MoeExperts" in error and "has_post_expert_norm=True" in error

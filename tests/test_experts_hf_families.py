@@ -1,6 +1,7 @@
-"""Expert parallel on the HuggingFace MoE families whose experts compute Mixtral's formula (experts/hf_kinds.py):
-Qwen3-MoE and Qwen2-MoE (a shared expert beside the routed ones, sigmoid-gated) with their load-balancing loss on,
-and DeepSeek-V3 (group-limited routing, a dense first layer, a shared expert). Each trains 3 AdamW steps (weight
+"""Expert parallel on the HuggingFace MoE families whose experts compute Mixtral's or GPT-OSS's formula
+(experts/hf_kinds.py): Qwen3-MoE, Qwen2-MoE (a shared expert beside the routed ones, sigmoid-gated) and GPT-OSS
+(biased experts, an interleaved clamped SwiGLU, a biased router) with their load-balancing loss on, and DeepSeek-V3
+(group-limited routing, a dense first layer, a shared expert). Each trains 3 AdamW steps (weight
 decay, a binding `sw.clip_grad_norm_`) at ep 2 under DDP, and at ep 2 x edp 2 under ZeRO-3, against one process on
 the global batch: every parameter, and the ranks' losses averaging to one process's (the load-balancing loss made
 the global batch's). Experts modules or models that compute something else are refused by name, with what differs.
@@ -32,6 +33,9 @@ CONFIGS = {
     "qwen2_moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig, dict(
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         shared_expert_intermediate_size=16, output_router_logits=True, router_aux_loss_coef=0.05)),
+    "gpt_oss": (transformers.GptOssForCausalLM, transformers.GptOssConfig, dict(
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.05)),
     "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, dict(
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
@@ -103,8 +107,8 @@ class DoubledExperts(transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeEx
 
 
 def test_what_computes_something_else_is_refused():
-    gpt_oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        **{**COMMON, "num_key_value_heads": 2, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    biased = build("qwen3_moe", router_aux_loss_coef=0.0)
+    biased.model.layers[0].mlp.experts.has_bias = True  # a flag that selects another formula in transformers
     doubled = build("qwen3_moe", router_aux_loss_coef=0.0)
     for layer in doubled.model.layers:
         layer.mlp.experts.__class__ = DoubledExperts
@@ -114,9 +118,9 @@ def test_what_computes_something_else_is_refused():
 
     def body(comm):
         mesh = sw.Mesh(comm, ep=2)
-        return [value_error_text(lambda: expert_parallel(m, mesh)) for m in (gpt_oss, doubled, granite)]
+        return [value_error_text(lambda: expert_parallel(m, mesh)) for m in (biased, doubled, granite)]
 
-    for oss, dbl, gran in sw.launch(body, 4):
-        assert "GptOssExperts" in oss and "gate_up_proj_bias" in oss and "Mixtral" in oss
-        assert "DoubledExperts" in dbl and "its eager forward is not Mixtral's" in dbl
+    for bias, dbl, gran in sw.launch(body, 4):
+        assert "Qwen3MoeExperts" in bias and "has_bias=True (the mixtral template's: has_bias=False)" in bias
+        assert "DoubledExperts" in dbl and "its eager forward is neither Mixtral's nor GPT-OSS's" in dbl
         assert "GraniteMoeForCausalLM" in gran and "router_aux_loss_coef=0.05" in gran

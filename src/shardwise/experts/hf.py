@@ -50,7 +50,8 @@ from ..placement import to_comm_device
 from ..whole.state_dict import load_full_into_pieces
 from .hf_aux import GlobalRouterLoss
 from .hf_experts import FusedExpertsParallel, ModuleExpertsParallel
-from .hf_kinds import GLOBAL_AUX, MODULE_EXPERTS, ROW_LOCAL_AUX, fused_difference, global_aux_model, is_one_of
+from .hf_kinds import (GLOBAL_AUX, MODULE_EXPERTS, ROW_LOCAL_AUX, fused_difference, fused_template,
+                       global_aux_model, is_one_of)
 from .layer import ExpertGroups
 from .slices import expert_piece, scale_gradient
 
@@ -125,8 +126,7 @@ def _split_fused(module: nn.Module, prefix: str, ep: Communicator) -> tuple[list
     """This rank's slices of ``gate_up_proj`` / ``down_proj``; (replaced parameters, id(new) -> boxes by rank)."""
     per_rank = module.num_experts // ep.size
     lo, replaced, boxes = ep.rank * per_rank, [], {}
-    for attr in ("gate_up_proj", "down_proj"):
-        old = getattr(module, attr)
+    for attr, old in list(module.named_parameters(recurse=False)):  # weights and GPT-OSS's biases: (E, ...)
         with torch.no_grad():
             piece = old.detach()[lo:lo + per_rank].clone()
         new = expert_piece(old, piece, f"{prefix}.{attr}", ep, WHO)
@@ -200,6 +200,8 @@ def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep
             boxes.update(placed)
             mix_in(module, FusedExpertsParallel if fused else ModuleExpertsParallel, "ExpertParallel")
             module._sw_ep = groups
+            if fused:
+                module._sw_template = fused_template(module)
     new_of = {key: module.get_parameter(name) for key, (module, name) in whole.items()}
     for _, module in list(model.named_modules()) if dp.size > 1 else ():
         if global_aux_model(module):  # the model itself, or a model inside the user's

@@ -13,7 +13,8 @@ module then:
                   (`_compute`), the rows come back (GShard, Lepikhin et al. 2020, arXiv 2006.16668)
     combine       out[token] += weight x expert output, in expert order, as HuggingFace's eager loop adds them
 
-Fused experts (``MixtralExperts``: ``gate_up_proj`` (E, 2 f, d), ``down_proj`` (E, d, f)): this rank holds the
+Fused experts (``MixtralExperts``: ``gate_up_proj`` (E, 2 f, d), ``down_proj`` (E, d, f); GPT-OSS's transposed
+weights with biases, (E, d, 2 f), (E, 2 f), (E, f, d), (E, d), and its own gate: hf_kinds.py): this rank holds the
 slices of its E / ep experts and runs each of them, on zero rows too, so its slices always get a gradient, as the
 fused tensors do in one process (any token gives the whole tensor a gradient, zeros in the unused experts' rows).
 
@@ -77,9 +78,10 @@ class _ExpertsParallel(nn.Module):
 
 
 class FusedExpertsParallel(_ExpertsParallel):
-    """Mixed into a ``MixtralExperts``-style module whose ``gate_up_proj`` / ``down_proj`` hold this rank's slices
-    (ShardedParameters answering for (E, ...)). Computes HuggingFace's eager formula: ``gate, up = (x @ gate_up[e].T)
-    .chunk(2)``, ``act(gate) * up @ down[e].T``, weighted by the router."""
+    """Mixed into a ``MixtralExperts``-style module whose ``gate_up_proj`` / ``down_proj`` (and GPT-OSS's biases) hold
+    this rank's slices (ShardedParameters answering for (E, ...)). Computes HuggingFace's eager formula of the
+    module's template: Mixtral's ``gate, up = (x @ gate_up[e].T).chunk(2)``, ``act(gate) * up @ down[e].T``;
+    GPT-OSS's ``_apply_gate(x @ gate_up[e] + b_gu[e]) @ down[e] + b_d[e]``; weighted by the router."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -94,12 +96,19 @@ class FusedExpertsParallel(_ExpertsParallel):
         order = torch.argsort(experts, stable=True)
         return self._combine(hidden_states, tokens[order], experts[order], weights[order], self._compute)
 
+    _sw_template: str  # "mixtral" or "gpt_oss" (experts/hf_kinds.py)
+
     def _compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outs = []
-        for rows, gate_up, down in zip(x.split(counts), local(self.gate_up_proj).unbind(0),
-                                       local(self.down_proj).unbind(0)):
-            gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, down))
+        gate_up, down = local(self.gate_up_proj).unbind(0), local(self.down_proj).unbind(0)
+        if self._sw_template == "gpt_oss":  # transposed weights with biases, the class's own gate: its eager loop
+            gate_up_bias, down_bias = local(self.gate_up_proj_bias).unbind(0), local(self.down_proj_bias).unbind(0)
+            for rows, w_gu, b_gu, w_d, b_d in zip(x.split(counts), gate_up, gate_up_bias, down, down_bias):
+                outs.append(self._apply_gate(rows @ w_gu + b_gu) @ w_d + b_d)
+            return torch.cat(outs)
+        for rows, w_gu, w_d in zip(x.split(counts), gate_up, down):
+            gate, up = F.linear(rows, w_gu).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, w_d))
         return torch.cat(outs)
 
 

@@ -27,7 +27,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["GLOBAL_AUX", "MODULE_EXPERTS", "ROW_LOCAL_AUX", "fused_difference", "global_aux_model", "is_one_of"]
+__all__ = ["GLOBAL_AUX", "MODULE_EXPERTS", "ROW_LOCAL_AUX", "fused_difference", "fused_template",
+           "global_aux_model", "is_one_of"]
 
 #: HuggingFace experts modules holding one module per expert (``expert_<i>``), routed by a dispatch mask.
 MODULE_EXPERTS = ("SwitchTransformersExperts",)
@@ -36,9 +37,15 @@ MODULE_EXPERTS = ("SwitchTransformersExperts",)
 GLOBAL_AUX = ("MixtralForCausalLM",)
 ROW_LOCAL_AUX = ("SwitchTransformersForConditionalGeneration", "SwitchTransformersEncoderModel",
                  "SwitchTransformersModel")
-#: The flags of transformers' ``use_experts_implementation`` under which the eager formula is Mixtral's.
-_MIXTRAL_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-                  "has_post_expert_norm": False}
+#: The flags of transformers' ``use_experts_implementation`` that go with each template's eager formula.
+_TEMPLATE_FLAGS = {
+    "mixtral": {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                "has_post_expert_norm": False},
+    "gpt_oss": {"has_gate": True, "has_bias": True, "is_transposed": True, "is_concatenated": False,
+                "has_post_expert_norm": False},
+}
+_TEMPLATE_PARAMETERS = {"mixtral": ("gate_up_proj", "down_proj"),
+                        "gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
 
 
 def is_one_of(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -73,31 +80,62 @@ def _hf_forward(module: nn.Module) -> Any:
     return None
 
 
+def _template(module: nn.Module) -> str | None:
+    """"mixtral" or "gpt_oss" when the module's eager forward is that template's byte code, else None."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    forward = _hf_forward(module)
+    for name, cls in (("mixtral", MixtralExperts), ("gpt_oss", GptOssExperts)):
+        if _same_code(forward, vars(cls)["forward"]):
+            return name
+    return None
+
+
 def fused_difference(module: nn.Module) -> str | None:
-    """None when `module` computes Mixtral's fused experts (module docstring); else what differs, in words."""
+    """None when `module` computes one of the two fused templates (module docstring); else what differs, in words.
+
+    Mixtral's: ``act(gate) * up`` of ``x W_gu[e]^T`` chunked in halves, then ``W_d[e]^T``, no biases, Mixtral's flags
+    and the default gate. GPT-OSS's: ``x W_gu[e] + b_gu[e]`` (weights stored transposed, (E, d, 2 f)), the class's own
+    ``_apply_gate`` (GPT-OSS's interleaved, clamped SwiGLU; applied row by row, as the template applies it), then
+    ``W_d[e] + b_d[e]``."""
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     params = dict(module.named_parameters())  # the activation is a child module without parameters
     E = getattr(module, "num_experts", None)
-    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
-    if sorted(params) != ["down_proj", "gate_up_proj"] or not isinstance(E, int):
-        return (f"its parameters are {sorted(params)}, not Mixtral's gate_up_proj and down_proj alone "
+    template = _template(module)
+    if template is None:
+        return "its eager forward is neither Mixtral's nor GPT-OSS's"
+    names = _TEMPLATE_PARAMETERS[template]
+    if sorted(params) != sorted(names) or not isinstance(E, int):
+        return (f"its parameters are {sorted(params)}, not the {template} template's {sorted(names)} "
                 f"(num_experts={E!r})")
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != E or down.shape[0] != E \
-            or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
-        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not (E, 2 f, d) and "
-                f"(E, d, f) with E={E}")
-    flags = {k: getattr(module, k, v) for k, v in _MIXTRAL_FLAGS.items()}
-    if flags != _MIXTRAL_FLAGS:
-        differ = [k for k, v in flags.items() if v != _MIXTRAL_FLAGS[k]]
-        return (", ".join(f"{k}={flags[k]}" for k in differ) + " (Mixtral's: "
-                + ", ".join(f"{k}={_MIXTRAL_FLAGS[k]}" for k in differ) + ")")
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    transposed = template == "gpt_oss"
+    d, f2 = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
+    want_down = (E, f2 // 2, d) if transposed else (E, d, f2 // 2)
+    if gate_up.dim() != 3 or gate_up.shape[0] != E or f2 % 2 or tuple(down.shape) != want_down \
+            or any(tuple(params[b].shape) != (E, params[w].shape[-1 if transposed else 1])
+                   for b, w in (("gate_up_proj_bias", "gate_up_proj"), ("down_proj_bias", "down_proj")) if b in params):
+        return (f"its parameters' shapes {({k: tuple(v.shape) for k, v in params.items()})} do not fit the {template} "
+                f"template with E={E}")
+    want_flags = _TEMPLATE_FLAGS[template]
+    flags = {k: getattr(module, k, v) for k, v in want_flags.items()}
+    if flags != want_flags:
+        differ = [k for k, v in flags.items() if v != want_flags[k]]
+        return (", ".join(f"{k}={flags[k]}" for k in differ) + f" (the {template} template's: "
+                + ", ".join(f"{k}={want_flags[k]}" for k in differ) + ")")
     gate, default_gate = getattr(type(module), "_apply_gate", None), getattr(MixtralExperts, "_apply_gate", None)
-    if gate is not default_gate:
+    if template == "mixtral" and gate is not default_gate:  # eager ignores it, the fused kernels apply it
         return "its _apply_gate is its own, not act(gate) * up"
-    if not _same_code(_hf_forward(module), vars(MixtralExperts)["forward"]):
-        return "its eager forward is not Mixtral's"
     return None
+
+
+def fused_template(module: nn.Module) -> str:
+    """"mixtral" or "gpt_oss": the template of an experts module `fused_difference` accepted."""
+    template = _template(module)
+    assert template is not None, "fused_template of an experts module fused_difference did not accept"
+    return template
 
 
 def global_aux_model(module: nn.Module) -> bool:
