@@ -13,6 +13,8 @@ HuggingFace's own loss, ``model(x, labels=x).loss``.
   loss is the global batch's.
 * Qwen3-MoE on dp=2 x ep=2 x tp=2 and Qwen2-MoE (a gated shared expert) on cp=2 x ep=2 Ulysses, both with the
   load-balancing loss: other classes computing Mixtral's experts and loss (experts/hf_kinds.py).
+* GPT-OSS (attention sinks, a sliding-window layer, biased experts, its router loss) on dp=2 x ep=2 ZeRO-3 with a
+  window shorter than the sequence, and on cp=2 x ep=2 (ring attention with the sinks; a window spanning it).
 What stays unsupported is refused at wrap time by name. Each rank's model is a copy of one built before launch
 (thread ranks share torch's RNG)."""
 
@@ -94,8 +96,22 @@ def qwen2_moe(**extra):  # a sigmoid-gated shared expert beside the routed ones
     return transformers.Qwen2MoeForCausalLM(config)
 
 
+def gpt_oss(window=8):  # attention sinks, a sliding-window layer, biased experts with a clamped SwiGLU
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.05, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False, attn_implementation="eager")
+    return transformers.GptOssForCausalLM(config)
+
+
+def gpt_oss_whole_window():  # under cp a window must span the sequence (T = 16)
+    return gpt_oss(window=T)
+
+
 MODELS = {"llama": llama, "mixtral": mixtral, "gpt2": gpt2, "gemma": gemma, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
-          "qwen2_moe": qwen2_moe}
+          "qwen2_moe": qwen2_moe, "gpt_oss": gpt_oss, "gpt_oss_whole_window": gpt_oss_whole_window}
 
 
 def labels_of(step, masked=False):
@@ -173,6 +189,8 @@ CASES = {
     "mixtral_ep2_cp2": ("mixtral", {"dp": 1, "cp": 2, "ep": 2}, {}),
     "qwen3_moe_dp2_ep2_tp2": ("qwen3_moe", {"dp": 2, "ep": 2, "tp": 2}, {"tp_plan": "llama"}),
     "qwen2_moe_cp2_ep2_ulysses": ("qwen2_moe", {"dp": 1, "cp": 2, "ep": 2}, {"cp_method": "ulysses"}),
+    "gpt_oss_dp2_ep2_zero3": ("gpt_oss", {"dp": 2, "ep": 2}, {"dp_strategy": "zero3"}),
+    "gpt_oss_cp2_ep2_ring": ("gpt_oss_whole_window", {"dp": 1, "cp": 2, "ep": 2}, {}),
 }
 
 

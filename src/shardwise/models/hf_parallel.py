@@ -41,6 +41,7 @@ BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
     "qwen2": hf_stages.llama_pipeline_layers, "qwen3": hf_stages.llama_pipeline_layers,
     "gemma": hf_stages.llama_pipeline_layers, "mixtral": hf_stages.llama_pipeline_layers,
     "qwen2_moe": hf_stages.llama_pipeline_layers, "qwen3_moe": hf_stages.llama_pipeline_layers,
+    "gpt_oss": hf_stages.llama_pipeline_layers,
     "gpt2": hf_stages.gpt2_pipeline_layers,
 }
 
