@@ -116,6 +116,10 @@ class ContextParallelHFMixin:
         kwargs.setdefault("use_cache", False)  # no generation cache: a chunk is not a prefix of the sequence
         return super().forward(input_ids, **kwargs)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("context parallel HF model: generate() extends sequences one token at a time, which chunks "
+                         "split over ranks cannot; generate with a plain model holding sw.full_state_dict(model)")
+
 
 class ContextParallelHFAttentionMixin:
     """An attention module that checks, each time it runs, that it called :func:`hf_attention`: one that computes

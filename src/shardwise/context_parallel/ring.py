@@ -53,7 +53,7 @@ import torch
 from ..comm.base import Communicator, P2POp
 from .split import SequenceSplit
 
-__all__ = ["ring_attention", "RingAttention", "check_extras", "check_qkv"]
+__all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv"]
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str) -> tuple[int, int]:
@@ -228,6 +228,16 @@ class RingAttention(torch.autograd.Function):
                 None, None, None, None)
 
 
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in the autocast dtype when autocast is on for their device, as the matmuls of an eager attention would
+    take them (a rotary embedding under autocast returns float32 q and k beside a bfloat16 v); else as given."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return tuple(t.to(dtype) for t in (q, k, v))
+    return q, k, v
+
+
 def check_extras(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None, who: str) -> float | None:
     """ValueError unless softcap is None or a positive number and sinks None or one logit per query head."""
     if softcap is not None:
@@ -252,12 +262,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2). sinks: (H,) one extra logit per head in every
     softmax denominator, with no value (GPT-OSS's attention sinks; it gets a gradient). Returns (B, H, L, D), what
     ``F.scaled_dot_product_attention(..., is_causal=True)`` on the whole sequence gives for these tokens (with the
-    cap and the sinks applied as HuggingFace's eager attention applies them). ValueError if the shapes disagree or
-    L is odd under zigzag.
+    cap and the sinks applied as HuggingFace's eager attention applies them). Under autocast q, k and v are taken in
+    the autocast dtype (`autocast_inputs`) and the blocks still accumulate in float32. ValueError if the shapes
+    disagree or L is odd under zigzag.
     """
+    q, k, v = autocast_inputs(q, k, v)
     check_qkv(q, k, v, "ring_attention")
     softcap = check_extras(q, softcap, sinks, "ring_attention")
     split = SequenceSplit(comm.size, zigzag)
     split.chunk_len(q.shape[2], "ring_attention")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return RingAttention.apply(q, k, v, sinks, comm, split, scale, softcap)
+    with torch.autocast(q.device.type, enabled=False):  # the blocks accumulate in float32 forward and backward
+        return RingAttention.apply(q, k, v, sinks, comm, split, scale, softcap)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.base import Communicator
-from .ring import check_extras, check_qkv
+from .ring import autocast_inputs, check_extras, check_qkv
 from .split import SequenceSplit
 
 __all__ = ["ulysses_attention", "AllToAll", "all_to_all"]
@@ -68,6 +68,12 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     need the scores themselves: then as HuggingFace's eager attention computes them (autograd differentiates it)."""
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    with torch.autocast(q.device.type, enabled=False):  # the scores in float32, as the ring computes them
+        return _eager_causal_attention(q, k, v, scale, softcap, sinks)
+
+
+def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                            softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     acc = torch.promote_types(q.dtype, torch.float32)
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1).to(acc) for t in (k, v))
@@ -92,6 +98,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated to H heads before the exchange.
     A soft cap or sinks make the local attention the eager one (the fused kernel has neither).
     """
+    q, k, v = autocast_inputs(q, k, v)
     H, Hkv = check_qkv(q, k, v, "ulysses_attention")
     softcap = check_extras(q, softcap, sinks, "ulysses_attention")
     cp = comm.size
