@@ -25,8 +25,8 @@ DP_STRATEGIES = ("ddp", "ddp:find_unused", "zero1", "zero2", "zero3", "fsdp", "f
 TP_PLANS = ("gpt", "gpt2", "llama")
 #: Every strategy string `check` accepts.
 STRATEGIES = ("none", *DP_STRATEGIES, "distribute", "tp", *(f"tp:{p}" for p in TP_PLANS))
-#: Keys of a mesh dict: {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False}.
-MESH_KEYS = ("tp", "tp_plan", "dp_strategy", "sequence_parallel", "dp_shard", "pp", "dp")
+#: Keys of a mesh dict: {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False, "ep": 2}.
+MESH_KEYS = ("tp", "tp_plan", "dp_strategy", "sequence_parallel", "dp_shard", "pp", "dp", "ep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Spec:
     """A parsed strategy. label: how the report names it. world_size: ranks to launch. kind: "none", "dp", "tp",
     "mesh", "distribute" or "callable". dp_strategy: one of DP_STRATEGIES (or None). tp: tensor-parallel size.
     tp_plan: a plan name or dict (None: the model's built-in one). dp_shard: hybrid_shard's shard group size.
+    ep: expert-parallel size (experts split over ep ranks of dp, `shardwise.experts.expert_parallel`).
     wrapper: the user's `(model, comm) -> model`."""
 
     label: str
@@ -44,6 +45,7 @@ class Spec:
     tp_plan: Any = None
     sequence_parallel: bool = False
     dp_shard: int | None = None
+    ep: int = 1
     wrapper: Callable[[nn.Module, Communicator], nn.Module] | None = None
 
     @property
@@ -72,10 +74,14 @@ class Spec:
         from .. import tensor_parallel as tp
         from ..mesh import Mesh
 
-        mesh = Mesh(comm, dp=None, tp=self.tp)
+        mesh = Mesh(comm, dp=None, tp=self.tp, ep=self.ep)
         if self.tp > 1 or self.kind == "tp":
             plan = self.tp_plan if self.tp_plan is not None else _model_plan(model)
             model = tp.parallelize(model, mesh.tp, plan, sequence_parallel=self.sequence_parallel)
+        if self.ep > 1:  # sw.parallelize's order: tensor parallel, experts over ep, then the data-parallel wrapper
+            from ..experts import expert_parallel
+
+            model = expert_parallel(model, mesh)
         if self.dp_strategy is None:
             return model
         return _wrap_dp(model, mesh.dp, self.dp_strategy, self.dp_shard)
@@ -151,6 +157,10 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
         else None
     if shard is None and strategy.get("dp_shard") is not None:
         raise ValueError("check: dp_shard only applies to dp_strategy='fsdp:hybrid_shard'")
+    ep = _positive_int("ep", strategy.get("ep", 1))
+    if dp % ep:
+        raise ValueError(f"check: ep={ep} must divide the {dp} data-parallel ranks (expert parallel splits the "
+                         f"experts over ep of them)")
     sp = strategy.get("sequence_parallel", False)
     if not isinstance(sp, bool):
         raise ValueError(f"check: sequence_parallel={sp!r} must be True or False")
@@ -158,10 +168,13 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
     if plan is not None and not isinstance(plan, (str, dict)):
         raise ValueError(f"check: tp_plan={plan!r} must be a plan name {list(TP_PLANS)} or a dict")
     shown = plan if isinstance(plan, str) else "dict" if plan is not None else "the model's"
-    label = f"tp={tp} (plan {shown}{', sequence parallel' if sp else ''})"
+    parts = [f"tp={tp} (plan {shown}{', sequence parallel' if sp else ''})"] if tp > 1 or ep == 1 else []
+    if ep > 1:
+        parts.append(f"experts over ep={ep}")
     if dp_strategy is not None:
-        label += f" x {dp_strategy} over dp={dp}"
-    return Spec(label, world_size, "mesh", dp_strategy, tp, plan, sp, shard)
+        parts.append(f"{dp_strategy} over dp={dp}")
+    label = " x ".join(parts)
+    return Spec(label, world_size, "mesh", dp_strategy, tp, plan, sp, shard, ep)
 
 
 def parse_strategy(strategy: object, world_size: object) -> Spec:
