@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_cases import _BUILD, tiny_llama
+from hf_cases import build, gemma2, gpt_oss, tiny_llama
 
 import shardwise as sw
 from shardwise import context_parallel as cp
@@ -80,35 +80,6 @@ def test_bad_softcap_and_sinks_raise():
 
 
 # ---- HuggingFace models --------------------------------------------------------------------------------------------
-def _build(cls, config):
-    with _BUILD:  # thread ranks share torch's global RNG
-        torch.manual_seed(0)
-        return cls(config)
-
-
-def gemma2():
-    """Gemma 2 with a small attention soft cap (its default 50 bends only large scores) and no final-logit cap; the
-    query and key projections are scaled up so that the scores reach the cap (at initialization they are ~0.01,
-    where the cap is the identity to 1e-5 and dropping it would go unseen)."""
-    model = _build(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_logit_softcapping=2.0,
-        final_logit_softcapping=None, sliding_window=64, query_pre_attn_scalar=8, attn_implementation="eager"))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20)
-            layer.self_attn.k_proj.weight.mul_(20)
-    return model
-
-
-def gpt_oss():
-    """GPT-OSS: per-head attention sinks, a mixture of experts, a sliding-window layer (window >= sequence)."""
-    return _build(transformers.GptOssForCausalLM, transformers.GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=64, layer_types=["sliding_attention", "full_attention"], attn_implementation="eager"))
-
-
 IDS = torch.randint(1, 64, (2, 17), generator=torch.Generator().manual_seed(1))
 
 
@@ -178,10 +149,10 @@ class HandRolledAttention(transformers.models.llama.modeling_llama.LlamaAttentio
 
 
 def test_what_cannot_be_exact_is_refused():
-    bert = _build(transformers.BertForMaskedLM, transformers.BertConfig(
+    bert = build(transformers.BertForMaskedLM, transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
         attention_probs_dropout_prob=0.0, attn_implementation="eager"))
-    falcon = _build(transformers.FalconForCausalLM, transformers.FalconConfig(
+    falcon = build(transformers.FalconForCausalLM, transformers.FalconConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, attention_dropout=0.0))
 
     def body(comm):

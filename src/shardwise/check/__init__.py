@@ -28,6 +28,7 @@ from .compare import compare
 from .inputs import check_divides, check_picklable, resolve_batches
 from .report import PHASES, CheckReport, Mismatch, TensorRow
 from .run import Job, rank_trace, reference_trace
+from .sequences import refuse_loss_fn
 from .spec import DP_STRATEGIES, MESH_KEYS, STRATEGIES, TP_PLANS, parse_strategy
 
 __all__ = ["check", "CheckReport", "Mismatch", "TensorRow", "PHASES", "STRATEGIES", "DP_STRATEGIES", "MESH_KEYS",
@@ -76,8 +77,10 @@ def check(
         "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:hybrid_shard" (shards over half the ranks: world_size even and
         >= 4), "distribute" (sw.distribute's choice), "tp" / "tp:<plan>" (tensor parallel over every rank); a dict
         for a mesh, {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False}: tensor
-        parallel over mesh.tp then the data-parallel strategy over mesh.dp (pipelines, pp > 1, are refused); or a
-        callable (model, comm) -> wrapped model.
+        parallel over mesh.tp then the data-parallel strategy over mesh.dp (pipelines, pp > 1, are refused); "ep"
+        splits a MoE model's experts over ep data-parallel ranks; "cp" (with "cp_method": "ring" / "ulysses")
+        splits every sequence over cp ranks (sequences.py computes their loss); or a callable (model, comm) ->
+        wrapped model.
     optimizer: params -> torch.optim.Optimizer, built over `model.parameters()` after wrapping; default
         AdamW(lr=1e-3, weight_decay=0.1, eps=1e-6) (inputs.default_optimizer says why eps is 1e-6).
     loss_fn: loss_fn(model, batch) -> scalar tensor; default: the model's output on the batch (`model(*batch)`,
@@ -118,6 +121,8 @@ def check(
     if device is not None and device.type != "cpu" and backend != "thread":
         raise ValueError(f"check: device={str(device)!r} needs backend='thread' (gloo processes compute on the cpu)")
     spec = parse_strategy(strategy, world_size)
+    if spec.cp > 1:
+        refuse_loss_fn(loss_fn)
     batches = resolve_batches(batch, steps)
     if spec.dp is not None:
         check_divides(batches, spec.dp)

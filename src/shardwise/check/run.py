@@ -30,6 +30,7 @@ from ..whole import clip_grad_norm_, full_state_dict
 from .forward_outputs import OutputRecorder
 from .grads import data_parallel_group, full_gradients
 from .inputs import build_seeded, compute_loss, describe_optimizer, make_optimizer, slice_batch
+from .sequences import chunked_loss
 from .spec import Spec
 
 __all__ = ["Job", "StepRecord", "Trace", "reference_trace", "rank_trace"]
@@ -135,10 +136,14 @@ def reference_trace(job: Job) -> Trace:
 
 def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     """One rank of the strategy's run (the body `sw.launch` runs); rank 0 returns the Trace, the others None."""
-    model = job.spec.wrap(build_seeded(job.build_model, job.seed), comm)
+    mesh = job.spec.mesh(comm) if job.spec.kind == "mesh" else None
+    model = job.spec.wrap(build_seeded(job.build_model, job.seed), comm, mesh)
     _refuse_pipelines(model)
-    dp = data_parallel_group(model)
+    dp = data_parallel_group(model)  # the ranks averaging the gradients (dp x cp under context parallel)
     index, parts = (dp.rank, dp.size) if dp is not None else (0, 1)
+    if job.spec.cp > 1:  # the cp ranks of a data-parallel rank share its rows and split their sequences
+        index, parts = mesh.coords.dp, mesh.sizes["dp"]
+        job = dataclasses.replace(job, loss_fn=chunked_loss(mesh.cp))
     device = comm_device(comm)
 
     def average(value: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ TP_PLANS = ("gpt", "gpt2", "llama")
 #: Every strategy string `check` accepts.
 STRATEGIES = ("none", *DP_STRATEGIES, "distribute", "tp", *(f"tp:{p}" for p in TP_PLANS))
 #: Keys of a mesh dict: {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False, "ep": 2}.
-MESH_KEYS = ("tp", "tp_plan", "dp_strategy", "sequence_parallel", "dp_shard", "pp", "dp", "ep")
+MESH_KEYS = ("tp", "tp_plan", "dp_strategy", "sequence_parallel", "dp_shard", "pp", "dp", "ep", "cp", "cp_method")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Spec:
     """A parsed strategy. label: how the report names it. world_size: ranks to launch. kind: "none", "dp", "tp",
     "mesh", "distribute" or "callable". dp_strategy: one of DP_STRATEGIES (or None). tp: tensor-parallel size.
     tp_plan: a plan name or dict (None: the model's built-in one). dp_shard: hybrid_shard's shard group size.
-    ep: expert-parallel size (experts split over ep ranks of dp, `shardwise.experts.expert_parallel`).
+    ep: expert-parallel size (experts split over ep ranks of dp, `shardwise.experts.expert_parallel`). cp, cp_method:
+    context-parallel size and method (every sequence split over cp ranks, `shardwise.context_parallel.apply`).
     wrapper: the user's `(model, comm) -> model`."""
 
     label: str
@@ -46,6 +47,8 @@ class Spec:
     sequence_parallel: bool = False
     dp_shard: int | None = None
     ep: int = 1
+    cp: int = 1
+    cp_method: str = "ring"
     wrapper: Callable[[nn.Module, Communicator], nn.Module] | None = None
 
     @property
@@ -53,10 +56,17 @@ class Spec:
         """The data-parallel size, when the strategy fixes it before wrapping (None: read from the layout)."""
         if self.kind in ("callable", "distribute"):
             return None
-        return self.world_size // self.tp if self.dp_strategy is not None else 1
+        return self.world_size // (self.tp * self.cp) if self.dp_strategy is not None else 1
 
-    def wrap(self, model: nn.Module, comm: Communicator) -> nn.Module:
-        """Apply the strategy to this rank's fresh model (collective over `comm`); return the model to train."""
+    def mesh(self, comm: Communicator) -> Any:
+        """The Mesh a "mesh" strategy runs on (collective over `comm`)."""
+        from ..mesh import Mesh
+
+        return Mesh(comm, dp=None, tp=self.tp, ep=self.ep, cp=self.cp)
+
+    def wrap(self, model: nn.Module, comm: Communicator, mesh: Any = None) -> nn.Module:
+        """Apply the strategy to this rank's fresh model (collective over `comm`; a "mesh" strategy on `mesh`, made
+        here when not given); return the model to train."""
         if self.kind == "none":
             return model
         if self.kind == "callable":
@@ -72,19 +82,22 @@ class Spec:
         if self.kind == "dp":
             return _wrap_dp(model, comm, self.dp_strategy, self.dp_shard)
         from .. import tensor_parallel as tp
-        from ..mesh import Mesh
 
-        mesh = Mesh(comm, dp=None, tp=self.tp, ep=self.ep)
+        mesh = mesh if mesh is not None else self.mesh(comm)
         if self.tp > 1 or self.kind == "tp":
             plan = self.tp_plan if self.tp_plan is not None else _model_plan(model)
             model = tp.parallelize(model, mesh.tp, plan, sequence_parallel=self.sequence_parallel)
+        if self.cp > 1:
+            from .. import context_parallel
+
+            model = context_parallel.apply(model, mesh.cp, method=self.cp_method)
         if self.ep > 1:  # sw.parallelize's order: tensor parallel, experts over ep, then the data-parallel wrapper
             from ..experts import expert_parallel
 
             model = expert_parallel(model, mesh)
         if self.dp_strategy is None:
             return model
-        return _wrap_dp(model, mesh.dp, self.dp_strategy, self.dp_shard)
+        return _wrap_dp(model, mesh.dp_cp if self.cp > 1 else mesh.dp, self.dp_strategy, self.dp_shard)
 
 
 def _model_plan(model: nn.Module) -> Any:
@@ -139,27 +152,31 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
     if pp != 1:
         raise ValueError(f"check: pp={pp!r}: pipelines are not supported by check yet (their loss runs inside "
                          f"the schedule, not through loss_fn); check the tp x dp layout with pp=1")
-    tp = _positive_int("tp", strategy.get("tp", 1))
-    if world_size % tp:
-        raise ValueError(f"check: tp={tp} does not divide world_size={world_size}")
-    dp = world_size // tp
+    tp, cp = _positive_int("tp", strategy.get("tp", 1)), _positive_int("cp", strategy.get("cp", 1))
+    if world_size % (tp * cp):
+        raise ValueError(f"check: tp={tp} x cp={cp} does not divide world_size={world_size}")
+    dp = world_size // (tp * cp)
     if strategy.get("dp", dp) != dp:
-        raise ValueError(f"check: dp={strategy['dp']!r} but world_size // tp = {world_size} // {tp} = {dp}")
-    dp_strategy = strategy.get("dp_strategy", "ddp" if dp > 1 else None)
+        raise ValueError(f"check: dp={strategy['dp']!r} but world_size // (tp x cp) = {world_size} // {tp * cp} = "
+                         f"{dp}")
+    method = strategy.get("cp_method", "ring")
+    if method not in ("ring", "ulysses"):
+        raise ValueError(f"check: cp_method={method!r} is not supported; allowed ['ring', 'ulysses']")
+    dp_strategy = strategy.get("dp_strategy", "ddp" if dp * cp > 1 else None)
     if dp_strategy in (None, "none"):
-        if dp > 1:
-            raise ValueError(f"check: the mesh has dp={dp} (world_size {world_size} / tp {tp}); name dp_strategy, "
-                             f"one of {list(DP_STRATEGIES)}")
+        if dp * cp > 1:  # context parallel's gradients are averaged over dp x cp by the data-parallel wrapper
+            raise ValueError(f"check: the mesh has dp={dp} x cp={cp} (world_size {world_size} / tp {tp}); name "
+                             f"dp_strategy, one of {list(DP_STRATEGIES)}")
         dp_strategy = None
     elif dp_strategy not in DP_STRATEGIES:
         raise ValueError(f"check: dp_strategy={dp_strategy!r} is not supported; allowed {list(DP_STRATEGIES)}")
-    shard = _hybrid_shard(dp, strategy.get("dp_shard"), "dp_strategy") if dp_strategy == "fsdp:hybrid_shard" \
+    shard = _hybrid_shard(dp * cp, strategy.get("dp_shard"), "dp_strategy") if dp_strategy == "fsdp:hybrid_shard" \
         else None
     if shard is None and strategy.get("dp_shard") is not None:
         raise ValueError("check: dp_shard only applies to dp_strategy='fsdp:hybrid_shard'")
     ep = _positive_int("ep", strategy.get("ep", 1))
-    if dp % ep:
-        raise ValueError(f"check: ep={ep} must divide the {dp} data-parallel ranks (expert parallel splits the "
+    if (dp * cp) % ep:
+        raise ValueError(f"check: ep={ep} must divide the {dp * cp} data-parallel ranks (expert parallel splits the "
                          f"experts over ep of them)")
     sp = strategy.get("sequence_parallel", False)
     if not isinstance(sp, bool):
@@ -168,13 +185,15 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
     if plan is not None and not isinstance(plan, (str, dict)):
         raise ValueError(f"check: tp_plan={plan!r} must be a plan name {list(TP_PLANS)} or a dict")
     shown = plan if isinstance(plan, str) else "dict" if plan is not None else "the model's"
-    parts = [f"tp={tp} (plan {shown}{', sequence parallel' if sp else ''})"] if tp > 1 or ep == 1 else []
+    parts = [f"tp={tp} (plan {shown}{', sequence parallel' if sp else ''})"] if tp > 1 or ep == cp == 1 else []
+    if cp > 1:
+        parts.append(f"cp={cp} ({method} attention)")
     if ep > 1:
         parts.append(f"experts over ep={ep}")
     if dp_strategy is not None:
-        parts.append(f"{dp_strategy} over dp={dp}")
+        parts.append(f"{dp_strategy} over dp={dp}" + (f" x cp={cp}" if cp > 1 else ""))
     label = " x ".join(parts)
-    return Spec(label, world_size, "mesh", dp_strategy, tp, plan, sp, shard, ep)
+    return Spec(label, world_size, "mesh", dp_strategy, tp, plan, sp, shard, ep, cp, method)
 
 
 def parse_strategy(strategy: object, world_size: object) -> Spec:

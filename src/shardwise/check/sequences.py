@@ -1,0 +1,56 @@
+"""The loss of a rank under context parallel in a check: this rank's chunks of every sequence in, the whole
+sequences' mean loss out, averaged over the cp ranks.
+
+A context-parallel rank feeds its model the tokens `split_sequence` gives it (zigzag chunks r and 2cp-1-r of each
+of its data-parallel rows), so the one-process loss cannot be computed as it is:
+
+* a HuggingFace batch ``{"input_ids": ..., "labels": ...}``: HuggingFace's ``labels=`` shifts inside the chunk
+  (refused by context parallel); the loss is instead `ChunkedCausalLMLoss` (models/hf_parallel.py) of the chunk's
+  logits against the whole labels, shifted over the whole sequence, whose mean over the cp ranks is HuggingFace's;
+* a ``(x, y)`` batch for a model whose ``forward(x, y)`` returns the mean loss of its tokens (shardwise's GPT),
+  targets already shifted: both are split alike, and every rank holds the same number of tokens, so the mean over
+  the cp ranks is the mean over the sequence.
+
+The check averages the ranks' losses over the data-parallel wrapper's group (dp x cp), which is then one process's
+loss on the global batch. A `loss_fn` of the user's is refused under cp: how it weighs a chunk is its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+
+__all__ = ["chunked_loss", "refuse_loss_fn"]
+
+
+def refuse_loss_fn(loss_fn: object) -> None:
+    if loss_fn is not None:
+        raise ValueError("check: loss_fn cannot be combined with cp > 1: under context parallel the check computes "
+                         "the loss of each rank's chunks itself (a HuggingFace {'input_ids', 'labels'} batch, or "
+                         "(x, y) for a model whose forward(x, y) returns the mean loss); pass loss_fn=None")
+
+
+def chunked_loss(cp: Communicator) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """The `loss_fn` of a context-parallel rank (module docstring) over the rows the check gave it."""
+    from ..context_parallel import split_sequence
+    from ..models.hf_parallel import ChunkedCausalLMLoss
+
+    chunk_loss = ChunkedCausalLMLoss(cp)
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict) and "labels" in batch:
+            inputs = {k: split_sequence(v, cp) for k, v in batch.items() if k != "labels"}
+            return chunk_loss(model(**inputs).logits, batch["labels"])
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            out = model(*split_sequence(tuple(batch), cp))
+            if isinstance(out, torch.Tensor) and out.dim() == 0:
+                return out
+        raise ValueError("check: under cp > 1 the batch must be a HuggingFace dict with 'input_ids' and 'labels', or "
+                         "(x, y) for a model whose forward(x, y) returns the mean loss of its tokens")
+
+    return loss

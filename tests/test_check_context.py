@@ -1,0 +1,67 @@
+"""sw.check with context parallel in the strategy ({"cp": 2, ...}): each rank feeds its chunks of every sequence and
+the check computes their loss (check/sequences.py). Clean: shardwise's GPT (an (x, y) batch), Gemma 2 (soft-capped
+attention) and GPT-OSS (attention sinks, experts over ep, ZeRO-3). A planted bug, the one context parallel had
+before it implemented the soft cap (the attention function dropping Gemma 2's ``softcap``), is found at step 0; what
+cannot be checked is refused by name."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hf_cases import gemma2, gpt_oss
+
+from shardwise.check import check
+from shardwise.check.example import build_gpt, gpt_batch
+
+transformers = pytest.importorskip("transformers")
+
+cp_hf = sys.modules["shardwise.context_parallel.hf"]
+
+
+def tokens(step):
+    ids = torch.randint(1, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+    return {"input_ids": ids, "labels": ids}
+
+
+def adamw(params):  # eps 1e-5: Gemma 2's sharp scores leave gradients whose rounding noise eps=1e-6 would amplify
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-5)
+
+
+def test_the_gpt_over_cp_is_clean():
+    report = check(build_gpt, gpt_batch, strategy={"cp": 2}, world_size=2, steps=2)
+    assert report.ok, str(report)
+    assert "cp=2 (ring attention) x ddp over dp=1 x cp=2 on 2 thread ranks" in str(report)
+
+
+@pytest.mark.parametrize("build, strategy, world", [
+    (gemma2, {"cp": 2, "cp_method": "ulysses", "dp_strategy": "ddp"}, 4),
+    (gpt_oss, {"cp": 2, "ep": 2, "dp_strategy": "zero3"}, 4)], ids=["gemma2-cp2-ulysses-dp2", "gpt_oss-cp2-ep2-zero3"])
+def test_huggingface_decoders_over_cp_are_clean(build, strategy, world):
+    report = check(build, tokens, strategy=strategy, world_size=world, steps=2, optimizer=adamw)
+    assert report.ok, str(report)
+
+
+def test_a_dropped_soft_cap_is_found_at_step_0(monkeypatch):
+    right = cp_hf.hf_attention
+
+    def without_cap(module, q, k, v, mask, scaling=None, dropout=0.0, **kwargs):
+        return right(module, q, k, v, mask, scaling, dropout, **{**kwargs, "softcap": None})
+
+    monkeypatch.setattr(cp_hf, "hf_attention", without_cap)
+    report = check(gemma2, tokens, strategy={"cp": 2}, world_size=2, steps=1, optimizer=adamw)
+    assert not report.ok
+    assert (report.first_mismatch.step, report.first_mismatch.phase) == (0, "forward"), str(report)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(strategy={"cp": 2}, loss_fn=lambda model, batch: model(**batch).loss), ["loss_fn cannot be combined"]),
+    (dict(strategy={"cp": 2, "cp_method": "stripes"}), ["cp_method='stripes'", "'ulysses'"]),
+    (dict(strategy={"cp": 3}), ["tp=1 x cp=3 does not divide world_size=2"]),
+    (dict(strategy={"cp": 2, "dp_strategy": "none"}), ["dp=1 x cp=2", "name dp_strategy"]),
+])
+def test_bad_context_parallel_input_is_refused(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        check(build_gpt, gpt_batch, **kwargs)
+    assert all(w in str(info.value) for w in words), str(info.value)
