@@ -65,3 +65,13 @@ def test_bad_context_parallel_input_is_refused(kwargs, words):
     with pytest.raises(ValueError) as info:
         check(build_gpt, gpt_batch, **kwargs)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_the_command_line_takes_cp_and_ep(capsys):
+    from shardwise_cli import main
+
+    assert main(["check", "--gpt", "--cp", "2", "--strategy", "ddp", "-n", "2", "--steps", "2"]) == 0
+    assert "cp=2 (ring attention) x ddp over dp=1 x cp=2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["check", "--gpt", "--cp-method", "ulysses"])
+    assert "--cp-method needs --cp > 1" in capsys.readouterr().err

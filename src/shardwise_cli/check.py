@@ -2,6 +2,7 @@
 
     shardwise check mymodels.py:build --batch mymodels.py:batch --strategy zero3 -n 2 --steps 3
     shardwise check mypkg.models:build --batch mypkg.data:batch --loss mypkg.train:loss --tp 2 --tp-plan llama -n 4
+    shardwise check mypkg.models:build --batch mypkg.data:batch --cp 2 --ep 2 -n 4
     shardwise check --gpt --strategy zero3 -n 2          # the library's tiny GPT, a ready example
     shardwise check mymodels.py:build --batch mymodels.py:batch --wrap mytrain.py:wrap -n 2   # your own wrapping
 
@@ -81,6 +82,12 @@ def add_check(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-plan", default=None, metavar="PLAN",
                    help=f"tensor-parallel plan: {', '.join(CHECK_TP_PLANS)} (default: the model's built-in one)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tp: sequence parallel too")
+    p.add_argument("--cp", type=positive_int, default=1, help="context-parallel size: every sequence split over --cp "
+                   "ranks, then --strategy over dp x cp (default: %(default)s)")
+    p.add_argument("--cp-method", choices=("ring", "ulysses"), default="ring",
+                   help="with --cp: ring or all-to-all (Ulysses) attention (default: %(default)s)")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size: a MoE model's experts split over "
+                   "--ep data-parallel ranks (default: %(default)s)")
     p.add_argument("--backend", choices=CHECK_BACKENDS, default="thread",
                    help="thread ranks, or gloo processes on 127.0.0.1 (default: %(default)s)")
     p.add_argument("--max-norm", type=positive_float, default=1.0,
@@ -100,20 +107,23 @@ def _strategy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
     if not args.gpt and (args.build is None or args.batch is None):
         parser.error("give MODULE_OR_FILE:build_fn and --batch MODULE_OR_FILE:batch_fn (or --gpt for the example)")
     if args.wrap is not None:
-        if args.tp != 1 or args.strategy != parser.get_default("strategy"):
-            parser.error("--wrap is the whole strategy: give it without --strategy and --tp")
+        if (args.tp, args.cp, args.ep) != (1, 1, 1) or args.strategy != parser.get_default("strategy"):
+            parser.error("--wrap is the whole strategy: give it without --strategy, --tp, --cp and --ep")
         return None  # loaded with the other functions
-    if args.tp == 1:
-        if args.tp_plan is not None or args.sequence_parallel:
-            parser.error("--tp-plan and --sequence-parallel need --tp > 1")
+    if args.tp == 1 and (args.tp_plan is not None or args.sequence_parallel):
+        parser.error("--tp-plan and --sequence-parallel need --tp > 1")
+    if args.cp == 1 and args.cp_method != parser.get_default("cp_method"):
+        parser.error("--cp-method needs --cp > 1")
+    if (args.tp, args.cp, args.ep) == (1, 1, 1):
         return args.strategy
     if args.strategy not in ("none", *CHECK_DP_STRATEGIES):
-        parser.error(f"with --tp, --strategy is the data-parallel strategy over the dp axis: one of none, "
-                     f"{', '.join(CHECK_DP_STRATEGIES)}; got {args.strategy!r}")
+        parser.error(f"with --tp, --cp or --ep, --strategy is the data-parallel strategy over the dp axis: one of "
+                     f"none, {', '.join(CHECK_DP_STRATEGIES)}; got {args.strategy!r}")
     if args.tp_plan is not None and args.tp_plan not in CHECK_TP_PLANS:
         parser.error(f"--tp-plan {args.tp_plan!r} is not a built-in plan; allowed {', '.join(CHECK_TP_PLANS)}")
-    return {"tp": args.tp, "tp_plan": args.tp_plan or ("gpt" if args.gpt else None), "dp_strategy": args.strategy,
-            "sequence_parallel": args.sequence_parallel}
+    plan = args.tp_plan or ("gpt" if args.gpt and args.tp > 1 else None)
+    return {"tp": args.tp, "tp_plan": plan, "dp_strategy": args.strategy, "sequence_parallel": args.sequence_parallel,
+            "cp": args.cp, "cp_method": args.cp_method, "ep": args.ep}
 
 
 def _load(ref: str) -> Any:
