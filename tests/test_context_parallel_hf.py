@@ -5,7 +5,8 @@ AttentionInterface, a keyword it does not implement, chunk-local position_ids).
 
 Before the soft cap and the sinks were implemented, both models trained silently wrong under cp: the attention
 function dropped the ``softcap`` and ``s_aux`` keywords (Gemma 2's gradients off by up to 0.43; GPT-OSS's sinks
-got no gradient at all), and a BERT trained with causal attention.
+got no gradient at all), a BERT trained with causal attention, and hybrid models (Jamba, Bamba, LFM2, Qwen3-Next,
+RecurrentGemma) ran their state-space, convolution or linear-attention layers on each rank's chunks alone.
 """
 
 from __future__ import annotations
@@ -154,12 +155,22 @@ def test_what_cannot_be_exact_is_refused():
         attention_probs_dropout_prob=0.0, attn_implementation="eager"))
     falcon = build(transformers.FalconForCausalLM, transformers.FalconConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, attention_dropout=0.0))
+    lfm2 = build(transformers.Lfm2ForCausalLM, transformers.Lfm2Config(  # a short convolution before the attention
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"], attn_implementation="eager"))
+    shifted = tiny_llama()  # a user's token-shift convolution inside a layer
+    shifted.model.layers[0].shift = torch.nn.Conv1d(64, 64, 2, groups=64)
 
     def body(comm):
         with pytest.raises(ValueError, match=r"BertSelfAttention\) attends both ways \(is_causal=False"):
             cp.apply(bert, comm)
         with pytest.raises(ValueError, match=r"FalconAttention\) computes attention itself, not through"):
             cp.apply(falcon, comm)
+        with pytest.raises(ValueError, match=r"Lfm2ForCausalLM mixes tokens along the sequence outside attention "
+                                             r"\(config.layer_types has \['conv'\]"):
+            cp.apply(lfm2, comm)
+        with pytest.raises(ValueError, match=r"model.layers.0.shift is a Conv1d \(in LlamaDecoderLayer\)"):
+            cp.apply(shifted, comm)
         x = cp.split_sequence(IDS[:, :16], comm)
         model = cp.apply(tiny_llama(), comm)
         with pytest.raises(ValueError, match=r"LlamaAttention passes \['relative_bias'\] to its attention function"):

@@ -15,8 +15,10 @@ not change the result (``position_ids``, ``use_cache``, ...) pass; any other key
 name at the first forward, so a model whose attention does something this function does not implement raises
 instead of training a different model. Refused too: a padding ``attention_mask``, attention dropout, ``labels=``
 (HF shifts them within the chunk, wrong at chunk edges), bidirectional attention (``is_causal=False``: an encoder
-such as BERT), and attention modules whose class does not dispatch through ``AttentionInterface`` (Falcon's, which
-would compute attention over the chunk alone). As a last guard every attention module checks, each time it runs,
+such as BERT), attention modules whose class does not dispatch through ``AttentionInterface`` (Falcon's, which
+would compute attention over the chunk alone), and token mixing outside attention (the state-space, convolution,
+recurrent and linear-attention layers of hybrid models: Jamba, Bamba, LFM2, Qwen3-Next, RecurrentGemma; found by
+``config.layer_types`` and by convolution or recurrent modules), which would run on the chunk alone too. As a last guard every attention module checks, each time it runs,
 that it called this function.
 """
 
@@ -148,6 +150,30 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if not any(o is not m and type(o).__name__.endswith("Attention") for o in m.modules())]
 
 
+#: Layer types (``config.layer_types``) whose token mixing is attention that `hf_attention` computes exactly.
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+
+
+def _other_sequence_mixing(model: nn.Module) -> str | None:
+    """What in `model` mixes tokens along the sequence other than attention (a state-space, convolution, recurrent
+    or linear-attention layer: Jamba, Bamba, LFM2, Qwen3-Next, RecurrentGemma), in words; None when nothing does.
+    Such a layer would run on this rank's chunks alone: context parallel splits the sequence under it."""
+    types = getattr(model.config, "layer_types", None) or ()
+    other = sorted({t for t in types if t not in _ATTENTION_LAYERS})
+    if other:
+        first = next(i for i, t in enumerate(types) if t in other)
+        return f"config.layer_types has {other} (layer {first} is {types[first]!r})"
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.modules.conv._ConvNd, nn.RNNBase)):
+            return f"{name} is a {type(module).__name__} (in {_owner_class(model, name)})"
+    return None
+
+
+def _owner_class(model: nn.Module, name: str) -> str:
+    parent = name.rpartition(".")[0]
+    return type(model.get_submodule(parent)).__name__ if parent else type(model).__name__
+
+
 def apply_hf(model: nn.Module, state: ContextParallelState) -> None:
     """Select :func:`hf_attention` in `model`'s config and mark its attention modules and forward (module
     docstring). ValueError for what it cannot make exact."""
@@ -158,6 +184,11 @@ def apply_hf(model: nn.Module, state: ContextParallelState) -> None:
         if getattr(config, field, 0.0):
             raise ValueError(f"context_parallel.apply: {field}={getattr(config, field)} is not implemented by ring / "
                              f"Ulysses attention; allowed: 0.0")
+    mixing = _other_sequence_mixing(model)
+    if mixing is not None:
+        raise ValueError(f"context_parallel.apply: {type(model).__name__} mixes tokens along the sequence outside "
+                         f"attention ({mixing}); context parallel splits the sequence, so that layer would see this "
+                         f"rank's chunks only; allowed: decoders whose only token mixing is attention")
     attention = _attention_modules(model)
     if not attention:
         raise ValueError(f"context_parallel.apply: found no attention module (class name ending in 'Attention') in "
