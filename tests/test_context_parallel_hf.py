@@ -5,7 +5,8 @@ AttentionInterface, a keyword it does not implement, chunk-local position_ids).
 
 Before the soft cap and the sinks were implemented, both models trained silently wrong under cp: the attention
 function dropped the ``softcap`` and ``s_aux`` keywords (Gemma 2's gradients off by up to 0.43; GPT-OSS's sinks
-got no gradient at all), a BERT trained with causal attention, and hybrid models (Jamba, Bamba, LFM2, Qwen3-Next,
+got no gradient at all), DeepSeek-V3's latent attention (values of another head size than the keys) failed, a
+BERT trained with causal attention, and hybrid models (Jamba, Bamba, LFM2, Qwen3-Next,
 RecurrentGemma) ran their state-space, convolution or linear-attention layers on each rank's chunks alone.
 """
 
@@ -69,6 +70,33 @@ def test_softcap_and_sinks_equal_the_eager_formula_float64(fn, world, zigzag, so
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
+def sdpa_with_value_head(v):
+    """torch's causal attention on the whole sequence with values of another head size: output and gradients."""
+    q, k, v = (t.clone().requires_grad_() for t in (Q, K, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    out.backward(do)
+    return [out.detach(), q.grad, k.grad, v.grad], do
+
+
+@pytest.mark.parametrize("fn,world", [(cp.ring_attention, 2), (cp.ring_attention, 4), (cp.ulysses_attention, 2)])
+def test_values_with_another_head_size_float64(fn, world):
+    """DeepSeek's multi-head latent attention: q and k of head size 8 + 8 (no-rope and rope parts), v of 8; here
+    q, k of 8 and v of 12, against torch's attention (it failed with "must agree in ... head_dim")."""
+    v12 = torch.randn(B, HKV, T, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want, do = sdpa_with_value_head(v12)
+
+    def body(comm):
+        q_r, k_r, v_r, do_r = (cp.split_sequence(t, comm, dim=2).requires_grad_() for t in (Q, K, v12, do))
+        out = fn(q_r, k_r, v_r, comm)
+        out.backward(do_r.detach())
+        return [cp.gather_sequence(t, comm, dim=2) for t in (out, q_r.grad, k_r.grad, v_r.grad)]
+
+    for got in sw.launch(body, world):
+        for name, g, w in zip(("output", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
 def test_bad_softcap_and_sinks_raise():
     def body(comm):
         q = cp.split_sequence(Q, comm, dim=2)
@@ -90,14 +118,25 @@ def gradients(model, x, y):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("build", [gemma2, gpt_oss])
+def deepseek_v3():
+    """DeepSeek-V3: multi-head latent attention (values of head size 8, queries and keys of 8 + 8), routed experts
+    with group-limited routing, a dense first layer."""
+    return build(transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        attn_implementation="eager"))
+
+
+@pytest.mark.parametrize("model_of", [gemma2, gpt_oss, deepseek_v3])
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_hf_gradients_match_one_process(build, method):
+def test_hf_gradients_match_one_process(model_of, method):
     x, y = IDS[:, :-1], IDS[:, 1:]
-    want = gradients(build(), x, y)
+    want = gradients(model_of(), x, y)
 
     def body(comm):
-        model = sw.DDP(cp.apply(build(), comm, method=method), comm, find_unused_parameters=True)
+        model = sw.DDP(cp.apply(model_of(), comm, method=method), comm, find_unused_parameters=True)
         return gradients(model, *cp.split_sequence((x, y), comm))
 
     for got in sw.launch(body, 2):

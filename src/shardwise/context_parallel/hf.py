@@ -18,8 +18,9 @@ instead of training a different model. Refused too: a padding ``attention_mask``
 such as BERT), attention modules whose class does not dispatch through ``AttentionInterface`` (Falcon's, which
 would compute attention over the chunk alone), and token mixing outside attention (the state-space, convolution,
 recurrent and linear-attention layers of hybrid models: Jamba, Bamba, LFM2, Qwen3-Next, RecurrentGemma; found by
-``config.layer_types`` and by convolution or recurrent modules), which would run on the chunk alone too. As a last guard every attention module checks, each time it runs,
-that it called this function.
+``config.layer_types`` and by convolution or recurrent modules), which would run on the chunk alone too. As a last
+guard every attention module checks, each time it runs, that it called this function. The values' head size may
+differ from the keys' (DeepSeek's multi-head latent attention).
 """
 
 from __future__ import annotations

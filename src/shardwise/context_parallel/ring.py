@@ -57,16 +57,17 @@ __all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras",
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str) -> tuple[int, int]:
-    """ValueError unless q (B, H, L, D) and k, v (B, Hkv, L, D) fit together; returns (H, Hkv)."""
+    """ValueError unless q, k (B, H / Hkv, L, D) and v (B, Hkv, L, Dv) fit together; returns (H, Hkv). The values'
+    head size may differ from the queries' and keys' (DeepSeek's multi-head latent attention)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{who}: {name} must be a floating-point tensor of shape (batch, heads, local tokens, "
                              f"head_dim), got {shape}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] \
+    if k.shape[:-1] != v.shape[:-1] or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] \
             or len({q.dtype, k.dtype, v.dtype}) > 1:
         raise ValueError(f"{who}: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} "
-                         f"{v.dtype} must agree in batch, tokens, head_dim and dtype (k and v in every dim)")
+                         f"{v.dtype} must agree in batch, tokens, head_dim (q and k) and dtype, k and v in heads too")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{who}: query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
     return q.shape[1], k.shape[1]
@@ -157,14 +158,15 @@ class RingAttention(torch.autograd.Function):
         c = q.shape[2] // m
         groups = q.shape[1] // k.shape[1]
         qs = [t.to(acc) for t in q.split(c, dim=2)]
-        out = [torch.zeros_like(t) for t in qs]
+        dk = k.shape[-1]
+        out = [t.new_zeros(*t.shape[:-1], v.shape[-1]) for t in qs]
         lse = [torch.full(t.shape[:-1], float("-inf"), dtype=acc, device=q.device) for t in qs]
-        kv = torch.stack([k, v]).to(acc)
+        kv = torch.cat([k, v], dim=-1).to(acc)  # one transfer per step; v's head size may differ from k's
         for step in range(n):
             if step < n - 1:
                 nxt, works = _exchange(comm, kv)
             for a, b, diagonal in _pairs(split, rank, (rank - step) % n):
-                kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in kv)
+                kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in (kv[..., :dk], kv[..., dk:]))
                 o_b, l_b = _block_forward(qs[a], kb, vb, scale, diagonal, softcap)
                 merged = torch.logaddexp(lse[a], l_b)
                 out[a] = out[a] * torch.exp(lse[a] - merged).unsqueeze(-1) + o_b * torch.exp(l_b - merged).unsqueeze(-1)
@@ -197,19 +199,20 @@ class RingAttention(torch.autograd.Function):
         delta = (do * o.to(acc)).sum(-1)
         qs, dos, lses, deltas = (t.split(c, dim=2) for t in (q.to(acc), do, lse, delta))
         dq = [torch.zeros_like(t) for t in qs]
-        kv = torch.stack([k, v]).to(acc)
+        dk = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1).to(acc)
         dkv_in, dkv_works = None, []
         for step in range(n):
             if step < n - 1:
                 nxt, works = _exchange(comm, kv)
             dkv = torch.zeros_like(kv)
             for a, b, diagonal in _pairs(split, rank, (rank - step) % n):
-                kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in kv)
+                kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in (kv[..., :dk], kv[..., dk:]))
                 dq_b, dk_b, dv_b = _block_backward(qs[a], kb, vb, dos[a], lses[a], deltas[a], scale,
                                                    diagonal, softcap)
                 dq[a] += dq_b
-                dkv[0].narrow(2, b * c, c).add_(_fold(dk_b, groups))
-                dkv[1].narrow(2, b * c, c).add_(_fold(dv_b, groups))
+                dkv[..., :dk].narrow(2, b * c, c).add_(_fold(dk_b, groups))
+                dkv[..., dk:].narrow(2, b * c, c).add_(_fold(dv_b, groups))
             if dkv_in is not None:  # the block's gradient from the ranks that held it before
                 _wait(dkv_works)
                 dkv += dkv_in
@@ -224,7 +227,7 @@ class RingAttention(torch.autograd.Function):
         dsinks = None
         if sinks is not None:  # d l / d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
             dsinks = -(torch.exp(_sink_logits(sinks, acc) - lse) * delta).sum((0, 2)).to(sinks.dtype)
-        return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), dsinks,
+        return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[..., :dk].to(k.dtype), dkv_in[..., dk:].to(v.dtype), dsinks,
                 None, None, None, None)
 
 
@@ -257,7 +260,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     """Causal attention of this rank's queries against the whole sequence's keys, by ring attention.
 
     q: (B, H, L, D) this rank's L = T / cp tokens in the order `split_sequence` gives them (zigzag: chunks r and
-    2cp-1-r); k, v: (B, Hkv, L, D) with H a multiple of Hkv. Every rank of `comm` calls it together (forward and
+    2cp-1-r); k: (B, Hkv, L, D) with H a multiple of Hkv; v: (B, Hkv, L, Dv), Dv = D or not (DeepSeek's latent
+    attention); the output is (B, H, L, Dv). Every rank of `comm` calls it together (forward and
     backward communicate). scale: multiplies q k^T; default 1 / sqrt(D). softcap: scores become
     ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2). sinks: (H,) one extra logit per head in every
     softmax denominator, with no value (GPT-OSS's attention sinks; it gets a gradient). Returns (B, H, L, D), what

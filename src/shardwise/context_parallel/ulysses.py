@@ -93,9 +93,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence, by all-to-all over heads (Ulysses).
 
-    Same contract as :func:`~shardwise.context_parallel.ring_attention`: q (B, H, L, D), k and v (B, Hkv, L, D),
-    this rank's tokens in `split_sequence` order, softcap and sinks as there; returns (B, H, L, D). ValueError
-    unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated to H heads before the exchange.
+    Same contract as :func:`~shardwise.context_parallel.ring_attention`: q (B, H, L, D), k (B, Hkv, L, D), v
+    (B, Hkv, L, Dv), this rank's tokens in `split_sequence` order, softcap and sinks as there; returns
+    (B, H, L, Dv). ValueError unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated to H heads
+    before the exchange.
     A soft cap or sinks make the local attention the eager one (the fused kernel has neither).
     """
     q, k, v = autocast_inputs(q, k, v)
@@ -112,12 +113,19 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
         Hkv = H
     hq, hkv = H // cp, Hkv // cp
-    # (B, cp, heads of group j, L, D) for q, k, v packed: one all-to-all sends rank j its head group of all three.
-    packed = torch.cat([t.unflatten(1, (cp, -1)) for t in (q, k, v)], dim=2)
+    # (B, cp, heads of group j, L, D) for q, k, v packed: one all-to-all sends rank j its head group of all three
+    # (v apart when its head size differs: DeepSeek's latent attention).
+    same = v.shape[-1] == q.shape[-1]
+    packed = torch.cat([t.unflatten(1, (cp, -1)) for t in ((q, k, v) if same else (q, k))], dim=2)
     full = all_to_all(packed, comm, scatter_dim=1, gather_dim=3).squeeze(1)  # (B, hq + 2 hkv, cp L, D), rank order
     where = torch.cat([split.positions(r, L, q.device) for r in range(cp)])  # rank order -> sequence position
-    full = full.index_select(2, torch.argsort(where))
-    qf, kf, vf = full.split([hq, hkv, hkv], dim=1)
+    order = torch.argsort(where)
+    full = full.index_select(2, order)
+    if same:
+        qf, kf, vf = full.split([hq, hkv, hkv], dim=1)
+    else:
+        qf, kf = full.split([hq, hkv], dim=1)
+        vf = all_to_all(v.unflatten(1, (cp, -1)), comm, scatter_dim=1, gather_dim=3).squeeze(1).index_select(2, order)
     mine = None if sinks is None else sinks.narrow(0, comm.rank * hq, hq)  # this rank's head group
     y = _causal_attention(qf, kf, vf, scale, softcap, mine)
     y = y.index_select(2, where).unflatten(2, (cp, L))  # back to rank order: (B, hq, cp, L, D)
