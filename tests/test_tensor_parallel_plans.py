@@ -222,15 +222,18 @@ def test_a_plan_that_splits_a_module_with_its_own_forward_is_refused():
     sw.launch(body, 2)
 
 
-@pytest.mark.parametrize("kind", ["Gemma", "Qwen3"])
+@pytest.mark.parametrize("kind", ["Gemma", "Qwen3", "Glm4"])
 def test_huggingface_decoders_that_once_trained_wrong_under_the_llama_plan_train_like_one_process(kind):
     """Gemma: its embedding scales its output (kept whole, see above). Qwen3: it normalizes each head of q and k
     (q_norm / k_norm, a weight of head_dim), so a rank holding half the heads computes their part of those norms'
-    gradients; the plan makes them "heads" regions, summed over the group (before, each rank trained on its part)."""
+    gradients; the plan makes them "heads" regions, summed over the group (before, each rank trained on its part).
+    GLM-4: its MLP is one fused gate_up_proj Linear ([gate | up]), split as two column blocks (before, down_proj was
+    split and gate_up_proj not: a shape error at the first forward)."""
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, f"{kind}Config")(
         vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        head_dim=D // HEADS, intermediate_size=FF, max_position_embeddings=T)
+        head_dim=D // HEADS, intermediate_size=FF, max_position_embeddings=T,
+        **({"pad_token_id": 0} if kind == "Glm4" else {}))  # its default pad id lies beyond this vocabulary
 
     def batch(step):
         ids = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(step))

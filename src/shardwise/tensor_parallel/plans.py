@@ -189,7 +189,8 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     """The plan of Llama-style models with HuggingFace module names.
 
     q/k/v_proj colwise and o_proj rowwise (heads, and key/value heads under grouped-query attention, split across
-    ranks), gate/up_proj colwise and down_proj rowwise (a MoE block without them, Mixtral's, stays whole),
+    ranks), gate/up_proj colwise (a fused gate_up_proj Linear, GLM-4's, as two blocks) and down_proj rowwise (a MoE
+    block without them, Mixtral's, stays whole),
     embed_tokens vocabulary-parallel, lm_head colwise with gathered output (the model computes its own loss over full
     logits); a tied lm_head shares the embedding's shard; per-head norms (Qwen3's q_norm / k_norm) are "heads"
     regions (their gradients summed over the group). An embedding with a forward of its own (Gemma's scales its
@@ -213,7 +214,9 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     }
     # A mixture-of-experts MLP (Mixtral's fused experts: no gate/up/down_proj modules) stays whole on every rank, as
     # the GPT plan keeps its MoE layers; expert parallel may split it over ep afterwards.
-    mlp = {k: v for k, v in (("gate_proj", Colwise()), ("up_proj", Colwise()), ("down_proj", Rowwise())) if k in names}
+    fused_mlp = any(n == "gate_up_proj" and isinstance(m, nn.Linear) for n, m in modules)  # GLM-4, Phi-3: [gate|up]
+    mlp = {k: v for k, v in (("gate_proj", Colwise()), ("up_proj", Colwise()), ("down_proj", Rowwise()),
+                             ("gate_up_proj", Colwise(fused=2))) if k in names and (k != "gate_up_proj" or fused_mlp)}
     if not mlp and not any(type(m).__name__.endswith(("Experts", "SparseMoeBlock")) for m in model.modules()):
         raise ValueError("tensor parallel plan 'llama': the model has neither gate_proj / up_proj / down_proj MLPs "
                          "nor a mixture-of-experts block; pass a plan dict naming its MLP's modules")
