@@ -244,11 +244,12 @@ def test_huggingface_decoders_that_once_trained_wrong_under_the_llama_plan_train
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("norm", ["across_heads", "one_per_head", "sinks"])
+@pytest.mark.parametrize("norm", ["across_heads", "one_per_head", "own_parameter"])
 def test_an_attention_module_the_plan_cannot_split_by_heads_is_refused(norm):
     """Inside an attention, a norm over the whole q projection (OLMo2's), a list of one norm per head (StableLM's: a
-    rank would apply the first heads' norms to its own heads) or a parameter of the attention itself (GPT-OSS's
-    per-head sinks: a shape error deep in the first forward) cannot run on a rank's heads: refused by name."""
+    rank would apply the first heads' norms to its own heads) or a parameter of the attention itself that is not one
+    row per head (one per head_dim feature here) cannot run on a rank's heads: refused by name. One row per head is
+    split with the heads (GPT-OSS's sinks: the test below)."""
     model = LlamaForCausalLM()
     attn = model.model.layers[0].self_attn
     if norm == "across_heads":
@@ -258,10 +259,42 @@ def test_an_attention_module_the_plan_cannot_split_by_heads_is_refused(norm):
         attn.q_layernorm = nn.ModuleList(nn.LayerNorm(D // HEADS) for _ in range(HEADS))
         match = r"self_attn.q_layernorm \(ModuleList\) has parameters and runs on the heads of .*not a per-head norm"
     else:
-        attn.sinks = nn.Parameter(torch.zeros(HEADS))
-        match = r"self_attn.sinks is a parameter of the attention model.layers.0.self_attn \(LlamaAttention\)"
+        attn.scales = nn.Parameter(torch.zeros(D // HEADS))
+        match = (rf"self_attn.scales \({D // HEADS},\) is a parameter of the attention model.layers.0.self_attn "
+                 rf"\(LlamaAttention\).*not one row per query head \({HEADS}\)")
     with pytest.raises(ValueError, match=r"tensor parallel plan 'llama': model.layers.0." + match):
         tp.parallelize(model, sw.init(), "llama")
+
+
+@pytest.mark.parametrize("strategy, world", [("tp:llama", 2), ({"tp": 2, "tp_plan": "llama", "ep": 2}, 4)],
+                         ids=["tp2", "tp2-ep2"])
+def test_gpt_oss_sinks_are_split_with_the_heads(strategy, world):
+    """GPT-OSS's attention sinks (one logit per head) are "head_rows": each rank keeps its heads' rows, which the
+    attention's own forward reads as a plain tensor (it reshapes them); before, the plan refused GPT-OSS. With its
+    experts over ep too; full state dicts and a one-process state dict round trip through the split."""
+    pytest.importorskip("transformers")
+    from hf_cases import gpt_oss
+
+    def batch(step):
+        ids = torch.randint(1, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+        return {"input_ids": ids, "labels": ids}
+
+    report = sw.check(gpt_oss, batch, strategy=strategy, world_size=world, steps=2,
+                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, eps=1e-5))
+    assert report.ok, str(report)
+    dense = gpt_oss().state_dict()
+    shifted = {k: v + 0.01 for k, v in dense.items()}
+
+    def body(comm):
+        model = tp.parallelize(gpt_oss(), comm, "llama")
+        held = tuple(local(model.model.layers[0].self_attn.sinks).shape)
+        first = tp.full_state_dict(model)
+        model.load_state_dict(shifted)
+        return held, first, sw.full_state_dict(model)
+
+    for held, first, second in sw.launch(body, 2):
+        assert held == (2,)  # 4 heads over 2 ranks
+        assert all(torch.equal(first[k], dense[k]) and torch.equal(second[k], shifted[k]) for k in dense)
 
 
 # ---- dict plans ---------------------------------------------------------------------------------------------------

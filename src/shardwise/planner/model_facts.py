@@ -24,7 +24,7 @@ _FIELDS = {  # our name -> config attribute names, first found wins
 }
 #: HuggingFace model types with a built-in tensor-parallel plan and pipeline layers (tensor_parallel.plans, hybrid).
 _HF_PLANS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
-             "qwen2_moe": "llama", "qwen3_moe": "llama",
+             "qwen2_moe": "llama", "qwen3_moe": "llama", "gpt_oss": "llama",
              "gpt2": "gpt2"}
 
 

@@ -25,7 +25,7 @@ from .mappings import (
     scatter_to_sequence_region,
 )
 from .parallelize import TensorParallelState, full_state_dict, parallelize
-from .plans import BUILTIN_PLANS, Colwise, Heads, Rowwise, Sequence, Vocab
+from .plans import BUILTIN_PLANS, Colwise, HeadRows, Heads, Rowwise, Sequence, Vocab
 from .sequence_parallel import (
     SavedActivations,
     is_sequence_parallel_param,
@@ -37,6 +37,7 @@ __all__ = [
     "BUILTIN_PLANS",
     "Colwise",
     "ColumnParallelLinear",
+    "HeadRows",
     "Heads",
     "Rowwise",
     "RowParallelLinear",

@@ -25,10 +25,18 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(path) if path else model), attr
 
 
-def tensor_parallel_placements(model: nn.Module, comm: Communicator) -> dict[str, layout.Placement]:
-    """The placements of a model `parallelize` has just split over `comm` (see the module docstring)."""
+def tensor_parallel_placements(model: nn.Module, comm: Communicator,
+                               head_rows: dict[int, tuple] | None = None) -> dict[str, layout.Placement]:
+    """The placements of a model `parallelize` has just split over `comm` (see the module docstring); head_rows:
+    id(parameter) -> every rank's boxes of the "head_rows" parameters (head_rows.py), split along dim 0."""
     out: dict[str, layout.Placement] = {}
+    head_rows = head_rows or {}
     for name, pl in layout.placements(model).items():
+        if id(pl.param) in head_rows and comm.size > 1:
+            by_rank = head_rows[id(pl.param)]
+            out[name] = dataclasses.replace(pl, boxes=by_rank[comm.rank], box_group=comm, boxes_by_rank=by_rank,
+                                            concat_dim=0)
+            continue
         split = [(m, a) for m, a in map(lambda n: _owner(model, n), pl.names)
                  if isinstance(m, TensorParallelLayer) and m.boxes(a, comm.rank) is not None]
         if split and comm.size > 1:

@@ -25,6 +25,7 @@ from ..param_hooks import internal_hook
 from ..sharded_tensor import ShardSpec, as_sharded, is_sharded, local, set_spec, spec_of
 
 __all__ = ["TensorParallelLayer", "check_split", "seeded_generator", "dense_linear_init", "as_param",
+           "gradient_answers_for_whole",
            "name_slices"]
 
 
@@ -94,12 +95,12 @@ class TensorParallelLayer(nn.Module):
                 continue
             spec = ShardSpec(torch.Size(self.global_shape(name)), name, f"tensor parallel (tp={self.comm.size})")
             sliced = as_sharded(p, spec, parameter=True, requires_grad=p.requires_grad)
-            sliced.register_post_accumulate_grad_hook(_gradient_answers_for_whole)
+            sliced.register_post_accumulate_grad_hook(gradient_answers_for_whole)
             setattr(self, name, sliced)
 
 
 @internal_hook
-def _gradient_answers_for_whole(param: torch.Tensor) -> None:
+def gradient_answers_for_whole(param: torch.Tensor) -> None:
     """Autograd accumulated a plain slice into `param.grad`: describe it as the slice of the dense gradient."""
     grad, spec = param.grad, spec_of(param)
     if grad is not None and spec is not None and not is_sharded(grad):

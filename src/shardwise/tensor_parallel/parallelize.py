@@ -42,6 +42,8 @@ from ..compiled import refuse_compiled
 from ..optimizer_guard import register_wrapped
 from ..param_hooks import carry_grad_hooks
 from ..placement import to_comm_device
+from ..sharded_tensor import spec_of
+from ..whole.gather import gather_full
 from ..whole.state_dict import load_full_into_pieces
 from .declare import tensor_parallel_placements
 from .gpt import install_gpt_forward
@@ -49,7 +51,9 @@ from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRo
                       is_conv1d)
 from .layer_base import name_slices
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding
-from .plans import Colwise, Heads, Rowwise, Sequence, Style, Vocab, builtin_plan, has_own_forward, match_plan
+from .head_rows import slice_head_rows
+from .plans import (Colwise, HeadRows, Heads, Rowwise, Sequence, Style, Vocab, builtin_plan, has_own_forward,
+                    match_plan)
 from .sequence_parallel import reduce_sequence_parallel_grads
 
 __all__ = ["parallelize", "full_state_dict", "TensorParallelState"]
@@ -186,7 +190,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     replaced: dict[int, tuple[nn.Parameter, str]] = {}  # id(any dense parameter replaced) -> (new one, its name)
     keep_alive = []  # the dense parameters, so their ids stay unique while we compare them
     for name, style in styles.items():
-        if isinstance(style, (Sequence, Heads)):
+        if isinstance(style, (Sequence, Heads, HeadRows)):
             continue
         dense = model.get_submodule(name)
         layer = _build(name, dense, style, comm, sp, sequence_dim)
@@ -208,6 +212,11 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
                 carry_grad_hooks(old, new, f"{name}.{attr}", "parallelize")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    head_rows = {}  # id(this rank's rows) -> every rank's boxes
+    for name, style in styles.items():
+        if isinstance(style, HeadRows):
+            keep_alive += [p for _, p in model.get_submodule(name).named_parameters(recurse=False)]
+            head_rows.update(slice_head_rows(model.get_submodule(name), name, comm, replaced))
     _follow_ties(model, replaced)
     del keep_alive
     # Replicated parameters whose rank computes on part of the activations get partial gradients, summed over tp:
@@ -224,7 +233,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     name_slices(model)  # the split parameters answer for the dense ones (layer_base.py), under their model names
     object.__setattr__(model, "_shardwise_tp", TensorParallelState(comm, sp, sequence_dim, plan_name, styles))
     layout.declare(model, layout.Parallelized(
-        "tensor_parallel", (comm,), tensor_parallel_placements(model, comm), world=comm,
+        "tensor_parallel", (comm,), tensor_parallel_placements(model, comm, head_rows), world=comm,
         options={"plan": plan_name, "sequence_parallel": sp, "tp": comm.size}))
     if plan_name == "gpt":
         install_gpt_forward(model)
@@ -279,6 +288,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     gathered: dict[int, torch.Tensor] = {}
     layers = {id(p): (m, attr) for m in model.modules() if isinstance(m, TensorParallelLayer)
               for attr, p in m.named_parameters(recurse=False)}  # a tied name elsewhere gathers through its layer
+    rows = {id(pl.param): pl for pl in layout.placements(model).values()
+            if spec_of(pl.param) is not None and id(pl.param) not in layers}  # "head_rows" pieces (head_rows.py)
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in layers:
@@ -286,6 +297,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 owner, attr = layers[id(value)]
                 gathered[id(value)] = owner.full_tensor(attr)
             out[key] = gathered[id(value)]
+        elif id(value) in rows:
+            out[key] = gathered.setdefault(id(value), gather_full(rows[id(value)]))
         else:
             out[key] = value.detach().clone()
     return out

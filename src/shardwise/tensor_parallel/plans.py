@@ -72,17 +72,24 @@ class Heads:
     (torchtitan plans Qwen3's q_norm / k_norm as SequenceParallel over the heads dimension, to the same effect)."""
 
 
-Style = Union[Colwise, Rowwise, Vocab, Sequence, Heads]
-STYLES = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": Vocab(), "sequence": Sequence(), "heads": Heads()}
+@dataclasses.dataclass(frozen=True)
+class HeadRows:
+    """The module's own parameters with one row per attention head (GPT-OSS's attention sinks): each rank keeps the
+    rows of its heads (head_rows.py); their gradients are complete on the rank."""
+
+
+Style = Union[Colwise, Rowwise, Vocab, Sequence, Heads, HeadRows]
+STYLES = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": Vocab(), "sequence": Sequence(), "heads": Heads(),
+          "head_rows": HeadRows()}
 
 
 def as_style(pattern: str, style: object) -> Style:
-    if isinstance(style, (Colwise, Rowwise, Vocab, Sequence, Heads)):
+    if isinstance(style, (Colwise, Rowwise, Vocab, Sequence, Heads, HeadRows)):
         return style
     if isinstance(style, str) and style in STYLES:
         return STYLES[style]
     raise ValueError(f"parallelize: plan[{pattern!r}]={style!r} is not a style; allowed {sorted(STYLES)} or a "
-                     f"Colwise / Rowwise / Vocab / Sequence / Heads object")
+                     f"Colwise / Rowwise / Vocab / Sequence / Heads / HeadRows object")
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -235,18 +242,23 @@ _COUNT_ATTRS = {proj: attrs for proj, attrs, _ in _HEAD_COUNTS}
 
 def _head_regions(model: nn.Module) -> dict[str, Style]:
     """The llama plan's "heads" regions: per-head norms inside an attention (Qwen3's, Gemma3's q_norm / k_norm, a
-    weight of head_dim), which run on this rank's heads (partial gradients). Any other module with parameters inside
-    an attention runs on the split heads too, in a way the plan cannot know (StableLM's list of one LayerNorm per
-    head would apply the first heads' norms to this rank's heads), and so is a parameter of the attention itself
-    (GPT-OSS's per-head `sinks`): a ValueError naming it."""
+    weight of head_dim), which run on this rank's heads (partial gradients); and "head_rows" for an attention whose
+    own parameters have one row per query head (GPT-OSS's `sinks`). Any other module with parameters inside an
+    attention runs on the split heads too, in a way the plan cannot know (StableLM's list of one LayerNorm per head
+    would apply the first heads' norms to this rank's heads), and so does any other parameter of the attention
+    itself: a ValueError naming it."""
     regions: dict[str, Style] = {}
     for name, attn in model.named_modules():
         if not all(isinstance(getattr(attn, proj, None), nn.Linear) for proj in ("q_proj", "k_proj", "o_proj")):
             continue
-        for param_name, _ in attn.named_parameters(recurse=False):
-            raise ValueError(f"tensor parallel plan 'llama': {name}.{param_name} is a parameter of the attention "
-                             f"{name} ({type(attn).__name__}), whose heads tensor parallel splits; the plan does not "
-                             f"know how it relates to the heads; pass a plan dict")
+        heads = _heads_of(attn, attn.q_proj, *_COUNT_ATTRS["q_proj"])
+        for param_name, param in attn.named_parameters(recurse=False):
+            if heads is None or param.dim() == 0 or param.shape[0] != heads:
+                raise ValueError(f"tensor parallel plan 'llama': {name}.{param_name} {tuple(param.shape)} is a "
+                                 f"parameter of the attention {name} ({type(attn).__name__}), whose heads tensor "
+                                 f"parallel splits, and not one row per query head ({heads}); the plan does not "
+                                 f"know how it relates to the heads; pass a plan dict")
+            regions[name] = HeadRows()
         for child_name, child in attn.named_children():
             if child_name in _PROJECTIONS or not any(True for _ in child.parameters()):
                 continue

@@ -32,8 +32,8 @@ from torch import nn
 
 from ..comm.base import Communicator, ReduceOp
 
-__all__ = ["reduce_sequence_parallel_grads", "register_partial_grad_sum", "is_sequence_parallel_param", "SavedActivations",
-           "saved_activations"]
+__all__ = ["reduce_sequence_parallel_grads", "register_partial_grad_sum", "is_sequence_parallel_param",
+           "SavedActivations", "saved_activations"]
 
 _MARK = "_shardwise_sequence_parallel"
 
