@@ -43,6 +43,22 @@ def test_huggingface_decoders_over_cp_are_clean(build, strategy, world):
     assert report.ok, str(report)
 
 
+def phimoe_windowed():
+    """Phi-MoE applies config.sliding_window to every layer through its mask alone (its attention is not told)."""
+    return transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        router_jitter_noise=0.0, input_jitter_noise=0.0, sliding_window=5, attn_implementation="eager"))
+
+
+def test_a_window_the_model_applies_through_its_mask_alone_is_kept():
+    """Before, context parallel took the window only from the attention's keyword: Phi-MoE's window of 5 was
+    dropped and its step-0 loss differed from one process's (4.1669 vs 4.1735)."""
+    report = check(phimoe_windowed, tokens, strategy={"cp": 2, "cp_method": "ring"}, world_size=2, steps=2,
+                   optimizer=adamw)
+    assert report.ok, str(report)
+
+
 def test_a_dropped_soft_cap_is_found_at_step_0(monkeypatch):
     right = cp_hf.hf_attention
 

@@ -29,7 +29,7 @@ SINKS = torch.randn(H, generator=_GEN, dtype=torch.float64)
 SOFTCAP = 0.7  # |q k^T| / sqrt(D) reaches ~3 here: a cap this small bends most scores
 
 
-def eager_attention(softcap, sinks):
+def eager_attention(softcap, sinks, window=None):
     """HuggingFace's eager formula on the whole sequence (Gemma 2's cap, GPT-OSS's sink column): output and
     gradients of <output, DO> for q, k, v and the sinks."""
     q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
@@ -38,7 +38,9 @@ def eager_attention(softcap, sinks):
     s = q @ kr.transpose(-1, -2) / D ** 0.5
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    q_pos, k_pos = torch.arange(T).unsqueeze(-1), torch.arange(T).unsqueeze(0)
+    hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window is not None else False)
+    s = s.masked_fill(hidden, float("-inf"))
     if s_param is not None:
         s = torch.cat([s, s_param.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
     out = torch.softmax(s, dim=-1)[..., :T] @ vr
@@ -46,10 +48,10 @@ def eager_attention(softcap, sinks):
     return [out.detach(), q.grad, k.grad, v.grad] + ([] if s_param is None else [s_param.grad])
 
 
-def cp_attention(comm, fn, zigzag, softcap, sinks):
+def cp_attention(comm, fn, zigzag, softcap, sinks, window=None):
     q_r, k_r, v_r, do_r = (cp.split_sequence(t, comm, zigzag=zigzag, dim=2).requires_grad_() for t in (Q, K, V, DO))
     s_param = None if sinks is None else sinks.clone().requires_grad_()
-    out = fn(q_r, k_r, v_r, comm, zigzag=zigzag, softcap=softcap, sinks=s_param)
+    out = fn(q_r, k_r, v_r, comm, zigzag=zigzag, softcap=softcap, sinks=s_param, window=window)
     out.backward(do_r.detach())
     got = [cp.gather_sequence(t, comm, zigzag=zigzag, dim=2) for t in (out, q_r.grad, k_r.grad, v_r.grad)]
     if s_param is not None:  # each rank's share of the sinks' gradient (its tokens): summed over the group
@@ -97,6 +99,20 @@ def test_values_with_another_head_size_float64(fn, world):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("fn,world,zigzag", [(cp.ring_attention, 2, True), (cp.ring_attention, 4, True),
+                                             (cp.ring_attention, 4, False), (cp.ulysses_attention, 2, True)])
+@pytest.mark.parametrize("window", [1, 3, 5, 9])
+def test_a_sliding_window_equals_the_eager_formula_float64(fn, world, zigzag, window):
+    """Query q sees keys q - window < k <= q. With T = 16 the chunks hold 2 to 8 tokens: window 1 (each token only
+    itself: every off-diagonal block is skipped), 3 (shorter than a chunk: rows of a block with no visible key), 5
+    and 9 (across chunk boundaries). The soft cap and sinks on too for the widest window."""
+    softcap, sinks = (SOFTCAP, SINKS) if window == 9 else (None, None)
+    want = eager_attention(softcap, sinks, window)
+    for got in sw.launch(cp_attention, world, fn, zigzag, softcap, sinks, window):
+        for name, g, w in zip(("output", "dq", "dk", "dv", "dsinks"), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
 def test_bad_softcap_and_sinks_raise():
     def body(comm):
         q = cp.split_sequence(Q, comm, dim=2)
@@ -104,6 +120,8 @@ def test_bad_softcap_and_sinks_raise():
             cp.ring_attention(q, q, q, comm, softcap=-1.0)
         with pytest.raises(ValueError, match=r"sinks must be a tensor of one logit per query head, shape \(4,\)"):
             cp.ulysses_attention(q, q, q, comm, sinks=torch.zeros(3))
+        with pytest.raises(ValueError, match=r"window=0 must be a positive int"):
+            cp.ring_attention(q, q, q, comm, window=0)
 
     sw.launch(body, 2)
 

@@ -9,8 +9,8 @@ its place in the whole sequence.
 
 What the attention function does with each keyword: ``scaling`` scales q k^T; ``softcap`` (Gemma 2's
 ``attn_logit_softcapping``) caps the scores as ``softcap * tanh(s / softcap)``; ``s_aux`` (GPT-OSS's per-head
-``sinks``) adds one logit per head to every softmax denominator; ``sliding_window`` at least as long as the sequence
-masks nothing and is accepted, a shorter one is refused (ring / Ulysses attention has no window). Keywords that do
+``sinks``) adds one logit per head to every softmax denominator; ``sliding_window`` limits how far back a query sees
+(from the keyword, or the module or config where a model windows through its mask alone: `_window`). Keywords that do
 not change the result (``position_ids``, ``use_cache``, ...) pass; any other keyword with a value is refused by
 name at the first forward, so a model whose attention does something this function does not implement raises
 instead of training a different model. Refused too: a padding ``attention_mask``, attention dropout, ``labels=``
@@ -70,11 +70,9 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:  # GPT-2 passes its attn_pdrop here in training mode: the blockwise attention has no dropout
         raise ValueError(f"context parallel attention: attention dropout {dropout} is not implemented by ring / "
                          f"Ulysses attention; allowed: 0.0 (e.g. GPT2Config(attn_pdrop=0.0), or eval())")
-    window, length = kwargs.pop("sliding_window", None), query.shape[2] * state.comm.size
-    if window is not None and length > window:  # a window at least as long as the sequence masks nothing
-        raise ValueError(f"context parallel attention: sliding window {window} is shorter than the sequence length "
-                         f"T={length}; ring / Ulysses attention has no sliding window: use sequences of at most "
-                         f"{window} tokens, or cp=1")
+    window = _window(module, kwargs)
+    if window is not None and query.shape[2] * state.comm.size <= window:
+        window = None  # a window at least as long as the sequence masks nothing
     causal = kwargs.pop("is_causal", None)
     if (getattr(module, "is_causal", True) if causal is None else causal) is False:
         raise ValueError(_bidirectional(who))
@@ -83,9 +81,24 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if other:
         raise ValueError(f"context parallel attention: {who} passes {other} to its attention function, which ring "
                          f"/ Ulysses attention does not implement (it implements scaling, softcap, s_aux sinks and "
-                         f"a sliding window no shorter than the sequence); use cp=1 for this model")
-    out = state.attend(query, key, value, scale=scaling, softcap=softcap, sinks=sinks)
+                         f"a sliding window); use cp=1 for this model")
+    out = state.attend(query, key, value, scale=scaling, softcap=softcap, sinks=sinks, window=window)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window(module: nn.Module, kwargs: dict[str, Any]) -> int | None:
+    """The sliding window of this attention call: the ``sliding_window`` keyword the module passes (Mistral, Gemma,
+    GPT-OSS; None on their full layers), else the module's own ``sliding_window`` (Qwen2-MoE sets it and windows
+    through the mask alone), else, for a model that applies ``config.sliding_window`` to every layer through its
+    mask (Phi-MoE), that; None without one. Consumes the keyword."""
+    if "sliding_window" in kwargs:
+        return kwargs.pop("sliding_window")
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    config = getattr(module, "config", None)
+    if getattr(config, "layer_types", None) is None:
+        return getattr(config, "sliding_window", None)
+    return None
 
 
 def _bidirectional(who: str) -> str:

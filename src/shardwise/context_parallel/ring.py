@@ -31,6 +31,11 @@ plus cp x |dK|+|dV|.
 Zigzag (split.py) gives every rank the same number of computed blocks at every step after the first, so no rank
 waits for another; with the contiguous split rank cp-1 computes cp blocks while rank 0 computes one.
 
+A sliding window (key k visible to query q iff ``q - window < k <= q``) masks each block by the global positions of
+its query and key chunks, and skips the blocks it leaves entirely out of reach; a query row with no visible key
+in a block gets probability 0 from it (its log-sum-exp is -inf there and it is merged with weight 0). The K/V
+blocks still travel the whole ring.
+
 Soft-capped scores (Gemma 2) are capped inside every block, forward and backward (the cap's derivative multiplies
 dS). Attention sinks (GPT-OSS; Xiao et al. 2023, arXiv 2309.17453: one logit per head in every softmax denominator,
 with no value) enter once, after the last block, as one more term of each row's log-sum-exp; the backward's
@@ -53,7 +58,7 @@ import torch
 from ..comm.base import Communicator, P2POp
 from .split import SequenceSplit
 
-__all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv"]
+__all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv", "check_window"]
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str) -> tuple[int, int]:
@@ -89,29 +94,31 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(B, H // groups, groups, c, D).sum(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool,
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: torch.Tensor | None,
             softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The block's scores, soft-capped (``softcap * tanh(s / softcap)``, Gemma 2) when asked, causal-masked on the
-    diagonal; and the tanh before masking (the cap's derivative is ``1 - tanh^2``), None without a cap."""
+    """The block's scores, soft-capped (``softcap * tanh(s / softcap)``, Gemma 2) when asked, -inf where `masked`
+    (`_block_mask`); and the tanh before masking (the cap's derivative is ``1 - tanh^2``), None without a cap."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     capped = None
     if softcap is not None:
         capped = torch.tanh(s / softcap)
         s = capped * softcap
-    if diagonal:  # same chunk: positions equal, so key j is visible to query i iff j <= i
-        c = s.shape[-1]
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if masked is not None:
+        s = s.masked_fill(masked, float("-inf"))
     return s, capped
 
 
-def _block_forward(q, k, v, scale, diagonal, softcap):  # noqa: ANN001, ANN202
-    s, _ = _scores(q, k, scale, diagonal, softcap)
+def _block_forward(q, k, v, scale, masked, softcap):  # noqa: ANN001, ANN202
+    s, _ = _scores(q, k, scale, masked, softcap)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+    # A row with every key masked (a sliding window that ends before this block) has lse -inf: its probabilities
+    # are 0, not exp(-inf - -inf) = nan; the merge then gives it weight 0.
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.matmul(torch.exp(s - finite.unsqueeze(-1)), v), lse
 
 
-def _block_backward(q, k, v, do, lse, delta, scale, diagonal, softcap):  # noqa: ANN001, ANN202
-    s, capped = _scores(q, k, scale, diagonal, softcap)
+def _block_backward(q, k, v, do, lse, delta, scale, masked, softcap):  # noqa: ANN001, ANN202
+    s, capped = _scores(q, k, scale, masked, softcap)
     p = torch.exp(s - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.unsqueeze(-1))
@@ -120,17 +127,33 @@ def _block_backward(q, k, v, do, lse, delta, scale, diagonal, softcap):  # noqa:
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
 
 
+def _block_mask(qid: int, kid: int, c: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Where query chunk `qid` may not see key chunk `kid` (chunks of c tokens): key position k is visible to query
+    position q iff ``q - window < k <= q`` (HuggingFace's sliding window; no lower bound without one). None when
+    the whole block is visible."""
+    q0, k0 = qid * c, kid * c
+    if kid < qid and (window is None or q0 + c - 1 - window < k0):
+        return None
+    q = torch.arange(q0, q0 + c, device=device).unsqueeze(-1)
+    k = torch.arange(k0, k0 + c, device=device).unsqueeze(0)
+    visible = k <= q
+    if window is not None:
+        visible &= k > q - window
+    return ~visible
+
+
+def _pairs(split: SequenceSplit, rank: int, src: int, c: int, window: int | None):  # noqa: ANN202
+    """(local query chunk a, key chunk b of rank src's block, qid, kid) for every block with a visible key: key
+    chunks before or at the query chunk, and under a sliding window not entirely before its reach."""
+    for a, qid in enumerate(split.chunks(rank)):
+        for b, kid in enumerate(split.chunks(src)):
+            if kid <= qid and (window is None or (kid + 1) * c - 1 > qid * c - window):
+                yield a, b, qid, kid
+
+
 def _sink_logits(sinks: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """(H,) per-head sink logits as (1, H, 1), to broadcast against a (B, H, rows) log-sum-exp."""
     return sinks.to(acc).view(1, -1, 1)
-
-
-def _pairs(split: SequenceSplit, rank: int, src: int):  # noqa: ANN202
-    """(local query chunk a, key chunk b of rank src's block, diagonal?) for every block not masked out."""
-    for a, qid in enumerate(split.chunks(rank)):
-        for b, kid in enumerate(split.chunks(src)):
-            if kid <= qid:
-                yield a, b, kid == qid
 
 
 def _exchange(comm: Communicator, send: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -151,7 +174,7 @@ class RingAttention(torch.autograd.Function):
     module docstring). Call through :func:`ring_attention`, which validates the arguments."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, comm, split, scale, softcap):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, sinks, comm, split, scale, softcap, window):  # noqa: ANN001, ANN205
         n, rank = comm.size, comm.rank
         acc = torch.promote_types(q.dtype, torch.float32)
         m = split.chunks_per_rank
@@ -165,11 +188,14 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             if step < n - 1:
                 nxt, works = _exchange(comm, kv)
-            for a, b, diagonal in _pairs(split, rank, (rank - step) % n):
+            for a, b, qid, kid in _pairs(split, rank, (rank - step) % n, c, window):
                 kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in (kv[..., :dk], kv[..., dk:]))
-                o_b, l_b = _block_forward(qs[a], kb, vb, scale, diagonal, softcap)
+                masked = _block_mask(qid, kid, c, window, q.device)
+                o_b, l_b = _block_forward(qs[a], kb, vb, scale, masked, softcap)
                 merged = torch.logaddexp(lse[a], l_b)
-                out[a] = out[a] * torch.exp(lse[a] - merged).unsqueeze(-1) + o_b * torch.exp(l_b - merged).unsqueeze(-1)
+                # exp(-inf - -inf) is nan where no block has reached a row yet: such a weight is 0
+                keep, add = (torch.exp(t - merged).nan_to_num(0.0).unsqueeze(-1) for t in (lse[a], l_b))
+                out[a] = out[a] * keep + o_b * add
                 lse[a] = merged
             if step < n - 1:
                 _wait(works)
@@ -183,13 +209,13 @@ class RingAttention(torch.autograd.Function):
         # a view, so the output projection saves this same storage instead of a copy.
         o = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2), sinks)
-        ctx.comm, ctx.split, ctx.scale, ctx.softcap = comm, split, scale, softcap
+        ctx.comm, ctx.split, ctx.scale, ctx.softcap, ctx.window = comm, split, scale, softcap, window
         return o
 
     @staticmethod
     def backward(ctx, do):  # noqa: ANN001, ANN205
         q, k, v, o, lse, sinks = ctx.saved_tensors
-        comm, split, scale, softcap = ctx.comm, ctx.split, ctx.scale, ctx.softcap
+        comm, split, scale, softcap, window = ctx.comm, ctx.split, ctx.scale, ctx.softcap, ctx.window
         n, rank = comm.size, comm.rank
         acc = lse.dtype
         m = split.chunks_per_rank
@@ -206,10 +232,10 @@ class RingAttention(torch.autograd.Function):
             if step < n - 1:
                 nxt, works = _exchange(comm, kv)
             dkv = torch.zeros_like(kv)
-            for a, b, diagonal in _pairs(split, rank, (rank - step) % n):
+            for a, b, qid, kid in _pairs(split, rank, (rank - step) % n, c, window):
                 kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in (kv[..., :dk], kv[..., dk:]))
                 dq_b, dk_b, dv_b = _block_backward(qs[a], kb, vb, dos[a], lses[a], deltas[a], scale,
-                                                   diagonal, softcap)
+                                                   _block_mask(qid, kid, c, window, q.device), softcap)
                 dq[a] += dq_b
                 dkv[..., :dk].narrow(2, b * c, c).add_(_fold(dk_b, groups))
                 dkv[..., dk:].narrow(2, b * c, c).add_(_fold(dv_b, groups))
@@ -228,7 +254,7 @@ class RingAttention(torch.autograd.Function):
         if sinks is not None:  # d l / d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
             dsinks = -(torch.exp(_sink_logits(sinks, acc) - lse) * delta).sum((0, 2)).to(sinks.dtype)
         return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[..., :dk].to(k.dtype), dkv_in[..., dk:].to(v.dtype), dsinks,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -239,6 +265,13 @@ def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
         dtype = torch.get_autocast_dtype(device)
         return tuple(t.to(dtype) for t in (q, k, v))
     return q, k, v
+
+
+def check_window(window: object, who: str) -> int | None:
+    """ValueError unless `window` is None or a positive int (a sliding window: keys less than `window` back)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{who}: window={window!r} must be a positive int (or None)")
+    return window
 
 
 def check_extras(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None, who: str) -> float | None:
@@ -255,8 +288,8 @@ def check_extras(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | N
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
-                   scale: float | None = None, softcap: float | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence's keys, by ring attention.
 
     q: (B, H, L, D) this rank's L = T / cp tokens in the order `split_sequence` gives them (zigzag: chunks r and
@@ -264,7 +297,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     attention); the output is (B, H, L, Dv). Every rank of `comm` calls it together (forward and
     backward communicate). scale: multiplies q k^T; default 1 / sqrt(D). softcap: scores become
     ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2). sinks: (H,) one extra logit per head in every
-    softmax denominator, with no value (GPT-OSS's attention sinks; it gets a gradient). Returns (B, H, L, D), what
+    softmax denominator, with no value (GPT-OSS's attention sinks; it gets a gradient). window: a sliding window,
+    query position q sees keys k with ``q - window < k <= q`` (Mistral, Gemma 2/3, GPT-OSS's sliding layers); blocks
+    entirely outside it are skipped. Returns (B, H, L, D), what
     ``F.scaled_dot_product_attention(..., is_causal=True)`` on the whole sequence gives for these tokens (with the
     cap and the sinks applied as HuggingFace's eager attention applies them). Under autocast q, k and v are taken in
     the autocast dtype (`autocast_inputs`) and the blocks still accumulate in float32. ValueError if the shapes
@@ -273,8 +308,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     q, k, v = autocast_inputs(q, k, v)
     check_qkv(q, k, v, "ring_attention")
     softcap = check_extras(q, softcap, sinks, "ring_attention")
+    window = check_window(window, "ring_attention")
     split = SequenceSplit(comm.size, zigzag)
     split.chunk_len(q.shape[2], "ring_attention")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     with torch.autocast(q.device.type, enabled=False):  # the blocks accumulate in float32 forward and backward
-        return RingAttention.apply(q, k, v, sinks, comm, split, scale, softcap)
+        return RingAttention.apply(q, k, v, sinks, comm, split, scale, softcap, window)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.base import Communicator
-from .ring import autocast_inputs, check_extras, check_qkv
+from .ring import autocast_inputs, check_extras, check_qkv, check_window
 from .split import SequenceSplit
 
 __all__ = ["ulysses_attention", "AllToAll", "all_to_all"]
@@ -62,18 +62,29 @@ def all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim
     return AllToAll.apply(x, comm, scatter_dim, gather_dim)
 
 
+def _masked(T: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(T, T) True where key k is hidden from query q: k > q, or under a sliding window k <= q - window."""
+    q, k = torch.arange(T, device=device).unsqueeze(-1), torch.arange(T, device=device).unsqueeze(0)
+    return (k > q) | (k <= q - window) if window is not None else k > q
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                      softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Full causal attention of one head group, fused (``scaled_dot_product_attention``) unless a soft cap or sinks
-    need the scores themselves: then as HuggingFace's eager attention computes them (autograd differentiates it)."""
+                      softcap: float | None, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """Full causal attention of one head group, fused (``scaled_dot_product_attention``, with a boolean mask under a
+    sliding window) unless a soft cap or sinks need the scores themselves: then as HuggingFace's eager attention
+    computes them (autograd differentiates it)."""
+    gqa = q.shape[1] != k.shape[1]
     if softcap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if window is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        visible = ~_masked(q.shape[2], window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     with torch.autocast(q.device.type, enabled=False):  # the scores in float32, as the ring computes them
-        return _eager_causal_attention(q, k, v, scale, softcap, sinks)
+        return _eager_causal_attention(q, k, v, scale, softcap, sinks, window)
 
 
 def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                            softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+                            softcap: float | None, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
     acc = torch.promote_types(q.dtype, torch.float32)
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1).to(acc) for t in (k, v))
@@ -81,7 +92,7 @@ def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     T = s.shape[-1]
-    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    s = s.masked_fill(_masked(T, window, s.device), float("-inf"))
     if sinks is not None:  # a column of per-head logits in the softmax, dropped from the weights
         s = torch.cat([s, sinks.to(acc).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
     p = torch.softmax(s, dim=-1)
@@ -90,18 +101,19 @@ def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
                       scale: float | None = None, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence, by all-to-all over heads (Ulysses).
 
     Same contract as :func:`~shardwise.context_parallel.ring_attention`: q (B, H, L, D), k (B, Hkv, L, D), v
-    (B, Hkv, L, Dv), this rank's tokens in `split_sequence` order, softcap and sinks as there; returns
-    (B, H, L, Dv). ValueError unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated to H heads
-    before the exchange.
-    A soft cap or sinks make the local attention the eager one (the fused kernel has neither).
+    (B, Hkv, L, Dv), this rank's tokens in `split_sequence` order, softcap, sinks and window as there; returns
+    (B, H, L, Dv). ValueError unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated to H
+    heads before the exchange. A soft cap or sinks make the local attention the eager one (the fused kernel has
+    neither); a window alone is a boolean mask to the fused kernel.
     """
     q, k, v = autocast_inputs(q, k, v)
     H, Hkv = check_qkv(q, k, v, "ulysses_attention")
     softcap = check_extras(q, softcap, sinks, "ulysses_attention")
+    window = check_window(window, "ulysses_attention")
     cp = comm.size
     if H % cp:
         raise ValueError(f"ulysses_attention: {H} attention heads are not divisible by the context-parallel size "
@@ -127,6 +139,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
         qf, kf = full.split([hq, hkv], dim=1)
         vf = all_to_all(v.unflatten(1, (cp, -1)), comm, scatter_dim=1, gather_dim=3).squeeze(1).index_select(2, order)
     mine = None if sinks is None else sinks.narrow(0, comm.rank * hq, hq)  # this rank's head group
-    y = _causal_attention(qf, kf, vf, scale, softcap, mine)
+    y = _causal_attention(qf, kf, vf, scale, softcap, mine, window)
     y = y.index_select(2, where).unflatten(2, (cp, L))  # back to rank order: (B, hq, cp, L, D)
     return all_to_all(y, comm, scatter_dim=2, gather_dim=1).squeeze(2)  # (B, H, L, D)

@@ -28,8 +28,8 @@ masks keys ``window`` or more positions back, as HuggingFace's sliding-window ma
 Context parallel (``cp=``, the group ``shardwise.context_parallel.apply`` made the model's attention context-parallel
 over): each rank holds chunks of every sequence (``split_sequence``'s zigzag split), so the stages give the layers
 the *global* positions of those tokens (rotary angles and GPT-2's position embeddings of their places in the whole
-sequence) and no mask: the ring / Ulysses attention is causal over the whole sequence itself. A sliding window
-shorter than the whole sequence is refused (that attention has none). The loss of such stages is in hf_parallel.py:
+sequence) and no mask: the ring / Ulysses attention is causal over the whole sequence itself, and applies the sliding
+window the layer's attention passes it. The loss of such stages is in hf_parallel.py:
 labels are shifted over the whole sequence before they are cut, so no label crosses a chunk edge.
 
 ``causal_lm_loss`` is HuggingFace's ``ForCausalLMLoss``: logits at position t predict label t + 1, -100 labels are
@@ -116,14 +116,6 @@ class _Positions:
 
         return SequenceSplit(self.cp.size, self.zigzag).positions(self.cp.rank, T, hidden.device).unsqueeze(0)
 
-    def check_window(self, window: int | None, T: int, who: str) -> None:
-        """Context parallel's attention is causal over the whole sequence with no window: refuse a window shorter
-        than the sequence (a window at least as long masks nothing, so the result is exact)."""
-        if self.cp is not None and window is not None and self.global_length(T) > window:
-            raise ValueError(f"{who}: sliding window {window} is shorter than the sequence length T="
-                             f"{self.global_length(T)} (cp={self.cp.size} x {T}); context parallel attention has no "
-                             f"sliding window: use sequences of at most {window} tokens, or cp=1")
-
 
 class _CausalMasks:
     """The additive causal masks of one model's decoder stages, built once per (T, window, dtype, device), and the
@@ -142,8 +134,7 @@ class _CausalMasks:
 
     def __call__(self, hidden: torch.Tensor, window: int | None, who: str) -> torch.Tensor | None:
         B, T = hidden.shape[:2]
-        if self.positions.cp is not None:
-            self.positions.check_window(window, T, who)
+        if self.positions.cp is not None:  # ring / Ulysses attention masks causally (and by the window) itself
             return None
         key = (T, hidden.dtype, hidden.device)
         hit = self._latest.get(window)
