@@ -203,9 +203,16 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     regions (their gradients summed over the group). An embedding with a forward of its own (Gemma's scales its
     output by sqrt(hidden size)) stays whole on every rank, and so does an lm_head tied to it: the parallel embedding
     would not run that forward (parallelize refuses to split such a module).
-    Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads.
+    Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads, and naming the
+    module for an attention that fuses q, k and v in one ``qkv_proj`` (Phi-3 slices it by the model's global head
+    counts in its forward, which a split projection cannot follow).
     """
     for name, module in model.named_modules():
+        if isinstance(getattr(module, "qkv_proj", None), nn.Linear) and not hasattr(module, "q_proj"):
+            raise ValueError(f"tensor parallel plan 'llama': {name}.qkv_proj ({type(module).__name__}) fuses q, k and "
+                             f"v in one Linear, which the attention slices by the model's global head counts; the "
+                             f"plan splits separate q_proj / k_proj / v_proj; allowed: such models, or tp=1 for this "
+                             f"one")
         for proj, attrs, what in _HEAD_COUNTS:
             child = getattr(module, proj, None)
             if isinstance(child, nn.Linear):
