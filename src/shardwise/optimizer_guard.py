@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
 from . import layout
+from .hf_save import guard_save_pretrained
 from .whole.optim_state import localize_loaded_state, reading_pieces, to_local_optimizer_state
 
 __all__ = ["mark_replaced", "register_wrapped", "check_step"]
@@ -50,8 +51,10 @@ def mark_replaced(params: list[nn.Parameter], wrapper: str) -> None:
 
 
 def register_wrapped(model: nn.Module) -> None:
-    """Remember `model` (weakly) as wrapped in this thread, and install the step hook once."""
+    """Remember `model` (weakly) as wrapped in this thread, and install the step hook once. A HuggingFace model also
+    gets its `save_pretrained` guarded (hf_save.py): every strategy registers here."""
     global _installed
+    guard_save_pretrained(model)
     models = getattr(_local, "models", None)
     if models is None:
         models = _local.models = weakref.WeakSet()

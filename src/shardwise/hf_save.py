@@ -1,0 +1,83 @@
+"""HuggingFace's `save_pretrained` on a model shardwise wrapped: it saves the model, or raises saying how.
+
+Two things went wrong with ``model.save_pretrained(dir)`` (the last line of most HuggingFace training scripts, and
+what ``push_to_hub`` calls):
+
+* under DDP, ZeRO or FSDP it died with ``RecursionError``: transformers' ``unwrap_model`` follows ``model.module``
+  until there is none (torch DDP's wrapper holds the model there), and shardwise wraps in place, so
+  ``model.module`` is the model itself (_mixin.MovesRefused);
+* under tensor parallel (and any layout that splits parameters) it wrote garbage without an error: the state dict
+  holds this rank's pieces answering for the whole shapes, and safetensors copies ``shape`` worth of bytes from each
+  piece's ``data_ptr()``, past the end of the piece.
+
+`guard_save_pretrained(model)` (called by every strategy through `optimizer_guard.register_wrapped`) swaps the
+class of a HuggingFace model for one whose `save_pretrained` hides ``model.module`` for the duration of the call (so
+``unwrap_model`` stops at the model) and, when the model holds pieces of split parameters and no full
+``state_dict=`` is given, raises a ValueError with the collective recipe instead of writing pieces::
+
+    state = sw.full_state_dict(model)                 # every rank (collective)
+    if comm.rank == 0:
+        model.save_pretrained(out_dir, state_dict=state)
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from . import layout
+from ._mixin import mix_in
+from .sharded_tensor import spec_of
+
+__all__ = ["guard_save_pretrained"]
+
+
+def _split_pieces(model: nn.Module, state_dict: dict | None) -> list[str]:
+    """Names of the tensors about to be saved that are pieces of larger tensors (not whole)."""
+    if state_dict is not None:
+        named = state_dict.items()
+    else:
+        named = [*model.named_parameters(), *model.named_buffers()]
+    out = []
+    for name, tensor in named:
+        spec = spec_of(tensor)
+        if spec is not None and not spec.whole:
+            out.append(name)
+    return out
+
+
+class SavePretrainedGuard:
+    """Mixed into a wrapped HuggingFace model: `save_pretrained` saves it, or raises naming the collective recipe
+    (module docstring)."""
+
+    @property
+    def module(self) -> nn.Module:
+        if self.__dict__.get("_sw_saving"):  # transformers' unwrap_model stops at the model
+            raise AttributeError("module")
+        return super().module  # type: ignore[misc]  # MovesRefused's, or AttributeError
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        save = super().save_pretrained  # type: ignore[misc]
+        given = inspect.signature(save).bind_partial(save_directory, *args, **kwargs).arguments.get("state_dict")
+        pieces = _split_pieces(self, given)
+        if pieces:
+            applied = " + ".join(s.name for s in layout.strategies(self)) or "a strategy"
+            raise ValueError(f"save_pretrained on a model split over ranks ({applied}) would write this rank's pieces "
+                             f"as the whole tensors (e.g. {pieces[0]}); on every rank: state = sw.full_state_dict("
+                             f"model) (collective), then on one rank: model.save_pretrained(dir, state_dict=state)")
+        object.__setattr__(self, "_sw_saving", True)
+        try:
+            return save(save_directory, *args, **kwargs)
+        finally:
+            object.__setattr__(self, "_sw_saving", False)
+
+
+def guard_save_pretrained(model: nn.Module) -> None:
+    """Give a HuggingFace model (one with `save_pretrained`, a transformers class in its MRO) the guarded
+    `save_pretrained`; other models, and a model guarded already, are left as they are."""
+    if isinstance(model, SavePretrainedGuard) or not callable(getattr(model, "save_pretrained", None)):
+        return
+    if any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):
+        mix_in(model, SavePretrainedGuard, "SavePretrained")

@@ -1,0 +1,54 @@
+"""HuggingFace's `save_pretrained` on wrapped models (shardwise/hf_save.py). Under DDP it died with RecursionError
+(transformers' unwrap_model follows `model.module`, which shardwise's in-place wrappers return as the model itself);
+under tensor parallel it wrote garbage without an error (safetensors copied each piece's bytes as the whole
+tensor). Now: DDP's `model.module.save_pretrained(dir)` on rank 0 saves the model; ZeRO-3, FSDP and tensor parallel
+refuse naming the collective recipe, which saves what one process would (reloaded with `from_pretrained`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_cases import gpt_oss, tiny_llama
+
+import shardwise as sw
+from shardwise import tensor_parallel as tp
+
+transformers = pytest.importorskip("transformers")
+
+WRAPS = {"zero3": lambda m, c: sw.ZeRO(m, c, stage=3), "fsdp": lambda m, c: sw.FSDP(m, c),
+         "tp": lambda m, c: tp.parallelize(m, c, "llama")}
+
+
+def test_ddp_model_module_save_pretrained_on_rank_0(tmp_path):
+    want = tiny_llama().state_dict()
+
+    def body(comm):
+        model = sw.DDP(tiny_llama(), comm)
+        if comm.rank == 0:
+            model.module.save_pretrained(tmp_path)  # torch DDP scripts' idiom
+
+    sw.launch(body, 2)
+    saved = transformers.LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(saved[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_split_models_refuse_then_save_by_the_recipe(wrap, tmp_path):
+    """GPT-OSS under tensor parallel has its sinks split too (the "head_rows" style)."""
+    build = gpt_oss if wrap == "tp" else tiny_llama
+    want = build().state_dict()
+
+    def body(comm):
+        model = WRAPS[wrap](build(), comm)
+        with pytest.raises(ValueError, match=r"save_pretrained on a model split over ranks .* would write this "
+                                             r"rank's pieces.*state = sw.full_state_dict\(model\) \(collective\)"):
+            model.save_pretrained(tmp_path / "pieces")
+        state = sw.full_state_dict(model)
+        if comm.rank == 0:
+            model.save_pretrained(tmp_path / "full", state_dict=state)
+
+    sw.launch(body, 2)
+    assert not (tmp_path / "pieces").exists()
+    saved = type(build()).from_pretrained(tmp_path / "full").state_dict()
+    assert sorted(saved) == sorted(want)
+    assert all(torch.equal(saved[k], want[k]) for k in want)
