@@ -174,7 +174,7 @@ class Reducer:
         grad = param.grad
         if grad is None:
             view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
+        elif local(grad).data_ptr() != view.data_ptr():
             view.copy_(local(grad))
             param.grad = bucket.grads[i]
         self.marked.add(param)

@@ -7,8 +7,8 @@ what ``push_to_hub`` calls):
   until there is none (torch DDP's wrapper holds the model there), and shardwise wraps in place, so
   ``model.module`` is the model itself (_mixin.MovesRefused);
 * under tensor parallel (and any layout that splits parameters) it wrote garbage without an error: the state dict
-  holds this rank's pieces answering for the whole shapes, and safetensors copies ``shape`` worth of bytes from each
-  piece's ``data_ptr()``, past the end of the piece.
+  holds this rank's pieces answering for the whole shapes, and safetensors copied ``shape`` worth of bytes from each
+  piece's ``data_ptr()``, past the end of the piece (a piece's ``data_ptr()`` now raises: sharded_tensor.py).
 
 `guard_save_pretrained(model)` (called by every strategy through `optimizer_guard.register_wrapped`) swaps the
 class of a HuggingFace model for one whose `save_pretrained` hides ``model.module`` for the duration of the call (so

@@ -116,6 +116,8 @@ class _Sharded:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is _DATA_PTR and _is_piece(args[0]):
+            _refuse_address(args[0])
         kind = _KINDS.get(func)
         if kind is None:
             kind = _KINDS[func] = _kind(func)
@@ -127,6 +129,24 @@ class _Sharded:
         if kind == "elementwise" and out is not None and not (args and out is args[0]):
             return _reshard(out, args, kwargs or {})
         return out  # in-place results, metadata, getters and setters, like-factories: as torch gives them
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _is_piece(t: Any) -> bool:
+    spec = getattr(t, _SPEC, None)
+    return spec is not None and not spec.whole and local(t).numel() != spec.numel
+
+
+def _refuse_address(t: Any) -> None:
+    """`data_ptr()` of a piece answering for a larger tensor: what reads `numel()` elements from that address
+    (safetensors' save_file, numpy through ctypes) would copy past the piece's end. Its own code reads `local(t)`."""
+    spec = getattr(t, _SPEC)
+    raise RuntimeError(f"data_ptr() of {spec.name}, a {spec.what} piece ({local(t).numel()} of its {spec.numel} "
+                       f"elements, shape {tuple(spec.shape)}): a reader of the whole shape from this address (e.g. "
+                       f"safetensors.torch.save_file(model.state_dict())) would copy past the piece; save "
+                       f"sw.full_state_dict(model) (collective) instead")
 
 
 class ShardedTensor(_Sharded, torch.Tensor):
