@@ -31,7 +31,12 @@ from . import layout
 from ._mixin import mix_in
 from .sharded_tensor import spec_of
 
-__all__ = ["guard_save_pretrained"]
+__all__ = ["from_transformers", "guard_save_pretrained"]
+
+
+def from_transformers(module: nn.Module) -> bool:
+    """Whether `module`'s class is a transformers class, or a user's subclass of one (strategies' mixins kept)."""
+    return any(cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
 
 
 def _split_pieces(model: nn.Module, state_dict: dict | None) -> list[str]:
@@ -79,5 +84,5 @@ def guard_save_pretrained(model: nn.Module) -> None:
     `save_pretrained`; other models, and a model guarded already, are left as they are."""
     if isinstance(model, SavePretrainedGuard) or not callable(getattr(model, "save_pretrained", None)):
         return
-    if any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):
+    if from_transformers(model):
         mix_in(model, SavePretrainedGuard, "SavePretrained")

@@ -116,11 +116,11 @@ class _Sharded:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is _DATA_PTR and _is_piece(args[0]):
-            _refuse_address(args[0])
         kind = _KINDS.get(func)
         if kind is None:
             kind = _KINDS[func] = _kind(func)
+        if kind == "address" and _is_piece(args[0]):
+            _refuse_address(args[0])
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
@@ -129,9 +129,6 @@ class _Sharded:
         if kind == "elementwise" and out is not None and not (args and out is args[0]):
             return _reshard(out, args, kwargs or {})
         return out  # in-place results, metadata, getters and setters, like-factories: as torch gives them
-
-
-_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _is_piece(t: Any) -> bool:
@@ -215,7 +212,7 @@ _IDENTITY = frozenset({
 _FUSED_OPTIMIZERS = frozenset({"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"})
 _PLAIN = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"})
 _META = frozenset({
-    "__get__", "__set__", "__delete__", "data_ptr", "element_size", "untyped_storage", "storage_offset", "stride",
+    "__get__", "__set__", "__delete__", "element_size", "untyped_storage", "storage_offset", "stride",
     "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "dim_order", "is_pinned",
     "pin_memory", "share_memory_", "is_shared", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
     "_is_view", "is_set_to", "_version", "__hash__", "__eq_id__", "__deepcopy__", "__setstate__", "is_nonzero_free",
@@ -235,6 +232,8 @@ _MESSAGES = {
 
 @functools.lru_cache(maxsize=None)
 def _kind_of_name(name: str) -> str:
+    if name == "data_ptr":  # metadata, but of the piece: refused where the piece is not the whole (`_is_piece`)
+        return "address"
     if name in _META:  # getters and setters (`__get__`, `__set__`) included
         return "meta"
     if name in _PLAIN:

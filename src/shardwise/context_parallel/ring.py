@@ -56,7 +56,7 @@ import math
 import torch
 
 from ..comm.base import Communicator, P2POp
-from .split import SequenceSplit
+from .split import SequenceSplit, hidden_keys
 
 __all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv", "check_window"]
 
@@ -128,18 +128,12 @@ def _block_backward(q, k, v, do, lse, delta, scale, masked, softcap):  # noqa: A
 
 
 def _block_mask(qid: int, kid: int, c: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Where query chunk `qid` may not see key chunk `kid` (chunks of c tokens): key position k is visible to query
-    position q iff ``q - window < k <= q`` (HuggingFace's sliding window; no lower bound without one). None when
-    the whole block is visible."""
+    """Where query chunk `qid` may not see key chunk `kid` (chunks of c tokens), by their global positions
+    (`hidden_keys`); None when the whole block is visible."""
     q0, k0 = qid * c, kid * c
     if kid < qid and (window is None or q0 + c - 1 - window < k0):
         return None
-    q = torch.arange(q0, q0 + c, device=device).unsqueeze(-1)
-    k = torch.arange(k0, k0 + c, device=device).unsqueeze(0)
-    visible = k <= q
-    if window is not None:
-        visible &= k > q - window
-    return ~visible
+    return hidden_keys(torch.arange(q0, q0 + c, device=device), torch.arange(k0, k0 + c, device=device), window)
 
 
 def _pairs(split: SequenceSplit, rank: int, src: int, c: int, window: int | None):  # noqa: ANN202

@@ -26,7 +26,7 @@ import torch
 
 from ..comm.base import Communicator
 
-__all__ = ["SequenceSplit", "split_sequence", "gather_sequence", "sequence_positions"]
+__all__ = ["SequenceSplit", "split_sequence", "gather_sequence", "sequence_positions", "hidden_keys"]
 
 Batch = TypeVar("Batch", torch.Tensor, Sequence[torch.Tensor])
 
@@ -140,3 +140,12 @@ def sequence_positions(local_len: int, comm: Communicator, *, zigzag: bool = Tru
     position or rotary embedding (e.g. a HuggingFace model's ``position_ids``)."""
     _check_comm(comm, "sequence_positions")
     return SequenceSplit(comm.size, zigzag).positions(comm.rank, local_len, device)
+
+
+def hidden_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(len(queries), len(keys)) True where the key position is hidden from the query position under causal
+    attention: a later key, or under a sliding window one ``window`` or more positions back (a key k is visible to a
+    query q iff ``q - window < k <= q``, HuggingFace's sliding window). The one rule of the ring's blocks, Ulysses'
+    local attention and the HuggingFace stages' masks."""
+    q, k = queries.unsqueeze(-1), keys.unsqueeze(0)
+    return (k > q) | (k <= q - window) if window is not None else k > q

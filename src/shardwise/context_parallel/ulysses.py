@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..comm.base import Communicator
 from .ring import autocast_inputs, check_extras, check_qkv, check_window
-from .split import SequenceSplit
+from .split import SequenceSplit, hidden_keys
 
 __all__ = ["ulysses_attention", "AllToAll", "all_to_all"]
 
@@ -63,9 +63,9 @@ def all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim
 
 
 def _masked(T: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """(T, T) True where key k is hidden from query q: k > q, or under a sliding window k <= q - window."""
-    q, k = torch.arange(T, device=device).unsqueeze(-1), torch.arange(T, device=device).unsqueeze(0)
-    return (k > q) | (k <= q - window) if window is not None else k > q
+    """(T, T) True where key k is hidden from query q over the whole sequence (`hidden_keys`)."""
+    positions = torch.arange(T, device=device)
+    return hidden_keys(positions, positions, window)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,

@@ -21,15 +21,14 @@ The blocks' routers stay HuggingFace's code (hf_experts.py runs the dispatch). G
 weight of this rank (slices.py), averaged over `edp` by `sw.DDP` over dp (sharded over edp by `sw.ZeRO` / `sw.FSDP`:
 sharding/expert_units.py). Losses: Mixtral's load-balancing loss is a product of batch means, made the global
 batch's by `GlobalRouterLoss` (hf_aux.py) when the batch is split (also for models whose forward is Mixtral's:
-hf_kinds.py); Switch's auxiliary and z losses are means over
-sequences (its f and P are per sequence), so equal per-rank batches already average to one process's.
+hf_kinds.py); Switch's auxiliary and z losses are means over sequences (its f and P are per sequence), so equal
+per-rank batches already average to one process's.
 
 Refused at wrap time (ValueError naming the value): E not divisible by ep, a router with jitter noise (each rank
 would draw its own), ``capacity_factor`` (these routers apply their own capacity), a model already wrapped by any
 strategy but tensor or context parallel (which `sw.parallelize` applies first), a model mixing shardwise's MoE
 layers with HuggingFace's, a HuggingFace experts module that computes something else (named with what differs),
-and a load-balancing loss
-(``router_aux_loss_coef > 0``) that this module cannot make the global batch's.
+and a load-balancing loss (``router_aux_loss_coef > 0``) that this module cannot make the global batch's.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from torch import nn
 from .. import layout
 from .._mixin import mix_in
 from ..agreement import check_agreement, describe_parameters, fingerprints
+from ..hf_save import from_transformers
 from ..comm.base import Communicator
 from ..models.moe import MoE
 from ..optimizer_guard import mark_replaced, register_wrapped
@@ -63,11 +63,6 @@ WHO = "expert_parallel"
 BENEATH = ("tensor_parallel", "context_parallel")
 
 
-def _is_hf(module: nn.Module) -> bool:
-    """A transformers class, or a user's subclass of one."""
-    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
-
-
 def hf_expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, experts module) of every HuggingFace MoE block of `model` that expert_parallel supports; [] for a model
     without any. ValueError for a HuggingFace experts module of another class (named, with the supported ones)."""
@@ -76,7 +71,7 @@ def hf_expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         cls = type(module).__name__
         if is_one_of(module, MODULE_EXPERTS):
             found.append((name, module))
-        elif _is_hf(module) and cls.endswith("Experts") and hasattr(module, "num_experts"):
+        elif from_transformers(module) and cls.endswith("Experts") and hasattr(module, "num_experts"):
             why = fused_difference(module)
             if why is not None:
                 raise ValueError(f"{WHO}: {name!r} is a HuggingFace {cls}, a mixture-of-experts layer expert_parallel "
@@ -118,8 +113,7 @@ def _refuse(model: nn.Module, layers: list[tuple[str, nn.Module]], ep: Communica
                              f"load-balancing loss is a product of batch means, which each rank would compute on its "
                              f"own part of the batch; set it to 0 (supported with the loss: {list(GLOBAL_AUX)}, "
                              f"models whose forward is its forward (Qwen2/3-MoE, OLMoE ...), and {list(ROW_LOCAL_AUX)} "
-                             f"whose "
-                             f"router losses are means over sequences)")
+                             f"whose router losses are means over sequences)")
 
 
 def _split_fused(module: nn.Module, prefix: str, ep: Communicator) -> tuple[list[nn.Parameter], dict[int, tuple]]:

@@ -6,11 +6,12 @@ Granite-MoE, Phi-MoE, Jamba, MiniMax ...) as one generated class: fused ``gate_u
 ``down_proj`` (E, d, f) Parameters, an eager ``forward`` that loops over the experts (``act(gate) * up``, then
 ``down``, weighted by the router), wrapped by ``use_experts_implementation``, whose flags (``has_gate``,
 ``has_bias``, ``is_transposed``, ``is_concatenated``, ``has_post_expert_norm``) and ``_apply_gate`` select variants
-of that formula. An experts module is *fused like Mixtral*, and split by hf_experts.FusedExpertsParallel, when its
-eager forward is Mixtral's byte code, its flags are Mixtral's and its gate is the default one; anything else (GPT-OSS's
-biased, interleaved, clamped experts; Llama 4's; DBRX's) is refused with the property that differs. The router and
-everything outside the experts module stay the model's own code, so routers that differ (DeepSeek-V3's grouped
-top-k, Qwen2-MoE's shared expert) need nothing here.
+of that formula. An experts module is split by hf_experts.FusedExpertsParallel when its eager forward is one of two
+templates' byte code with that template's flags: Mixtral's (with the default gate), or GPT-OSS's (weights stored
+transposed, biases, and the class's own ``_apply_gate``, which its eager loop calls row by row); anything else (Llama
+4's experts, DBRX's, a subclass with a forward of its own, flags that select another formula) is refused with the
+property that differs. The router and everything outside the experts module stay the model's own code, so routers
+that differ (DeepSeek-V3's grouped top-k, Qwen2-MoE's shared expert) need nothing here.
 
 The load-balancing loss (``router_aux_loss_coef > 0``) is a product of batch means (hf_aux.py). `global_aux_model`
 accepts a top-level model whose forward is Mixtral's forward (byte code, docstrings aside) and whose
@@ -146,6 +147,8 @@ def global_aux_model(module: nn.Module) -> bool:
         return False
     from transformers.models.mixtral import modeling_mixtral
 
-    here = sys.modules.get(_hf_forward(module).__module__) if _hf_forward(module) is not None else None
-    return _same_code(_hf_forward(module), vars(modeling_mixtral.MixtralForCausalLM)["forward"]) \
-        and _same_code(getattr(here, "load_balancing_loss_func", None), modeling_mixtral.load_balancing_loss_func)
+    forward = _hf_forward(module)
+    if not _same_code(forward, vars(modeling_mixtral.MixtralForCausalLM)["forward"]):
+        return False
+    here = sys.modules.get(forward.__module__)
+    return _same_code(getattr(here, "load_balancing_loss_func", None), modeling_mixtral.load_balancing_loss_func)

@@ -139,13 +139,12 @@ class _CausalMasks:
         key = (T, hidden.dtype, hidden.device)
         hit = self._latest.get(window)
         if hit is None or hit[0] != key:
-            q = torch.arange(T, device=hidden.device)[:, None]
-            k = torch.arange(T, device=hidden.device)[None, :]
-            allowed = k <= q
-            if window is not None:
-                allowed &= k > q - window
+            from ..context_parallel.split import hidden_keys
+
+            positions = torch.arange(T, device=hidden.device)
             zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
-            mask = torch.where(allowed, zero, torch.finfo(hidden.dtype).min).view(1, 1, T, T)
+            blocked = hidden_keys(positions, positions, window)
+            mask = torch.where(blocked, torch.finfo(hidden.dtype).min, zero).view(1, 1, T, T)
             hit = self._latest[window] = (key, mask)
         return hit[1].expand(B, 1, T, T)
 
