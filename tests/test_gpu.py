@@ -33,9 +33,11 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def nccl_world_of_one():
-    """A one-rank NCCL default group in this process (destroyed afterwards) and its Communicator."""
+@pytest.fixture(params=["nccl", "local"])
+def nccl_world_of_one(request):
+    """A one-rank NCCL default group in this process (destroyed afterwards) and its Communicator: "nccl" issues
+    every collective through NCCL and its side streams (`local_if_alone=False`), "local" as a user's world of one
+    (the collectives of a group of one done locally, comm/group_of_one.py)."""
     import torch.distributed as dist
 
     from shardwise.comm.torch_backend import TorchCommunicator
@@ -46,7 +48,7 @@ def nccl_world_of_one():
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=600))
     try:
-        yield TorchCommunicator(None, timeout=60.0)
+        yield TorchCommunicator(None, timeout=60.0, local_if_alone=request.param == "local")
     finally:
         if dist.is_initialized():  # a failed collective may have taken the group down already
             dist.destroy_process_group()

@@ -93,7 +93,9 @@ def streamed(one_rank_world, monkeypatch):
         return FakeWork(rec.log, rec.current, state["complete"])
 
     monkeypatch.setattr(torch_backend.dist, "all_reduce", fake_all_reduce)
-    comm = TorchCommunicator(None, timeout=0.3, _streams=CommStreams(torch.device("cpu"), api=rec))
+    # local_if_alone=False: the one rank's collectives go to the (faked) backend, as a larger group's would
+    comm = TorchCommunicator(None, timeout=0.3, _streams=CommStreams(torch.device("cpu"), api=rec),
+                             local_if_alone=False)
     return comm, rec, state
 
 
@@ -147,12 +149,12 @@ def test_comm_error_on_nccl_aborts_the_process_group(one_rank_world, monkeypatch
             raise RuntimeError("NCCL communicator was aborted")
 
     monkeypatch.setattr(torch_backend.dist, "all_reduce", lambda *a, **k: FailingWork([], "compute"))
-    comm = TorchCommunicator(None, timeout=5)
+    comm = TorchCommunicator(None, timeout=5, local_if_alone=False)  # the one rank's calls go to the backend
     comm.backend = "nccl"  # as far as the abort decision goes
     with pytest.raises(CommError, match="NCCL communicator was aborted"):
         comm.all_reduce(torch.ones(1))
     assert aborted == [None]  # the world group's communicators
-    gloo = TorchCommunicator(None, timeout=5)  # gloo needs no abort
+    gloo = TorchCommunicator(None, timeout=5, local_if_alone=False)  # gloo needs no abort
     with pytest.raises(CommError):
         gloo.all_reduce(torch.ones(1))
     assert aborted == [None]

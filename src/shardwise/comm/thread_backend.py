@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from . import all_to_all as a2a
+from . import group_of_one
 from .base import (
     AnySourceWork,
     Communicator,
@@ -208,7 +209,7 @@ class ThreadCommunicator(Communicator):
         self._on_device("all_reduce", tensor)
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         if self.size == 1:
-            return CompletedWork() if async_op else None
+            return group_of_one.unchanged(async_op)
 
         def finish(args: dict[int, torch.Tensor]) -> None:
             result = _combine([args[r] for r in range(self.size)], op)
@@ -225,9 +226,7 @@ class ThreadCommunicator(Communicator):
         self._on_device("all_gather", output, input)
         self.stats.record("all_gather", tensor_bytes(output), self.size)
         if self.size == 1:
-            with torch.no_grad():
-                output.view(-1).copy_(input.reshape(-1))
-            return CompletedWork() if async_op else None
+            return group_of_one.copy(output, input, async_op)
         k = input.numel()
 
         def finish(args: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -250,9 +249,7 @@ class ThreadCommunicator(Communicator):
         self._on_device("reduce_scatter", output, input)
         self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
         if self.size == 1:
-            with torch.no_grad():
-                output.view(-1).copy_(input.reshape(-1))
-            return CompletedWork() if async_op else None
+            return group_of_one.copy(output, input, async_op)
         k = output.numel()
 
         def finish(args: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -269,7 +266,7 @@ class ThreadCommunicator(Communicator):
         self._on_device("broadcast", tensor)
         self.stats.record("broadcast", tensor_bytes(tensor), self.size)
         if self.size == 1:
-            return CompletedWork() if async_op else None
+            return group_of_one.unchanged(async_op)
 
         def finish(args: dict[int, torch.Tensor]) -> None:
             value = args[src].detach().clone()

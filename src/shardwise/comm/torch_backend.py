@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import all_to_all as a2a
+from . import group_of_one
 from .base import (
     AnySourceWork,
     Communicator,
@@ -50,7 +51,7 @@ from .heartbeat import RankWatch
 from .shm_channel import SharedMemoryChannel, eligible
 from .streams import CommStreams, PendingWork
 from .thread_backend import ThreadCommunicator, ThreadWorld
-from .torch_compat import all_gather_flat, reduce_scatter_flat
+from .torch_compat import abort_group, all_gather_flat, reduce_scatter_flat
 from .torch_work import AnySourceTorchWork, TorchWork, wait_error
 
 __all__ = ["TorchCommunicator"]
@@ -66,13 +67,14 @@ class TorchCommunicator(Communicator):
     come from `split`. Ranks given to operations (src, dst) are ranks of this group, as with every Communicator.
     `shared_memory=False` keeps this group and those split from it on gloo's sockets even on one host (the
     environment's `SHARDWISE_SHM=0` does that for every group of the process); one rank saying so is enough, the
-    group decides together at its first large collective.
+    group decides together at its first large collective. A group of one computes its collectives locally
+    (group_of_one.py); `local_if_alone=False` issues them through the backend anyway (GPU tests of NCCL's streams).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = 60.0, _cache: dict | None = None,
                  _watch: RankWatch | None = None, backend_timeout: float | None = None,
                  _streams: CommStreams | None = None, shared_memory: bool = True,
-                 check_collectives: bool | None = None):
+                 check_collectives: bool | None = None, local_if_alone: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs torch.distributed initialised; use shardwise.init()")
         self.group = group
@@ -85,6 +87,7 @@ class TorchCommunicator(Communicator):
         # The process group's own timeout (NCCL's watchdog): sub-groups get the same; never below shardwise's.
         self.backend_timeout = max(self.timeout, float(backend_timeout or 0.0))
         self.stats = CommStats()
+        self._alone = self.size == 1 and local_if_alone
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self._cache: dict[tuple[int, ...], dist.ProcessGroup] = {} if _cache is None else _cache
         self._watch = _watch  # this process's heartbeat (None when the job runs none): names culprits in errors
@@ -126,12 +129,8 @@ class TorchCommunicator(Communicator):
         if self.backend != "nccl" or self._aborted:
             return
         self._aborted = True
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         try:
-            if abort is not None:
-                abort(self.group)
-            else:  # older torch: the process group object itself
-                (self.group or dist.distributed_c10d._get_default_group()).abort()
+            abort_group(self.group)
         except Exception:  # noqa: BLE001 - the CommError being raised is the news; a failing abort must not hide it
             pass
 
@@ -201,6 +200,8 @@ class TorchCommunicator(Communicator):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work | None:
         native, then = self._native(op, tensor, "all_reduce")
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
+        if self._alone:
+            return group_of_one.unchanged(async_op)
         what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
         shm = self._shared_memory(what, tensor)
         if shm is not None:
@@ -213,6 +214,8 @@ class TorchCommunicator(Communicator):
         self._check_gather_shapes("all_gather", output, input)
         check_contiguous("all_gather", "output", output)
         self.stats.record("all_gather", tensor_bytes(output), self.size)
+        if self._alone:
+            return group_of_one.copy(output, input, async_op)
         flat_in = input.reshape(-1)
         what = f"all_gather(numel={input.numel()})"
         shm = self._shared_memory(what, output, flat_in)
@@ -229,6 +232,9 @@ class TorchCommunicator(Communicator):
         self._check_gather_shapes("reduce_scatter", input, output)
         check_contiguous("reduce_scatter", "output", output)
         native, then = self._native(op, output, "reduce_scatter")
+        if self._alone:
+            self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
+            return group_of_one.copy(output, input, async_op)
         what = f"reduce_scatter(op={op.name}, numel={output.numel()})"
         shm = self._shared_memory(what, output, input)
         if shm is not None:  # reduces from the input as it is (never clones it): the ring formula's bytes
@@ -269,6 +275,8 @@ class TorchCommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         self._check_peer("broadcast", src, "src")
         self.stats.record("broadcast", tensor_bytes(tensor), self.size)
+        if self._alone:
+            return group_of_one.unchanged(async_op)
         root = self.global_ranks[src]
         what = f"broadcast(src={src}, numel={tensor.numel()})"
         return self._issue(what, lambda: dist.broadcast(tensor, root, group=self.group, async_op=True), None, async_op,
@@ -289,9 +297,10 @@ class TorchCommunicator(Communicator):
 
     def barrier(self) -> None:
         self.stats.record("barrier", 0, self.size)
-        # A one-element all-reduce is a true barrier on every backend (gloo's barrier is one too, but this keeps the
-        # timeout handling identical to the other collectives).
-        # An explicit timeout: the host waits, on CUDA too (a barrier that returned before its peers is none).
+        if self._alone:
+            return
+        # A one-element all-reduce is a true barrier on every backend (gloo's barrier is one too) with the timeout
+        # handling of the other collectives; an explicit timeout: the host waits, on CUDA too.
         flag = torch.zeros(1, device=self.device)
         work = self._issue("barrier()", lambda: dist.all_reduce(flag, group=self.group, async_op=True), None, True)
         work.wait(self.timeout)
@@ -379,12 +388,9 @@ class TorchCommunicator(Communicator):
         else:
             pg = self._cache.get(global_members)
             if pg is None:
-                pg = dist.new_group(
-                    list(global_members),
-                    timeout=datetime.timedelta(seconds=self.backend_timeout),
-                    use_local_synchronization=True,
-                )
-                self._cache[global_members] = pg
+                pg = self._cache[global_members] = dist.new_group(
+                    list(global_members), timeout=datetime.timedelta(seconds=self.backend_timeout),
+                    use_local_synchronization=True)
         return TorchCommunicator(pg, timeout=self.timeout, _cache=self._cache, _watch=self._watch,
                                  backend_timeout=self.backend_timeout, shared_memory=self._shm_allowed)
 

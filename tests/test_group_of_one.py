@@ -1,0 +1,103 @@
+"""A world of one process (`torch.distributed` with one rank): its collectives are computed locally
+(comm/group_of_one.py), give what the backend gives, refuse what the backend's path refuses, and a ZeRO-3 model on
+it trains exactly as through the backend."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity import CONFIG, batch
+
+import shardwise as sw
+from shardwise.comm import torch_backend
+from shardwise.comm.base import ReduceOp
+from shardwise.comm.torch_backend import TorchCommunicator
+from shardwise.models import GPT
+from shardwise.models.gpt import Block
+
+
+@pytest.fixture
+def one_rank_world():
+    assert not dist.is_initialized(), "a process group is already initialised in the test process"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=10))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _both(one_rank_world):
+    return TorchCommunicator(None, timeout=10), TorchCommunicator(None, timeout=10, local_if_alone=False)
+
+
+def test_collectives_of_one_rank_match_the_backend_and_call_no_torch_collective(one_rank_world, monkeypatch):
+    local, backend = _both(one_rank_world)
+    x = torch.randn(6)
+    results = {}
+    for name, comm in (("backend", backend), ("local", local)):
+        if name == "local":  # from here on, any torch.distributed collective is a failure
+            for fn in ("all_reduce", "broadcast", "all_gather_single", "all_gather_into_tensor",
+                       "reduce_scatter_single", "reduce_scatter_tensor"):
+                if hasattr(torch_backend.dist, fn):
+                    monkeypatch.setattr(torch_backend.dist, fn, lambda *a, _fn=fn, **k: pytest.fail(f"{_fn} called"))
+            monkeypatch.setattr(torch_backend, "all_gather_flat", lambda *a, **k: pytest.fail("all_gather called"))
+            monkeypatch.setattr(torch_backend, "reduce_scatter_flat", lambda *a, **k: pytest.fail("rs called"))
+        out = {}
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+            t = x.clone()
+            comm.all_reduce(t, op)
+            out[f"all_reduce {op.name}"] = t
+        t = x.clone()
+        comm.all_reduce(t, ReduceOp.AVG, async_op=True).wait()
+        out["all_reduce async"] = t
+        gathered = torch.zeros(6)
+        comm.all_gather(gathered, x.view(2, 3))
+        out["all_gather"] = gathered
+        scattered = torch.zeros(2, 3)
+        comm.reduce_scatter(scattered, x, ReduceOp.AVG, async_op=True).wait()
+        out["reduce_scatter"] = scattered.reshape(-1)
+        t = x.clone()
+        comm.broadcast(t, 0)
+        out["broadcast"] = t
+        comm.barrier()
+        results[name] = out
+        assert comm.stats.calls("all_reduce") == 4 and comm.stats.calls("reduce_scatter") == 1
+    for key, value in results["backend"].items():
+        assert torch.equal(results["local"][key], value), key
+
+
+def test_a_group_of_one_refuses_what_a_larger_group_refuses(one_rank_world):
+    local, _ = _both(one_rank_world)
+    with pytest.raises(ValueError, match="all_gather"):
+        local.all_gather(torch.zeros(5), torch.zeros(6))
+    with pytest.raises(ValueError, match="reduce_scatter"):
+        local.reduce_scatter(torch.zeros(5), torch.zeros(6))
+    with pytest.raises(ValueError, match="broadcast"):
+        local.broadcast(torch.zeros(2), src=1)
+    with pytest.raises(ValueError, match="AVG"):
+        local.all_reduce(torch.zeros(2, dtype=torch.int64), ReduceOp.AVG)
+
+
+def _train(model: torch.nn.Module, steps: int = 3) -> dict[str, torch.Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    for i in range(steps):
+        x, y = batch(i)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return sw.full_state_dict(model)
+
+
+def test_zero3_in_bf16_on_a_world_of_one_is_bit_identical_through_the_backend_and_locally(one_rank_world):
+    local, backend = _both(one_rank_world)
+    mp = sw.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    through_local = _train(sw.ZeRO(GPT(CONFIG, seed=0), local, stage=3, wrap=Block, mixed_precision=mp))
+    through_backend = _train(sw.ZeRO(GPT(CONFIG, seed=0), backend, stage=3, wrap=Block, mixed_precision=mp))
+    assert local.stats.calls("all_gather") > 0  # bf16 compute copies are gathered (cast) from the fp32 master
+    assert local.stats.calls("all_gather") == backend.stats.calls("all_gather")
+    for name, value in through_backend.items():
+        assert torch.equal(through_local[name], value), name
