@@ -9,7 +9,9 @@ other scripts in bench/.
 
 Implementations (--impls, comma list):
   plain     the model on the device, torch.optim.AdamW: no wrapper, no communication (the floor)
-  sw_zero3  shardwise.ZeRO(stage=3, wrap=Block) over a process group of one (NCCL on cuda, gloo on cpu)
+  sw_zero3  shardwise.ZeRO(stage=3, wrap=Block) over a process group of one (NCCL on cuda, gloo on cpu): its
+            units' full buffers are their fp32 masters and its gradients need no reduction, so it issues no
+            collective (with --precision params it gathers bf16 copies, which a group of one copies locally)
   sw_ddp    shardwise.DDP over the same group
   fsdp2     torch.distributed.fsdp.fully_shard per Block + root, over a device mesh of one
 --compile wraps each row's model in torch.compile (the first --warmup steps compile; shardwise's hooks run eagerly

@@ -4,6 +4,7 @@ it trains exactly as through the backend."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import pytest
@@ -92,6 +93,22 @@ def _train(model: torch.nn.Module, steps: int = 3) -> dict[str, torch.Tensor]:
     return sw.full_state_dict(model)
 
 
+def test_zero3_on_a_world_of_one_issues_no_collective_and_matches_plain_pytorch(one_rank_world):
+    local, _ = _both(one_rank_world)
+    plain = GPT(CONFIG, seed=0)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    for i in range(3):
+        x, y = batch(i)
+        plain(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    zero3 = _train(sw.ZeRO(GPT(CONFIG, seed=0), local, stage=3, wrap=Block))
+    # The full buffer is the master (nothing to gather) and the average over one rank is the gradient buffer.
+    assert local.stats.calls() == 0, local.stats
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(zero3[name], value, rtol=0, atol=1e-6, msg=name)
+
+
 def test_zero3_in_bf16_on_a_world_of_one_is_bit_identical_through_the_backend_and_locally(one_rank_world):
     local, backend = _both(one_rank_world)
     mp = sw.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -101,3 +118,36 @@ def test_zero3_in_bf16_on_a_world_of_one_is_bit_identical_through_the_backend_an
     assert local.stats.calls("all_gather") == backend.stats.calls("all_gather")
     for name, value in through_backend.items():
         assert torch.equal(through_local[name], value), name
+
+
+class _TwoLayersAndAnUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second, self.unused = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x))).pow(2).mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_shard_group_of_one_accumulates_under_no_sync_and_keeps_an_unused_grad_none(one_rank_world, stage):
+    """Two microbatches (the first under no_sync), a parameter no forward uses: exactly plain PyTorch's step, and
+    the unused parameter keeps grad None (AdamW's weight decay skips it) while nothing is communicated."""
+    local, _ = _both(one_rank_world)
+    plain, wrapped = _TwoLayersAndAnUnused(), sw.ZeRO(_TwoLayersAndAnUnused(), local, stage=stage,
+                                                       wrap=torch.nn.Linear)
+    xs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    for model in (plain, wrapped):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+        for _ in range(2):
+            with model.no_sync() if model is wrapped else contextlib.nullcontext():
+                model(xs[0]).backward()
+            model(xs[1]).backward()
+            assert all(p.grad is None for n, p in model.named_parameters() if n.startswith("unused"))
+            opt.step()
+            opt.zero_grad()
+    assert local.stats.calls() == 0, local.stats
+    got = sw.full_state_dict(wrapped)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)

@@ -88,7 +88,6 @@ class Unit(UnitGradients):
         self.is_root = plan.is_root
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 else None
-        self.keep_full = keep_full
         self.keep_grad_buffer = keep_grad_buffer
         # Gradient compression (sw.compression): of the replicate all-reduce, or (ZeRO-1/2) of the whole unit's
         # gradient by a compressed all-reduce instead of the reduce-scatter, after which this rank keeps its shard.
@@ -99,6 +98,12 @@ class Unit(UnitGradients):
         self.device = first.device
         self.master_dtype = first.dtype
         self.param_dtype = param_dtype or first.dtype
+        if shard_comm.size == 1 and self.param_dtype == self.master_dtype and offload == "none":
+            # A shard group of one in the master's dtype: the full buffer would hold the master's very values, so
+            # it is the master (below) and is never freed; stage 3 then gathers nothing and frees nothing, as
+            # nothing is duplicated (ZeRO-3 on one GPU costs what plain PyTorch does).
+            keep_full = True
+        self.keep_full = keep_full
         self.reduce_dtype = reduce_dtype or (torch.float32 if param_dtype is not None else self.param_dtype)
         self.offload = offload  # an offload level (see .offload): "none", "optimizer" or "full"
         self.master_device = torch.device("cpu") if offload != "none" else self.device
@@ -219,8 +224,8 @@ class Unit(UnitGradients):
         return self.padded * self.full.element_size()
 
     def needs_gather(self) -> bool:
-        if self.numel == 0:
-            return False
+        if self.numel == 0 or (self.master_is_view and self.shard_comm.size == 1):
+            return False  # nothing to gather, or the full buffer is the master itself
         return not self.full_allocated or self.gathered_version != self._master_version()
 
     def start_gather(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-from ..comm.base import ReduceOp
+from ..comm.base import CompletedWork, ReduceOp
 from ..sharded_tensor import as_sharded, grad_like, local, spec_of
 from .param_info import ParamInfo
 
@@ -141,6 +141,10 @@ class UnitGradients:
         self._ready_grad_buffer()
         self._drop_grad_views()
         used = self.used_here = self._zero_unwritten()
+        if self.shard_comm.size == 1 and self.replicate_comm is None and self.compressor is None:
+            # The average over one rank is the buffer itself (data, then the flags' band: one segment): no copy.
+            self.reduced_shard, self.reduce_work, self.replicated = self.grad_buffer, CompletedWork(), False
+            return
         self.reduced_shard = torch.empty(self.grad_layout.segment, dtype=self.reduce_dtype, device=self.device)
         if not self.grad_layout.band:
             self._start_flags(used)
@@ -193,7 +197,8 @@ class UnitGradients:
             # Gradients are not sharded (stage 1, no_shard): the averaged shard lives in the buffer's own slice and
             # the shard parameters' .grad view it, so gradients cost exactly the one full buffer.
             own = self.grad_layout.own(self.grad_buffer, self.shard_comm.rank)
-            own.copy_(reduced)
+            if self.reduced_shard is not self.grad_buffer:  # a group of one reduced in the buffer itself
+                own.copy_(reduced)
             reduced = own
             self.grad_buffer_dirty = True
         # Offloaded: always a copy, so the gradient lives on the host as on a GPU, even where host is the device.
