@@ -151,3 +151,19 @@ def test_a_shard_group_of_one_accumulates_under_no_sync_and_keeps_an_unused_grad
     got = sw.full_state_dict(wrapped)
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_two_backwards_before_a_step_add_on_a_shard_group_of_one_as_torch_adds(one_rank_world):
+    local, _ = _both(one_rank_world)
+    plain, wrapped = _TwoLayersAndAnUnused(), sw.ZeRO(_TwoLayersAndAnUnused(), local, stage=3,
+                                                       wrap=torch.nn.Linear)
+    xs = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))
+    for model in (plain, wrapped):
+        model(xs[0]).backward()
+        model(xs[1]).backward()  # no zero_grad between: the second adds to .grad
+    grads = {n: p.grad for n, p in wrapped.named_parameters()}
+    for name, p in plain.named_parameters():
+        if p.grad is None:
+            assert grads[name] is None, name
+        else:
+            torch.testing.assert_close(grads[name].reshape(p.shape), p.grad, rtol=0, atol=1e-7, msg=name)

@@ -169,6 +169,11 @@ class Unit(UnitGradients):
             )
             offset += numel
         self.trainable = [i for i in self.infos if i.requires_grad]
+        # Nothing to reduce over (a shard group of one, no replicas, no compression) and the gradient already in the
+        # master's dtype: autograd's own gradient tensors become the shard parameters' .grad (unit_grads), as in
+        # plain PyTorch: no flat buffer, no copy, no kernel per parameter.
+        self.direct_grads = (n == 1 and self.replicate_comm is None and compressor is None and self.master_is_view
+                             and self.reduce_dtype == self.master_dtype)
         # One "used" flag per trainable parameter rides in each chunk of the reduction (grad_layout); under a lossy
         # gradient compression they travel in a small exact all-reduce of their own instead.
         in_band = compressor is None or (compressor.keeps_flags and self.replicate_comm is None)

@@ -35,7 +35,7 @@ class UnitGradients:
         is contiguous (it crosses no flag band); the others keep the copy in `accumulate_grad`. The buffer is zeroed
         in one fill at the start of a cycle; a slice an earlier backward of the cycle wrote (under no_sync) keeps its
         sum, to which autograd adds."""
-        if self.grad_views or not self.trainable or self.reduce_dtype != self.param_dtype:
+        if self.grad_views or not self.trainable or self.reduce_dtype != self.param_dtype or self.direct_grads:
             return
         self._ready_grad_buffer()
         assert self.grad_buffer is not None
@@ -96,7 +96,9 @@ class UnitGradients:
         """Count a parameter's gradient of this pass; unless autograd accumulated it straight into the flat buffer
         (`prepare_grad_views`), add it there (the buffer allocated on first use)."""
         grad = info.unsharded.grad
-        if self._grad_is_view(info):
+        if self.direct_grads:
+            pass  # the gradient stays where autograd put it (and adds the next backward's) until finish_reduce
+        elif self._grad_is_view(info):
             self.grads_written.add(info.name)
         elif grad is not None:
             self._ready_grad_buffer()
@@ -138,6 +140,9 @@ class UnitGradients:
         """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously."""
         if not self.trainable:
             return  # a frozen unit has nothing to reduce
+        if self.direct_grads:
+            self.reduce_work = CompletedWork()  # nothing to reduce: finish_reduce hands the gradients over
+            return
         self._ready_grad_buffer()
         self._drop_grad_views()
         used = self.used_here = self._zero_unwritten()
@@ -179,6 +184,10 @@ class UnitGradients:
         """Wait for the reduce-scatter, average over replicas, and hand the shard to the shard parameters' .grad."""
         if not self.trainable or self.reduce_work is None:
             return  # frozen, or already finished (the engine finishes the oldest reductions early)
+        if self.direct_grads:
+            self.reduce_work = None
+            self._hand_over_grads()
+            return
         assert self.reduced_shard is not None
         self.reduce_work.wait()
         self.reduce_work = None
@@ -221,6 +230,19 @@ class UnitGradients:
         self.reduced_shard = None
         if not self.keep_grad_buffer:
             self._drop_grad_buffer()
+
+    def _hand_over_grads(self) -> None:
+        """`direct_grads`: each unsharded parameter's gradient (autograd's tensor, its backwards summed) becomes its
+        shard parameter's .grad, the same shape and memory layout; added to one already there (a second backward
+        before the step, as torch adds). A parameter without one keeps its .grad, None after zero_grad."""
+        for info in self.trainable:
+            grad, info.unsharded.grad = info.unsharded.grad, None
+            if grad is None:
+                continue
+            if info.shard_param.grad is None:
+                info.shard_param.grad = grad_like(grad, info.shard_param)
+            else:
+                local(info.shard_param.grad).add_(grad)
 
     def _start_flags(self, used: list[bool]) -> None:
         """Under compression: all-reduce the used flags (exact, SUM) over the group the gradients reduce over first."""
