@@ -44,3 +44,20 @@ def pytest_collection_modifyitems(config, items):
         (process if any(t.get_closest_marker("multiprocess") for t in tests) else threads).append(tests)
     ordered = [tests for pair in itertools.zip_longest(process, threads) for tests in pair if tests is not None]
     items[:] = [item for tests in ordered for item in tests]
+
+
+@pytest.fixture
+def one_rank_world():
+    """A one-rank gloo default group in this process (tests of the torch.distributed communicator), destroyed
+    afterwards whatever happens."""
+    import datetime
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "a process group is already initialised in the test process"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=10))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

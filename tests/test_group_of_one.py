@@ -5,11 +5,9 @@ it trains exactly as through the backend."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 
 import pytest
 import torch
-import torch.distributed as dist
 from parity import CONFIG, batch
 
 import shardwise as sw
@@ -18,17 +16,6 @@ from shardwise.comm.base import ReduceOp
 from shardwise.comm.torch_backend import TorchCommunicator
 from shardwise.models import GPT
 from shardwise.models.gpt import Block
-
-
-@pytest.fixture
-def one_rank_world():
-    assert not dist.is_initialized(), "a process group is already initialised in the test process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=10))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _both(one_rank_world):

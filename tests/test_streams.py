@@ -72,18 +72,6 @@ class FakeWork:
 
 
 @pytest.fixture
-def one_rank_world():
-    """A one-rank gloo default group in this process, destroyed afterwards whatever happens."""
-    assert not dist.is_initialized(), "a process group is already initialised in the test process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=10))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def streamed(one_rank_world, monkeypatch):
     """A TorchCommunicator on the CUDA path (recorded streams) whose collectives return FakeWorks."""
     rec = Recorder()
