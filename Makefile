@@ -66,6 +66,8 @@ test-gpu: $(VENV)/.installed
 # The GPU check for a lent GPU machine (no network: it creates no venv and installs nothing): bench/gpu_check.py with
 # the Python given as PYTHON= (default: .venv/bin/python when it exists, else python3), shardwise from src/. Report
 # folder: GPU_CHECK_OUT= (default runs/gpu-check-<time>/). Without CUDA it runs the CPU dry run and exits 0.
+# From a lent machine that returns a few files only, bring the folder back whole as one archive:
+#   make gpu-check PYTHON=python3 GPU_CHECK_OUT=$OUT/g; tar czf $OUT/g.tgz -C $OUT g && rm -rf $OUT/g
 GPU_CHECK_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(if $(wildcard $(BIN)/python),$(BIN)/python,python3))
 GPU_CHECK_OUT ?=
 gpu-check:

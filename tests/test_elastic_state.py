@@ -67,6 +67,11 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """torch's comparison, its message (how far, where) kept after `what`."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda detail: f"{what}: {detail}")
+
+
 class _Regroup:
     """The test's stand-in for the membership layer: one new ThreadWorld per epoch, shared by its members."""
 
@@ -158,7 +163,7 @@ def test_shrink_then_grow_matches_one_process(strategy, options):
     for rank, (sd, facts, size, position) in results.items():
         assert size == 4 and position == STEPS
         for name, value in expected.items():
-            torch.testing.assert_close(sd[name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+            _assert_close(sd[name], value, f"rank {rank} {name}")
         if rank < 3:  # a survivor: resized twice, each time from the survivors' memory
             assert [f["source"] for f in facts] == ["survivors", "survivors"]
             # back to the commit of step 3, or of step 2 when the kill cut the commit of step 3 short on some
@@ -178,7 +183,7 @@ def test_zero3_without_redundancy_is_lost_and_comes_back_from_the_checkpoint(tmp
     for rank, (sd, facts, size, position) in results.items():
         assert size == 4 and position == STEPS  # every global batch counted once, the redone ones included
         for name, value in expected.items():
-            torch.testing.assert_close(sd[name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+            _assert_close(sd[name], value, f"rank {rank} {name}")
         if rank < 3:  # the shards of rank 2 were lost: back to the last checkpoint, then survivors at the join
             assert facts[0] == {"step": back_to, "source": "checkpoint"}
             assert 0 <= kill_step - facts[0]["step"] <= every
