@@ -57,9 +57,10 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(D, FF, bias=False)
         self.up_proj = nn.Linear(D, FF, bias=False)
         self.down_proj = nn.Linear(FF, D, bias=False)
+        self.act_fn = nn.SiLU()
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -222,13 +223,15 @@ def test_a_plan_that_splits_a_module_with_its_own_forward_is_refused():
     sw.launch(body, 2)
 
 
-@pytest.mark.parametrize("kind", ["Gemma", "Qwen3", "Glm4"])
+@pytest.mark.parametrize("kind", ["Gemma", "Qwen3", "Glm4", "Apertus"])
 def test_huggingface_decoders_that_once_trained_wrong_under_the_llama_plan_train_like_one_process(kind):
     """Gemma: its embedding scales its output (kept whole, see above). Qwen3: it normalizes each head of q and k
     (q_norm / k_norm, a weight of head_dim), so a rank holding half the heads computes their part of those norms'
     gradients; the plan makes them "heads" regions, summed over the group (before, each rank trained on its part).
     GLM-4: its MLP is one fused gate_up_proj Linear ([gate | up]), split as two column blocks (before, down_proj was
-    split and gate_up_proj not: a shape error at the first forward)."""
+    split and gate_up_proj not: a shape error at the first forward). Apertus: its MLP activation (xIELU) has two
+    learned scalars applied to every hidden feature, of which a rank holds half: their gradients were each rank's
+    part (alpha_p's -0.0006 against -0.0020 in one process); now a "heads" region, summed over the group."""
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, f"{kind}Config")(
         vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
@@ -275,6 +278,50 @@ def test_an_attention_module_the_plan_cannot_split_by_heads_is_refused(norm):
                  rf"\(LlamaAttention\).*not one row per query head \({HEADS}\)")
     with pytest.raises(ValueError, match=r"tensor parallel plan 'llama': model.layers.0." + match):
         tp.parallelize(model, sw.init(), "llama")
+
+
+class _ScaledActivation(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full(shape, 1.5))
+
+    def forward(self, x):
+        return F.silu(x) * self.scale
+
+
+@pytest.mark.parametrize("where", ["activation_per_feature", "another_child", "own_parameter"])
+def test_a_parameter_in_a_split_mlp_the_plan_cannot_place_is_refused(where):
+    """Inside an MLP whose projections the plan splits, only the activation's scalars have a known relation to the
+    split features (summed over the group, as Apertus's xIELU); a per-feature activation weight, another child with
+    parameters (it may run on the split features or on the whole input) or a parameter of the MLP itself: refused by
+    name, where before they trained on each rank's part, silently."""
+    model = LlamaForCausalLM()
+    mlp = model.model.layers[0].mlp
+    if where == "activation_per_feature":
+        mlp.act_fn = _ScaledActivation((FF,))
+        match = r"mlp.act_fn in the MLP .* \(_ScaledActivation\) has parameters that are not the activation's scalars"
+    elif where == "another_child":
+        mlp.norm = RMSNorm(FF)
+        match = r"mlp.norm in the MLP .* \(RMSNorm\) has parameters that are not the activation's scalars"
+    else:
+        mlp.bias = nn.Parameter(torch.zeros(FF))
+        match = rf"mlp.bias in the MLP .* is a parameter of the MLP itself \({FF},\)"
+    with pytest.raises(ValueError, match=r"tensor parallel plan 'llama': model.layers.0." + match):
+        tp.parallelize(model, sw.init(), "llama")
+
+
+def test_an_activation_with_scalar_parameters_trains_like_one_process():
+    """A learned scalar in the activation between the split projections (as Apertus's xIELU): its gradient is
+    summed over tp, so two AdamW steps with weight decay equal one process's."""
+    def build():
+        model = LlamaForCausalLM()
+        for layer in model.model.layers:
+            layer.mlp.act_fn = _ScaledActivation(())
+        return model
+
+    report = sw.check(build, data, strategy="tp:llama", world_size=2, steps=2, rtol=RTOL, atol=ATOL,
+                      optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-5))
+    assert report.ok, str(report)
 
 
 @pytest.mark.parametrize("strategy, world", [("tp:llama", 2), ({"tp": 2, "tp_plan": "llama", "ep": 2}, 4)],

@@ -15,8 +15,9 @@ is one of the strings ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"sequence"`` 
                                      runs on sequence shards under sequence parallel: its parameters' gradients are
                                      all-reduced over the group. Without sequence parallel it is left as it is.
 ``"heads"`` / :class:`Heads`        a module with replicated parameters that runs on this rank's attention heads (a
-                                     per-head norm: Qwen3's q_norm / k_norm): each rank's gradient is its heads' part,
-                                     so the gradients are all-reduced over the group, with or without sequence parallel
+                                     per-head norm: Qwen3's q_norm / k_norm) or MLP features (an activation's scalars:
+                                     Apertus's xIELU): each rank's gradient is its part, so the gradients are
+                                     all-reduced over the group, with or without sequence parallel
 =================================  =====================================================================================
 
 Built-in plans (``plan="gpt"`` / ``plan="llama"`` / ``plan="gpt2"``) are computed from the model by
@@ -68,8 +69,9 @@ class Sequence:
 
 @dataclasses.dataclass(frozen=True)
 class Heads:
-    """Replicated parameters used on this rank's attention heads (a per-head norm): gradients always all-reduced
-    (torchtitan plans Qwen3's q_norm / k_norm as SequenceParallel over the heads dimension, to the same effect)."""
+    """Replicated parameters used on this rank's attention heads (a per-head norm) or MLP features (an activation's
+    scalars): gradients always all-reduced (torchtitan plans Qwen3's q_norm / k_norm as SequenceParallel over the heads
+    dimension, to the same effect)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +201,8 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     ranks), gate/up_proj colwise (a fused gate_up_proj Linear, GLM-4's, as two blocks) and down_proj rowwise (a MoE
     block without them, Mixtral's, stays whole),
     embed_tokens vocabulary-parallel, lm_head colwise with gathered output (the model computes its own loss over full
-    logits); a tied lm_head shares the embedding's shard; per-head norms (Qwen3's q_norm / k_norm) are "heads"
-    regions (their gradients summed over the group). An embedding with a forward of its own (Gemma's scales its
+    logits); a tied lm_head shares the embedding's shard; per-head norms (Qwen3's q_norm / k_norm) and an MLP
+    activation's scalars (Apertus's xIELU) are "heads" regions (their gradients summed over the group). An embedding with a forward of its own (Gemma's scales its
     output by sqrt(hidden size)) stays whole on every rank, and so does an lm_head tied to it: the parallel embedding
     would not run that forward (parallelize refuses to split such a module).
     Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads, and naming the
@@ -235,6 +237,7 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
         raise ValueError("tensor parallel plan 'llama': the model has neither gate_proj / up_proj / down_proj MLPs "
                          "nor a mixture-of-experts block; pass a plan dict naming its MLP's modules")
     plan.update(mlp)
+    plan.update(_mlp_regions(model, set(mlp)))
     tied_to_whole = any(getattr(m, "weight", None) is e.weight for n, m in modules if n == "lm_head" for e in whole)
     plan.update(_head_regions(model))
     if "lm_head" in names and not tied_to_whole:
@@ -276,6 +279,35 @@ def _head_regions(model: nn.Module) -> dict[str, Style]:
                 raise ValueError(f"tensor parallel plan 'llama': {name}.{child_name} ({type(child).__name__}) has "
                                  f"parameters and runs on the heads of {name}, which tensor parallel splits, but it "
                                  f"is not a per-head norm of q_proj or k_proj (weight of head_dim); pass a plan dict")
+            regions[f"{name}.{child_name}"] = Heads()
+    return regions
+
+
+def _mlp_regions(model: nn.Module, projections: set[str]) -> dict[str, Style]:
+    """The llama plan's regions inside a split MLP: its activation `act_fn` with scalar parameters (Apertus's xIELU
+    alpha_p / alpha_n), applied to every hidden feature of which this rank holds its split, is a "heads" region (each
+    rank's gradient is its features' part: summed over the group). Any other parameter in an MLP whose projections
+    the plan splits (of the MLP itself, of another child, or a non-scalar one of the activation) may run on the split
+    features or on the whole input in a way the plan cannot tell (a partial gradient, or a full one summed tp times):
+    a ValueError naming it."""
+    regions: dict[str, Style] = {}
+    for name, mlp in model.named_modules():
+        if not any(isinstance(getattr(mlp, proj, None), nn.Linear) for proj in projections):
+            continue
+        where = f"{name}.{{}} in the MLP {name} ({type(mlp).__name__}), whose hidden features tensor parallel splits,"
+        for param_name, param in mlp.named_parameters(recurse=False):
+            raise ValueError(f"tensor parallel plan 'llama': {where.format(param_name)} is a parameter of the MLP "
+                             f"itself {tuple(param.shape)}; the plan does not know how it relates to the split; "
+                             f"pass a plan dict")
+        for child_name, child in mlp.named_children():
+            params = list(child.parameters())
+            if child_name in projections or not params:
+                continue
+            if child_name != "act_fn" or any(p.numel() != 1 for p in params):
+                raise ValueError(f"tensor parallel plan 'llama': {where.format(child_name)} "
+                                 f"({type(child).__name__}) has parameters that are not the activation's scalars; "
+                                 f"the plan does not know whether it runs on the split features or the whole "
+                                 f"input; pass a plan dict")
             regions[f"{name}.{child_name}"] = Heads()
     return regions
 
