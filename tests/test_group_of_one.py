@@ -154,3 +154,17 @@ def test_two_backwards_before_a_step_add_on_a_shard_group_of_one_as_torch_adds(o
             assert grads[name] is None, name
         else:
             torch.testing.assert_close(grads[name].reshape(p.shape), p.grad, rtol=0, atol=1e-7, msg=name)
+
+
+def test_an_nccl_group_of_one_refuses_a_host_tensor_as_nccl_would_on_more_ranks(one_rank_world):
+    """Done locally, a collective would accept a CPU tensor on one GPU, and the same script would fail in NCCL on
+    two: refused on one rank as well (the communicator made to look like NCCL's on cuda:0, the stand-in of
+    tests/test_streams.py)."""
+    local, _ = _both(one_rank_world)
+    local.backend, local.device = "nccl", torch.device("cuda", 0)
+    for call in (lambda: local.all_reduce(torch.ones(2)), lambda: local.broadcast(torch.ones(2)),
+                 lambda: local.all_gather(torch.zeros(2), torch.ones(2)),
+                 lambda: local.reduce_scatter(torch.zeros(2), torch.ones(2), async_op=True)):
+        with pytest.raises(ValueError, match=r"a tensor is on cpu, but an NCCL communicator's collectives take "
+                                             r"tensors on its GPU cuda:0"):
+            call()

@@ -12,6 +12,8 @@ group, so a call that is wrong on N ranks is refused on one as well.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .base import CompletedWork, Work
@@ -19,13 +21,27 @@ from .base import CompletedWork, Work
 __all__ = ["unchanged", "copy"]
 
 
-def unchanged(async_op: bool) -> Work | None:
+def unchanged(comm: Any, op: str, async_op: bool, *tensors: torch.Tensor) -> Work | None:
     """All-reduce, broadcast or barrier over one rank: the tensor already holds the result."""
+    _check_device(comm, op, tensors)
     return CompletedWork() if async_op else None
 
 
-def copy(output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Work | None:
+def copy(comm: Any, op: str, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Work | None:
     """All-gather or reduce-scatter over one rank: the input is the whole result (a reduction of one term)."""
+    _check_device(comm, op, (output, input))
     with torch.no_grad():
         output.view(-1).copy_(input.reshape(-1))
     return CompletedWork() if async_op else None
+
+
+def _check_device(comm: Any, op: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    """NCCL's rule, which the same call on a larger group meets in NCCL itself: every tensor on the communicator's
+    GPU. A script that passed a host tensor would otherwise run on one GPU and fail on two."""
+    if getattr(comm, "backend", None) != "nccl":
+        return
+    for t in tensors:
+        if t.device != comm.device:
+            raise ValueError(f"{op}: a tensor is on {t.device}, but an NCCL communicator's collectives take tensors on "
+                             f"its GPU {comm.device} (one rank does this one locally; more ranks would fail in "
+                             f"NCCL); move it with .to(comm.device)")

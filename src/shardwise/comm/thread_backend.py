@@ -209,7 +209,7 @@ class ThreadCommunicator(Communicator):
         self._on_device("all_reduce", tensor)
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         if self.size == 1:
-            return group_of_one.unchanged(async_op)
+            return group_of_one.unchanged(self, "all_reduce", async_op)
 
         def finish(args: dict[int, torch.Tensor]) -> None:
             result = _combine([args[r] for r in range(self.size)], op)
@@ -226,7 +226,7 @@ class ThreadCommunicator(Communicator):
         self._on_device("all_gather", output, input)
         self.stats.record("all_gather", tensor_bytes(output), self.size)
         if self.size == 1:
-            return group_of_one.copy(output, input, async_op)
+            return group_of_one.copy(self, "all_gather", output, input, async_op)
         k = input.numel()
 
         def finish(args: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -249,7 +249,7 @@ class ThreadCommunicator(Communicator):
         self._on_device("reduce_scatter", output, input)
         self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
         if self.size == 1:
-            return group_of_one.copy(output, input, async_op)
+            return group_of_one.copy(self, "reduce_scatter", output, input, async_op)
         k = output.numel()
 
         def finish(args: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -266,7 +266,7 @@ class ThreadCommunicator(Communicator):
         self._on_device("broadcast", tensor)
         self.stats.record("broadcast", tensor_bytes(tensor), self.size)
         if self.size == 1:
-            return group_of_one.unchanged(async_op)
+            return group_of_one.unchanged(self, "broadcast", async_op)
 
         def finish(args: dict[int, torch.Tensor]) -> None:
             value = args[src].detach().clone()

@@ -201,7 +201,7 @@ class TorchCommunicator(Communicator):
         native, then = self._native(op, tensor, "all_reduce")
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         if self._alone:
-            return group_of_one.unchanged(async_op)
+            return group_of_one.unchanged(self, "all_reduce", async_op, tensor)
         what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
         shm = self._shared_memory(what, tensor)
         if shm is not None:
@@ -215,7 +215,7 @@ class TorchCommunicator(Communicator):
         check_contiguous("all_gather", "output", output)
         self.stats.record("all_gather", tensor_bytes(output), self.size)
         if self._alone:
-            return group_of_one.copy(output, input, async_op)
+            return group_of_one.copy(self, "all_gather", output, input, async_op)
         flat_in = input.reshape(-1)
         what = f"all_gather(numel={input.numel()})"
         shm = self._shared_memory(what, output, flat_in)
@@ -234,7 +234,7 @@ class TorchCommunicator(Communicator):
         native, then = self._native(op, output, "reduce_scatter")
         if self._alone:
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
-            return group_of_one.copy(output, input, async_op)
+            return group_of_one.copy(self, "reduce_scatter", output, input, async_op)
         what = f"reduce_scatter(op={op.name}, numel={output.numel()})"
         shm = self._shared_memory(what, output, input)
         if shm is not None:  # reduces from the input as it is (never clones it): the ring formula's bytes
@@ -276,7 +276,7 @@ class TorchCommunicator(Communicator):
         self._check_peer("broadcast", src, "src")
         self.stats.record("broadcast", tensor_bytes(tensor), self.size)
         if self._alone:
-            return group_of_one.unchanged(async_op)
+            return group_of_one.unchanged(self, "broadcast", async_op, tensor)
         root = self.global_ranks[src]
         what = f"broadcast(src={src}, numel={tensor.numel()})"
         return self._issue(what, lambda: dist.broadcast(tensor, root, group=self.group, async_op=True), None, async_op,
