@@ -14,7 +14,8 @@ Three kinds of tensors per unit:
   view it survive; gathering again refills the same storage, so tensors saved by autograd in forward are valid
   again when backward needs them (the technique of PyTorch FSDP). Writes go through `.data`, whose version counter
   is separate, so refilling does not trip autograd's in-place check.
-  In fp32 stage 1/2 (parameters kept whole) the master shard is a view of the full buffer: no copy at all.
+  In fp32 stage 1/2 (parameters kept whole) the master shard is a view of the full buffer: no copy at all; so it is
+  in every stage for a shard group of one in the master's dtype, where the full buffer is never freed or gathered.
 * with `cpu_offload="optimizer"` in stage 3, the **compute shard** (param_dtype, s elements, on the device): the
   master's values in the compute dtype, refreshed once after each optimizer step, which the all-gathers read
   (ZeRO-Offload's device-resident fp16 partition; see `offload`).

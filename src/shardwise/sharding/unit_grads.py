@@ -6,6 +6,9 @@ it; `start_reduce` zeroes what no gradient wrote, writes the used flags (`grad_l
 reduce-scatter (AVG), or the compressed reduction; `finish_reduce` waits, all-reduces over the replicate group
 (hybrid sharding), and hands each trainable parameter that some rank used its piece of the averaged shard as
 `.grad`; a parameter no rank used keeps its `.grad` (None after zero_grad), as in one process.
+In a shard group of one nothing is reduced: the flat buffer is the averaged shard (no collective, no copy), and with
+no replicas, no compression and gradients in the master's dtype (`direct_grads`) there is no buffer at all: the
+tensors autograd produced become the shard parameters' `.grad`, as in plain PyTorch.
 """
 
 from __future__ import annotations
