@@ -4,7 +4,8 @@ A mixture-of-experts layer's load-balancing loss is a product of two batch means
 per-rank losses is not one process's loss; SyncBatchNorm is the same kind of thing for BatchNorm. Such a module
 offers `set_batch_group(comm)`; every data-parallel wrapper (DDP, ZeRO, FSDP) calls `share_batch_split(model, comm)`
 at wrap time with the group it averages gradients over, so the module sums its statistics over that group. The
-model declares what it needs; the strategies only ask.
+model declares what it needs; the strategies only ask. A HuggingFace MoE (Mixtral's loss: output_router_logits,
+router_aux_loss_coef) declares nothing, so its loss is made the global batch's here (experts/hf_aux.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ __all__ = ["share_batch_split"]
 
 
 def share_batch_split(model: nn.Module, comm: Communicator) -> None:
-    """Tell every submodule of `model` that offers `set_batch_group` that the ranks of `comm` split the batch."""
+    """Tell every submodule of `model` that offers `set_batch_group` that the ranks of `comm` split the batch, and
+    make a HuggingFace MoE's load-balancing loss the global batch's over them (experts/hf_aux.py)."""
+    # Imported here: the experts package imports the wrappers that call this (the module itself imports none).
+    from .experts.hf_aux import share_router_losses
+
     for module in model.modules():
         setter = getattr(module, "set_batch_group", None)
         if callable(setter):
             setter(comm)
+    share_router_losses(model, comm)

@@ -48,7 +48,7 @@ from ..models.moe import MoE
 from ..optimizer_guard import mark_replaced, register_wrapped
 from ..placement import to_comm_device
 from ..whole.state_dict import load_full_into_pieces
-from .hf_aux import GlobalRouterLoss
+from .hf_aux import share_router_losses
 from .hf_experts import FusedExpertsParallel, ModuleExpertsParallel
 from .hf_kinds import (GLOBAL_AUX, MODULE_EXPERTS, ROW_LOCAL_AUX, fused_difference, fused_template,
                        global_aux_model, is_one_of)
@@ -197,10 +197,7 @@ def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep
             if fused:
                 module._sw_template = fused_template(module)
     new_of = {key: module.get_parameter(name) for key, (module, name) in whole.items()}
-    for _, module in list(model.named_modules()) if dp.size > 1 else ():
-        if global_aux_model(module):  # the model itself, or a model inside the user's
-            mix_in(module, GlobalRouterLoss, "GlobalRouterLoss")
-            module._sw_batch_group = dp
+    share_router_losses(model, dp)  # the model itself, or a model inside the user's
     mark_replaced(replaced, WHO)
     layout.declare(model, layout.Parallelized(
         WHO, (dp,), _placements(model, boxes, ep, edp, new_of), world=dp,

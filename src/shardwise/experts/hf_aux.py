@@ -23,10 +23,27 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._mixin import mix_in
 from ..comm.base import Communicator, ReduceOp
+from .hf_kinds import global_aux_model
 from .ops import sum_over_ranks
 
-__all__ = ["GlobalRouterLoss", "global_balance_loss"]
+__all__ = ["GlobalRouterLoss", "global_balance_loss", "share_router_losses"]
+
+
+def share_router_losses(model: nn.Module, batch_group: Communicator) -> None:
+    """Make the load-balancing loss of every HuggingFace model inside `model` whose loss is Mixtral's (hf_kinds
+    `global_aux_model`) the global batch's over `batch_group`, the ranks that split the batch: `GlobalRouterLoss`
+    mixed in. Called by every data-parallel wrapper (batch_split.share_batch_split) and by expert_parallel; a model
+    that has it already keeps the group it was given first (expert_parallel's, which spans the whole batch)."""
+    if batch_group.size <= 1:
+        return
+    for module in model.modules():
+        if isinstance(module, GlobalRouterLoss) or not getattr(module, "router_aux_loss_coef", 0):
+            continue
+        if global_aux_model(module):
+            mix_in(module, GlobalRouterLoss, "GlobalRouterLoss")
+            module._sw_batch_group = batch_group
 
 
 def global_balance_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
