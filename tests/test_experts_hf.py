@@ -225,6 +225,32 @@ def test_mixtral_load_balancing_loss_under_plain_data_parallel_is_the_global_bat
     assert report.ok, str(report)
 
 
+def test_a_load_balancing_loss_that_cannot_be_made_global_is_refused_under_data_parallel():
+    """Granite-MoE adds its load-balancing loss in its own way: with output_router_logits on, each data-parallel
+    rank would compute it on its own rows (silently, before); refused by name before the wrapper changes the model.
+    With the logits off (its config's default) it wraps as any model."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    def granite(logits):
+        with _BUILD:
+            torch.manual_seed(0)
+            return GraniteMoeForCausalLM(GraniteMoeConfig(
+                vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+                output_router_logits=logits))
+
+    def body(comm):
+        model = granite(True)
+        for wrap in (lambda m: sw.DDP(m, comm), lambda m: sw.ZeRO(m, comm, stage=3), lambda m: sw.FSDP(m, comm)):
+            with pytest.raises(ValueError, match=r"over 2 ranks: GraniteMoeForCausalLM has router_aux_loss_coef=0.01 "
+                                                 r"with output_router_logits on"):
+                wrap(model)
+            assert type(model) is GraniteMoeForCausalLM  # refused before anything changed
+        return [s.name for s in sw.layout.strategies(sw.DDP(granite(False), comm))]
+
+    assert sw.launch(body, 2) == [["ddp"]] * 2
+
+
 def test_ddp_without_find_unused_parameters_names_the_unused_experts():
     """Over edp > 1, experts no rank routed to keep grad None (as in one process), which plain DDP refuses at the
     first backward, naming them and find_unused_parameters, as it does on the model without expert parallel."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from .comm.base import Communicator
 
-__all__ = ["share_batch_split"]
+__all__ = ["share_batch_split", "refuse_unsplittable_batch_statistics"]
 
 
 def share_batch_split(model: nn.Module, comm: Communicator) -> None:
@@ -28,3 +28,11 @@ def share_batch_split(model: nn.Module, comm: Communicator) -> None:
         if callable(setter):
             setter(comm)
     share_router_losses(model, comm)
+
+
+def refuse_unsplittable_batch_statistics(model: nn.Module, comm: Communicator, who: str) -> None:
+    """What `share_batch_split` cannot make the global batch's, refused by the wrapper `who` before it changes the
+    model (experts/hf_aux.py: a HuggingFace MoE whose load-balancing loss is not Mixtral's)."""
+    from .experts.hf_aux import refuse_local_router_losses  # here, as in share_batch_split
+
+    refuse_local_router_losses(model, comm, who)

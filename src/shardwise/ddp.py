@@ -50,7 +50,7 @@ from .comm.coalesced import broadcast_coalesced
 from .compression.base import Compressor
 from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
-from .batch_split import share_batch_split
+from .batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from .compiled import refuse_compiled
 from .placement import to_comm_device
 from .ddp_reducer import Reducer
@@ -144,6 +144,7 @@ def DDP(
         raise ValueError(f"DDP: compression={compression!r} must be None or a sw.compression method (FP16(), BF16(), "
                          f"TopK(ratio), RandomK(ratio), PowerSGD(rank), OneBit())")
     layout.check_not_data_parallel(module, "DDP")
+    refuse_unsplittable_batch_statistics(module, comm, "DDP")
     check_copies(module, compression, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

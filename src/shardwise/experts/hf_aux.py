@@ -25,10 +25,30 @@ from torch import nn
 
 from .._mixin import mix_in
 from ..comm.base import Communicator, ReduceOp
-from .hf_kinds import global_aux_model
+from .hf_kinds import GLOBAL_AUX, ROW_LOCAL_AUX, global_aux_model, is_one_of
 from .ops import sum_over_ranks
 
-__all__ = ["GlobalRouterLoss", "global_balance_loss", "share_router_losses"]
+__all__ = ["GlobalRouterLoss", "global_balance_loss", "share_router_losses", "refuse_local_router_losses"]
+
+
+def refuse_local_router_losses(model: nn.Module, batch_group: Communicator, who: str) -> None:
+    """Before a data-parallel wrapper changes anything: a model inside `model` that adds a load-balancing loss in
+    its own way (Granite-MoE), with `output_router_logits` on, would have each rank compute that product of batch
+    means on its own rows (`share_router_losses` can make only Mixtral's the global batch's): a ValueError naming
+    it."""
+    if batch_group.size <= 1:
+        return
+    for module in model.modules():
+        coef = getattr(module, "router_aux_loss_coef", 0)
+        if (coef and getattr(getattr(module, "config", None), "output_router_logits", False)
+                and not isinstance(module, GlobalRouterLoss) and not global_aux_model(module)
+                and not is_one_of(module, ROW_LOCAL_AUX)):
+            raise ValueError(f"{who} over {batch_group.size} ranks: {type(module).__name__} has router_aux_loss_coef="
+                             f"{coef} with output_router_logits on; its load-balancing loss is a product of batch "
+                             f"means, which each rank would compute on its own rows; set router_aux_loss_coef=0 or "
+                             f"output_router_logits=False (made the global batch's: {list(GLOBAL_AUX)} and models "
+                             f"whose forward is its forward, Qwen2/3-MoE, OLMoE ...; {list(ROW_LOCAL_AUX)}, whose "
+                             f"router losses are means over sequences)")
 
 
 def share_router_losses(model: nn.Module, batch_group: Communicator) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from .. import layout
 from .._mixin import MovesRefused, mix_in
 from ..activation_checkpointing import check_interval
-from ..batch_split import share_batch_split
+from ..batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
 from ..optimizer_guard import mark_replaced, register_wrapped
@@ -153,6 +153,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
           config: ShardingConfig, record_name: str, replicated_params: tuple[nn.Parameter, ...]) -> nn.Module:
     # The model lives where the collectives run (this rank's GPU under NCCL); master shards go back to CPU only
     # with cpu_offload. Every rank wraps the same model with the same options, and starts from rank 0's values.
+    refuse_unsplittable_batch_statistics(module, comm, record_name)
     to_comm_device(module, comm, record_name)
     # Expert-parallel slices differ across comm: their own units, over the ranks holding the same experts.
     experts = expert_family(module, comm, shard, "ZeRO/FSDP", config.compression)
