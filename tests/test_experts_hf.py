@@ -225,10 +225,40 @@ def test_mixtral_load_balancing_loss_under_plain_data_parallel_is_the_global_bat
     assert report.ok, str(report)
 
 
+def padded_mixtral_batch(step, per_call):
+    """A global batch with padding (an attention mask, equal per rank: the cross-entropy stays a mean over rows of
+    equal weight) and, with `per_call`, the router logits asked for in the call rather than the config."""
+    batch = mixtral_batch(step)
+    mask = torch.ones_like(batch["input_ids"])
+    mask[::2, 8:] = 0
+    batch.update(attention_mask=mask, labels=batch["labels"].masked_fill(mask == 0, -100))
+    return {**batch, "output_router_logits": True} if per_call else batch
+
+
+def mixtral_logits_per_call():
+    model = mixtral()
+    model.config.output_router_logits = False
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("per_call", [False, True], ids=["mask", "logits-per-call"])
+def test_mixtral_load_balancing_loss_reads_the_call_s_own_arguments(strategy, per_call):
+    """The global loss reads the attention mask and output_router_logits of the call by the model's own argument
+    names, beneath a wrapper whose forward takes *args, **kwargs (DDP's): before, both hid in **kwargs, so the global
+    loss ignored the padding, or was not computed when the logits were asked for per call (embed_tokens gradients
+    0.001476 against 0.001224 and -0.021670 against -0.021851 in one process under ddp)."""
+    report = sw.check(mixtral_logits_per_call if per_call else mixtral,
+                      lambda step: padded_mixtral_batch(step, per_call), strategy=strategy, world_size=2, steps=2,
+                      rtol=1e-4, atol=1e-5,
+                      optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-5))
+    assert report.ok, str(report)
+
+
 def test_a_load_balancing_loss_that_cannot_be_made_global_is_refused_under_data_parallel():
     """Granite-MoE adds its load-balancing loss in its own way: with output_router_logits on, each data-parallel
     rank would compute it on its own rows (silently, before); refused by name before the wrapper changes the model.
-    With the logits off (its config's default) it wraps as any model."""
+    With the logits off (its config's default) it wraps and trains, and a call that turns them on raises."""
     from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
     def granite(logits):
@@ -246,7 +276,16 @@ def test_a_load_balancing_loss_that_cannot_be_made_global_is_refused_under_data_
                                                  r"with output_router_logits on"):
                 wrap(model)
             assert type(model) is GraniteMoeForCausalLM  # refused before anything changed
-        return [s.name for s in sw.layout.strategies(sw.DDP(granite(False), comm))]
+        quiet = sw.DDP(granite(False), comm)
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(comm.rank))
+        quiet(ids, labels=ids).loss.backward()  # logits off: no load-balancing loss, one process's gradients
+        with pytest.raises(ValueError, match=r"DDP over 2 ranks: .*GraniteMoeForCausalLM has router_aux_loss_coef=0.01 "
+                                             r"and this call turns output_router_logits on"):
+            quiet(ids, labels=ids, output_router_logits=True)  # turned on per call: refused before computing
+        quiet.config.output_router_logits = True
+        with pytest.raises(ValueError, match="this call turns output_router_logits on"):
+            quiet(ids, labels=ids)  # or in the config after wrapping
+        return [s.name for s in sw.layout.strategies(quiet)]
 
     assert sw.launch(body, 2) == [["ddp"]] * 2
 

@@ -17,9 +17,10 @@ from .comm.base import Communicator
 __all__ = ["share_batch_split", "refuse_unsplittable_batch_statistics"]
 
 
-def share_batch_split(model: nn.Module, comm: Communicator) -> None:
+def share_batch_split(model: nn.Module, comm: Communicator, who: str) -> None:
     """Tell every submodule of `model` that offers `set_batch_group` that the ranks of `comm` split the batch, and
-    make a HuggingFace MoE's load-balancing loss the global batch's over them (experts/hf_aux.py)."""
+    make a HuggingFace MoE's load-balancing loss the global batch's over them (experts/hf_aux.py); `who` names
+    the wrapper in what a forward that cannot be made so raises."""
     # Imported here: the experts package imports the wrappers that call this (the module itself imports none).
     from .experts.hf_aux import share_router_losses
 
@@ -27,7 +28,7 @@ def share_batch_split(model: nn.Module, comm: Communicator) -> None:
         setter = getattr(module, "set_batch_group", None)
         if callable(setter):
             setter(comm)
-    share_router_losses(model, comm)
+    share_router_losses(model, comm, who)
 
 
 def refuse_unsplittable_batch_statistics(model: nn.Module, comm: Communicator, who: str) -> None:

@@ -178,7 +178,7 @@ def DDP(
         # The compressor's residuals are per rank and per bucket: valid only under the same bucket layout.
         extra_state=() if reducer.compressor is None else (reducer.compressor.extra_state(
             comm, buckets=[b.buffer.numel() for b in reducer.buckets]),)))
-    share_batch_split(module, comm)  # a MoE layer's balance loss over the global batch (batch_split.py)
+    share_batch_split(module, comm, "DDP")  # a MoE layer's balance loss over the global batch (batch_split.py)
     register_wrapped(module)
     log.debug("DDP over %d ranks: %d buckets %s", comm.size, len(reducer.buckets), [b.nbytes for b in reducer.buckets])
     return module

@@ -28,7 +28,8 @@ Refused at wrap time (ValueError naming the value): E not divisible by ep, a rou
 would draw its own), ``capacity_factor`` (these routers apply their own capacity), a model already wrapped by any
 strategy but tensor or context parallel (which `sw.parallelize` applies first), a model mixing shardwise's MoE
 layers with HuggingFace's, a HuggingFace experts module that computes something else (named with what differs),
-and a load-balancing loss (``router_aux_loss_coef > 0``) that this module cannot make the global batch's.
+and a load-balancing loss (``router_aux_loss_coef > 0``) that this module cannot make the global batch's while
+``output_router_logits`` is on (hf_aux.refuse_local_router_losses; a call that turns it on later raises).
 """
 
 from __future__ import annotations
@@ -48,10 +49,9 @@ from ..models.moe import MoE
 from ..optimizer_guard import mark_replaced, register_wrapped
 from ..placement import to_comm_device
 from ..whole.state_dict import load_full_into_pieces
-from .hf_aux import share_router_losses
+from .hf_aux import refuse_local_router_losses, share_router_losses
 from .hf_experts import FusedExpertsParallel, ModuleExpertsParallel
-from .hf_kinds import (GLOBAL_AUX, MODULE_EXPERTS, ROW_LOCAL_AUX, fused_difference, fused_template,
-                       global_aux_model, is_one_of)
+from .hf_kinds import MODULE_EXPERTS, fused_difference, fused_template, is_one_of
 from .layer import ExpertGroups
 from .slices import expert_piece, scale_gradient
 
@@ -106,14 +106,7 @@ def _refuse(model: nn.Module, layers: list[tuple[str, nn.Module]], ep: Communica
         if isinstance(noise, (int, float)) and noise > 0:
             raise ValueError(f"{WHO}: {name!r} has router jitter noise {noise} (config.router_jitter_noise): each rank "
                              f"would draw its own noise and no layout reproduces one process; set it to 0")
-    for name, module in model.named_modules():
-        coef, cls = getattr(module, "router_aux_loss_coef", 0.0), type(module).__name__
-        if dp.size > 1 and coef and not (global_aux_model(module) or is_one_of(module, ROW_LOCAL_AUX)):
-            raise ValueError(f"{WHO}: {name or 'the model'} ({cls}) has router_aux_loss_coef={coef}: its "
-                             f"load-balancing loss is a product of batch means, which each rank would compute on its "
-                             f"own part of the batch; set it to 0 (supported with the loss: {list(GLOBAL_AUX)}, "
-                             f"models whose forward is its forward (Qwen2/3-MoE, OLMoE ...), and {list(ROW_LOCAL_AUX)} "
-                             f"whose router losses are means over sequences)")
+    refuse_local_router_losses(model, dp, WHO)
 
 
 def _split_fused(module: nn.Module, prefix: str, ep: Communicator) -> tuple[list[nn.Parameter], dict[int, tuple]]:
@@ -197,7 +190,7 @@ def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep
             if fused:
                 module._sw_template = fused_template(module)
     new_of = {key: module.get_parameter(name) for key, (module, name) in whole.items()}
-    share_router_losses(model, dp)  # the model itself, or a model inside the user's
+    share_router_losses(model, dp, WHO)  # the model itself, or a model inside the user's
     mark_replaced(replaced, WHO)
     layout.declare(model, layout.Parallelized(
         WHO, (dp,), _placements(model, boxes, ep, edp, new_of), world=dp,

@@ -25,45 +25,74 @@ from torch import nn
 
 from .._mixin import mix_in
 from ..comm.base import Communicator, ReduceOp
-from .hf_kinds import GLOBAL_AUX, ROW_LOCAL_AUX, global_aux_model, is_one_of
+from .hf_kinds import GLOBAL_AUX, ROW_LOCAL_AUX, global_aux_model, is_one_of, model_forward
 from .ops import sum_over_ranks
 
-__all__ = ["GlobalRouterLoss", "global_balance_loss", "share_router_losses", "refuse_local_router_losses"]
+__all__ = ["GlobalRouterLoss", "LocalRouterLossRefused", "global_balance_loss", "share_router_losses",
+           "refuse_local_router_losses"]
+
+
+def _local_router_loss(module: nn.Module) -> bool:
+    """Whether `module` adds a load-balancing loss (router_aux_loss_coef > 0) that `share_router_losses` cannot make
+    the global batch's: neither Mixtral's loss (hf_kinds `global_aux_model`) nor router losses that are means over
+    sequences (Switch Transformers)."""
+    return bool(getattr(module, "router_aux_loss_coef", 0)) and not isinstance(module, GlobalRouterLoss) \
+        and not global_aux_model(module) and not is_one_of(module, ROW_LOCAL_AUX)
+
+
+def _local_router_loss_error(module: nn.Module, ranks: int, who: str, how: str) -> ValueError:
+    return ValueError(f"{who} over {ranks} ranks: {type(module).__name__} has router_aux_loss_coef="
+                      f"{module.router_aux_loss_coef} {how}; its load-balancing loss is a product of batch means, "
+                      f"which each rank would compute on its own rows; set router_aux_loss_coef=0 or "
+                      f"output_router_logits=False (made the global batch's: {list(GLOBAL_AUX)} and models whose "
+                      f"forward is its forward, Qwen2/3-MoE, OLMoE ...; {list(ROW_LOCAL_AUX)}, whose router losses are "
+                      f"means over sequences)")
 
 
 def refuse_local_router_losses(model: nn.Module, batch_group: Communicator, who: str) -> None:
-    """Before a data-parallel wrapper changes anything: a model inside `model` that adds a load-balancing loss in
-    its own way (Granite-MoE), with `output_router_logits` on, would have each rank compute that product of batch
-    means on its own rows (`share_router_losses` can make only Mixtral's the global batch's): a ValueError naming
-    it."""
+    """Before a data-parallel wrapper or `expert_parallel` changes anything: a model inside `model` that adds a
+    load-balancing loss in its own way (Granite-MoE) with `output_router_logits` on in its config would have each
+    rank compute that product of batch means on its own rows: a ValueError naming it. With the logits off, the
+    model wraps, and `share_router_losses` refuses a call that turns them on."""
     if batch_group.size <= 1:
         return
     for module in model.modules():
-        coef = getattr(module, "router_aux_loss_coef", 0)
-        if (coef and getattr(getattr(module, "config", None), "output_router_logits", False)
-                and not isinstance(module, GlobalRouterLoss) and not global_aux_model(module)
-                and not is_one_of(module, ROW_LOCAL_AUX)):
-            raise ValueError(f"{who} over {batch_group.size} ranks: {type(module).__name__} has router_aux_loss_coef="
-                             f"{coef} with output_router_logits on; its load-balancing loss is a product of batch "
-                             f"means, which each rank would compute on its own rows; set router_aux_loss_coef=0 or "
-                             f"output_router_logits=False (made the global batch's: {list(GLOBAL_AUX)} and models "
-                             f"whose forward is its forward, Qwen2/3-MoE, OLMoE ...; {list(ROW_LOCAL_AUX)}, whose "
-                             f"router losses are means over sequences)")
+        if _local_router_loss(module) and getattr(getattr(module, "config", None), "output_router_logits", False):
+            raise _local_router_loss_error(module, batch_group.size, who, "with output_router_logits on")
 
 
-def share_router_losses(model: nn.Module, batch_group: Communicator) -> None:
+def share_router_losses(model: nn.Module, batch_group: Communicator, who: str) -> None:
     """Make the load-balancing loss of every HuggingFace model inside `model` whose loss is Mixtral's (hf_kinds
     `global_aux_model`) the global batch's over `batch_group`, the ranks that split the batch: `GlobalRouterLoss`
-    mixed in. Called by every data-parallel wrapper (batch_split.share_batch_split) and by expert_parallel; a model
-    that has it already keeps the group it was given first (expert_parallel's, which spans the whole batch)."""
+    mixed in. A model whose loss cannot be made so (`refuse_local_router_losses`) gets `LocalRouterLossRefused`,
+    which refuses a forward with output_router_logits on. Called by every data-parallel wrapper
+    (batch_split.share_batch_split) and by expert_parallel; a model that has either already keeps the group it was
+    given first (expert_parallel's, which spans the whole batch)."""
     if batch_group.size <= 1:
         return
     for module in model.modules():
-        if isinstance(module, GlobalRouterLoss) or not getattr(module, "router_aux_loss_coef", 0):
+        if isinstance(module, (GlobalRouterLoss, LocalRouterLossRefused)) \
+                or not getattr(module, "router_aux_loss_coef", 0):
             continue
         if global_aux_model(module):
             mix_in(module, GlobalRouterLoss, "GlobalRouterLoss")
             module._sw_batch_group = batch_group
+        elif _local_router_loss(module):
+            mix_in(module, LocalRouterLossRefused, "LocalRouterLossRefused")
+            module._sw_refused_by = (who, batch_group.size)
+
+
+def _arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The model's own arguments of a call, by name: bound to its HuggingFace forward (hf_kinds `model_forward`),
+    not to a wrapper's ``*args, **kwargs`` mixed in beneath this class (DDP's), where every keyword would hide."""
+    return inspect.signature(model_forward(model)).bind(model, *args, **kwargs).arguments
+
+
+def _logits_requested(config: Any, given: dict[str, Any]) -> bool:
+    """Whether a call of a HuggingFace MoE model returns router logits (and so adds its load-balancing loss): its
+    `output_router_logits` argument, else its config's."""
+    requested = given.get("output_router_logits")
+    return bool(config.output_router_logits if requested is None else requested)
 
 
 def global_balance_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
@@ -97,10 +126,8 @@ class GlobalRouterLoss(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = super().forward(*args, **kwargs)
-        given = inspect.signature(super().forward).bind(*args, **kwargs).arguments
-        requested = given.get("output_router_logits")
-        requested = self.config.output_router_logits if requested is None else requested
-        if not requested:
+        given = _arguments(self, args, kwargs)
+        if not _logits_requested(self.config, given):
             return out
         if not isinstance(out, dict) or getattr(out, "aux_loss", None) is None:
             raise ValueError(f"expert_parallel: {type(self).__name__} returned {type(out).__name__} with "
@@ -112,3 +139,17 @@ class GlobalRouterLoss(nn.Module):
         if out.loss is not None:
             out.loss = out.loss + self.router_aux_loss_coef * (out.aux_loss - local_aux).to(out.loss.device)
         return out
+
+
+class LocalRouterLossRefused(nn.Module):
+    """Mixed into a model whose load-balancing loss cannot be made the global batch's (Granite-MoE) by
+    `share_router_losses`: a forward that turns output_router_logits on (its argument, or the config changed after
+    wrapping) raises before computing anything. `_sw_refused_by` is (the wrapper's name, its number of ranks)."""
+
+    _sw_refused_by: tuple[str, int]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if _logits_requested(self.config, _arguments(self, args, kwargs)):
+            who, ranks = self._sw_refused_by
+            raise _local_router_loss_error(self, ranks, who, "and this call turns output_router_logits on")
+        return super().forward(*args, **kwargs)

@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["GLOBAL_AUX", "MODULE_EXPERTS", "ROW_LOCAL_AUX", "fused_difference", "fused_template",
-           "global_aux_model", "is_one_of"]
+           "global_aux_model", "is_one_of", "model_forward"]
 
 #: HuggingFace experts modules holding one module per expert (``expert_<i>``), routed by a dispatch mask.
 MODULE_EXPERTS = ("SwitchTransformersExperts",)
@@ -72,9 +72,10 @@ def _same_code(a: Any, b: Any) -> bool:
         and a.co_varnames == b.co_varnames and _consts(a) == _consts(b)
 
 
-def _hf_forward(module: nn.Module) -> Any:
+def model_forward(module: nn.Module) -> Any:
     """The forward the module runs, below shardwise's mixins (strategies mix subclasses in above its class): a
-    user's subclass that overrides forward is compared, not the transformers class beneath it."""
+    user's subclass that overrides forward is compared, not the transformers class beneath it. Its signature names
+    the model's arguments, where a wrapper's forward takes ``*args, **kwargs``."""
     for cls in type(module).__mro__:
         if not cls.__module__.startswith("shardwise.") and "forward" in vars(cls):
             return vars(cls)["forward"]
@@ -86,7 +87,7 @@ def _template(module: nn.Module) -> str | None:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    forward = _hf_forward(module)
+    forward = model_forward(module)
     for name, cls in (("mixtral", MixtralExperts), ("gpt_oss", GptOssExperts)):
         if _same_code(forward, vars(cls)["forward"]):
             return name
@@ -147,7 +148,7 @@ def global_aux_model(module: nn.Module) -> bool:
         return False
     from transformers.models.mixtral import modeling_mixtral
 
-    forward = _hf_forward(module)
+    forward = model_forward(module)
     if not _same_code(forward, vars(modeling_mixtral.MixtralForCausalLM)["forward"]):
         return False
     here = sys.modules.get(forward.__module__)

@@ -186,7 +186,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
         extra_state=() if engine.compressor is None else (engine.compressor.extra_state(
             comm, sharding=config.name, units=len(engine.units), shard=shard.size,
             replicate=None if replicate is None else replicate.size),)))
-    share_batch_split(module, comm)  # a MoE layer's balance loss over the global batch (batch_split.py)
+    share_batch_split(module, comm, record_name)  # a MoE layer's balance loss over the global batch (batch_split.py)
     register_wrapped(module)
     load_full_into_pieces(module)  # torch's load_state_dict of a full (one-process) state dict: each rank's piece
     return module
