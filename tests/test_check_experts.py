@@ -45,3 +45,15 @@ def test_a_planted_error_in_the_experts_is_found(monkeypatch):
 def test_ep_must_divide_the_data_parallel_ranks():
     with pytest.raises(ValueError, match=r"ep=3 must divide the 4 data-parallel ranks"):
         check(qwen3_moe, batch, strategy={"ep": 3, "dp_strategy": "ddp"}, world_size=4)
+
+
+def test_under_context_parallel_the_load_balancing_loss_is_in_the_loss():
+    """Under cp the check computes each rank's loss from its chunks' logits; a HuggingFace MoE adds
+    router_aux_loss_coef x aux_loss to its loss, which the check left out (a false DIFF at step 0: loss 4.1915 against
+    4.2916 in one process). The batch's non-tensor entries (use_cache=False) pass as they are (they raised
+    "'bool' object is not iterable")."""
+    report = check(qwen3_moe, lambda step: {**batch(step), "use_cache": False}, strategy={"cp": 2}, world_size=2,
+                   steps=2)
+    assert report.ok, str(report)
+    with torch.no_grad():
+        assert 0.05 * float(qwen3_moe()(**batch(0)).aux_loss) > 0.01  # far above the check's tolerance

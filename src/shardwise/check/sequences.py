@@ -7,6 +7,7 @@ of its data-parallel rows), so the one-process loss cannot be computed as it is:
 * a HuggingFace batch ``{"input_ids": ..., "labels": ...}``: HuggingFace's ``labels=`` shifts inside the chunk
   (refused by context parallel); the loss is instead `ChunkedCausalLMLoss` (models/hf_parallel.py) of the chunk's
   logits against the whole labels, shifted over the whole sequence, whose mean over the cp ranks is HuggingFace's;
+  a HuggingFace MoE's load-balancing loss is added as the model adds it (``router_aux_loss_coef x aux_loss``);
 * a ``(x, y)`` batch for a model whose ``forward(x, y)`` returns the mean loss of its tokens (shardwise's GPT),
   targets already shifted: both are split alike, and every rank holds the same number of tokens, so the mean over
   the cp ranks is the mean over the sequence.
@@ -44,8 +45,10 @@ def chunked_loss(cp: Communicator) -> Callable[[nn.Module, Any], torch.Tensor]:
 
     def loss(model: nn.Module, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict) and "labels" in batch:
-            inputs = {k: split_sequence(v, cp) for k, v in batch.items() if k != "labels"}
-            return chunk_loss(model(**inputs).logits, batch["labels"])
+            inputs = {k: split_sequence(v, cp) if isinstance(v, torch.Tensor) else v  # use_cache=False as it is
+                      for k, v in batch.items() if k != "labels"}
+            out = model(**inputs)
+            return chunk_loss(out.logits, batch["labels"]) + _router_loss(model, out)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             out = model(*split_sequence(tuple(batch), cp))
             if isinstance(out, torch.Tensor) and out.dim() == 0:
@@ -54,3 +57,19 @@ def chunked_loss(cp: Communicator) -> Callable[[nn.Module, Any], torch.Tensor]:
                          "(x, y) for a model whose forward(x, y) returns the mean loss of its tokens")
 
     return loss
+
+
+def _router_loss(model: nn.Module, out: Any) -> torch.Tensor | float:
+    """What a HuggingFace MoE adds to its loss when given labels: ``router_aux_loss_coef x aux_loss`` (Mixtral and the
+    models whose forward is its forward), 0 when the call returned no load-balancing loss. The data-parallel wrapper
+    of the check (over dp x cp) made `aux_loss` the global batch's (experts/hf_aux.py), the same on every rank, so
+    the mean over the cp ranks keeps it whole."""
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        return 0.0
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if coef is None:
+        raise ValueError(f"check: under cp > 1 {type(model).__name__} returned an aux_loss but has no "
+                         f"router_aux_loss_coef, so the check cannot tell how it enters the loss; pass "
+                         f"output_router_logits=False or check without cp")
+    return coef * aux
