@@ -72,11 +72,12 @@ class Reducer:
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
         self.names = {p: n for n, p in module.named_parameters()}
-        self.params = [p for p in module.parameters() if p.requires_grad and self.groups[id(p)] is not None]
+        self.bucket_mb, self.first_bucket_mb = bucket_mb, first_bucket_mb
+        # Every parameter DDP averages, with the requires_grad it has been following (follow_requires_grad).
+        self.averaged = [p for p in module.parameters() if self.groups[id(p)] is not None]
+        self.hooks: list[Any] = []
+        self._layout()
         self.buffers = list(module.buffers())
-        self.buckets = self._make_buckets(bucket_mb, first_bucket_mb)
-        self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.reachable: set[nn.Parameter] = set()
         # Forwards whose backward has not ended yet: a pipeline runs several before the first backward, so the
         # parameters reachable from any of them must not be marked unused until all their backwards are done.
@@ -85,6 +86,38 @@ class Reducer:
         self._reset()
 
     # ---- layout -----------------------------------------------------------------------------------------------
+    def _layout(self) -> None:
+        """Buckets and gradient hooks for the parameters that require grad now."""
+        for hook in self.hooks:
+            hook.remove()
+        self.following = [p.requires_grad for p in self.averaged]
+        self.params = [p for p in self.averaged if p.requires_grad]
+        self.buckets = self._make_buckets(self.bucket_mb, self.first_bucket_mb)
+        self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    def follow_requires_grad(self) -> None:
+        """A script that froze or unfroze parameters since the last forward (gradual unfreezing, a frozen
+        backbone): buckets and hooks are rebuilt for the parameters that require grad now, so a frozen one gets no
+        gradient and keeps its `.grad` and an unfrozen one is averaged, as in one process. A `.grad` that views an
+        old bucket keeps it alive and is copied into the new one at the next backward. Refused within an
+        accumulation (part of the step's gradient would be averaged and part not) and under compression (its
+        error-feedback residuals are laid out per bucket)."""
+        if all(p.requires_grad is f for p, f in zip(self.averaged, self.following)):
+            return
+        names = [self.names[p] for p, f in zip(self.averaged, self.following) if p.requires_grad is not f]
+        if self.unsynced:
+            raise ValueError(f"DDP: requires_grad of {names[:8]} changed between backward passes accumulated under "
+                             f"no_sync(); freeze or unfreeze parameters after the optimizer step, before the next "
+                             f"step's first forward")
+        if self.compressor is not None:
+            raise ValueError(f"DDP: requires_grad of {names[:8]} changed after wrapping with compression, whose "
+                             f"error-feedback state is laid out per gradient bucket; set requires_grad before "
+                             f"wrapping")
+        self._layout()
+        self._reset()
+        log.debug("DDP: requires_grad changed (%s): %d buckets rebuilt", names[:8], len(self.buckets))
+
     def _make_buckets(self, bucket_mb: float, first_bucket_mb: float) -> list[Bucket]:
         buckets: list[Bucket] = []
         current: list[nn.Parameter] = []
@@ -107,6 +140,7 @@ class Reducer:
             b.work = None
         self.marked: set[nn.Parameter] = set()
         self.used: set[nn.Parameter] = set()
+        self.unsynced = False  # gradients of backward passes under no_sync() wait for their all-reduce
         self.next_bucket = 0
         self.in_backward = False
 
@@ -114,6 +148,7 @@ class Reducer:
     def before_forward(self) -> None:
         if self.failed or (self.in_backward and torch._C._current_graph_task_id() == -1):
             self._recover()
+        self.follow_requires_grad()
         if self.broadcast_buffers and self.buffers and self.comm.size > 1:
             broadcast_coalesced(self.comm, [b.data for b in self.buffers])
 
@@ -152,6 +187,7 @@ class Reducer:
     # ---- backward side ----------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.require_sync:
+            self.unsynced = True
             return  # no_sync(): let gradients accumulate locally
         if not self.in_backward:
             self.in_backward = True

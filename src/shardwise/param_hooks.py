@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["carry_grad_hooks", "internal_hook"]
+__all__ = ["carry_grad_hooks", "internal_hook", "hook_even_if_frozen"]
 
 _INTERNAL = "_shardwise_internal_hook"
 
@@ -27,6 +27,21 @@ def internal_hook(fn):  # noqa: ANN001, ANN201
     """Mark `fn` as a hook of shardwise's own, which `carry_grad_hooks` neither carries nor refuses."""
     setattr(fn, _INTERNAL, True)
     return fn
+
+
+def hook_even_if_frozen(param: torch.Tensor, register: str, hook) -> None:  # noqa: ANN001 - a torch hook
+    """`param.<register>(hook)` (`register_hook` or `register_post_accumulate_grad_hook`) whether or not `param`
+    requires grad now: a script may unfreeze it after wrapping (gradual unfreezing), and the hook must be there
+    then. torch refuses a hook on a tensor that does not require grad, but keeps one registered while it did, so
+    the flag is raised around the registration. A parameter that cannot require grad (integer) gets none."""
+    if param.requires_grad:
+        getattr(param, register)(hook)
+    elif param.is_floating_point() or param.is_complex():
+        param.requires_grad_(True)
+        try:
+            getattr(param, register)(hook)
+        finally:
+            param.requires_grad_(False)
 
 
 def carry_grad_hooks(old: torch.Tensor, new: torch.Tensor, name: str, who: str) -> None:
@@ -40,4 +55,4 @@ def carry_grad_hooks(old: torch.Tensor, new: torch.Tensor, name: str, who: str) 
         return
     for hook in (getattr(old, "_backward_hooks", None) or {}).values():
         if not getattr(hook, _INTERNAL, False):
-            new.register_hook(hook)
+            hook_even_if_frozen(new, "register_hook", hook)

@@ -52,6 +52,7 @@ from ..comm.base import Communicator, ReduceOp
 from ..comm.coalesced import broadcast_coalesced
 from ..compression.base import Compressor
 from ..placement import to_comm_device
+from ..requires_grad_at_wrap import RequiresGradAtWrap
 from .checks import check_anchor_names, check_comm, check_positive_int, check_whole_model
 from .extra_state import declare_local_sgd
 from .finite import check_averaged
@@ -87,6 +88,7 @@ class _State:
         self.method = "LocalSGD"  # how errors name it (sw.DiLoCo says "DiLoCo")
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.at_wrap = RequiresGradAtWrap(module)  # a change of that set is refused at the next inner step
         self.buffer_names = [n for n, b in module.named_buffers() if b.is_floating_point()]
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
         # Parameters and floating buffers travel together: one all-reduce per dtype.
@@ -202,6 +204,7 @@ class LocalSGDModule(MovesRefused):
 
     def _advance(self) -> bool:
         state = self._local_sgd
+        state.at_wrap.check(state.method)
         state.inner_steps += 1
         if state.inner_steps % state.sync_every == 0:
             state.sync()

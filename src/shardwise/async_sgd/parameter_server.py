@@ -42,6 +42,7 @@ from ..agreement import check_agreement, describe_parameters
 from ..comm.base import CommError, Communicator, Work
 from ..comm.coalesced import broadcast_coalesced
 from ..placement import to_comm_device
+from ..requires_grad_at_wrap import RequiresGradAtWrap
 from .checks import check_comm, check_whole_model
 from .protocol import DONE, PULL_TAG, PUSH, PUSH_TAG, decode_into, encode, header, message_bytes
 from .server import Server, ServerReport, assign_shards, full_lr, per_worker_scale, staleness_scale
@@ -154,6 +155,7 @@ class AsyncSGDModule(MovesRefused):
 
     def step(self) -> None:
         """Worker: push this step's gradients to every server, take their fresh parameters (see the module doc)."""
+        self._async_sgd["at_wrap"].check("AsyncSGD")
         self._role("worker", "step()").step()
 
     def finish(self) -> None:
@@ -259,7 +261,7 @@ def AsyncSGD(
         worker = _Worker(comm, params, shards, server_ranks)
     mix_in(module, AsyncSGDModule, "AsyncSGD")
     module._async_sgd = {"comm": comm, "server": server, "worker": worker, "n_workers": n_workers,
-                         "server_ranks": server_ranks}
+                         "server_ranks": server_ranks, "at_wrap": RequiresGradAtWrap(module)}
     if worker is not None:
         register_refusing(module)  # a torch optimizer over a worker would train it alone (step_hook.py)
     log.debug("AsyncSGD over %d ranks: %d worker(s), servers %s, staleness %s", comm.size, n_workers, server_ranks,

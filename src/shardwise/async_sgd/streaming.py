@@ -47,6 +47,7 @@ from ..comm.base import Communicator, ReduceOp, Work
 from ..comm.coalesced import broadcast_coalesced
 from ..compression.base import Compressor
 from ..placement import to_comm_device
+from ..requires_grad_at_wrap import RequiresGradAtWrap
 from .checks import check_comm, check_positive_int, check_whole_model
 from .finite import check_averaged
 from .flat import group_by_dtype, pack, unpack
@@ -89,6 +90,7 @@ class _StreamingState:
         self.overlap = overlap
         self.alpha = alpha
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.at_wrap = RequiresGradAtWrap(module)  # a change of that set is refused at the next inner step
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         named_buffers = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
@@ -231,6 +233,7 @@ class StreamingDiLoCoModule(LocalSGDModule):
         """Count one inner step: start the all-reduce of every fragment due to synchronise now and apply those whose
         overlap has elapsed (collectives). True when an outer update was applied at this step. The inner optimizer's
         step calls it (step_hook.py); `model.step()` after that returns its result."""
+        self._local_sgd.at_wrap.check("StreamingDiLoCo")
         return self._local_sgd.step()
 
     def sync(self) -> None:

@@ -47,6 +47,7 @@ from ..hf_save import from_transformers
 from ..comm.base import Communicator
 from ..models.moe import MoE
 from ..optimizer_guard import mark_replaced, register_wrapped
+from ..param_hooks import hook_even_if_frozen
 from ..placement import to_comm_device
 from ..whole.state_dict import load_full_into_pieces
 from .hf_aux import refuse_local_router_losses, share_router_losses
@@ -137,8 +138,7 @@ def _split_modules(module: nn.Module, prefix: str, ep: Communicator) -> tuple[li
                 whole = tuple((0, n) for n in old.shape)
                 empty = ((0, 0), *whole[1:])
                 if owner == ep.rank:
-                    if old.requires_grad:
-                        old.register_hook(scale_gradient(1.0 / ep.size))
+                    hook_even_if_frozen(old, "register_hook", scale_gradient(1.0 / ep.size))
                     new = old
                 else:
                     new = expert_piece(old, old.detach()[:0].clone(), name, ep, WHO)

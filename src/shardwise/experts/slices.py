@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
-from ..param_hooks import carry_grad_hooks, internal_hook
+from ..param_hooks import carry_grad_hooks, hook_even_if_frozen, internal_hook
 from ..sharded_tensor import ShardSpec, as_sharded, is_sharded, spec_of
 
 __all__ = ["expert_piece", "gradient_answers_for_whole", "scale_gradient"]
@@ -50,7 +50,6 @@ def expert_piece(old: nn.Parameter, piece: torch.Tensor, name: str, ep: Communic
     spec = ShardSpec(torch.Size(old.shape), name, f"expert parallel (ep={ep.size})")
     new = as_sharded(piece, spec, parameter=True, requires_grad=old.requires_grad)
     carry_grad_hooks(old, new, name, who)
-    if new.requires_grad:
-        new.register_hook(scale_gradient(1.0 / ep.size))
-        new.register_post_accumulate_grad_hook(gradient_answers_for_whole)
+    hook_even_if_frozen(new, "register_hook", scale_gradient(1.0 / ep.size))  # also once unfrozen
+    hook_even_if_frozen(new, "register_post_accumulate_grad_hook", gradient_answers_for_whole)
     return new

@@ -158,7 +158,6 @@ class Pipeline(nn.Module):
         self.n_stages = len(stages)
         self.tied = TiedParameters(stages, comm, schedule.rank_of)
         self.stages = nn.ModuleDict({str(s): stages[s] for s in self.local_stages})
-        self._stage_params = {s: [q for q in stages[s].parameters() if q.requires_grad] for s in self.local_stages}
         declare_pipeline(self, dict(self.stages.items()), comm, self.tied.groups, {
             "schedule": schedule.name, "n_microbatches": n_microbatches, "n_stages": self.n_stages,
             "virtual_stages": schedule.virtual_stages, "stage_sizes": [sum(p.numel() for p in st.parameters())
@@ -345,7 +344,8 @@ class Pipeline(nn.Module):
                 torch.autograd.backward(roots, grads)
             input_grads = [x.grad for x in xs]
         else:  # INPUT
-            input_grads, st.weight[(s, mb)] = backward_inputs(roots, grads, xs, self._stage_params[s])
+            trainable = [q for q in self.stages[str(s)].parameters() if q.requires_grad]  # now: a script may freeze
+            input_grads, st.weight[(s, mb)] = backward_inputs(roots, grads, xs, trainable)
         if s > 0:  # None for an unused input leaf (see Messenger.send_gradients)
             st.grads[(s, mb)] = list(input_grads)
         return start, time.perf_counter()

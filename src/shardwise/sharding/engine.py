@@ -54,19 +54,12 @@ from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
 from .hook_tools import MarkBackwardDone, cast_floating, eager_under_compile, inside_backward, tensors_in
 from .policy import ShardingConfig, auto_group_mb, plan_units
 from .param_info import ParamInfo
-from .unit import GatheredMemory, Unit
+from .trainable import TrainableSet
+from .unit import GatheredMemory, Unit, describe_units
 
 __all__ = ["ShardingConfig", "ShardingEngine"]
 
 log = logging.getLogger("shardwise.sharding")
-
-
-def _describe_units(units: list[Unit], shown: int = 6) -> str:
-    """'blocks.0 (0.79M params, 3 tensors), ...': the units the log line names (the first `shown`, then a count)."""
-    parts = [f"{u.label} ({u.numel / 1e6:.3g}M params, {len(u.infos)} tensors)" for u in units[:shown]]
-    if len(units) > shown:
-        parts.append(f"... {len(units) - shown} more")
-    return ", ".join(parts)
 
 
 class ShardingEngine:
@@ -114,8 +107,9 @@ class ShardingEngine:
         log.info("%s: %d units over %d ranks; wrap=%r, group size %.3g MiB%s; units: %s", config.name,
                  len(self.units), shard_comm.size, config.wrap, group_mb,
                  " (chosen from the model: ~1/8 of its bytes, 2..25 MiB, so that several units overlap compute "
-                 "and small layers merge)" if config.group_mb is None else "", _describe_units(self.units))
+                 "and small layers merge)" if config.group_mb is None else "", describe_units(self.units))
         self.require_sync = True
+        self.accumulating = False  # gradients of backward passes under no_sync() wait for their reduction
         self.in_backward = False
         self.forward_running = False  # between the root's pre- and post-forward: still set next time if it raised
         self.forward_order: list[Unit] = []
@@ -149,10 +143,7 @@ class ShardingEngine:
                 checkpoint_module(module)
         self.handles.append(self.model.register_forward_pre_hook(eager(self._root_pre_forward), with_kwargs=True))
         self.handles.append(self.model.register_forward_hook(eager(self._make_post_forward(self.root))))
-        for unit in self.units:
-            for info in unit.trainable:
-                hook = self._make_grad_hook(unit, info)
-                self.handles.append(info.unsharded.register_post_accumulate_grad_hook(hook))
+        self.trainable = TrainableSet(self.units, self._make_grad_hook, self.handles)  # follows requires_grad
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -181,8 +172,10 @@ class ShardingEngine:
             if self.forward_running or interrupted or any(u.entered for u in self.units):
                 self._recover()
             self.forward_running = not self.in_backward
-            if not self.in_backward and self.forward_order:
-                self.order_recorded = True
+            if not self.in_backward:
+                self.trainable.follow(self.accumulating, self.config.name)
+                if self.forward_order:
+                    self.order_recorded = True
             dtype = self.config.mixed_precision.param_dtype
             if dtype is not None:
                 args, kwargs = cast_floating((args, kwargs), dtype)
@@ -331,6 +324,7 @@ class ShardingEngine:
                     self._launch_ready()
                     self._drain(0)
                     self._reduce_replicated()
+                self.accumulating = not self.require_sync
             finally:
                 self._finished_forward = None
                 for unit in self.units:
@@ -347,7 +341,7 @@ class ShardingEngine:
         agree_on_recovery(self.comm, "ZeRO/FSDP")
         self._inflight.clear()
         self._finished_forward = None
-        self.in_backward = self.forward_running = False
+        self.in_backward = self.forward_running = self.accumulating = False
         self.next_launch = 0
 
     def sync_gradients(self) -> None:
@@ -360,6 +354,7 @@ class ShardingEngine:
             self._start_reduce(unit)
         self._drain(0)
         self._reduce_replicated()
+        self.accumulating = False
 
     def _reduce_replicated(self) -> None:
         """Average the parameters kept whole over the data-parallel groups, DDP's way; one that no rank used keeps

@@ -42,7 +42,15 @@ from .policy import UnitPlan
 from .param_info import ParamInfo
 from .unit_grads import UnitGradients
 
-__all__ = ["Unit", "ParamInfo", "GatheredMemory"]
+__all__ = ["Unit", "ParamInfo", "GatheredMemory", "describe_units"]
+
+
+def describe_units(units: list[Unit], shown: int = 6) -> str:
+    """'blocks.0 (0.79M params, 3 tensors), ...': the units the log line names (the first `shown`, then a count)."""
+    parts = [f"{u.label} ({u.numel / 1e6:.3g}M params, {len(u.infos)} tensors)" for u in units[:shown]]
+    if len(units) > shown:
+        parts.append(f"... {len(units) - shown} more")
+    return ", ".join(parts)
 
 
 class GatheredMemory:
@@ -177,8 +185,8 @@ class Unit(UnitGradients):
                              and self.reduce_dtype == self.master_dtype)
         # One "used" flag per trainable parameter rides in each chunk of the reduction (grad_layout); under a lossy
         # gradient compression they travel in a small exact all-reduce of their own instead.
-        in_band = compressor is None or (compressor.keeps_flags and self.replicate_comm is None)
-        self.grad_layout = GradLayout(n, self.shard_size, len(self.trainable) if in_band else 0)
+        self.flags_in_band = compressor is None or (compressor.keeps_flags and self.replicate_comm is None)
+        self.grad_layout = GradLayout(n, self.shard_size, len(self.trainable) if self.flags_in_band else 0)
         self.flag_work: Work | None = None
         self.flags: torch.Tensor | None = None
         self.used_here: list[bool] = []  # this rank's used flags of the reduction in flight (unit_grads)
@@ -207,6 +215,35 @@ class Unit(UnitGradients):
         if not keep_full:
             memory.allocated(self.full_bytes)  # so that freeing balances
             self.free_full()
+
+    def requires_grad_changed(self) -> bool:
+        """Whether the user froze or unfroze a parameter of this unit since the last forward: `requires_grad` of
+        the shard parameters (what `model.parameters()` yields between steps) against what the unit follows."""
+        return any(info.shard_param.requires_grad is not info.requires_grad for info in self.infos)
+
+    def follow_requires_grad(self) -> list[ParamInfo]:
+        """Take the shard parameters' `requires_grad` as the unit's (a fine-tuning script that freezes or unfreezes
+        layers between steps): the unsharded parameters that autograd sees follow, the trainable set and the flag
+        band of the gradient layout are rebuilt, and the gradient buffer is dropped (its layout changed; a `.grad`
+        the user kept that views it is copied out first). A parameter frozen now gets no gradient, so it keeps its
+        `.grad`, as in one process. Between steps only (the engine refuses a change within an accumulation).
+        Returns the parameters that became trainable (they need a gradient hook)."""
+        changed = [info for info in self.infos if info.shard_param.requires_grad is not info.requires_grad]
+        for info in changed:
+            info.requires_grad = info.shard_param.requires_grad
+            info.unsharded.requires_grad_(info.requires_grad)
+        if self.grad_buffer is not None:
+            storage = self.grad_buffer.untyped_storage().data_ptr()
+            for info in self.infos:
+                g = info.shard_param.grad
+                if g is not None and g.untyped_storage().data_ptr() == storage:
+                    info.shard_param.grad = g.clone()
+            self._drop_grad_buffer()
+        self.trainable = [i for i in self.infos if i.requires_grad]
+        self.grad_layout = GradLayout(self.shard_comm.size, self.shard_size,
+                                      len(self.trainable) if self.flags_in_band else 0)
+        self.grad_view_groups = None
+        return [info for info in changed if info.requires_grad]
 
     def piece_of(self, offset: int, numel: int, rank: int) -> tuple[int, int]:
         """The elements [lo, hi) of a parameter at `offset` (numel elements) that shard-group rank `rank` holds,

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._mixin import mix_in
 from ..comm.base import Communicator
-from ..param_hooks import carry_grad_hooks
+from ..param_hooks import carry_grad_hooks, hook_even_if_frozen
 from ..sharded_tensor import ShardSpec, as_sharded, local
 from .layer_base import gradient_answers_for_whole
 
@@ -67,8 +67,7 @@ def slice_head_rows(module: nn.Module, name: str, comm: Communicator,
         spec = ShardSpec(torch.Size(old.shape), full, f"tensor parallel (tp={tp})")
         new = as_sharded(piece, spec, parameter=True, requires_grad=old.requires_grad)
         carry_grad_hooks(old, new, full, "parallelize")
-        if new.requires_grad:
-            new.register_post_accumulate_grad_hook(gradient_answers_for_whole)
+        hook_even_if_frozen(new, "register_post_accumulate_grad_hook", gradient_answers_for_whole)
         setattr(module, attr, new)
         replaced[id(old)] = (new, full)
         rest = tuple((0, n) for n in old.shape[1:])

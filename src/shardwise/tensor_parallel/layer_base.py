@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
-from ..param_hooks import internal_hook
+from ..param_hooks import hook_even_if_frozen, internal_hook
 from ..sharded_tensor import ShardSpec, as_sharded, is_sharded, local, set_spec, spec_of
 
 __all__ = ["TensorParallelLayer", "check_split", "seeded_generator", "dense_linear_init", "as_param",
@@ -95,7 +95,7 @@ class TensorParallelLayer(nn.Module):
                 continue
             spec = ShardSpec(torch.Size(self.global_shape(name)), name, f"tensor parallel (tp={self.comm.size})")
             sliced = as_sharded(p, spec, parameter=True, requires_grad=p.requires_grad)
-            sliced.register_post_accumulate_grad_hook(gradient_answers_for_whole)
+            hook_even_if_frozen(sliced, "register_post_accumulate_grad_hook", gradient_answers_for_whole)
             setattr(self, name, sliced)
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator, ReduceOp
+from ..param_hooks import hook_even_if_frozen
 
 __all__ = ["reduce_sequence_parallel_grads", "register_partial_grad_sum", "is_sequence_parallel_param",
            "SavedActivations", "saved_activations"]
@@ -49,7 +50,7 @@ def register_partial_grad_sum(param: torch.Tensor, comm: Communicator) -> None:
         comm.all_reduce(out, ReduceOp.SUM)
         return out
 
-    param.register_hook(hook)
+    hook_even_if_frozen(param, "register_hook", hook)
 
 
 def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], comm: Communicator) -> list[nn.Parameter]:
@@ -62,8 +63,8 @@ def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], comm: Communi
     if comm.size == 1:
         return hooked
     for p in params:
-        if not p.requires_grad or getattr(p, _MARK, False):
-            continue
+        if not (p.is_floating_point() or p.is_complex()) or getattr(p, _MARK, False):
+            continue  # a frozen one too: a script may unfreeze it after wrapping
         register_partial_grad_sum(p, comm)
         setattr(p, _MARK, True)
         hooked.append(p)
