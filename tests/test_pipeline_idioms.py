@@ -44,3 +44,30 @@ def test_torch_clip_and_grad_scaler_refuse_a_pipeline_stage_and_sw_clip_trains_l
     for described, norm in sw.launch(body, 4):
         assert described
         assert norm == pytest.approx(float(want_norm), rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "dp2-pp2-zero3", "tp2-pp2"])
+def test_named_parameters_are_the_plain_model_s(layout):
+    """`model.named_parameters()` of what `sw.parallelize` returns names this rank's parameters as the plain model
+    does (before: the stage path, `pipe.stages.0.1.attn.qkv.weight` for `blocks.0.attn.qkv.weight`, so a script that
+    froze `blocks.0` by name froze nothing, silently), in the plain model's order (the last stage's copy of the
+    embedding tied to the head comes where the head is), the same objects `parameters()` gives the optimizer; the
+    pipeline ranks together hold every name."""
+    plain = [name for name, _ in GPT(CONFIG, seed=0).named_parameters()]
+    sizes = {"pp2": {"dp": 1, "pp": 2}, "dp2-pp2-zero3": {"dp": 2, "pp": 2}, "tp2-pp2": {"dp": 1, "tp": 2, "pp": 2}}
+
+    def body(comm):
+        mesh = sw.Mesh(comm, **sizes[layout])
+        model = sw.parallelize(GPT(CONFIG, seed=0), mesh, dp_strategy="zero3" if "zero3" in layout else "ddp",
+                               tp_plan="gpt" if "tp2" in layout else None)
+        named = list(model.named_parameters())
+        assert [p for _, p in named] == list(model.parameters())
+        assert list(model.named_parameters(prefix="m")) == [(f"m.{n}", p) for n, p in named]
+        assert list(model.named_parameters(recurse=False)) == []
+        return [name for name, _ in named]
+
+    names = sw.launch(body, 4 if layout != "pp2" else 2)
+    for mine in names:  # the plain model's names, in its order, but for the head's copy of the tied embedding
+        untied = [n for n in mine if n != "tok_emb.weight" or mine.index(n) == 0]
+        assert untied == [n for n in plain if n in untied] and len(set(mine)) == len(mine)
+    assert set().union(*names) == set(plain)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
 from .comm.base import Communicator, ReduceOp
+from .hybrid_copies import average_copies_gradients
 from .compression.support import copies_reconciled
 from .ddp import DDP
 from .hybrid_plan import DP_STRATEGIES, Plan, check_plan
@@ -184,7 +185,7 @@ class HybridModel(nn.Module):
             for stage in stages:  # once per step, after the last microbatch: the same order on every dp rank
                 stage.sync_gradients()
         if self.plan.compression is not None:
-            self._average_copies_gradients()
+            average_copies_gradients(self.pipe, self.mesh.tp)
         self.pipe.grads_answer_for_stages()  # after the reduction: torch's clip and GradScaler refuse a stage's part
         if self.mesh.sizes["cp"] > 1:  # each cp rank's loss is its chunk's mean: the sequence's is their mean
             loss = loss.detach().clone()
@@ -205,29 +206,15 @@ class HybridModel(nn.Module):
         return (self.mesh.sizes["pp"] == 1 and len(self.pipe.stages) == 1 and data_group(self.mesh).size > 1
                 and all(a.op in (pp.Op.FORWARD, pp.Op.BACKWARD) for a in self.pipe.actions))
 
-    def _average_copies_gradients(self) -> None:
-        """After a compressed reduction, make every copy of a parameter take the same step again: the copies of a
-        weight tied across pipeline ranks (a GPT's embedding and head), and a parameter replicated over the tensor-
-        parallel ranks (biases of row-parallel layers, LayerNorms, position embeddings). Their gradients entered the
-        reduction equal (the pipeline summed the tied copies; tensor-parallel ranks compute the same gradient for a
-        replicated weight), but each rank's compressor treats its copy as part of its own buckets (TopK ranks it
-        against the rank's other gradients, which differ across tp ranks; PowerSGD's and OneBit's residuals are the
-        rank's own), so the results differ and the copies would drift apart (and a checkpoint, which saves one copy,
-        would not resume the run). Averaging the results over the copies' ranks keeps them equal; each rank's
-        residual still tracks its own error, so the average tracks the true gradient too. Costs one all-reduce of
-        the tied and replicated parameters per step, in fp32 (small next to the matrices compression is for)."""
-        for _, params, group in self.pipe.tied.groups:
-            for p in params:
-                if p.requires_grad and p.grad is not None:
-                    group.all_reduce(p.grad, ReduceOp.AVG)
-        tp_group = self.mesh.tp
-        if tp_group.size == 1:
-            return
-        for stage in self.pipe.stages.values():  # the same stages, parameters and order on every tp rank
-            for pl in layout.placements(stage).values():
-                if pl.tied_over is None and any(g is tp_group for g in pl.replicated_over) \
-                        and pl.param.requires_grad and pl.param.grad is not None:
-                    tp_group.all_reduce(pl.param.grad, ReduceOp.AVG)
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the model given to `parallelize` (``blocks.0.attn.qkv.weight``,
+        not the stage path ``pipe.stages.0.1.attn.qkv.weight``), in the same order: as torch.distributed.pipelining's
+        stages and torchtitan keep them, so a script that freezes, groups or logs parameters by name does what it does
+        on the plain model. A weight tied across pipeline stages has its one-process name on each rank holding it."""
+        if recurse:  # the model itself holds none: its stages do
+            for name, placement in layout.placements(self).items():
+                yield (f"{prefix}.{name}" if prefix else name), placement.param
 
     def forward(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         """Same as `step`."""
