@@ -11,7 +11,9 @@ the first wrap, never at import) then checks each step:
   optimizer is over something else -> ValueError naming the wrapped model.
 
 The first check is a few attribute reads per parameter and is cached per optimizer (re-done when its parameter
-list changes); the second runs only when the optimizer has no gradient at all (a step that would do nothing).
+list changes); the second runs only when the optimizer has no gradient at all (a step that would do nothing). A step
+post-hook bumps the version counters of an optimizer's pieces of sharded parameters after each step (`mark_updated`:
+fused kernels write without bumping them, and the sharding engine tells stale gathered copies by them).
 
 An optimizer over pieces of sharded parameters (ZeRO / FSDP shards, tensor-parallel slices) also gets, at its first
 step, torch's state-dict hooks (whole/optim_state.py says why): `state_dict()` raises, naming
@@ -28,18 +30,20 @@ import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.autograd.graph import increment_version
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 
 from . import layout
 from .hf_save import guard_save_pretrained
 from .whole.optim_state import localize_loaded_state, reading_pieces, to_local_optimizer_state
 
-__all__ = ["mark_replaced", "register_wrapped", "check_step"]
+__all__ = ["mark_replaced", "register_wrapped", "check_step", "mark_updated"]
 
 _MARK = "_shardwise_replaced_by"
 _local = threading.local()  # the models wrapped in this thread (thread ranks each have their own)
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_over_pieces: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # holding pieces of sharded parameters
 _installed = False
 _lock = threading.Lock()
 
@@ -62,6 +66,7 @@ def register_wrapped(model: nn.Module) -> None:
     with _lock:
         if not _installed:
             register_optimizer_step_pre_hook(check_step)
+            register_optimizer_step_post_hook(mark_updated)
             _installed = True
 
 
@@ -112,6 +117,7 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             model = _sharded_model(params)
             if model is not None:
                 _watch_state_dicts(optimizer, model)
+                _over_pieces.add(optimizer)
         _checked[optimizer] = len(params)
     if any(p.grad is not None for p in params):
         return
@@ -122,3 +128,14 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
                              f"while the {names} model wrapped in this thread ({type(model).__name__}) holds "
                              f"gradients: the optimizer is over other parameters; build it over the wrapped "
                              f"model's parameters()")
+
+
+def mark_updated(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The step post-hook: an optimizer over pieces of sharded parameters has changed them in place, so their
+    version counters are bumped, as torch's own in-place kernels bump them. The sharding engine tells a stale
+    gathered copy (ZeRO-1/2, `reshard_after_forward=False`, an offloaded optimizer's device shard) by the master's
+    version counter, and fused kernels (`AdamW(fused=True)`, nanoGPT's choice on a GPU; bitsandbytes' and apex's)
+    write the parameters without bumping it: the next forward computed with the old values of the other ranks'
+    pieces, silently (0.025 off one process after three steps of ZeRO-1 over 2 ranks)."""
+    if optimizer in _over_pieces:
+        increment_version(_params(optimizer))

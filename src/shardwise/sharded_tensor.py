@@ -14,7 +14,8 @@ What may be computed on them (`__torch_function__`, Python-level, so one call pe
   copies, casts, clones, random fills): what optimizers do. They run on the local piece; a result of an out-of-place
   elementwise operation is sharded again (`p.grad.abs()` still knows it is a piece), a result of `zeros_like` and
   the like, or of a `torch._foreach_*` call, is plain (an optimizer's state and intermediates: local, as it needs);
-* metadata (dtype, device, requires_grad, `.grad`, `.data`, strides, storage): as they are;
+* metadata (dtype, device, requires_grad, `.grad`, `.data`, strides, storage): as they are (reading `.data` also
+  calls the piece's `on_data_read` callback);
 * anything else, in particular reductions (`norm`, `sum`, `max`, `_foreach_norm`: torch's clip), indexing, views
   and reshapes, `item()`, pickling (`torch.save` of the piece): refused with a RuntimeError naming the operation and
   the shardwise way (`sw.clip_grad_norm_`, `sw.ShardedGradScaler`, `sw.full_state_dict`). A wrong number is
@@ -41,7 +42,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.utils import _foreach_utils as torch_foreach_utils
 
 __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
-           "grad_like"]
+           "grad_like", "on_data_read"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,8 @@ class _Sharded:
             kind = _KINDS[func] = _kind(func)
         if kind == "address" and _is_piece(args[0]):
             _refuse_address(args[0])
+        if kind == "data":
+            _data_read(args[0])
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
@@ -129,6 +132,23 @@ class _Sharded:
         if kind == "elementwise" and out is not None and not (args and out is args[0]):
             return _reshard(out, args, kwargs or {})
         return out  # in-place results, metadata, getters and setters, like-factories: as torch gives them
+
+
+_ON_DATA = "_sw_on_data_read"
+
+
+def on_data_read(param: torch.Tensor, callback: Any) -> None:
+    """Call `callback()` whenever `param.data` is read. `.data` is an alias with a version counter of its own, so a
+    write through it (`p.data.mul_(0.5)`, `p.data.copy_(ema)`: an EMA swapped in for evaluation, weight clipping)
+    leaves `param._version` as it was; the sharding engine, which tells a stale gathered copy by the version of its
+    master, is told this way instead (its callback marks the unit stale: read, so possibly written)."""
+    setattr(param, _ON_DATA, callback)
+
+
+def _data_read(t: Any) -> None:
+    callback = getattr(t, _ON_DATA, None)
+    if callback is not None:
+        callback()
 
 
 def _is_piece(t: Any) -> bool:
@@ -262,6 +282,8 @@ def _kind_of_name(name: str) -> str:
 
 
 def _kind(func: Any) -> str:
+    if getattr(func, "__self__", None) is torch.Tensor.data:  # the getter of `.data`
+        return "data"
     name = getattr(func, "__name__", "")
     if name == "__setitem__":  # elementwise when the index is a mask made from a piece (Rprop: grad[sign < 0] = 0)
         return "masked"

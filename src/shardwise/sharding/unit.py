@@ -36,7 +36,7 @@ from torch import nn
 from ..comm.base import Communicator, Work
 from ..compression.base import Compressor
 from ..param_hooks import carry_grad_hooks
-from ..sharded_tensor import ShardSpec, as_sharded, local, spec_of
+from ..sharded_tensor import ShardSpec, as_sharded, local, on_data_read, spec_of
 from .grad_layout import GradLayout
 from .policy import UnitPlan
 from .param_info import ParamInfo
@@ -170,6 +170,7 @@ class Unit(UnitGradients):
                 # the strategy re-describes it with the original name and global shape once placements are known
                 shard_param = as_sharded(piece, ShardSpec(p.shape, names[p]), parameter=True,
                                          requires_grad=p.requires_grad)
+            on_data_read(shard_param, self.mark_stale)  # a write through .data bumps no version counter
             unsharded = nn.Parameter(self.full[offset : offset + numel].view(shape), requires_grad=p.requires_grad)
             carry_grad_hooks(p, unsharded, names[p], "ZeRO/FSDP")  # the user's (and sequence parallel's) hooks
             self.infos.append(
@@ -265,6 +266,11 @@ class Unit(UnitGradients):
     @property
     def full_bytes(self) -> int:
         return self.padded * self.full.element_size()
+
+    def mark_stale(self) -> None:
+        """The master may have changed in a way its version counter does not show (a write through a shard
+        parameter's `.data`): the next forward gathers (and refreshes the device shard) again."""
+        self.gathered_version = self.compute_version = None
 
     def needs_gather(self) -> bool:
         if self.numel == 0 or (self.master_is_view and self.shard_comm.size == 1):
