@@ -91,3 +91,20 @@ def test_a_write_through_data_reaches_the_next_forward(name):
     want = evaluate_after_writes(build())
     for got in sw.launch(lambda comm: evaluate_after_writes(WRAPS[name](build(), comm), comm.rank, comm.size), 2):
         assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3", "fsdp-shard_grad_op"])
+def test_assigning_data_of_a_piece_is_refused(name):
+    """`p.data = x` would make the piece a tensor of its own, no longer the shard the engine gathers and the
+    optimizer steps: training went on and left the model as it was, silently (0.13 off one process after three
+    AdamW steps). Refused, naming the in-place way."""
+    def body(comm):
+        model = WRAPS[name](build(), comm)
+        weight = model[0].weight
+        with pytest.raises(RuntimeError, match=r"assigning 0.weight.data replaces the storage of a .* piece.*write "
+                                               r"in place instead \(p.data.copy_\(x\)"):
+            weight.data = weight.data.clone()
+        weight.data.copy_(weight.data * 2)  # the in-place way is allowed
+        return True
+
+    assert sw.launch(body, 2) == [True, True]

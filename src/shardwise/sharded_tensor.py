@@ -124,6 +124,8 @@ class _Sharded:
             _refuse_address(args[0])
         if kind == "data":
             _data_read(args[0])
+        elif kind == "data_set" and getattr(args[0], _ON_DATA, None) is not None:
+            _refuse_data_set(args[0])
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
@@ -149,6 +151,14 @@ def _data_read(t: Any) -> None:
     callback = getattr(t, _ON_DATA, None)
     if callback is not None:
         callback()
+
+
+def _refuse_data_set(t: Any) -> None:
+    spec = getattr(t, _SPEC)
+    raise RuntimeError(f"assigning {spec.name}.data replaces the storage of a {spec.what} piece, which would no longer "
+                       f"be the shard the engine gathers and the optimizer steps (training would leave the model as "
+                       f"it is): write in place instead (p.data.copy_(x), or under torch.no_grad() p.copy_(x)); to "
+                       f"cast or move the model, do it before wrapping")
 
 
 def _is_piece(t: Any) -> bool:
@@ -282,8 +292,8 @@ def _kind_of_name(name: str) -> str:
 
 
 def _kind(func: Any) -> str:
-    if getattr(func, "__self__", None) is torch.Tensor.data:  # the getter of `.data`
-        return "data"
+    if getattr(func, "__self__", None) is torch.Tensor.data:  # the getter and setter of `.data`
+        return "data" if func.__name__ == "__get__" else "data_set"
     name = getattr(func, "__name__", "")
     if name == "__setitem__":  # elementwise when the index is a mask made from a piece (Rprop: grad[sign < 0] = 0)
         return "masked"
