@@ -74,3 +74,37 @@ def test_a_submodule_named_module_wins():
         return model.module is outer.module
 
     assert sw.launch(body, 2) == [True, True]
+
+
+def test_a_gradient_ddp_did_not_average_is_refused_at_the_step():
+    """torch.autograd.grad runs no gradient hook, so DDP never averaged what a script assigns to .grad from it, nor
+    what backward passes only under no_sync() left: each rank stepped on its own gradient, silently (0.063 off one
+    process after two SGD steps). The optimizer's step raises naming the parameter; a gradient DDP averaged and
+    then changed in place (clipping, scaling) steps as before, and so does a second optimizer over other
+    parameters of the same model."""
+    def body(comm):
+        model = sw.DDP(build(), comm)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = X[0, comm.rank * 4:(comm.rank + 1) * 4]
+        params = list(model.parameters())
+        grads = torch.autograd.grad(model(x).square().mean(), params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        with pytest.raises(RuntimeError, match=r"the gradient of '2.bias' is not one DDP averaged over the 2 ranks"):
+            opt.step()
+        opt.zero_grad()
+        with model.no_sync():
+            model(x).square().mean().backward()
+        with pytest.raises(RuntimeError, match="is not one DDP averaged"):
+            opt.step()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        for p in params:
+            p.grad.mul_(0.5)  # in place: still DDP's averaged gradient
+        first, last = torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)
+        first.step()
+        last.step()
+        return [float(p.detach().sum()) for p in params]
+
+    a, b = sw.launch(body, 2)
+    assert a == b  # the replicas stepped together

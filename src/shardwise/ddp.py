@@ -177,7 +177,8 @@ def DDP(
         options={"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb},
         # The compressor's residuals are per rank and per bucket: valid only under the same bucket layout.
         extra_state=() if reducer.compressor is None else (reducer.compressor.extra_state(
-            comm, buckets=[b.buffer.numel() for b in reducer.buckets]),)))
+            comm, buckets=[b.buffer.numel() for b in reducer.buckets]),),
+        before_step=reducer.check_averaged if comm.size > 1 else None))
     share_batch_split(module, comm, "DDP")  # a MoE layer's balance loss over the global batch (batch_split.py)
     register_wrapped(module)
     log.debug("DDP over %d ranks: %d buckets %s", comm.size, len(reducer.buckets), [b.nbytes for b in reducer.buckets])

@@ -249,6 +249,24 @@ class Reducer:
                     self.reachable = set()
                 self._reset()
 
+    def check_averaged(self, held: set[int]) -> None:
+        """Before an optimizer over the parameters `held` (ids) steps: each gradient must be the one DDP averaged,
+        in its bucket, where the last synchronised backward handed it out (changed in place or not). One set
+        otherwise (`p.grad = g` from torch.autograd.grad, which runs no gradient hook; backward passes only under
+        no_sync()) is this rank's alone, and the replicas would step apart, silently: a RuntimeError naming it."""
+        with torch._C.DisableTorchFunctionSubclass():  # tensor-parallel slices: a plain attribute read
+            for bucket in self.buckets:
+                for p, view in zip(bucket.params, bucket.views):
+                    grad = p.grad  # the bucket's view, or a tensor re-describing it (a pipeline stage's gradient)
+                    if id(p) in held and grad is not None and grad.data_ptr() != view.data_ptr() and view.numel():
+                        raise RuntimeError(
+                            f"optimizer.step(): the gradient of {self.names[p]!r} is not one DDP averaged over the "
+                            f"{self.comm.size} ranks (it was set outside loss.backward(): torch.autograd.grad and an "
+                            f"assignment to .grad run no DDP hook, and backward passes under no_sync() accumulate "
+                            f"locally), so each rank would step on its own; call loss.backward() (outside no_sync() "
+                            f"for the last micro-batch) and change gradients in place (p.grad.mul_(...)), or "
+                            f"all-reduce them yourself over the DDP group before the step")
+
     def _check_all_used(self, missing: list[nn.Parameter]) -> None:
         """Without find_unused_parameters, a trainable parameter with no gradient is an error naming it."""
         if missing and not self.find_unused:

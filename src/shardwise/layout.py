@@ -23,9 +23,8 @@ Counting once. A rank counts a parameter in a global reduction (the gradient nor
 group the parameter is replicated over; the partial results are then summed over every group of every strategy
 (:func:`reduction_groups`), which spans all ranks of the model.
 
-Anchors: Megatron-core's tensor-parallel parameter attributes (``tensor_model_parallel``, ``partition_dim``,
-``sequence_parallel``) and ``sharded_state_dict``; DTensor placements (Shard / Replicate / Partial) as used by FSDP2
-and torchtitan.
+Anchors: Megatron-core's tensor-parallel parameter attributes (``partition_dim``, ``sequence_parallel``) and
+``sharded_state_dict``; DTensor placements (Shard / Replicate / Partial) as used by FSDP2 and torchtitan.
 """
 
 from __future__ import annotations
@@ -173,8 +172,7 @@ class Parallelized:
 
     comms: the groups it communicates over (clipping and overflow flags reduce over these, innermost first).
     placements: every parameter's placement after this strategy, by canonical name, in model order.
-    Both may be functions, evaluated when asked: a container whose parts are wrapped later (pipeline stages) stays
-    current.
+    Both may be functions, evaluated when asked (a container whose parts are wrapped later stays current).
     no_sync: a context manager factory skipping its gradient reduction (None: it has none).
     memory: what it holds beyond the parameters (flat buffers, master shards), for memory_stats.
     world: a communicator spanning every rank of the model when the strategy knows one (a Mesh's world).
@@ -182,6 +180,7 @@ class Parallelized:
     options: what the strategy was asked for, for describe() / the planner (JSON-able values).
     extra_state: state it holds besides parameters and optimizer, for checkpoints (see ExtraState); may be a
         function, evaluated when asked (a pipeline gathers its stages' states, declared when the stages are wrapped).
+    before_step: run by the optimizer guard before a step over some of its parameters (ids): DDP's averaged-grad check.
     """
 
     name: str
@@ -194,6 +193,7 @@ class Parallelized:
     buffer_names: dict[str, str] | None = None  # local buffer name -> original name (pipeline stages)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     extra_state: tuple[ExtraState, ...] | Callable[[], tuple[ExtraState, ...]] = ()
+    before_step: Callable[[set[int]], None] | None = None
 
 
 def _inner(model: nn.Module) -> nn.Module:

@@ -43,6 +43,7 @@ __all__ = ["mark_replaced", "register_wrapped", "check_step", "mark_updated"]
 _MARK = "_shardwise_replaced_by"
 _local = threading.local()  # the models wrapped in this thread (thread ranks each have their own)
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_checks: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]] = weakref.WeakKeyDictionary()
 _over_pieces: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # holding pieces of sharded parameters
 _installed = False
 _lock = threading.Lock()
@@ -119,6 +120,7 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
                 _watch_state_dicts(optimizer, model)
                 _over_pieces.add(optimizer)
         _checked[optimizer] = len(params)
+    _before_step(optimizer, params)
     if any(p.grad is not None for p in params):
         return
     for model in list(getattr(_local, "models", ())):
@@ -128,6 +130,22 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
                              f"while the {names} model wrapped in this thread ({type(model).__name__}) holds "
                              f"gradients: the optimizer is over other parameters; build it over the wrapped "
                              f"model's parameters()")
+
+
+def _before_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Each strategy of a model wrapped in this thread that declared a `before_step` check, over the parameters
+    this optimizer holds (DDP: every gradient is one it averaged). Which models the optimizer holds parameters of is
+    cached with the parameter count, as the first check is."""
+    cached = _checks.get(optimizer)
+    if cached is None or cached[0] != len(params):
+        ids = {id(p) for p in params}
+        checks = []
+        for model in list(getattr(_local, "models", ())):
+            held = {id(pl.param) for pl in layout.placements(model).values()} & ids
+            checks += [(s.before_step, held) for s in layout.strategies(model) if s.before_step is not None and held]
+        cached = _checks[optimizer] = (len(params), checks)
+    for check, held in cached[1]:
+        check(held)
 
 
 def mark_updated(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
