@@ -5,7 +5,8 @@ per-rank losses is not one process's loss; SyncBatchNorm is the same kind of thi
 offers `set_batch_group(comm)`; every data-parallel wrapper (DDP, ZeRO, FSDP) calls `share_batch_split(model, comm)`
 at wrap time with the group it averages gradients over, so the module sums its statistics over that group. The
 model declares what it needs; the strategies only ask. A HuggingFace MoE (Mixtral's loss: output_router_logits,
-router_aux_loss_coef) declares nothing, so its loss is made the global batch's here (experts/hf_aux.py).
+router_aux_loss_coef) declares nothing, so its loss is made the global batch's here (experts/hf_aux.py), and so is
+a dual encoder's contrastive loss (CLIP, SigLIP: contrastive.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def share_batch_split(model: nn.Module, comm: Communicator, who: str) -> None:
     make a HuggingFace MoE's load-balancing loss the global batch's over them (experts/hf_aux.py); `who` names
     the wrapper in what a forward that cannot be made so raises."""
     # Imported here: the experts package imports the wrappers that call this (the module itself imports none).
+    from .contrastive import share_contrastive_losses
     from .experts.hf_aux import share_router_losses
 
     for module in model.modules():
@@ -29,6 +31,7 @@ def share_batch_split(model: nn.Module, comm: Communicator, who: str) -> None:
         if callable(setter):
             setter(comm)
     share_router_losses(model, comm, who)
+    share_contrastive_losses(model, comm, who)
 
 
 def refuse_unsplittable_batch_statistics(model: nn.Module, comm: Communicator, who: str) -> None:
