@@ -88,3 +88,23 @@ def value_error_text(fn) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+def small_mlp() -> torch.nn.Module:
+    """A 6 -> 8 -> 8 -> 1 tanh MLP with values from a private generator (thread ranks build their copies at the same
+    time, and the global RNG is shared between threads)."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def mlp_batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`small_mlp`'s regression batch of step `step`: 8 rows, this rank's share of them."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    return x[rows], y[rows]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from tests.parity import assert_state_close
+from tests.parity import assert_state_close, mlp_batch, small_mlp
 
 WRAPS = {
     "zero1": lambda m, c: sw.ZeRO(m, c, stage=1),
@@ -29,20 +29,7 @@ OPTIMIZERS = {
 }
 
 
-def build() -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return model
-
-
-def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
-    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
-    return x[rows], y[rows]
+build, batch = small_mlp, mlp_batch
 
 
 def train(model: nn.Module, make_optimizer, rank: int = 0, world: int = 1) -> nn.Module:

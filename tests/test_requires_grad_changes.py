@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from tests.parity import assert_state_close
+from tests.parity import assert_state_close, mlp_batch, small_mlp
 
 STEPS = 6
 WRAPS = {
@@ -27,11 +27,7 @@ WRAPS = {
 
 
 def build() -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model = small_mlp()
     model[2].requires_grad_(False)  # frozen when wrapped: unfrozen at step 2
     return model
 
@@ -44,11 +40,7 @@ def schedule(model: nn.Module, step: int) -> None:
         model[0].weight.requires_grad_(True)  # one tensor of a layer
 
 
-def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
-    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
-    return x[rows], y[rows]
+batch = mlp_batch
 
 
 def train(model: nn.Module, rank: int = 0, world: int = 1) -> nn.Module:
