@@ -391,8 +391,14 @@ def test_plan_errors_are_value_errors_naming_the_problem():
         gpt = lambda: GPT(CONFIG, seed=0)  # noqa: E731
         with pytest.raises(ValueError, match=r"plan pattern 'blocks.\*.attn.qkvv' matches no module"):
             tp.parallelize(gpt(), comm, {"blocks.*.attn.qkvv": "colwise"})
-        with pytest.raises(ValueError, match=r"module 'blocks.0.ln1' is a LayerNorm, but style Colwise.* nn.Linear"):
+        with pytest.raises(ValueError, match=r"module 'blocks.0.ln1' is a torch.nn.modules.normalization.LayerNorm, "
+                                             r"not a torch.nn.Linear .* which style Colwise"):
             tp.parallelize(gpt(), comm, {"blocks.0.ln1": "colwise"})
+        lora_like = gpt()
+        lora_like.blocks[0].mlp.fc = type("Linear", (nn.Module,), {"__module__": "peft.tuners.lora.layer"})()
+        with pytest.raises(ValueError, match=r"is a peft.tuners.lora.layer.Linear, not a torch.nn.Linear .* an "
+                                             r"adapter layer \(PEFT's LoRA\) is not split"):
+            tp.parallelize(lora_like, comm, {"blocks.0.mlp.fc": "colwise"})  # named alike, said apart
         with pytest.raises(ValueError, match=r"'blocks.0.mlp.fc' is matched by 'fc' .* and 'blocks.0.mlp.fc'"):
             tp.parallelize(gpt(), comm, {"fc": "colwise", "blocks.0.mlp.fc": "rowwise"})
         with pytest.raises(ValueError, match=r"plan\['fc'\]='columnwise' is not a style; allowed"):

@@ -83,14 +83,19 @@ def _layout(style: Style) -> tuple:
     return ("columns",)
 
 
+def _qualified(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
 def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: bool, dim: int) -> TensorParallelLayer:
     if isinstance(style, (Colwise, Rowwise)):
         column, row = ColumnParallelLinear, RowParallelLinear
         if is_conv1d(module):  # HuggingFace GPT-2's transposed Linear: split the Linear it equals (hf_gpt2.py)
             column, row, module = Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear(module)
-        if not isinstance(module, nn.Linear):
-            raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, but style {style} needs an "
-                             f"nn.Linear (or a HuggingFace Conv1D)")
+        if not isinstance(module, nn.Linear):  # the class's full path: PEFT's LoRA layer is also called "Linear"
+            raise ValueError(f"parallelize: module {name!r} is a {_qualified(module)}, not a torch.nn.Linear (or a "
+                             f"HuggingFace Conv1D), which style {style} needs; an adapter layer (PEFT's LoRA) is not "
+                             f"split: train adapters under data parallel (sw.DDP, sw.ZeRO, sw.FSDP)")
         _refuse_own_forward(name, module, nn.Linear)
         if isinstance(style, Colwise):
             return column.from_dense(module, comm, gather_output=style.gather_output,
@@ -98,8 +103,8 @@ def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: b
         return row.from_dense(module, comm, input_is_parallel=style.input_is_parallel,
                               sequence_parallel=sp, sequence_dim=dim)
     if not isinstance(module, nn.Embedding):
-        raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, but style {style} needs an "
-                         f"nn.Embedding")
+        raise ValueError(f"parallelize: module {name!r} is a {_qualified(module)}, not the torch.nn.Embedding style "
+                         f"{style} needs")
     _refuse_own_forward(name, module, nn.Embedding)
     return VocabParallelEmbedding.from_dense(module, comm, sequence_parallel=sp, sequence_dim=dim)
 
