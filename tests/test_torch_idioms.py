@@ -108,3 +108,21 @@ def test_a_gradient_ddp_did_not_average_is_refused_at_the_step():
 
     a, b = sw.launch(body, 2)
     assert a == b  # the replicas stepped together
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_a_parameter_added_after_wrapping_is_refused_at_the_step(name):
+    """An adapter attached to the wrapped model (PEFT's get_peft_model on it, or a layer set by hand) is in no bucket
+    or unit: its gradient stayed each rank's own, silently. The first step of an optimizer holding it raises, naming
+    it and the order that works."""
+    def body(comm):
+        model = WRAPS[name](build(), comm)
+        model[0].adapter = nn.Linear(16, 16)  # joins after wrapping
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        model(X[0, comm.rank * 4:(comm.rank + 1) * 4]).square().mean().backward()
+        with pytest.raises(ValueError, match=r"\['0.adapter.weight', '0.adapter.bias'\] joined the model after "
+                                             rf"{name} wrapped it .* add them before wrapping"):
+            opt.step()
+        return True
+
+    assert sw.launch(body, 2) == [True, True]

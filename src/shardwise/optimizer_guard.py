@@ -85,6 +85,25 @@ def _sharded_model(params: list[torch.Tensor]) -> nn.Module | None:
     return None
 
 
+def _refuse_added(params: list[torch.Tensor]) -> None:
+    """A parameter inside a model wrapped in this thread that no strategy placed was added after wrapping (an
+    adapter such as PEFT's LoRA attached to the wrapped model): no bucket or unit holds it, so its gradient would
+    stay this rank's. ValueError naming it. Runs when the optimizer's parameter list changes."""
+    ids = {id(p) for p in params}
+    models = list(getattr(_local, "models", ()))
+    # Placed by any of them: a later strategy on a containing module (ZeRO over tensor-parallel stages) replaces
+    # the parameters an earlier one placed.
+    placed = {id(pl.param) for model in models for pl in layout.placements(model).values()}
+    for model in models:
+        added = [name for name, p in model.named_parameters() if id(p) in ids and id(p) not in placed]
+        if added:
+            names = " + ".join(r.name for r in layout.strategies(model))
+            raise ValueError(f"optimizer.step(): {added[:4]}{' ...' if len(added) > 4 else ''} joined the model "
+                             f"after {names} wrapped it (an adapter attached to the wrapped model?): no gradient "
+                             f"reduction covers them, so each rank would train its own; add them before wrapping "
+                             f"(get_peft_model(model, config), then wrap)")
+
+
 def _watch_state_dicts(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     def refuse_save(opt: torch.optim.Optimizer) -> None:
         if not reading_pieces():
@@ -114,6 +133,7 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
                              f"{getattr(stale[0], _MARK)} replaced when it wrapped the model (shape "
                              f"{tuple(stale[0].shape)}, ...): it would train nothing; build the optimizer after "
                              f"wrapping, over model.parameters()")
+        _refuse_added(params)
         if optimizer not in _checked:
             model = _sharded_model(params)
             if model is not None:
