@@ -13,7 +13,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig
-from shardwise.sharded_tensor import is_sharded, local
+from shardwise.sharded_tensor import ShardSpec, as_sharded, is_sharded, local
 
 CONFIG = GPTConfig.preset("tiny", n_layers=2)
 _lock = threading.Lock()
@@ -202,3 +202,15 @@ def test_no_shard_keeps_plain_parameters_of_the_original_shape():
         return is_sharded(p), is_sharded(p.grad), tuple(p.shape), float(p.grad.norm()) > 0
 
     assert sw.launch(body, 2) == [(False, False, (CONFIG.vocab_size, CONFIG.d_model), True)] * 2
+
+
+def test_a_transpose_of_a_flat_piece_is_refused_and_of_a_slice_is_not():
+    """`grad.T` of a ZeRO piece (flat, answering for a matrix) was the piece itself, a plain tensor, on which
+    reductions ran unchecked (torch's Muon took its norm and failed later with "mat1 must be a matrix, got 0-D
+    tensor"). Refused, naming the property; a tensor-parallel slice is a matrix and transposes as one."""
+    flat = as_sharded(torch.arange(20.0), ShardSpec(torch.Size([8, 6]), "w", "ZeRO-3"), parameter=True)
+    for view in ("T", "mT"):
+        with pytest.raises(RuntimeError, match=rf"{view}\(\) on w, a ZeRO-3 shard .* Muon"):
+            getattr(flat, view)
+    rows = as_sharded(torch.ones(4, 6), ShardSpec(torch.Size([8, 6]), "w", "tensor parallel"), parameter=True)
+    assert local(rows.T).shape == (6, 4)

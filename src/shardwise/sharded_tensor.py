@@ -122,6 +122,8 @@ class _Sharded:
             kind = _KINDS[func] = _kind(func)
         if kind == "address" and _is_piece(args[0]):
             _refuse_address(args[0])
+        if kind == "transpose" and local(args[0]).dim() != len(getattr(args[0], _SPEC).shape):
+            _refuse(func, args, kwargs or {})  # Muon's `grad.T`: a tensor-parallel slice, a matrix itself, may
         if kind == "data":
             _data_read(args[0])
         elif kind == "data_set" and getattr(args[0], _ON_DATA, None) is not None and not _same_data(*args[:2]):
@@ -297,9 +299,15 @@ def _kind_of_name(name: str) -> str:
     return "refuse"
 
 
+_TRANSPOSES = (torch.Tensor.T, torch.Tensor.mT, torch.Tensor.H, torch.Tensor.mH)
+
+
 def _kind(func: Any) -> str:
-    if getattr(func, "__self__", None) is torch.Tensor.data:  # the getter and setter of `.data`
+    owner = getattr(func, "__self__", None)
+    if owner is torch.Tensor.data:  # the getter and setter of `.data`
         return "data" if func.__name__ == "__get__" else "data_set"
+    if any(owner is t for t in _TRANSPOSES):  # a transposed view: of a flat ZeRO piece, not of the matrix
+        return "transpose"
     name = getattr(func, "__name__", "")
     if name == "__setitem__":  # elementwise when the index is a mask made from a piece (Rprop: grad[sign < 0] = 0)
         return "masked"
@@ -342,6 +350,8 @@ def _whole_and_local(func: Any, args: tuple, kwargs: dict) -> bool:
 
 def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
     name = getattr(func, "__name__", str(func))
+    if name in ("__get__", "__set__"):  # a property: its own name (`.T`)
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
     source = _first_sharded(args, kwargs)
     spec, piece = getattr(source, _SPEC), local(source).numel()
     if spec.whole:
