@@ -126,3 +126,21 @@ def test_a_parameter_added_after_wrapping_is_refused_at_the_step(name):
         return True
 
     assert sw.launch(body, 2) == [True, True]
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2"])
+def test_a_slice_of_a_wrapped_sequential_is_a_plain_sequential(name):
+    """`model[:2]` (torch DDP's `model.module[:2]`, a feature extractor for evaluation) of a wrapped nn.Sequential
+    failed with "'DDPSequential' object has no attribute '_ddp'": torch builds the slice with the wrapper's class. It
+    is a plain nn.Sequential of the same layers, computing what the plain model's slice computes."""
+    want = build()[:2](X[0])
+
+    def body(comm):
+        model = WRAPS[name](build(), comm)
+        head = model[:2]
+        with torch.no_grad():
+            return type(head), head[0] is model[0], head(X[0])
+
+    for cls, same, got in sw.launch(body, 2):
+        assert cls is nn.Sequential and same
+        torch.testing.assert_close(got, want.detach())

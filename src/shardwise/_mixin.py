@@ -13,7 +13,7 @@ from torch import nn
 
 from .sharded_tensor import local
 
-__all__ = ["mix_in"]
+__all__ = ["mix_in", "original_class", "MovesRefused"]
 
 _CACHE: dict[tuple[type, type], type] = {}
 _LOCK = threading.Lock()  # thread ranks wrap their models concurrently
@@ -27,6 +27,16 @@ def mix_in(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
             _CACHE[(cls, mixin)] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
         module.__class__ = _CACHE[(cls, mixin)]
     return module
+
+
+def original_class(module: nn.Module) -> type:
+    """The class `module` had before any `mix_in`."""
+    cls = type(module)
+    with _LOCK:
+        made = set(_CACHE.values())
+    while cls in made:
+        cls = cls.__bases__[-1]
+    return cls
 
 
 class MovesRefused(nn.Module):
@@ -50,6 +60,19 @@ class MovesRefused(nn.Module):
                                  f"{probe.device} -> {moved.dtype} on {moved.device}); move or cast the model before "
                                  f"wrapping it (for mixed precision use sw.MixedPrecision)")
         return super()._apply(fn, recurse)
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 - nn.Sequential's / nn.ModuleList's signature
+        """A slice of a wrapped nn.Sequential / nn.ModuleList (`model[:3]`, torch DDP's `model.module[:3]`): a plain
+        container of the same submodules, as torch DDP's `.module` gives. torch builds the slice with
+        `self.__class__(...)`, which made it an instance of the wrapper's class without the wrapper's state (it
+        failed with "'DDPSequential' object has no attribute '_ddp'")."""
+        getter = getattr(super(), "__getitem__", None)
+        if getter is None:
+            raise TypeError(f"'{type(self).__name__}' object is not subscriptable")
+        out = getter(index)
+        if type(out) is type(self):
+            out.__class__ = original_class(self)
+        return out
 
     @property
     def module(self) -> nn.Module:
