@@ -47,19 +47,23 @@ def share_contrastive_losses(model: nn.Module, batch_group: Communicator, who: s
         module._sw_contrastive = (batch_group, who)
 
 
-def _rows_of_everyone(x: torch.Tensor, group: Communicator) -> tuple[torch.Tensor, int]:
-    """Every rank's rows of `x`, in rank order, differentiable (the gradient of this rank's rows is summed over the
-    ranks), and where this rank's rows start."""
+def _rows_of_everyone(text: torch.Tensor, image: torch.Tensor,
+                      group: Communicator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Every rank's rows of the text and image embeddings, in rank order, differentiable (the gradient of this rank's
+    rows is summed over the ranks), and where this rank's rows start: one exchange of the row counts and one sum of
+    both embeddings side by side (they have one width: the model takes their dot products)."""
     from .experts.ops import sum_over_ranks  # here: the experts package imports the wrappers, which import this
 
     counts = torch.zeros(group.size, dtype=torch.float32, device=group.device)
-    counts[group.rank] = x.shape[0]
+    counts[group.rank] = text.shape[0]
     group.all_reduce(counts)
     sizes = [int(c) for c in counts.tolist()]
     start = sum(sizes[:group.rank])
-    padded = x.new_zeros((sum(sizes), *x.shape[1:]))
-    padded = padded.index_copy(0, torch.arange(start, start + x.shape[0], device=x.device), x)
-    return sum_over_ranks(padded, group), start
+    both = torch.cat([text, image], dim=1)
+    padded = both.new_zeros((sum(sizes), both.shape[1]))
+    padded = padded.index_copy(0, torch.arange(start, start + both.shape[0], device=both.device), both)
+    texts, images = sum_over_ranks(padded, group).split(text.shape[1], dim=1)
+    return texts, images, start
 
 
 def _clip_loss(per_text: torch.Tensor, per_image: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -107,8 +111,7 @@ class GlobalContrastiveLoss(nn.Module):
                              f"logits_per_text, so it cannot be made the global batch's and each rank would compute "
                              f"it over its own rows; call it with return_loss=False and compute the loss from "
                              f"embeddings gathered over the data-parallel group")
-        texts, start = _rows_of_everyone(text, group)
-        images, _ = _rows_of_everyone(image, group)
+        texts, images, start = _rows_of_everyone(text, image, group)
         rows = own + start
         per_text = text @ images.t() * scale + (bias if bias is not None else 0)
         if kind == "clip":

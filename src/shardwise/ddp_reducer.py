@@ -103,8 +103,9 @@ class Reducer:
         old bucket keeps it alive and is copied into the new one at the next backward. Refused within an
         accumulation (part of the step's gradient would be averaged and part not) and under compression (its
         error-feedback residuals are laid out per bucket)."""
-        if all(p.requires_grad is f for p, f in zip(self.averaged, self.following)):
-            return
+        with torch._C.DisableTorchFunctionSubclass():  # tensor-parallel slices: a plain read, once per forward
+            if all(p.requires_grad is f for p, f in zip(self.averaged, self.following)):
+                return
         names = [self.names[p] for p, f in zip(self.averaged, self.following) if p.requires_grad is not f]
         if self.unsynced:
             raise ValueError(f"DDP: requires_grad of {names[:8]} changed between backward passes accumulated under "

@@ -126,8 +126,8 @@ class _Sharded:
             _refuse(func, args, kwargs or {})  # Muon's `grad.T`: a tensor-parallel slice, a matrix itself, may
         if kind == "data":
             _data_read(args[0])
-        elif kind == "data_set" and getattr(args[0], _ON_DATA, None) is not None and not _same_data(*args[:2]):
-            _refuse_data_set(args[0])
+        elif kind == "data_set" and getattr(args[0], _ON_DATA, None) is not None and args[1] is not args[0]:
+            _refuse_data_set(args[0])  # `p.data = p` is a move that changed nothing (`model.to("cpu")` on a CPU)
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
@@ -153,12 +153,6 @@ def _data_read(t: Any) -> None:
     callback = getattr(t, _ON_DATA, None)
     if callback is not None:
         callback()
-
-
-def _same_data(t: Any, new: Any) -> bool:
-    """Whether `t.data = new` leaves `t` as it is (a move or cast that changed nothing hands back the tensor itself:
-    `model.to("cpu")` on the CPU)."""
-    return new is t
 
 
 def _refuse_data_set(t: Any) -> None:

@@ -235,11 +235,7 @@ class Unit(UnitGradients):
             info.requires_grad = info.shard_param.requires_grad
             info.unsharded.requires_grad_(info.requires_grad)
         if self.grad_buffer is not None:
-            storage = self.grad_buffer.untyped_storage().data_ptr()
-            for info in self.infos:
-                g = info.shard_param.grad
-                if g is not None and g.untyped_storage().data_ptr() == storage:
-                    info.shard_param.grad = g.clone()
+            self.copy_out_kept_grads()  # over the trainable set the buffer was laid out for
             self._drop_grad_buffer()
         self.trainable = [i for i in self.infos if i.requires_grad]
         self.grad_layout = GradLayout(self.shard_comm.size, self.shard_size,

@@ -312,14 +312,19 @@ class UnitGradients:
             self.grad_buffer_dirty = False
             self.grad_buffer_zeroed = False
         elif self.grad_buffer_dirty:
-            storage = self.grad_buffer.untyped_storage().data_ptr()
-            for info in self.trainable:  # gradients the user kept (no zero_grad) must survive the new cycle
-                g = info.shard_param.grad
-                if g is not None and g.untyped_storage().data_ptr() == storage:
-                    info.shard_param.grad = g.clone()
+            self.copy_out_kept_grads()  # gradients the user kept (no zero_grad) must survive the new cycle
             self.grads_written = set()
             self.grad_buffer_dirty = False
             self.grad_buffer_zeroed = False
+
+    def copy_out_kept_grads(self) -> None:
+        """A shard parameter's `.grad` that views the kept gradient buffer (stage 1, no_shard) becomes a copy of its
+        own, before the buffer is reused or dropped."""
+        storage = self.grad_buffer.untyped_storage().data_ptr()
+        for info in self.trainable:
+            g = info.shard_param.grad
+            if g is not None and g.untyped_storage().data_ptr() == storage:
+                info.shard_param.grad = g.clone()
 
     def _zero_unwritten(self) -> list[bool]:
         """Zero every data element of the flat buffer that no gradient of this cycle was copied into, write the
