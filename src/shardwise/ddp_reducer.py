@@ -21,6 +21,7 @@ from .agreement import agree_on_recovery
 from .comm.base import Communicator, ReduceOp, Work
 from .comm.coalesced import broadcast_coalesced
 from .compression.base import Compressor
+from .graph_gradients import average_when_building_graph, refuse_graph_accumulation
 from .profiler_ranges import profiler_range
 from .sharded_tensor import grad_like, local
 from .unused import used_anywhere
@@ -95,6 +96,8 @@ class Reducer:
         self.buckets = self._make_buckets(self.bucket_mb, self.first_bucket_mb)
         self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # torch.autograd.grad(..., create_graph=True) gets the data-parallel average (graph_gradients.py)
+        self.hooks += [p.register_hook(average_when_building_graph((self.groups[id(p)],))) for p in self.params]
 
     def follow_requires_grad(self) -> None:
         """A script that froze or unfroze parameters since the last forward (gradual unfreezing, a frozen
@@ -187,6 +190,7 @@ class Reducer:
 
     # ---- backward side ----------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        refuse_graph_accumulation("DDP", self.names[param])
         if not self.require_sync:
             self.unsynced = True
             return  # no_sync(): let gradients accumulate locally

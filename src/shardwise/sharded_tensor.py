@@ -259,6 +259,10 @@ _MESSAGES = {
     "_amp_foreach_non_finite_check_and_unscale_": "torch.amp.GradScaler over a sharded model lets each rank decide "
                      "alone whether to skip the step: use sw.ShardedGradScaler(model) (the same API; every rank "
                      "skips together)",
+    "grad": "torch.autograd.grad with respect to a parameter differentiates the piece, which the forward did not "
+            "use (a unit computes with its gathered whole, freed after it): gradients of the parameters with "
+            "create_graph=True (a gradient-norm penalty) work under sw.DDP, ZeRO-1/2 and wrap=None (one unit), "
+            "averaged over the ranks; gradients of the inputs (a WGAN-GP or R1 penalty) work under every stage",
 }
 
 
@@ -352,7 +356,9 @@ def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
         raise RuntimeError(f"{name}() on {spec.name}, under {spec.what}, would combine only this rank's part of the "
                            f"model: {_MESSAGES.get(name, _CLIP)}")
     why = _MESSAGES.get(name, "read the whole tensor with sw.full_state_dict(model) (collective), clip with "
-                              "sw.clip_grad_norm_(model, max_norm), scale losses with sw.ShardedGradScaler(model)")
+                              "sw.clip_grad_norm_(model, max_norm), scale losses with sw.ShardedGradScaler(model); "
+                              "a loss term on a parameter (a regulariser) is computed where it is whole: in a "
+                              "forward hook of its module")
     why += ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, while an "
             "optimizer that needs whole tensors (per-tensor norms: LARS, LAMB; factored moments: Adafactor; Muon) "
             "cannot step pieces: train it with sw.DDP or FSDP(sharding='no_shard')")

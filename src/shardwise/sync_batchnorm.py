@@ -61,6 +61,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from . import layout
 from .comm.base import Communicator, ReduceOp, is_communicator
+from .graph_gradients import refuse_second_order
 
 __all__ = ["SyncBatchNorm"]
 
@@ -117,6 +118,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor, _dmean: torch.Tensor, _dvar: torch.Tensor):  # noqa: ANN001, ANN205
+        refuse_second_order("sw.SyncBatchNorm")
         xc, mean, var, w = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

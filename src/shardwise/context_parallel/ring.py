@@ -57,6 +57,7 @@ import torch
 
 from ..comm.base import Communicator, P2POp
 from .split import SequenceSplit, hidden_keys
+from ..graph_gradients import refuse_second_order
 
 __all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv", "check_window"]
 
@@ -208,6 +209,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):  # noqa: ANN001, ANN205
+        refuse_second_order("context parallel's ring attention")
         q, k, v, o, lse, sinks = ctx.saved_tensors
         comm, split, scale, softcap, window = ctx.comm, ctx.split, ctx.scale, ctx.softcap, ctx.window
         n, rank = comm.size, comm.rank

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..comm.base import Communicator
 from .ring import autocast_inputs, check_extras, check_qkv, check_window
 from .split import SequenceSplit, hidden_keys
+from ..graph_gradients import refuse_second_order
 
 __all__ = ["ulysses_attention", "AllToAll", "all_to_all"]
 
@@ -48,6 +49,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
+        refuse_second_order("context parallel's Ulysses all-to-all")
         scatter_dim, gather_dim = ctx.dims
         return _exchange(grad, ctx.comm, gather_dim, scatter_dim), None, None, None
 

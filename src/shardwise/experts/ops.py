@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator, ReduceOp
+from ..graph_gradients import refuse_second_order
 
 __all__ = ["all_to_all_rows", "sum_over_ranks", "exchange_counts"]
 
@@ -41,6 +42,7 @@ class _AllToAllRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        refuse_second_order("expert parallel's all-to-all")
         return _exchange(grad, ctx.comm, ctx.recv, ctx.send), None, None, None
 
 
@@ -63,6 +65,7 @@ class _SumOverRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        refuse_second_order("expert parallel's sum over ranks")
         out = grad.contiguous().clone()
         ctx.comm.all_reduce(out, ReduceOp.SUM)
         return out, None

@@ -46,14 +46,15 @@ from torch import nn
 
 from ..activation_checkpointing import checkpoint_module, every_kth
 from ..agreement import agree_on_recovery
-from ..comm.base import Communicator, ReduceOp
+from ..comm.base import Communicator
+from ..graph_gradients import KeptGraph, refuse_graph_accumulation
 from ..placement import map_buffers
 from ..profiler_ranges import profiler_range
-from ..unused import used_anywhere
 from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
 from .hook_tools import MarkBackwardDone, cast_floating, eager_under_compile, inside_backward, tensors_in
 from .policy import ShardingConfig, auto_group_mb, plan_units
 from .param_info import ParamInfo
+from .replicated import ReplicatedParams
 from .trainable import TrainableSet
 from .unit import GatheredMemory, Unit, describe_units
 
@@ -70,9 +71,6 @@ class ShardingEngine:
                  replicated_params: tuple[nn.Parameter, ...] = (), experts: ExpertFamily = NO_EXPERTS) -> None:
         self.model = model
         self.comm = comm  # every data-parallel rank (shard x replicate): what a recovering rank agrees over
-        # Kept whole on every rank and all-reduced as DDP does (a weight tied across pipeline stages, whose two
-        # copies must be summed before the data-parallel average): in no unit.
-        self.replicated_params = [p for p in replicated_params if p.requires_grad]
         self.shard_comm = shard_comm
         self.replicate_comm = replicate_comm
         self.config = config
@@ -118,6 +116,10 @@ class ShardingEngine:
         self.launch_order: list[Unit] = []
         self.next_launch = 0
         self.handles: list[Any] = []
+        # Kept whole on every rank and all-reduced as DDP does (a weight tied across pipeline stages, whose two
+        # copies must be summed before the data-parallel average): in no unit.
+        self.replicated = ReplicatedParams(replicated_params, (shard_comm, replicate_comm), self.handles)
+        self.kept = KeptGraph()
         if mp.buffer_dtype is not None:  # a buffer shared by several modules stays one tensor
             dtype = mp.buffer_dtype
             map_buffers(model, lambda buf: buf.to(dtype) if buf.is_floating_point() else buf)
@@ -129,19 +131,22 @@ class ShardingEngine:
         # eagerly (a graph break at each unit's edges, the layers between them compiled), as inductor cannot lower
         # what they do (record_stream, attribute swaps) and must not try.
         eager = eager_under_compile
+        # Gathering hooks go first (prepend): a pre-hook the model had before wrapping (torch.nn.utils.weight_norm's,
+        # which computes `weight` from `weight_g` and `weight_v`) then sees whole parameters, as in one process.
         for unit in self.families:
             if unit.is_root:
                 continue
             for module in unit.modules:
                 self.handles.append(module.register_forward_pre_hook(eager(self._make_pre_forward(unit)),
-                                                                     with_kwargs=True))
+                                                                     with_kwargs=True, prepend=True))
             self.handles.append(unit.modules[-1].register_forward_hook(eager(self._make_post_forward(unit))))
         # Activation checkpointing of every k-th unit (k = 1: all of them), each unit's modules recomputed.
         units = [u for u in self.families if not u.is_root]
         for unit in every_kth(units, int(self.config.activation_checkpointing)):
             for module in unit.modules:
                 checkpoint_module(module)
-        self.handles.append(self.model.register_forward_pre_hook(eager(self._root_pre_forward), with_kwargs=True))
+        self.handles.append(self.model.register_forward_pre_hook(eager(self._root_pre_forward), with_kwargs=True,
+                                                                 prepend=True))
         self.handles.append(self.model.register_forward_hook(eager(self._make_post_forward(self.root))))
         self.trainable = TrainableSet(self.units, self._make_grad_hook, self.handles)  # follows requires_grad
 
@@ -231,7 +236,7 @@ class ShardingEngine:
             for part in self.families[unit]:
                 part.swap_to_sharded()  # inference: nothing will need the unsharded parameters
                 if not part.keep_full and not unit.is_root:
-                    part.free_full()
+                    self._free(part)
         elif self.config.reshard_after_forward and not unit.is_root:
             if self._finished_forward is not None and self._finished_forward is not unit:
                 self._reshard(self._finished_forward)
@@ -244,7 +249,7 @@ class ShardingEngine:
             for other in self.units:
                 other.swap_to_sharded()
                 if not other.keep_full:
-                    other.free_full()
+                    self._free(other)
         return output
 
     def _reshard(self, unit: Unit) -> None:
@@ -252,14 +257,19 @@ class ShardingEngine:
         if unit is self._finished_forward:
             self._finished_forward = None
         for part in self.families[unit]:
-            part.free_full()
+            self._free(part)
             part.swap_to_sharded()
+
+    def _free(self, part: Unit) -> None:
+        if not self.kept.keeps:  # a graph built by a backward holds the gathered parameters (graph_gradients.py)
+            part.free_full()
 
     # ---- backward ---------------------------------------------------------------------------------------------
     def _begin_backward(self) -> None:
         if self.in_backward:
             return
         self.in_backward = True
+        self.kept.begin_backward()
         for unit in self.units:
             unit.begin_backward()
         if not self.launch_order:
@@ -288,6 +298,7 @@ class ShardingEngine:
 
     def _on_grad(self, unit: Unit, info: ParamInfo) -> None:
         self._begin_backward()
+        refuse_graph_accumulation(self.config.name, info.name)
         unit.accumulate_grad(info)
         self._launch_ready()
 
@@ -318,19 +329,22 @@ class ShardingEngine:
     def _finish_backward(self) -> None:
         with profiler_range("finish_backward"):
             try:
+                if self.kept.building:
+                    return  # autograd.grad(..., create_graph=True): no gradient accumulated, nothing to reduce
                 for unit in self.launch_order:
                     unit.flush_unused()  # parameters that got no gradient this pass contribute zeros
                 if self.require_sync:
                     self._launch_ready()
                     self._drain(0)
-                    self._reduce_replicated()
+                    self.replicated.reduce()
                 self.accumulating = not self.require_sync
             finally:
                 self._finished_forward = None
+                self.kept.end_backward()
                 for unit in self.units:
                     unit.swap_to_sharded()
                     if not unit.keep_full:
-                        unit.free_full()
+                        self._free(unit)
                 self.in_backward = False
 
     def _recover(self) -> None:
@@ -342,6 +356,7 @@ class ShardingEngine:
         self._inflight.clear()
         self._finished_forward = None
         self.in_backward = self.forward_running = self.accumulating = False
+        self.kept = KeptGraph()
         self.next_launch = 0
 
     def sync_gradients(self) -> None:
@@ -353,25 +368,8 @@ class ShardingEngine:
         for unit in self.launch_order:
             self._start_reduce(unit)
         self._drain(0)
-        self._reduce_replicated()
+        self.replicated.reduce()
         self.accumulating = False
-
-    def _reduce_replicated(self) -> None:
-        """Average the parameters kept whole over the data-parallel groups, DDP's way; one that no rank used keeps
-        `grad = None` (a small all-reduce of flags first, only when there are such parameters)."""
-        if not self.replicated_params:
-            return
-        groups = (self.shard_comm, self.replicate_comm)
-        used = used_anywhere([p.grad is not None for p in self.replicated_params], groups,
-                             self.replicated_params[0].device)
-        for p, was_used in zip(self.replicated_params, used):
-            if not was_used:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            for comm in groups:
-                if comm is not None and comm.size > 1:
-                    comm.all_reduce(p.grad, ReduceOp.AVG)
 
     # ---- gathering (a whole family: the same order on every rank) ---------------------------------------------
     def _start_gather(self, unit: Unit) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..graph_gradients import average_when_building_graph
 from .param_info import ParamInfo
 from .unit import Unit
 
@@ -38,6 +39,9 @@ class TrainableSet:
         for info in infos:
             if id(info.unsharded) not in self.hooked:
                 self.handles.append(info.unsharded.register_post_accumulate_grad_hook(self.make_hook(unit, info)))
+                # torch.autograd.grad(..., create_graph=True) gets the data-parallel average (graph_gradients.py)
+                self.handles.append(info.unsharded.register_hook(
+                    average_when_building_graph((unit.shard_comm, unit.replicate_comm))))
                 self.hooked.add(id(info.unsharded))
 
     def follow(self, accumulating: bool, who: str) -> None:

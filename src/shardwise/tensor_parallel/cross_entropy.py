@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.base import Communicator, ReduceOp
+from ..graph_gradients import refuse_second_order
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -53,6 +54,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # noqa: ANN001, ANN205
+        refuse_second_order("the vocabulary-parallel cross-entropy")
         softmax, local_t, owned_valid, valid = ctx.saved_tensors
         g = grad_loss.reshape(-1).to(softmax.dtype) * valid
         grad = softmax * g.unsqueeze(-1)

@@ -12,6 +12,7 @@ from ..sharded_tensor import local
 from .layer_base import TensorParallelLayer, as_param, check_split, dense_linear_init
 from .mappings import all_gather_along, gather_from_region, reduce_scatter_along, scatter_to_region
 from .sequence_parallel import reduce_sequence_parallel_grads
+from ..graph_gradients import refuse_second_order
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -32,6 +33,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
+        refuse_second_order("a tensor-parallel linear layer")
         total, weight = ctx.saved_tensors
         comm, dim = ctx.comm, ctx.dim
         grad = grad.contiguous()
@@ -69,6 +71,7 @@ class _RowParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
+        refuse_second_order("a tensor-parallel linear layer")
         x, weight = ctx.saved_tensors
         if ctx.sequence_parallel:
             grad = all_gather_along(grad, ctx.dim, ctx.comm)

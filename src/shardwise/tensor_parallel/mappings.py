@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import Communicator, ReduceOp
+from ..graph_gradients import refuse_second_order
 
 __all__ = [
     "copy_to_region",
@@ -116,6 +117,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        refuse_second_order("tensor parallel")
         return _all_reduced(grad, ctx.comm), None
 
 
@@ -154,6 +156,7 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        refuse_second_order("tensor parallel")
         return all_gather_along(grad, ctx.dim, ctx.comm), None, None
 
 
@@ -167,6 +170,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        refuse_second_order("tensor parallel")
         return reduce_scatter_along(grad, ctx.dim, ctx.comm), None, None
 
 
@@ -180,6 +184,7 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        refuse_second_order("tensor parallel")
         return all_gather_along(grad, ctx.dim, ctx.comm), None, None
 
 
