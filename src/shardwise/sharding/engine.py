@@ -53,6 +53,7 @@ from ..profiler_ranges import profiler_range
 from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
 from .hook_tools import MarkBackwardDone, cast_floating, eager_under_compile, inside_backward, tensors_in
 from .policy import ShardingConfig, auto_group_mb, plan_units
+from .outside_reads import OutsideReads
 from .param_info import ParamInfo
 from .replicated import ReplicatedParams
 from .trainable import TrainableSet
@@ -131,15 +132,17 @@ class ShardingEngine:
         # eagerly (a graph break at each unit's edges, the layers between them compiled), as inductor cannot lower
         # what they do (record_stream, attribute swaps) and must not try.
         eager = eager_under_compile
-        # Gathering hooks go first (prepend): a pre-hook the model had before wrapping (torch.nn.utils.weight_norm's,
-        # which computes `weight` from `weight_g` and `weight_v`) then sees whole parameters, as in one process.
+        # A unit's hooks go first (prepend): a pre-hook the model had before wrapping (torch.nn.utils.weight_norm's,
+        # which computes `weight` from `weight_g` and `weight_v`) then sees whole parameters, as in one process, and
+        # every forward hook runs outside the unit, where what it saves is watched (outside_reads.py).
         for unit in self.families:
             if unit.is_root:
                 continue
             for module in unit.modules:
                 self.handles.append(module.register_forward_pre_hook(eager(self._make_pre_forward(unit)),
                                                                      with_kwargs=True, prepend=True))
-            self.handles.append(unit.modules[-1].register_forward_hook(eager(self._make_post_forward(unit))))
+            self.handles.append(unit.modules[-1].register_forward_hook(eager(self._make_post_forward(unit)),
+                                                                       prepend=True))
         # Activation checkpointing of every k-th unit (k = 1: all of them), each unit's modules recomputed.
         units = [u for u in self.families if not u.is_root]
         for unit in every_kth(units, int(self.config.activation_checkpointing)):
@@ -149,6 +152,7 @@ class ShardingEngine:
                                                                  prepend=True))
         self.handles.append(self.model.register_forward_hook(eager(self._make_post_forward(self.root))))
         self.trainable = TrainableSet(self.units, self._make_grad_hook, self.handles)  # follows requires_grad
+        self.outside = OutsideReads(self.families, self._gather)  # parameters saved outside their unit's forward
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -165,10 +169,7 @@ class ShardingEngine:
         return hook
 
     def _make_grad_hook(self, unit: Unit, info: ParamInfo) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(unit, info)
-
-        return hook
+        return lambda param: self._on_grad(unit, info)
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -186,6 +187,8 @@ class ShardingEngine:
                 args, kwargs = cast_floating((args, kwargs), dtype)
             self._gather(self.root)
             self._swap_in(self.root)
+            if not self.in_backward:
+                self.outside.begin_forward()
             if self.config.prefetch and self.order_recorded and self.forward_order:
                 self._start_gather(self.forward_order[0])
             return args, kwargs
@@ -207,6 +210,7 @@ class ShardingEngine:
                 self._start_gather(self.forward_order[pos + 1])
         if not unit.entered:
             unit.entered = True  # the first module of the unit: its inputs are the unit's inputs
+            self.outside.enter_unit()
             if torch.is_grad_enabled() and not unit.keep_full:
                 # Positional and keyword inputs alike: a unit called with keywords must free after its backward too.
                 keys = list(kwargs)
@@ -219,11 +223,15 @@ class ShardingEngine:
         return args, kwargs
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
-        unit.entered = False
+        was_entered, unit.entered = unit.entered, False
         if unit.is_root:
             self.forward_running = False
         if self.in_backward:
             return output
+        if unit.is_root:
+            self.outside.end_forward()
+        elif was_entered:
+            self.outside.leave_unit()
         grads_follow = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
         if grads_follow:
             for t in tensors_in(output):
@@ -357,6 +365,7 @@ class ShardingEngine:
         self._finished_forward = None
         self.in_backward = self.forward_running = self.accumulating = False
         self.kept = KeptGraph()
+        self.outside.reset()
         self.next_launch = 0
 
     def sync_gradients(self) -> None:
