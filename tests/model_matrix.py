@@ -59,6 +59,13 @@ def _sync_bn(wrap: Callable[[torch.nn.Module, Any], torch.nn.Module]) -> Callabl
     return strategy
 
 
+def _local_bn_ddp(model: torch.nn.Module, comm: Any) -> torch.nn.Module:
+    return sw.DDP(model, comm, batch_norm="local")
+
+
+PER_RANK_BATCH_NORM = r"BatchNorm2d .* would normalise by this rank's slice of the batch.*batch_norm='sync'"
+
+
 def _distribute_find_unused(model: torch.nn.Module, comm: Any) -> torch.nn.Module:
     return sw.distribute(model, comm, find_unused_parameters=True)
 
@@ -85,9 +92,11 @@ def cells(family: str) -> list[Cell]:
     fam = FAMILIES[family]
     out: list[Cell] = []
     for name in DP:
-        if family == "convnet_bn":  # per-rank statistics unless converted; exact when converted
-            out.append(Cell(name, name, _world(name), expect="per_rank_batchnorm"))
+        if family == "convnet_bn":  # refused unless a batch_norm choice is made; exact when converted
+            out.append(Cell(name, name, _world(name), expect="refuse", error=PER_RANK_BATCH_NORM))
             out.append(Cell(f"{name}+sync_bn", _sync_bn(_WRAPS[name]), _world(name)))
+            if name == "ddp":  # torch DDP's per-rank statistics, chosen: differs, and the report says why
+                out.append(Cell("ddp(batch_norm='local')", _local_bn_ddp, expect="per_rank_batchnorm"))
         elif family in UNUSED and name == "ddp":
             out.append(Cell(name, name, error="got no gradient in this backward pass.*find_unused_parameters=True",
                             expect="refuse"))

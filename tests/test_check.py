@@ -195,8 +195,17 @@ def _mse(model, batch):
     return nn.functional.mse_loss(model(x), y)
 
 
+def _local_bn_ddp(model, comm):
+    return sw.DDP(model, comm, batch_norm="local")  # torch DDP's per-rank statistics, chosen
+
+
+def test_batchnorm_using_per_rank_statistics_is_refused_naming_the_choices():
+    with pytest.raises(Exception, match=r"BatchNorm1d '1' would normalise by this rank's slice.*batch_norm='sync'"):
+        check(_bn_model, _regression_batch, strategy="ddp", world_size=2, steps=1, loss_fn=_mse)
+
+
 def test_batchnorm_per_rank_statistics_are_diagnosed():
-    report = check(_bn_model, _regression_batch, strategy="ddp", world_size=2, steps=1, loss_fn=_mse)
+    report = check(_bn_model, _regression_batch, strategy=_local_bn_ddp, world_size=2, steps=1, loss_fn=_mse)
     assert report.first_mismatch[:3] == (0, "forward", "loss")
     assert "loss differs at step 0" in report.notes[0]  # said first
     assert any("SyncBatchNorm.convert" in note and "'1'" in note for note in report.notes)
@@ -206,7 +215,7 @@ def test_batchnorm_per_rank_statistics_are_diagnosed():
 def test_a_forward_difference_names_the_first_module_that_computes_differently():
     """BatchNorm under DDP: every rank normalizes by its own rows, so the first output that differs is the
     BatchNorm's ('1'); the Linear before it agrees on each rank's rows of the one-process output."""
-    report = check(_bn_model, _regression_batch, strategy="ddp", world_size=2, steps=1, loss_fn=_mse)
+    report = check(_bn_model, _regression_batch, strategy=_local_bn_ddp, world_size=2, steps=1, loss_fn=_mse)
     assert any(note.startswith("the first module whose output differs in the first forward is '1' (BatchNorm1d): "
                                "max |diff|") and note.endswith("the 1 module outputs compared before it agree")
                for note in report.notes), report.notes

@@ -70,13 +70,17 @@ def local_slice(t: torch.Tensor, rank: int, sizes: list[int]) -> torch.Tensor:
     return t[start:start + sizes[rank]]
 
 
-def train_ddp(comm, sync: bool = True, sizes: list[int] | None = None, wrapper: str = "ddp"):
-    """STEPS AdamW steps on this rank's slice of each global batch (equal slices unless `sizes`); the full state."""
+def train_ddp(comm, batch_norm: str | None = "convert", sizes: list[int] | None = None, wrapper: str = "ddp"):
+    """STEPS AdamW steps on this rank's slice of each global batch (equal slices unless `sizes`); the full state.
+    batch_norm: "convert" (SyncBatchNorm.convert before wrapping), else the wrapper's `batch_norm=` option."""
     sizes = sizes or [GLOBAL // comm.size] * comm.size
     model = conv_net()
-    if sync:
-        model = SyncBatchNorm.convert(model, comm)
-    model = sw.DDP(model, comm) if wrapper == "ddp" else sw.ZeRO(model, comm, stage=3)
+    if batch_norm == "convert":
+        model, batch_norm = SyncBatchNorm.convert(model, comm), None
+    if wrapper == "ddp":
+        model = sw.DDP(model, comm, batch_norm=batch_norm)
+    else:
+        model = sw.ZeRO(model, comm, stage=3, batch_norm=batch_norm)
     opt = optimizer(model)
     for step in range(STEPS):
         x, y = global_batch(step, sum(sizes))
@@ -108,21 +112,57 @@ def test_ddp_conv_net_equals_one_process_on_the_global_batch(world, want):
         assert got["1.num_batches_tracked"].item() == STEPS
 
 
-def test_without_conversion_the_statistics_are_per_rank_and_differ(want):
-    got = sw.launch(train_ddp, 2, False)[0]  # DDP alone: rank 0's per-rank statistics, broadcast
+def test_with_local_batch_norm_the_statistics_are_per_rank_and_differ(want):
+    got = sw.launch(train_ddp, 2, "local")[0]  # torch DDP's behaviour: rank 0's per-rank statistics, broadcast
     for name in ("1.running_mean", "1.running_var", "4.running_var", "0.weight"):
         assert not torch.allclose(got[name], want[name], rtol=RTOL, atol=ATOL), name
 
 
+@pytest.mark.parametrize("wrapper", ["ddp", "zero3"])
+def test_the_wrappers_option_sync_equals_one_process(want, wrapper):
+    for got in sw.launch(train_ddp, 2, "sync", None, wrapper):
+        assert_state_close(got, want)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "zero3"])
+def test_plain_batch_norm_using_batch_statistics_is_refused_by_default(wrapper):
+    with pytest.raises(sw.LaunchError, match=r"BatchNorm2d '1' would normalise by this rank's slice.*"
+                                             r"batch_norm='sync'.*batch_norm='local'"):
+        sw.launch(train_ddp, 2, None, None, wrapper)
+
+
+def test_batch_norm_in_eval_mode_passes_and_equals_one_process():
+    """A frozen BatchNorm (eval mode, running statistics: fine-tuning a backbone) normalises each sample alike."""
+    def run(model, rank=0, world=1):
+        model.eval()
+        opt = optimizer(model)
+        for step in range(STEPS):
+            x, y = global_batch(step, GLOBAL)
+            F.mse_loss(model(local_slice(x, rank, [GLOBAL // world] * world)),
+                       local_slice(y, rank, [GLOBAL // world] * world)).backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    want = state(run(conv_net()))
+    for got in sw.launch(lambda comm: state(run(sw.DDP(conv_net(), comm), comm.rank, comm.size)), 2):
+        assert_state_close(got, want)
+
+
+def test_a_bad_batch_norm_option_is_refused():
+    with pytest.raises(sw.LaunchError, match="batch_norm='global' is not supported; allowed None.*'sync'.*'local'"):
+        sw.launch(lambda comm: sw.DDP(conv_net(), comm, batch_norm="global"), 2)
+
+
 def test_ddp_uneven_local_batches_equal_one_process():
     want = reference(size=8)
-    for got in sw.launch(train_ddp, 2, True, [3, 5]):
+    for got in sw.launch(train_ddp, 2, "convert", [3, 5]):
         assert_state_close(got, want)
 
 
 # ---- ZeRO stage 3 --------------------------------------------------------------------------------------------------
 def test_zero3_equals_one_process(want):
-    for got in sw.launch(train_ddp, 2, True, None, "zero3"):
+    for got in sw.launch(train_ddp, 2, "convert", None, "zero3"):
         assert_state_close(got, want)
 
 

@@ -50,6 +50,7 @@ from .comm.coalesced import broadcast_coalesced
 from .compression.base import Compressor
 from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
+from .batch_norm_split import apply_batch_norm_choice
 from .batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from .compiled import refuse_compiled
 from .placement import to_comm_device
@@ -120,6 +121,7 @@ def DDP(
     find_unused_parameters: bool = False,
     broadcast_buffers: bool = True,
     compression: Compressor | None = None,
+    batch_norm: str | None = None,
 ) -> nn.Module:
     """Make `module` data parallel over `comm` and return it (the same object, its parameter names unchanged).
 
@@ -129,6 +131,9 @@ def DDP(
     broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward.
     compression: a `sw.compression` method (e.g. `sw.compression.PowerSGD(rank=4)`) that reduces each bucket
         instead of the fp32 all-reduce; None (default) keeps the exact average.
+    batch_norm: "sync" (BatchNorm layers become sw.SyncBatchNorm over `comm`: the global batch's statistics),
+        "local" (each rank's own, torch DDP's), None (default: a forward that would use per-rank batch statistics
+        raises, naming the layer; batch_norm_split.py).
     Train it with any torch.optim optimizer over `module.parameters()`; use `module.no_sync()` to accumulate.
     """
     if not isinstance(module, nn.Module):
@@ -145,6 +150,7 @@ def DDP(
                          f"TopK(ratio), RandomK(ratio), PowerSGD(rank), OneBit())")
     layout.check_not_data_parallel(module, "DDP")
     refuse_unsplittable_batch_statistics(module, comm, "DDP")
+    apply_batch_norm_choice(module, comm, batch_norm, "DDP")
     check_copies(module, compression, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -159,7 +165,7 @@ def DDP(
         raise ValueError("DDP: compression with expert-parallel parameters is not supported yet; use compression=None")
     check_agreement(comm, "DDP", {"parameters": describe_parameters(module), "options": {
         "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "find_unused_parameters": find_unused_parameters,
-        "broadcast_buffers": broadcast_buffers,
+        "broadcast_buffers": broadcast_buffers, "batch_norm": batch_norm,
         "compression": None if compression is None else compression.config()}})
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters() if groups.get(id(p), comm) is comm]

@@ -54,7 +54,7 @@ WRAPPER_OPTIONS = {
     "prefetch": ("zero", "fsdp"), "shard_size": ("fsdp",), "bucket_mb": ("ddp",),
     "find_unused_parameters": ("ddp", "3d"), "broadcast_buffers": ("ddp",), "tp_plan": ("tp", "3d"),
     "sequence_parallel": ("tp", "3d"), "pp_schedule": ("3d",), "n_microbatches": ("3d",), "loss_fn": ("3d",),
-    "virtual_stages": ("3d",), "cp_method": ("3d",),
+    "virtual_stages": ("3d",), "cp_method": ("3d",), "batch_norm": ("ddp", "zero", "fsdp"),
 }
 OPTIONS = PLANNER_OPTIONS + tuple(WRAPPER_OPTIONS)
 

@@ -140,9 +140,9 @@ def _diagnose(report: CheckReport, ref: Trace, got: Trace) -> list[str]:
                      f"one process and the ranks; build the model with dropout 0 for the check")
     if got.dp > 1 and got.batchnorm:
         notes.append(f"BatchNorm in training mode ({_names(got.batchnorm)}) under data parallel {got.dp}: each rank "
-                     f"normalizes by its own slice's statistics (torch DDP's semantics), one process by the whole "
-                     f"batch's; use sw.SyncBatchNorm.convert(model, comm) (in a callable strategy) for whole-batch "
-                     f"statistics")
+                     f"normalizes by its own slice's statistics (batch_norm='local', torch DDP's semantics), one "
+                     f"process by the whole batch's; wrap with batch_norm='sync' (or sw.SyncBatchNorm.convert(model, "
+                     f"comm), in a callable strategy) for whole-batch statistics")
     if m.phase == "gradient" and m.index is None and m.want is None and m.got is not None:
         zeros = " of zeros" if m.got == 0 else ""
         notes.append(f"{m.name} took no part in the loss at step {m.step}: one process leaves its grad None, and "

@@ -29,6 +29,7 @@ from torch import nn
 from .. import layout
 from .._mixin import MovesRefused, mix_in
 from ..activation_checkpointing import check_interval
+from ..batch_norm_split import apply_batch_norm_choice
 from ..batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
@@ -150,10 +151,12 @@ def _check_replicated(module: nn.Module, params: object) -> tuple[nn.Parameter, 
 
 
 def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate: Communicator | None,
-          config: ShardingConfig, record_name: str, replicated_params: tuple[nn.Parameter, ...]) -> nn.Module:
+          config: ShardingConfig, record_name: str, replicated_params: tuple[nn.Parameter, ...],
+          batch_norm: str | None) -> nn.Module:
     # The model lives where the collectives run (this rank's GPU under NCCL); master shards go back to CPU only
     # with cpu_offload. Every rank wraps the same model with the same options, and starts from rank 0's values.
     refuse_unsplittable_batch_statistics(module, comm, record_name)
+    apply_batch_norm_choice(module, comm, batch_norm, record_name)
     to_comm_device(module, comm, record_name)
     # Expert-parallel slices differ across comm: their own units, over the ranks holding the same experts.
     experts = expert_family(module, comm, shard, "ZeRO/FSDP", config.compression)
@@ -162,7 +165,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
         raise ValueError(f"ZeRO/FSDP: replicated_params entries {stray} are expert-parallel slices, which differ "
                          f"across the data-parallel ranks and cannot be averaged over all of them; leave them out")
     check_agreement(comm, record_name, {"parameters": describe_parameters(module), "options": {
-        k: str(v) for k, v in dataclasses.asdict(config).items()}})
+        "batch_norm": str(batch_norm), **{k: str(v) for k, v in dataclasses.asdict(config).items()}}})
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters() if p not in experts.params]
                             + [b.data for b in module.buffers()])
@@ -206,6 +209,7 @@ def ZeRO(
     replicated_params: tuple[nn.Parameter, ...] = (),
     max_inflight_reductions: int = 2,
     compression: Compressor | None = None,
+    batch_norm: str | None = None,
 ) -> nn.Module:
     """ZeRO data parallelism (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
     Models", SC 2020) over `comm`; returns the same module.
@@ -229,6 +233,9 @@ def ZeRO(
         reduce-scatter, in 16 bits and the method's rounding; TopK, RandomK, PowerSGD, OneBit (stage 1/2) replace
         each unit's reduce-scatter by a compressed all-reduce, after which each rank keeps its shard
         (docs/compression.md).
+    batch_norm: "sync" (BatchNorm layers become sw.SyncBatchNorm over `comm`: the global batch's statistics),
+        "local" (each rank's own, torch DDP's), None (default: a forward that would use per-rank batch statistics
+        raises, naming the layer; batch_norm_split.py).
     After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
     empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
     """
@@ -243,7 +250,8 @@ def ZeRO(
                             activation_checkpointing=check_interval(activation_checkpointing, "ZeRO/FSDP"),
                             max_inflight_reductions=_check_inflight(max_inflight_reductions),
                             compression=compression)
-    return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params))
+    return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params),
+                 batch_norm)
 
 
 def FSDP(
@@ -261,6 +269,7 @@ def FSDP(
     replicated_params: tuple[nn.Parameter, ...] = (),
     max_inflight_reductions: int = 2,
     compression: Compressor | None = None,
+    batch_norm: str | None = None,
 ) -> nn.Module:
     """Fully sharded data parallelism (Zhao et al., "PyTorch FSDP", VLDB 2023) with PyTorch's strategy names.
 
@@ -299,9 +308,10 @@ def FSDP(
                             max_inflight_reductions=_check_inflight(max_inflight_reductions),
                             compression=compression)
     if sharding == "no_shard":
-        return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard", replicated_params)
+        return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard", replicated_params,
+                     batch_norm)
     if sharding == "hybrid_shard":
         shard = comm.split(comm.rank // shard_size)
         replicate = comm.split(comm.rank % shard_size)
-        return _wrap(module, comm, shard, replicate, config, "fsdp:hybrid_shard", replicated_params)
-    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}", replicated_params)
+        return _wrap(module, comm, shard, replicate, config, "fsdp:hybrid_shard", replicated_params, batch_norm)
+    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}", replicated_params, batch_norm)
