@@ -95,3 +95,46 @@ def test_assigning_data_of_a_piece_is_refused(name):
         return True
 
     assert sw.launch(body, 2) == [True, True]
+
+
+def train_with_ema(model: nn.Module, rank: int = 0, world: int = 1, decay: float = 0.9) -> float:
+    """Three AdamW steps with an exponential moving average of the parameters kept as the wrapped model's pieces
+    (what the refusal below recommends), then the loss of the EMA weights, copied in for the evaluation."""
+    ema = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1, eps=1e-5)
+    for step in range(3):
+        x, y = batch(step, rank, world)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1 - decay)
+    x, y = batch(5)
+    with torch.no_grad():
+        for p, e in zip(model.parameters(), ema):
+            p.data.copy_(e)
+        return float(((model(x) - y) ** 2).mean())
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3", "fsdp-shard_grad_op"])
+def test_an_ema_kept_as_pieces_matches_one_process(name):
+    want = train_with_ema(build())
+    for got in sw.launch(lambda comm: train_with_ema(WRAPS[name](build(), comm), comm.rank, comm.size), 2):
+        assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3", "fsdp-shard_grad_op"])
+def test_an_averaged_model_of_whole_tensors_updated_from_pieces_is_refused(name):
+    """torch.optim.swa_utils.AveragedModel built before wrapping (a deep copy of the plain model), updated from
+    the wrapped one: each whole tensor would be lerped towards this rank's piece (before: a size mismatch naming
+    nothing, or a silent broadcast of a one-element piece). Refused, naming the EMA kept as pieces."""
+    def body(comm):
+        model = build()
+        ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn())
+        model = WRAPS[name](model, comm)
+        with pytest.raises(RuntimeError, match=r"combines a whole tensor of shape .* piece.*AveragedModel.*Keep the "
+                                               r"average as pieces"):
+            ema.update_parameters(model)
+        return True
+
+    assert sw.launch(body, 2) == [True, True]

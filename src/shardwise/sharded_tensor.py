@@ -131,6 +131,8 @@ class _Sharded:
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
+        if kind == "elementwise" and args and not _leads_with_shard(args[0]):
+            _refuse_whole_with_piece(func, args)  # an EMA copy of the whole model updated from the pieces
         # torch's C implementation of "run with __torch_function__ off" (what nn.Parameter uses): the cheapest way.
         out = _run_plain(func, types, args, kwargs) if kwargs else _run_plain(func, types, args)
         if kind == "elementwise" and out is not None and not (args and out is args[0]):
@@ -161,6 +163,35 @@ def _refuse_data_set(t: Any) -> None:
                        f"be the shard the engine gathers and the optimizer steps (training would leave the model as "
                        f"it is): write in place instead (p.data.copy_(x), or under torch.no_grad() p.copy_(x)); to "
                        f"cast or move the model, do it before wrapping")
+
+
+def _leads_with_shard(first: Any) -> bool:
+    if isinstance(first, (list, tuple)):  # torch._foreach_*: lists of tensors
+        first = first[0] if first else None
+    return isinstance(first, _Sharded)
+
+
+def _refuse_whole_with_piece(func: Any, args: tuple) -> None:
+    """An elementwise operation whose first operand is a plain tensor shaped like a whole parameter, and another a
+    piece of that parameter: torch.optim.swa_utils.AveragedModel's update (a deep copy of the model made before
+    wrapping, lerped towards `model.parameters()`) or any EMA kept as whole tensors. It would mix this rank's piece
+    into every element, or fail with a size mismatch that names nothing."""
+    # A torch._foreach_* call is checked at its first index only (the optimizer's moment lists lead its calls: O(1)).
+    flat = [t for a in args for t in (a[:1] if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
+    shapes = {tuple(t.shape) for t in flat if not isinstance(t, _Sharded)}
+    piece = next((t for t in flat if isinstance(t, _Sharded) and not getattr(t, _SPEC).whole
+                  and tuple(getattr(t, _SPEC).shape) in shapes - {tuple(local(t).shape)}), None)
+    if piece is None:
+        return
+    spec = getattr(piece, _SPEC)
+    raise RuntimeError(
+        f"{getattr(func, '__name__', func)}() combines a whole tensor of shape {tuple(spec.shape)} with "
+        f"{spec.name}, a {spec.what} piece (this rank holds {local(piece).numel()} of its {spec.numel} elements): a "
+        f"copy of the whole model updated from the wrapped one (torch.optim.swa_utils.AveragedModel, an EMA) would "
+        f"mix one rank's piece into every element. Keep the average as pieces: ema = [p.detach().clone() for p in "
+        f"model.parameters()], after each step torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], "
+        f"1 - decay), and evaluate with them copied in (p.data.copy_(e)); or update the copy from "
+        f"sw.full_state_dict(model) (collective)")
 
 
 def _is_piece(t: Any) -> bool:

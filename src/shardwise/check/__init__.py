@@ -82,7 +82,7 @@ def check(
         splits every sequence over cp ranks (sequences.py computes their loss); or a callable (model, comm) ->
         wrapped model.
     optimizer: params -> torch.optim.Optimizer, built over `model.parameters()` after wrapping; default
-        AdamW(lr=1e-3, weight_decay=0.1, eps=1e-6) (inputs.default_optimizer says why eps is 1e-6).
+        AdamW(lr=1e-3, weight_decay=0.1, eps=1e-5) (inputs.default_optimizer says why eps is 1e-5).
     loss_fn: loss_fn(model, batch) -> scalar tensor; default: the model's output on the batch (`model(*batch)`,
         `model(**batch)` or `model(batch)`) if it is a scalar, else its `.loss`. The forward comparison averages the
         data-parallel ranks' losses, which equals one process's loss when the loss is a mean over examples of equal
