@@ -6,7 +6,8 @@ offers `set_batch_group(comm)`; every data-parallel wrapper (DDP, ZeRO, FSDP) ca
 at wrap time with the group it averages gradients over, so the module sums its statistics over that group. The
 model declares what it needs; the strategies only ask. A HuggingFace MoE (Mixtral's loss: output_router_logits,
 router_aux_loss_coef) declares nothing, so its loss is made the global batch's here (experts/hf_aux.py), and so is
-a dual encoder's contrastive loss (CLIP, SigLIP: contrastive.py).
+a dual encoder's contrastive loss (CLIP, SigLIP: contrastive.py), and a language model's mean over the labels that are
+not -100 (token_mean.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def share_batch_split(model: nn.Module, comm: Communicator, who: str) -> None:
     # Imported here: the experts package imports the wrappers that call this (the module itself imports none).
     from .contrastive import share_contrastive_losses
     from .experts.hf_aux import share_router_losses
+    from .token_mean import share_token_means
 
     for module in model.modules():
         setter = getattr(module, "set_batch_group", None)
@@ -32,6 +34,7 @@ def share_batch_split(model: nn.Module, comm: Communicator, who: str) -> None:
             setter(comm)
     share_router_losses(model, comm, who)
     share_contrastive_losses(model, comm, who)
+    share_token_means(model, comm, who)
 
 
 def refuse_unsplittable_batch_statistics(model: nn.Module, comm: Communicator, who: str) -> None:

@@ -1,0 +1,136 @@
+"""A HuggingFace language model's loss over labels with -100 (padding, prompt tokens, unmasked positions): the mean
+over the global batch's tokens, not the mean of the ranks' means.
+
+HuggingFace's causal-LM, masked-LM, token-classification and sequence-to-sequence losses are the mean cross-entropy
+over the labels that are not -100. Under data parallelism each rank averages over its own labels and the wrappers
+average the ranks' losses, which weighs every rank alike: when the ranks hold different numbers of labels (padded
+batches of unequal lengths, supervised fine-tuning that masks the prompt, BERT's random 15%), that is not one
+process's mean over the global batch, and training differs silently (torch DDP too; HuggingFace's Trainer fixed it
+in 2024 by passing `num_items_in_batch`, counted over the devices).
+
+`TokenMeanLoss` is mixed into each such model by the data-parallel wrappers (batch_split.share_batch_split). After
+the model's forward, when it was given `labels` (and no `num_items_in_batch` of the script's own), it counts this
+rank's labels n_r the loss averaged over (a causal LM's shifted left by one, as HuggingFace shifts them), sums them
+over the ranks splitting the batch (one all-reduce of one number per forward, N) and scales the cross-entropy part
+of the loss by n_r x R / N: the ranks' average is then sum(all cross-entropies) / N, one process's loss. Equal counts
+give a factor of exactly 1. A mixture-of-experts model's load-balancing term (`router_aux_loss_coef x aux_loss`) is
+left as it is (experts/hf_aux.py makes it the global batch's).
+
+The formula is recognised, not assumed: at a model's first forward with labels its loss is recomputed from its
+logits as that mean cross-entropy, and a model whose loss is something else (label smoothing, a weighted or summed
+loss) raises there, naming it. (The check costs one cross-entropy over the logits, once.)
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._mixin import mix_in
+from .comm.base import Communicator, ReduceOp
+
+__all__ = ["TokenMeanLoss", "share_token_means"]
+
+IGNORE_INDEX = -100
+_UNSHIFTED_LOSSES = ("ForMaskedLM", "ForTokenClassification")
+
+
+def _shifted(module: nn.Module) -> bool | None:
+    """Whether the model's loss pairs logits at t with labels at t + 1 (True: a causal LM), at t (False: masked LM,
+    token classification, an encoder-decoder's decoder), or is none of those (None: left alone)."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(module, "loss_function"):
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    # By the transformers class beneath any subclass of the script's own (whose loss is then checked, not trusted).
+    names = [cls.__name__ for cls in type(module).__mro__ if cls.__module__.startswith("transformers.")]
+    if any(name.endswith(_UNSHIFTED_LOSSES) for name in names):
+        return False
+    if any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in names) \
+            or (any(name.endswith("ForConditionalGeneration") for name in names) and hasattr(module, "lm_head")):
+        return True
+    return None
+
+
+def share_token_means(model: nn.Module, batch_group: Communicator, who: str) -> None:
+    """Mix `TokenMeanLoss` into every HuggingFace language model inside `model` (module docstring); one that has it
+    keeps the group it was given first."""
+    if batch_group.size <= 1:
+        return
+    for module in model.modules():
+        if isinstance(module, TokenMeanLoss):
+            continue
+        shifted = _shifted(module)
+        if shifted is not None:
+            mix_in(module, TokenMeanLoss, "TokenMean")
+            module._sw_token_mean = (batch_group, who, shifted)
+            module._sw_token_mean_checked = False
+
+
+class TokenMeanLoss(nn.Module):
+    """Mixed into a HuggingFace language model: its `.loss` over -100 labels is the global batch's token mean
+    (module docstring). `_sw_token_mean` is (the data-parallel group, the wrapper's name, whether labels shift)."""
+
+    _sw_token_mean: tuple[Communicator, str, bool]
+    _sw_token_mean_checked: bool
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)
+        loss = getattr(out, "loss", None) if isinstance(out, dict) else None
+        if loss is None:
+            return out
+        from .experts.hf_kinds import model_forward  # here: the experts package imports the wrappers
+
+        given = inspect.signature(model_forward(self)).bind(self, *args, **kwargs).arguments
+        given.update(given.pop("kwargs", {}))
+        labels = given.get("labels")
+        if not isinstance(labels, torch.Tensor) or given.get("num_items_in_batch") is not None:
+            return out  # no labels of HuggingFace's kind, or the script normalises the loss itself
+        group, who, shifted = self._sw_token_mean
+        targets = given.get("shift_labels") if shifted and given.get("shift_labels") is not None else (
+            F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:] if shifted else labels)
+        aux = self._router_term(out, given)
+        cross_entropy = loss - aux if aux is not None else loss
+        if not self._sw_token_mean_checked:
+            self._check_formula(out, targets, cross_entropy, who)
+        here = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+        total = here.clone()
+        group.all_reduce(total, ReduceOp.SUM)
+        scale = torch.where(total > 0, here * group.size / total.clamp(min=1), torch.ones_like(here))
+        scaled = cross_entropy * scale.to(cross_entropy.dtype).reshape(())
+        out.loss = scaled + aux if aux is not None else scaled
+        return out
+
+    def _router_term(self, out: Any, given: dict[str, Any]) -> torch.Tensor | None:
+        """`router_aux_loss_coef x aux_loss` when the model added it to its loss (a MoE with router logits on)."""
+        aux = getattr(out, "aux_loss", None)
+        coef = getattr(self.config, "router_aux_loss_coef", 0)
+        requested = given.get("output_router_logits")
+        if requested is None:
+            requested = getattr(self.config, "output_router_logits", False)
+        if aux is None or not coef or not requested:
+            return None
+        return coef * aux.to(out.loss.device)
+
+    def _check_formula(self, out: Any, targets: torch.Tensor, cross_entropy: torch.Tensor, who: str) -> None:
+        logits = getattr(out, "logits", None)
+        ok = isinstance(logits, torch.Tensor) and logits.shape[:-1] == targets.shape
+        if ok:
+            with torch.no_grad():
+                expected = F.cross_entropy(logits.detach().float().reshape(-1, logits.shape[-1]),
+                                           targets.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX)
+                ok = bool(torch.allclose(cross_entropy.detach().float(), expected, rtol=1e-5, atol=1e-6)
+                          or (expected.isnan() and cross_entropy.detach().isnan()))
+        if not ok:
+            raise ValueError(
+                f"{who}: {type(self).__name__}'s loss is not HuggingFace's mean cross-entropy over the labels that "
+                f"are not -100 (label smoothing, a weighted or summed loss, logits not returned), so it cannot be "
+                f"made the global batch's token mean: each rank would average its own labels. Compute the loss from "
+                f"the logits yourself, as the sum over this rank's labels divided by their count over every rank "
+                f"(an all-reduce) times the number of ranks, or pass num_items_in_batch")
+        self._sw_token_mean_checked = True
