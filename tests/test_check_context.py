@@ -91,3 +91,20 @@ def test_the_command_line_takes_cp_and_ep(capsys):
     with pytest.raises(SystemExit):
         main(["check", "--gpt", "--cp-method", "ulysses"])
     assert "--cp-method needs --cp > 1" in capsys.readouterr().err
+
+
+def padded_tokens(step):
+    """Rows padded to unequal lengths: the dp ranks hold different label counts."""
+    batch = tokens(step)
+    labels = batch["input_ids"].clone()
+    for row, length in enumerate((16, 3, 11, 6)):
+        labels[row, length:] = -100
+    return {"input_ids": batch["input_ids"], "labels": labels}
+
+
+def test_padded_labels_over_dp_and_cp_are_the_global_batchs_mean():
+    """The check's loss under cp divides by the label count over the dp ranks (GlobalCausalLMLoss): before, each dp
+    rank's mean over its own labels was averaged, and a padded batch showed a false difference."""
+    report = check(gemma2, padded_tokens, strategy={"cp": 2, "dp_strategy": "ddp"}, world_size=4, steps=2,
+                   optimizer=adamw)
+    assert report.ok, str(report)

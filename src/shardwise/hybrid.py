@@ -72,7 +72,8 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None,
     if hasattr(model, "pipeline_layers"):
         return model.pipeline_layers(), loss_fn or lm_loss, False, True
     if model_type in hf_parallel.BUILDERS:  # stages, HF's loss (whole labels under cp), Mixtral's router loss
-        layers, loss, split_targets = hf_parallel.hf_pipeline(model, loss_fn, cp=mesh.cp, batch_group=data_group(mesh))
+        layers, loss, split_targets = hf_parallel.hf_pipeline(model, loss_fn, dp=mesh.dp, cp=mesh.cp,
+                                                              batch_group=data_group(mesh))
         return layers, loss, False, split_targets
     raise ValueError(f"parallelize: {type(model).__name__} has no pipeline_layers() and is not a known HuggingFace "
                      f"decoder ({sorted(hf_parallel.BUILDERS)}); give the model a pipeline_layers() method returning "
@@ -143,6 +144,7 @@ class HybridModel(nn.Module):
         self._gather_vocab = gather_vocab
         self._stage_layers = names
         self._loss_scale = 1.0
+        self._begin_step: Callable[[Any, int], None] | None = None  # set by parallelize: the loss's begin_step
 
     def scaled_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """`loss_fn` times the current step's loss scale (what the pipeline backpropagates)."""
@@ -161,6 +163,8 @@ class HybridModel(nn.Module):
         """
         stages = list(self.pipe.stages.values())
         self._loss_scale = float(loss_scale)
+        if self._begin_step is not None and targets is not None:  # a loss over the step's global batch counts first
+            self._begin_step(targets, self.pipe.n_microbatches)
         inputs = self._split_sequence(inputs)
         targets = self._split_sequence(targets) if self._split_targets else targets
         if self._overlaps_last_microbatch():
@@ -368,5 +372,6 @@ def parallelize(
         _wrap_data_parallel(stage, mesh, plan)
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets)
     pipe.loss_fn = hybrid.scaled_loss(loss)
+    hybrid._begin_step = getattr(loss, "begin_step", None)
     _declare(hybrid, model, mesh)
     return hybrid

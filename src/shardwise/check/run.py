@@ -143,7 +143,7 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     index, parts = (dp.rank, dp.size) if dp is not None else (0, 1)
     if job.spec.cp > 1:  # the cp ranks of a data-parallel rank share its rows and split their sequences
         index, parts = mesh.coords.dp, mesh.sizes["dp"]
-        job = dataclasses.replace(job, loss_fn=chunked_loss(mesh.cp))
+        job = dataclasses.replace(job, loss_fn=chunked_loss(mesh.dp, mesh.cp))
     device = comm_device(comm)
 
     def average(value: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ A context-parallel rank feeds its model the tokens `split_sequence` gives it (zi
 of its data-parallel rows), so the one-process loss cannot be computed as it is:
 
 * a HuggingFace batch ``{"input_ids": ..., "labels": ...}``: HuggingFace's ``labels=`` shifts inside the chunk
-  (refused by context parallel); the loss is instead `ChunkedCausalLMLoss` (models/hf_parallel.py) of the chunk's
-  logits against the whole labels, shifted over the whole sequence, whose mean over the cp ranks is HuggingFace's;
+  (refused by context parallel); the loss is instead `GlobalCausalLMLoss` (models/hf_parallel.py) of the chunk's
+  logits against the whole labels, shifted over the whole sequence and divided by the label count over the dp
+  ranks, whose mean over the dp x cp ranks is HuggingFace's over the global batch (padded rows included);
   a HuggingFace MoE's load-balancing loss is added as the model adds it (``router_aux_loss_coef x aux_loss``);
 * a ``(x, y)`` batch for a model whose ``forward(x, y)`` returns the mean loss of its tokens (shardwise's GPT),
   targets already shifted: both are split alike, and every rank holds the same number of tokens, so the mean over
@@ -36,18 +37,19 @@ def refuse_loss_fn(loss_fn: object) -> None:
                          "(x, y) for a model whose forward(x, y) returns the mean loss); pass loss_fn=None")
 
 
-def chunked_loss(cp: Communicator) -> Callable[[nn.Module, Any], torch.Tensor]:
+def chunked_loss(dp: Communicator, cp: Communicator) -> Callable[[nn.Module, Any], torch.Tensor]:
     """The `loss_fn` of a context-parallel rank (module docstring) over the rows the check gave it."""
     from ..context_parallel import split_sequence
-    from ..models.hf_parallel import ChunkedCausalLMLoss
+    from ..models.hf_parallel import GlobalCausalLMLoss
 
-    chunk_loss = ChunkedCausalLMLoss(cp)
+    chunk_loss = GlobalCausalLMLoss(dp, cp)
 
     def loss(model: nn.Module, batch: Any) -> torch.Tensor:
         if isinstance(batch, dict) and "labels" in batch:
             inputs = {k: split_sequence(v, cp) if isinstance(v, torch.Tensor) else v  # use_cache=False as it is
                       for k, v in batch.items() if k != "labels"}
             out = model(**inputs)
+            chunk_loss.begin_step(batch["labels"], 1)
             return chunk_loss(out.logits, batch["labels"]) + _router_loss(model, out)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             out = model(*split_sequence(tuple(batch), cp))

@@ -1,18 +1,19 @@
 """HuggingFace causal LMs under `sw.parallelize`: their pipeline layers and the loss that makes each rank's share of
 the global batch train as one process on the whole batch, with context parallel and Mixtral's router loss.
 
-`hf_pipeline(model, loss_fn, cp=..., batch_group=...)` returns the stages (hf_stages.py), the loss over the last
-stage's output and whether the targets are cut like the inputs. Two things HuggingFace's own forward does over the
-whole sequence and batch have to be rebuilt for a rank that sees only part of them:
+`hf_pipeline(model, loss_fn, dp=..., cp=..., batch_group=...)` returns the stages (hf_stages.py), the loss over the
+last stage's output and whether the targets are cut like the inputs. Two things HuggingFace's own forward does over
+the whole sequence and batch have to be rebuilt for a rank that sees only part of them:
 
-* **The causal-LM loss under context parallel.** ``model(x, labels=x).loss`` shifts the labels left by one and
-  averages the cross entropy over every label that is not -100. A rank of a context-parallel group holds chunks of
-  each sequence (zigzag: chunks r and 2cp-1-r), so shifting inside its chunks would pair each chunk's last token with
-  the wrong label (or none) and the chunks' own means would weigh unequal counts equally (the sequence's last token
-  predicts nothing, and it sits on one rank). `ChunkedCausalLMLoss` takes the *whole* labels instead (the step does
-  not cut them), shifts them over the whole sequence, keeps this rank's positions and returns
-  ``cp x (sum of this rank's cross entropies) / (the microbatch's label count over the whole sequence)``: the mean
-  over the cp ranks, which their data-parallel gradient average takes, is HuggingFace's mean over the sequence.
+* **The causal-LM loss over the global batch.** ``model(x, labels=y).loss`` shifts the labels left by one and
+  averages the cross entropy over every label that is not -100. A rank holds some rows (data parallel), a
+  microbatch of them at a time (pipeline), and under context parallel chunks of each sequence (zigzag: chunks r and
+  2cp-1-r). Means of those parts, averaged, weigh unequal label counts equally (padded rows, a masked prompt; and the
+  sequence's last token predicts nothing and sits on one cp rank); shifting inside a chunk would pair its last token
+  with the wrong label. `GlobalCausalLMLoss` takes the *whole* labels (the step does not cut them over cp), shifts
+  them over the whole sequence, keeps this rank's positions, and divides the sum of this rank's cross entropies by
+  the step's label count over every data-parallel rank (counted once per step, `begin_step`), times the number of
+  parts the pipeline and the gradient average divide by: their means make HuggingFace's mean over the global batch.
 * **Mixtral's load-balancing loss** (``output_router_logits=True``, ``router_aux_loss_coef > 0``): HuggingFace adds
   ``coef x aux`` computed from every MoE layer's router logits in the model's forward, which the stages bypass.
   `RouterLoss` records those logits with forward hooks on the routers and adds ``coef x aux`` to the loss, with aux
@@ -33,7 +34,7 @@ from torch import nn
 from ..comm.base import Communicator
 from . import hf_stages
 
-__all__ = ["BUILDERS", "ChunkedCausalLMLoss", "RouterLoss", "hf_pipeline", "router_loss_coef"]
+__all__ = ["BUILDERS", "GlobalCausalLMLoss", "RouterLoss", "hf_pipeline", "router_loss_coef"]
 
 #: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
 BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
@@ -46,29 +47,55 @@ BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
 }
 
 
-class ChunkedCausalLMLoss:
-    """HuggingFace's causal-LM loss of this context-parallel rank's chunks: ``loss(logits, labels)`` with logits
-    (b, T / cp, V) of the tokens `split_sequence` gave this rank and the whole labels (b, T) (module docstring)."""
+class GlobalCausalLMLoss:
+    """HuggingFace's causal-LM loss of the step's global batch, as each microbatch's part of it on this rank
+    (module docstring): ``loss(logits, labels)`` with logits (b, L, V) of this rank's tokens (all of them, or under
+    context parallel the chunks `split_sequence` gave it, L = T / cp) and the microbatch's whole labels (b, T).
 
-    def __init__(self, cp: Communicator, zigzag: bool = True) -> None:
+    `begin_step(labels, n_microbatches)`, which `HybridModel.step` calls with this rank's whole labels before the
+    schedule runs, counts the labels that are not -100 (shifted left by one, as HuggingFace shifts them) and sums
+    the count over the data-parallel ranks: N. A microbatch's loss is then its cross-entropy sum times
+    dp x cp x n_microbatches / N, so the pipeline's mean over microbatches and the data-parallel average over dp x cp
+    make sum(every cross-entropy) / N, one process's loss, whatever the rows' padding."""
+
+    def __init__(self, dp: Communicator, cp: Communicator, zigzag: bool = True) -> None:
         from ..context_parallel.split import SequenceSplit
 
-        self.cp, self.split = cp, SequenceSplit(cp.size, zigzag)
+        self.dp, self.cp = dp, cp
+        self.split = SequenceSplit(cp.size, zigzag) if cp.size > 1 else None
+        self.factor: torch.Tensor | None = None
+
+    def begin_step(self, labels: Any, n_microbatches: int) -> None:
+        if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+            raise ValueError(f"parallelize: HuggingFace's causal-LM loss takes step(input_ids, labels) with labels "
+                             f"a (batch, sequence) tensor, got {type(labels).__name__}"
+                             f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else ''}")
+        count = (self._shifted(labels) != hf_stages.IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+        count = count.to(self.dp.device)
+        if self.dp.size > 1:
+            self.dp.all_reduce(count)
+        # No label anywhere: 0 x inf = NaN, HuggingFace's mean over no label.
+        self.factor = self.dp.size * self.cp.size * n_microbatches / count
+
+    @staticmethod
+    def _shifted(labels: torch.Tensor) -> torch.Tensor:
+        return F.pad(labels[:, 1:], (0, 1), value=hf_stages.IGNORE_INDEX)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.factor is None:
+            raise RuntimeError("parallelize: the global causal-LM loss was called outside HybridModel.step, which "
+                               "counts the step's labels first")
         L, T = logits.shape[-2], labels.shape[-1]
         if logits.dim() != 3 or labels.dim() != 2 or labels.shape[0] != logits.shape[0] or T != L * self.cp.size:
-            raise ValueError(f"context parallel causal-LM loss: labels of shape {tuple(labels.shape)} must be the "
-                             f"whole sequences (b, cp x L) of logits {tuple(logits.shape)} (b, L, V), cp="
-                             f"{self.cp.size}")
-        shifted = F.pad(labels[:, 1:], (0, 1), value=hf_stages.IGNORE_INDEX).to(logits.device)
-        mine = shifted.index_select(1, self.split.positions(self.cp.rank, L, logits.device))
+            raise ValueError(f"parallelize: labels of shape {tuple(labels.shape)} must be the whole sequences "
+                             f"(b, cp x L) of logits {tuple(logits.shape)} (b, L, V), cp={self.cp.size}")
+        mine = self._shifted(labels).to(logits.device)
+        if self.split is not None:
+            mine = mine.index_select(1, self.split.positions(self.cp.rank, L, logits.device))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mine.reshape(-1),
                                 ignore_index=hf_stages.IGNORE_INDEX, reduction="sum")
-        # Counted over the whole sequence, which every rank holds: no communication; 0 labels give NaN as HF does.
-        count = (shifted != hf_stages.IGNORE_INDEX).sum()
-        return total * self.cp.size / count
+        return total * self.factor.to(device=total.device, dtype=total.dtype).reshape(())
 
 
 def router_loss_coef(model: nn.Module) -> float:
@@ -134,24 +161,26 @@ class RouterLoss:
             aux = global_balance_loss(tuple(logits), self.experts, self.top_k, None, self.batch_group)
             return loss_fn(output, target) + self.coef * aux.to(output.device)
 
+        if hasattr(loss_fn, "begin_step"):
+            loss.begin_step = loss_fn.begin_step  # type: ignore[attr-defined]
         return loss
 
 
-def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, cp: Communicator,
-                batch_group: Communicator) -> tuple[list[nn.Module], Callable[[Any, Any], torch.Tensor], bool]:
+def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, dp: Communicator,
+                cp: Communicator, batch_group: Communicator) -> tuple[list[nn.Module], Callable[[Any, Any],
+                                                                                              torch.Tensor], bool]:
     """(pipeline layers, loss, whether `step` cuts the targets like the inputs) of a known HuggingFace decoder.
 
-    cp: the context-parallel group (size 1: none). batch_group: the ranks splitting the global batch (dp x cp).
-    loss_fn None (or hf_stages.causal_lm_loss) is HuggingFace's loss on ``step(input_ids, labels)``; under context
-    parallel the labels stay whole (`ChunkedCausalLMLoss`). A loss_fn of the user's gets this rank's chunks of the
-    output and of the targets, cut alike. Mixtral's router loss is added when its config asks for it.
+    dp / cp: the data- and context-parallel groups (size 1: none). batch_group: the ranks splitting the global batch
+    (dp x cp). loss_fn None (or hf_stages.causal_lm_loss) is HuggingFace's loss on ``step(input_ids, labels)`` over
+    the global batch (`GlobalCausalLMLoss`; the labels stay whole under context parallel). A loss_fn of the user's
+    gets this rank's chunks of the output and of the targets, cut alike. Mixtral's router loss is added when its
+    config asks for it.
     """
     layers = BUILDERS[model.config.model_type](model, cp=cp)
     default = loss_fn is None or loss_fn is hf_stages.causal_lm_loss
     split_targets = cp.size == 1 or not default
-    loss = hf_stages.causal_lm_loss if default else loss_fn
-    if default and cp.size > 1:
-        loss = ChunkedCausalLMLoss(cp)
+    loss = GlobalCausalLMLoss(dp, cp) if default else loss_fn
     if router_loss_coef(model) > 0:
         loss = RouterLoss(model, layers[0], batch_group).wrap(loss)
     return layers, loss, split_targets
