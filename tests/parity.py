@@ -108,3 +108,15 @@ def mlp_batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, t
     x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
     rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
     return x[rows], y[rows]
+
+
+def train_mlp(model: torch.nn.Module, loss_of, rank: int = 0, world: int = 1, steps: int = 4) -> torch.nn.Module:
+    """`steps` AdamW steps (lr 1e-2, weight decay 0.1, eps 1e-5) of a `small_mlp`-shaped model on this rank's share
+    of `mlp_batch`, the loss `loss_of(model, x, y)`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    for step in range(steps):
+        x, y = mlp_batch(step, rank, world)
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model

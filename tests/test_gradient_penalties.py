@@ -15,7 +15,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise import tensor_parallel as tp
-from tests.parity import assert_state_close, mlp_batch, small_mlp
+from tests.parity import assert_state_close, small_mlp
+from tests.parity import train_mlp as train
 
 WRAPS = {
     "ddp": lambda m, c: sw.DDP(m, c),
@@ -53,16 +54,6 @@ def parameter_penalty(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tor
 
 
 PENALTIES = {"input": input_penalty, "r1-then-forward": r1_then_forward, "parameters": parameter_penalty}
-
-
-def train(model: nn.Module, loss_of, rank: int = 0, world: int = 1) -> nn.Module:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
-    for step in range(4):
-        x, y = mlp_batch(step, rank, world)
-        loss_of(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return model
 
 
 def run_wrapped(name: str, loss_of, build=small_mlp) -> list[dict[str, torch.Tensor]]:

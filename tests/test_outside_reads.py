@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from tests.parity import assert_state_close, mlp_batch, small_mlp
+from tests.parity import assert_state_close, mlp_batch, small_mlp, train_mlp
 
 WRAPS = {
     "zero3-per-layer": lambda m, c: sw.ZeRO(m, c, stage=3, wrap=nn.Linear),
@@ -59,13 +59,7 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train(model: nn.Module, rank: int = 0, world: int = 1) -> nn.Module:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
-    for step in range(4):
-        x, y = mlp_batch(step, rank, world)
-        loss_of(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return model
+    return train_mlp(model, loss_of, rank, world)
 
 
 @pytest.mark.parametrize("where", ["hook-after-wrapping", "hook-before-wrapping", "parent-forward"])

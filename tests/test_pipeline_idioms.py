@@ -71,3 +71,52 @@ def test_named_parameters_are_the_plain_model_s(layout):
         untied = [n for n in mine if n != "tok_emb.weight" or mine.index(n) == 0]
         assert untied == [n for n in plain if n in untied] and len(set(mine)) == len(mine)
     assert set().union(*names) == set(plain)
+
+
+def _bn_layers():
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.BatchNorm1d(8), torch.nn.ReLU()),
+              torch.nn.Linear(8, 1)]
+    with torch.no_grad():
+        for p in (p for layer in layers for p in layer.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g))
+    return layers
+
+
+def _bn_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def test_batch_norm_in_training_mode_over_microbatches_is_refused_on_every_rank():
+    """Each microbatch would be normalised by its own statistics, one process by the whole batch's: refused on
+    both pipeline ranks (the one holding the layer names it; the other is told by an all-reduce, not left waiting)."""
+    def body(comm):
+        pipe = sw.pipeline.Pipeline(sw.pipeline.partition(_bn_layers(), 2), comm, "1f1b", n_microbatches=2,
+                                    loss_fn=_mse)
+        with pytest.raises(ValueError, match=r"would normalise by one microbatch \(1/2 of the batch\)") as info:
+            pipe.step(*_bn_batch())
+        return str(info.value)
+
+    messages = sw.launch(body, 2, timeout=30)
+    assert "BatchNorm1d 'stage 0: 0.1'" in messages[0]
+    assert "another pipeline rank's stage" in messages[1]
+
+
+def test_batch_norm_in_eval_mode_over_microbatches_trains_as_one_process():
+    layers = _bn_layers()
+    plain = torch.nn.Sequential(*layers).eval()
+    x, y = _bn_batch()
+    want = _mse(plain(x), y).item()
+
+    def body(comm):
+        pipe = sw.pipeline.Pipeline(sw.pipeline.partition(_bn_layers(), 2), comm, "1f1b", n_microbatches=2,
+                                    loss_fn=_mse)
+        pipe.eval()  # a frozen BatchNorm: running statistics, the same for every sample
+        return float(pipe.step(*_bn_batch()))
+
+    assert sw.launch(body, 2) == pytest.approx([want, want], rel=1e-6)

@@ -124,3 +124,54 @@ def test_a_loss_that_is_not_the_mean_cross_entropy_is_refused_naming_the_model()
     with pytest.raises(sw.LaunchError, match="Smoothed's loss is not HuggingFace's mean cross-entropy over the "
                                              "labels that are not -100"):
         sw.launch(body, 2)
+
+
+def wav2vec2_ctc():
+    return _seeded(lambda: transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, apply_spec_augment=False, pad_token_id=0)))
+
+
+def audio_batch(step: int, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    audio, labels = torch.randn(ROWS, 800, generator=g), torch.randint(1, 12, (ROWS, 6), generator=g)
+    labels[1, 3:], labels[3, 2:] = -100, -100
+    rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    return {"input_values": audio[rows], "labels": labels[rows]}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_a_ctc_loss_summed_over_the_batch_is_the_global_sum(name, optimizer):
+    """wav2vec2's CTC loss with ctc_loss_reduction="sum" (HuggingFace's default): the ranks' average of their sums
+    was half the global sum, and SGD stepped 0.10 off one process after three steps (AdamW nearly hides a scale)."""
+    def train_ctc(model, rank=0, world=1):
+        params = model.parameters()
+        opt = torch.optim.SGD(params, lr=1e-3) if optimizer == "sgd" else \
+            torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-5)
+        losses = []
+        for step in range(3):
+            loss = model(**audio_batch(step, rank, world)).loss
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    model = wav2vec2_ctc()
+    want_losses = train_ctc(model)
+    want = model.state_dict()
+
+    def body(comm):
+        model = wav2vec2_ctc()  # its masked_spec_embed takes no part without SpecAugment: DDP is told
+        wrapped = sw.DDP(model, comm, find_unused_parameters=True) if name == "ddp" else WRAPS[name](model, comm)
+        losses = train_ctc(wrapped, comm.rank, comm.size)
+        return {k: v.clone() for k, v in sw.full_state_dict(wrapped).items()}, losses
+
+    results = sw.launch(body, 2)
+    assert [sum(s) / 2 for s in zip(*(losses for _, losses in results))] == pytest.approx(want_losses, rel=1e-5)
+    for got, _ in results:
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")

@@ -17,19 +17,25 @@ shardwise makes the choice explicit, with the wrappers' `batch_norm=` option:
   rank raises, naming the layer and both choices. Layers in eval mode with running statistics (a frozen backbone,
   fine-tuning) normalise each sample alike on every rank and pass; so do `sw.SyncBatchNorm` and torch's own
   `nn.SyncBatchNorm`, which synchronise already.
+
+A pipeline cuts the batch into microbatches (GPipe, Huang et al. 2019), and every BatchNorm, synchronised or not,
+normalises by one microbatch at a time: `MicrobatchStatistics` makes a training step raise on every pipeline rank
+when there is more than one microbatch (torchgpipe's deferred batch norm, which accumulates the statistics over the
+microbatches, is not implemented).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .comm.base import Communicator
+from .comm.base import Communicator, ReduceOp
 from .sync_batchnorm import SyncBatchNorm
 
-__all__ = ["BATCH_NORM_CHOICES", "check_batch_norm_option", "apply_batch_norm_choice"]
+__all__ = ["BATCH_NORM_CHOICES", "MicrobatchStatistics", "apply_batch_norm_choice", "check_batch_norm_option"]
 
 BATCH_NORM_CHOICES = (None, "sync", "local")
 
@@ -74,3 +80,31 @@ def apply_batch_norm_choice(model: nn.Module, comm: Communicator, batch_norm: st
                     f"mesh.dp). In eval mode with running statistics it passes")
 
     model.register_forward_pre_hook(refuse_batch_statistics)
+
+
+class MicrobatchStatistics:
+    """The BatchNorm layers (SyncBatchNorm included) of a pipeline cut into more than one microbatch (module
+    docstring). `check()`, at the start of each step, raises on every pipeline rank when one of them would use batch
+    statistics: the ranks agree by one all-reduce of a flag, and only while some stage holds a BatchNorm at all."""
+
+    def __init__(self, all_stages: list[nn.Module], local: dict[str, nn.Module], n_microbatches: int,
+                 comm: Communicator, who: str) -> None:
+        self.active = n_microbatches > 1 and any(isinstance(m, _BatchNorm) for s in all_stages for m in s.modules())
+        self.layers = [(f"stage {s}: {name or '<root>'}", m) for s, stage in local.items()
+                       for name, m in stage.named_modules() if isinstance(m, _BatchNorm)]
+        self.n_microbatches, self.comm, self.who = n_microbatches, comm, who
+
+    def check(self) -> None:
+        if not self.active:
+            return
+        using = [(where, m) for where, m in self.layers if m.training or not m.track_running_stats]
+        flag = torch.tensor([1.0 if using else 0.0], device=self.comm.device)
+        if self.comm.size > 1:
+            self.comm.all_reduce(flag, ReduceOp.MAX)
+        if flag.item() > 0:
+            what = (f"{type(using[0][1]).__name__} {using[0][0]!r}" if using else
+                    "a BatchNorm of another pipeline rank's stage")
+            raise ValueError(f"{self.who}: {what} would normalise by one microbatch (1/{self.n_microbatches} of the "
+                             f"batch) in training mode, one process by the whole batch. Use n_microbatches=1, a "
+                             f"per-sample norm (GroupNorm, LayerNorm), or keep it in eval mode with running statistics "
+                             f"(a frozen BatchNorm)")

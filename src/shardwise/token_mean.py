@@ -13,8 +13,12 @@ the model's forward, when it was given `labels` (and no `num_items_in_batch` of 
 rank's labels n_r the loss averaged over (a causal LM's shifted left by one, as HuggingFace shifts them), sums them
 over the ranks splitting the batch (one all-reduce of one number per forward, N) and scales the cross-entropy part
 of the loss by n_r x R / N: the ranks' average is then sum(all cross-entropies) / N, one process's loss. Equal counts
-give a factor of exactly 1. A mixture-of-experts model's load-balancing term (`router_aux_loss_coef x aux_loss`) is
-left as it is (experts/hf_aux.py makes it the global batch's).
+give a factor of exactly 1. Under `torch.no_grad()` (evaluation) nothing is exchanged and each rank's loss is its own
+mean. A mixture-of-experts model's load-balancing term (`router_aux_loss_coef x aux_loss`) is
+left as it is (experts/hf_aux.py makes it the global batch's). A CTC head (wav2vec2, HuBERT, WavLM) with
+`ctc_loss_reduction="sum"`, HuggingFace's default, sums over the batch instead: its loss is multiplied by the number
+of ranks, so their average is the global batch's sum (the gradient was that many times too small; AdamW nearly hides
+it, SGD does not); with "mean" it is a mean over rows, which the ranks' average already is.
 
 The formula is recognised, not assumed: at a model's first forward with labels its loss is recomputed from its
 logits as that mean cross-entropy, and a model whose loss is something else (label smoothing, a weighted or summed
@@ -39,21 +43,23 @@ IGNORE_INDEX = -100
 _UNSHIFTED_LOSSES = ("ForMaskedLM", "ForTokenClassification")
 
 
-def _shifted(module: nn.Module) -> bool | None:
-    """Whether the model's loss pairs logits at t with labels at t + 1 (True: a causal LM), at t (False: masked LM,
-    token classification, an encoder-decoder's decoder), or is none of those (None: left alone)."""
+def _kind(module: nn.Module) -> str | None:
+    """How the model's loss pairs logits with labels: "shifted" (at t with labels at t + 1: a causal LM), "aligned"
+    (at t: masked LM, token classification, an encoder-decoder's decoder), "ctc" (a CTC head), or None (left alone)."""
     config = getattr(module, "config", None)
     if config is None or not hasattr(module, "loss_function"):
         return None
     if getattr(config, "is_encoder_decoder", False):
-        return False
+        return "aligned"
     # By the transformers class beneath any subclass of the script's own (whose loss is then checked, not trusted).
     names = [cls.__name__ for cls in type(module).__mro__ if cls.__module__.startswith("transformers.")]
+    if any(name.endswith("ForCTC") for name in names):
+        return "ctc"
     if any(name.endswith(_UNSHIFTED_LOSSES) for name in names):
-        return False
+        return "aligned"
     if any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in names) \
             or (any(name.endswith("ForConditionalGeneration") for name in names) and hasattr(module, "lm_head")):
-        return True
+        return "shifted"
     return None
 
 
@@ -65,25 +71,25 @@ def share_token_means(model: nn.Module, batch_group: Communicator, who: str) -> 
     for module in model.modules():
         if isinstance(module, TokenMeanLoss):
             continue
-        shifted = _shifted(module)
-        if shifted is not None:
+        kind = _kind(module)
+        if kind is not None:
             mix_in(module, TokenMeanLoss, "TokenMean")
-            module._sw_token_mean = (batch_group, who, shifted)
+            module._sw_token_mean = (batch_group, who, kind)
             module._sw_token_mean_checked = False
 
 
 class TokenMeanLoss(nn.Module):
     """Mixed into a HuggingFace language model: its `.loss` over -100 labels is the global batch's token mean
-    (module docstring). `_sw_token_mean` is (the data-parallel group, the wrapper's name, whether labels shift)."""
+    (module docstring). `_sw_token_mean` is (the data-parallel group, the wrapper's name, `_kind`)."""
 
-    _sw_token_mean: tuple[Communicator, str, bool]
+    _sw_token_mean: tuple[Communicator, str, str]
     _sw_token_mean_checked: bool
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = super().forward(*args, **kwargs)
         loss = getattr(out, "loss", None) if isinstance(out, dict) else None
-        if loss is None:
-            return out
+        if loss is None or not torch.is_grad_enabled():
+            return out  # evaluation: each rank's own mean, and no collective (a rank may evaluate alone)
         from .experts.hf_kinds import model_forward  # here: the experts package imports the wrappers
 
         given = inspect.signature(model_forward(self)).bind(self, *args, **kwargs).arguments
@@ -91,7 +97,12 @@ class TokenMeanLoss(nn.Module):
         labels = given.get("labels")
         if not isinstance(labels, torch.Tensor) or given.get("num_items_in_batch") is not None:
             return out  # no labels of HuggingFace's kind, or the script normalises the loss itself
-        group, who, shifted = self._sw_token_mean
+        group, who, kind = self._sw_token_mean
+        if kind == "ctc":  # a sum over the batch: the ranks' average is the global sum / ranks
+            if getattr(self.config, "ctc_loss_reduction", None) == "sum":
+                out.loss = loss * group.size
+            return out
+        shifted = kind == "shifted"
         targets = given.get("shift_labels") if shifted and given.get("shift_labels") is not None else (
             F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:] if shifted else labels)
         aux = self._router_term(out, given)

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batch_norm_split import MicrobatchStatistics
 from ..comm.base import Communicator
 from ..profiler_ranges import profiler_range
 from .actions import Action, Op, Schedule
@@ -158,6 +159,7 @@ class Pipeline(nn.Module):
         self.n_stages = len(stages)
         self.tied = TiedParameters(stages, comm, schedule.rank_of)
         self.stages = nn.ModuleDict({str(s): stages[s] for s in self.local_stages})
+        self._batch_norms = MicrobatchStatistics(stages, dict(self.stages.items()), n_microbatches, comm, "Pipeline")
         declare_pipeline(self, dict(self.stages.items()), comm, self.tied.groups, {
             "schedule": schedule.name, "n_microbatches": n_microbatches, "n_stages": self.n_stages,
             "virtual_stages": schedule.virtual_stages, "stage_sizes": [sum(p.numel() for p in st.parameters())
@@ -186,6 +188,7 @@ class Pipeline(nn.Module):
         `sw.parallelize` runs all but one microbatch under a data-parallel stage's `no_sync()`.
         """
         m = self.n_microbatches
+        self._batch_norms.check()
         st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False, around=around_action)
         self.tied.all_reduce_grads()
         loss = torch.zeros(1, device=self.comm.device)  # broadcast: on the communicator's device
