@@ -175,3 +175,49 @@ def test_a_ctc_loss_summed_over_the_batch_is_the_global_sum(name, optimizer):
     for got, _ in results:
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def llava():
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, image_size=16, patch_size=8, projection_dim=32)
+    text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2)
+    return _seeded(lambda: transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=VOCAB - 1, vision_feature_layer=-1,
+        vision_feature_select_strategy="full", projector_hidden_act="gelu")))
+
+
+def image_text_batch(step: int, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+    """Supervised fine-tuning of a vision-language model: 5 image tokens (4 patches and CLIP's class token) and the
+    prompt scored -100, answers padded to unequal lengths."""
+    g = torch.Generator().manual_seed(step)
+    pixels, text = torch.randn(ROWS, 3, 16, 16, generator=g), torch.randint(0, VOCAB - 4, (ROWS, 8), generator=g)
+    ids = torch.cat([torch.full((ROWS, 5), VOCAB - 1), text], dim=1)
+    labels = ids.clone()
+    labels[:, :7] = -100  # the image and a two-token prompt
+    for row, length in enumerate((8, 3, 6, 2)):
+        labels[row, 5 + length:] = -100
+    rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    return {"input_ids": ids[rows], "pixel_values": pixels[rows], "labels": labels[rows]}
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_a_vision_language_models_masked_and_padded_labels_are_the_global_token_mean(name):
+    def train_vlm(model, rank=0, world=1):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
+        for step in range(3):
+            model(**image_text_batch(step, rank, world)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    want = train_vlm(llava()).state_dict()
+
+    def body(comm):
+        model = llava()
+        wrapped = sw.DDP(model, comm, find_unused_parameters=True) if name == "ddp" else WRAPS[name](model, comm)
+        return {k: v.clone() for k, v in sw.full_state_dict(train_vlm(wrapped, comm.rank, comm.size)).items()}
+
+    for got in sw.launch(body, 2):
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
