@@ -221,3 +221,21 @@ def test_a_vision_language_models_masked_and_padded_labels_are_the_global_token_
     for got in sw.launch(body, 2):
         for key, value in want.items():
             torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_generate_of_a_wrapped_language_model_gives_the_plain_models_tokens(name):
+    """The loss mixin keeps the model's forward signature (_mixin.py): under a bare `*args, **kwargs` HuggingFace's
+    generate passed other arguments, and a ZeRO-3 Llama generated other tokens than the plain model."""
+    prompts = [torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(rank)) for rank in range(2)]
+    options = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    plain = llama()
+    with torch.no_grad():
+        want = [plain.generate(prompt, **options).tolist() for prompt in prompts]
+
+    def body(comm):
+        wrapped = WRAPS[name](llama(), comm)
+        with torch.no_grad():  # every rank runs as many forwards (no end-of-sequence token): no sync needed
+            return wrapped.generate(prompts[comm.rank], **options).tolist()
+
+    assert sw.launch(body, 2) == want

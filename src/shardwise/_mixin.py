@@ -7,7 +7,9 @@ is made once per (class, mixin) and cached, so wrapping many models does not cre
 
 from __future__ import annotations
 
+import inspect
 import threading
+from typing import Any
 
 from torch import nn
 
@@ -24,9 +26,30 @@ def mix_in(module: nn.Module, mixin: type, prefix: str) -> nn.Module:
     cls = type(module)
     with _LOCK:
         if (cls, mixin) not in _CACHE:
-            _CACHE[(cls, mixin)] = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+            body: dict[str, Any] = {"__module__": cls.__module__}
+            if "forward" in vars(mixin):
+                body["forward"] = _forward_signed_as(mixin, cls)
+            _CACHE[(cls, mixin)] = type(f"{prefix}{cls.__name__}", (mixin, cls), body)
         module.__class__ = _CACHE[(cls, mixin)]
     return module
+
+
+def _forward_signed_as(mixin: type, cls: type) -> Any:
+    """The mixin's `forward(*args, **kwargs)` under the signature of the class's own forward. Callers read a
+    model's arguments from it: HuggingFace's `generate` passes `cache_position`, `logits_to_keep` and the like only
+    to a forward that names them, and under a bare `*args, **kwargs` generated other tokens than the plain model."""
+    inner = vars(mixin)["forward"]
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return inner(self, *args, **kwargs)
+
+    forward.__doc__ = inner.__doc__
+    forward._sw_mixin_forward = True  # type: ignore[attr-defined]  # not the model's own (experts.hf_kinds)
+    try:
+        forward.__signature__ = inspect.signature(cls.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a forward with no signature to read (a builtin): the mixin's own
+        pass
+    return forward
 
 
 def original_class(module: nn.Module) -> type:

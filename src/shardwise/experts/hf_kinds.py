@@ -77,8 +77,10 @@ def model_forward(module: nn.Module) -> Any:
     user's subclass that overrides forward is compared, not the transformers class beneath it. Its signature names
     the model's arguments, where a wrapper's forward takes ``*args, **kwargs``."""
     for cls in type(module).__mro__:
-        if not cls.__module__.startswith("shardwise.") and "forward" in vars(cls):
-            return vars(cls)["forward"]
+        forward = vars(cls).get("forward")
+        if forward is not None and not cls.__module__.startswith("shardwise.") \
+                and not getattr(forward, "_sw_mixin_forward", False):
+            return forward
     return None
 
 
