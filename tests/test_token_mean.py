@@ -239,3 +239,12 @@ def test_generate_of_a_wrapped_language_model_gives_the_plain_models_tokens(name
             return wrapped.generate(prompts[comm.rank], **options).tolist()
 
     assert sw.launch(body, 2) == want
+
+
+def test_a_tuple_output_with_labels_is_refused_naming_return_dict():
+    def body(comm):
+        sw.DDP(llama(), comm)(**batch(0, "llama", comm.rank, comm.size), return_dict=False)
+
+    with pytest.raises(sw.LaunchError, match=r"returned tuple for a call with labels \(return_dict=False\).*"
+                                             r"return_dict=True"):
+        sw.launch(body, 2)

@@ -87,8 +87,7 @@ class TokenMeanLoss(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = super().forward(*args, **kwargs)
-        loss = getattr(out, "loss", None) if isinstance(out, dict) else None
-        if loss is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return out  # evaluation: each rank's own mean, and no collective (a rank may evaluate alone)
         from .experts.hf_kinds import model_forward  # here: the experts package imports the wrappers
 
@@ -98,6 +97,13 @@ class TokenMeanLoss(nn.Module):
         if not isinstance(labels, torch.Tensor) or given.get("num_items_in_batch") is not None:
             return out  # no labels of HuggingFace's kind, or the script normalises the loss itself
         group, who, kind = self._sw_token_mean
+        if not isinstance(out, dict):
+            raise ValueError(f"{who}: {type(self).__name__} returned {type(out).__name__} for a call with labels "
+                             f"(return_dict=False); its loss can be made the global batch's token mean only on its "
+                             f"ModelOutput: call it with return_dict=True (the default)")
+        loss = getattr(out, "loss", None)
+        if loss is None:
+            return out
         if kind == "ctc":  # a sum over the batch: the ranks' average is the global sum / ranks
             if getattr(self.config, "ctc_loss_reduction", None) == "sum":
                 out.loss = loss * group.size
