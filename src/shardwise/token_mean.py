@@ -22,7 +22,8 @@ it, SGD does not); with "mean" it is a mean over rows, which the ranks' average 
 
 The formula is recognised, not assumed: at a model's first forward with labels its loss is recomputed from its
 logits as that mean cross-entropy, and a model whose loss is something else (label smoothing, a weighted or summed
-loss) raises there, naming it. (The check costs one cross-entropy over the logits, once.)
+loss) raises there, naming it. (The check costs one cross-entropy over the logits, once.) A CTC head's reduction is
+read from its config, not recomputed.
 """
 
 from __future__ import annotations
