@@ -65,14 +65,12 @@ def apply_batch_norm_choice(model: nn.Module, comm: Communicator, batch_norm: st
                              f"{type(model).__name__}: wrap a module that contains it")
         SyncBatchNorm.convert(model, comm)
         return
-    modules = [m for _, m in layers]
-    names = {id(m): name for name, m in layers}
 
     def refuse_batch_statistics(module: nn.Module, args: Any) -> None:
-        for m in modules:
+        for name, m in layers:
             if m.training or not m.track_running_stats:
                 raise ValueError(
-                    f"{who}: {type(m).__name__} {names[id(m)] or '<root>'!r} would normalise by this rank's slice "
+                    f"{who}: {type(m).__name__} {name or '<root>'!r} would normalise by this rank's slice "
                     f"of the batch ({'training mode' if m.training else 'no running statistics'}), one process by "
                     f"the whole batch over the {comm.size} data-parallel ranks. Wrap with batch_norm='sync' (the "
                     f"global batch's statistics: sw.SyncBatchNorm) or batch_norm='local' (each rank's own, torch "

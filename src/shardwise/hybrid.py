@@ -135,7 +135,7 @@ class HybridModel(nn.Module):
     """
 
     def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str],
-                 split_targets: bool = True) -> None:
+                 split_targets: bool = True, begin_step: Callable[[Any, int], None] | None = None) -> None:
         super().__init__()
         self._split_targets = split_targets  # False: the loss takes whole sequences (HF's labels under cp)
         self.pipe = pipe
@@ -144,7 +144,7 @@ class HybridModel(nn.Module):
         self._gather_vocab = gather_vocab
         self._stage_layers = names
         self._loss_scale = 1.0
-        self._begin_step: Callable[[Any, int], None] | None = None  # set by parallelize: the loss's begin_step
+        self._begin_step = begin_step  # the loss's, if it counts the step's global batch first
 
     def scaled_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """`loss_fn` times the current step's loss scale (what the pipeline backpropagates)."""
@@ -370,8 +370,8 @@ def parallelize(
             own[pl.name] = pl
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
         _wrap_data_parallel(stage, mesh, plan)
-    hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets)
+    hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets,
+                         getattr(loss, "begin_step", None))
     pipe.loss_fn = hybrid.scaled_loss(loss)
-    hybrid._begin_step = getattr(loss, "begin_step", None)
     _declare(hybrid, model, mesh)
     return hybrid

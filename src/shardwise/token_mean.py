@@ -28,7 +28,6 @@ read from its config, not recomputed.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -37,10 +36,10 @@ from torch import nn
 
 from ._mixin import mix_in
 from .comm.base import Communicator, ReduceOp
+from .models.hf_stages import IGNORE_INDEX, shifted_labels
 
 __all__ = ["TokenMeanLoss", "share_token_means"]
 
-IGNORE_INDEX = -100
 _UNSHIFTED_LOSSES = ("ForMaskedLM", "ForTokenClassification")
 
 
@@ -90,9 +89,9 @@ class TokenMeanLoss(nn.Module):
         out = super().forward(*args, **kwargs)
         if not torch.is_grad_enabled():
             return out  # evaluation: each rank's own mean, and no collective (a rank may evaluate alone)
-        from .experts.hf_kinds import model_forward  # here: the experts package imports the wrappers
+        from .experts.hf_aux import call_arguments  # here: the experts package imports the wrappers
 
-        given = inspect.signature(model_forward(self)).bind(self, *args, **kwargs).arguments
+        given = call_arguments(self, args, kwargs)
         given.update(given.pop("kwargs", {}))
         labels = given.get("labels")
         if not isinstance(labels, torch.Tensor) or given.get("num_items_in_batch") is not None:
@@ -111,7 +110,7 @@ class TokenMeanLoss(nn.Module):
             return out
         shifted = kind == "shifted"
         targets = given.get("shift_labels") if shifted and given.get("shift_labels") is not None else (
-            F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:] if shifted else labels)
+            shifted_labels(labels) if shifted else labels)
         aux = self._router_term(out, given)
         cross_entropy = loss - aux if aux is not None else loss
         if not self._sw_token_mean_checked:
@@ -126,12 +125,11 @@ class TokenMeanLoss(nn.Module):
 
     def _router_term(self, out: Any, given: dict[str, Any]) -> torch.Tensor | None:
         """`router_aux_loss_coef x aux_loss` when the model added it to its loss (a MoE with router logits on)."""
+        from .experts.hf_aux import router_logits_requested
+
         aux = getattr(out, "aux_loss", None)
         coef = getattr(self.config, "router_aux_loss_coef", 0)
-        requested = given.get("output_router_logits")
-        if requested is None:
-            requested = getattr(self.config, "output_router_logits", False)
-        if aux is None or not coef or not requested:
+        if aux is None or not coef or not router_logits_requested(self.config, given):
             return None
         return coef * aux.to(out.loss.device)
 

@@ -56,8 +56,8 @@ import math
 import torch
 
 from ..comm.base import Communicator, P2POp
-from .split import SequenceSplit, hidden_keys
 from ..graph_gradients import refuse_second_order
+from .split import SequenceSplit, hidden_keys
 
 __all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv", "check_window"]
 

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.base import Communicator
+from ..graph_gradients import refuse_second_order
 from .ring import autocast_inputs, check_extras, check_qkv, check_window
 from .split import SequenceSplit, hidden_keys
-from ..graph_gradients import refuse_second_order
 
 __all__ = ["ulysses_attention", "AllToAll", "all_to_all"]
 

@@ -17,6 +17,7 @@ HuggingFace's local term: ``loss + coef x (global - local)``, so the local term'
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -28,8 +29,8 @@ from ..comm.base import Communicator, ReduceOp
 from .hf_kinds import GLOBAL_AUX, ROW_LOCAL_AUX, global_aux_model, is_one_of, model_forward
 from .ops import sum_over_ranks
 
-__all__ = ["GlobalRouterLoss", "LocalRouterLossRefused", "global_balance_loss", "share_router_losses",
-           "refuse_local_router_losses"]
+__all__ = ["GlobalRouterLoss", "LocalRouterLossRefused", "call_arguments", "global_balance_loss",
+           "refuse_local_router_losses", "router_logits_requested", "share_router_losses"]
 
 
 def _local_router_loss(module: nn.Module) -> bool:
@@ -82,13 +83,18 @@ def share_router_losses(model: nn.Module, batch_group: Communicator, who: str) -
             module._sw_refused_by = (who, batch_group.size)
 
 
-def _arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+def call_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The model's own arguments of a call, by name: bound to its HuggingFace forward (hf_kinds `model_forward`),
     not to a wrapper's ``*args, **kwargs`` mixed in beneath this class (DDP's), where every keyword would hide."""
-    return inspect.signature(model_forward(model)).bind(model, *args, **kwargs).arguments
+    return _signature(model_forward(model)).bind(model, *args, **kwargs).arguments
 
 
-def _logits_requested(config: Any, given: dict[str, Any]) -> bool:
+@functools.lru_cache(maxsize=None)
+def _signature(forward: Any) -> inspect.Signature:
+    return inspect.signature(forward)  # once per forward function: call_arguments runs at every forward
+
+
+def router_logits_requested(config: Any, given: dict[str, Any]) -> bool:
     """Whether a call of a HuggingFace MoE model returns router logits (and so adds its load-balancing loss): its
     `output_router_logits` argument, else its config's."""
     requested = given.get("output_router_logits")
@@ -126,8 +132,8 @@ class GlobalRouterLoss(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = super().forward(*args, **kwargs)
-        given = _arguments(self, args, kwargs)
-        if not _logits_requested(self.config, given):
+        given = call_arguments(self, args, kwargs)
+        if not router_logits_requested(self.config, given):
             return out
         if not isinstance(out, dict) or getattr(out, "aux_loss", None) is None:
             raise ValueError(f"expert_parallel: {type(self).__name__} returned {type(out).__name__} with "
@@ -149,7 +155,7 @@ class LocalRouterLossRefused(nn.Module):
     _sw_refused_by: tuple[str, int]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if _logits_requested(self.config, _arguments(self, args, kwargs)):
+        if router_logits_requested(self.config, call_arguments(self, args, kwargs)):
             who, ranks = self._sw_refused_by
             raise _local_router_loss_error(self, ranks, who, "and this call turns output_router_logits on")
         return super().forward(*args, **kwargs)

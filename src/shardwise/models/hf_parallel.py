@@ -70,16 +70,12 @@ class GlobalCausalLMLoss:
             raise ValueError(f"parallelize: HuggingFace's causal-LM loss takes step(input_ids, labels) with labels "
                              f"a (batch, sequence) tensor, got {type(labels).__name__}"
                              f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else ''}")
-        count = (self._shifted(labels) != hf_stages.IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+        count = (hf_stages.shifted_labels(labels) != hf_stages.IGNORE_INDEX).sum().to(torch.float64).reshape(1)
         count = count.to(self.dp.device)
         if self.dp.size > 1:
             self.dp.all_reduce(count)
         # No label anywhere: 0 x inf = NaN, HuggingFace's mean over no label.
         self.factor = self.dp.size * self.cp.size * n_microbatches / count
-
-    @staticmethod
-    def _shifted(labels: torch.Tensor) -> torch.Tensor:
-        return F.pad(labels[:, 1:], (0, 1), value=hf_stages.IGNORE_INDEX)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.factor is None:
@@ -89,7 +85,7 @@ class GlobalCausalLMLoss:
         if logits.dim() != 3 or labels.dim() != 2 or labels.shape[0] != logits.shape[0] or T != L * self.cp.size:
             raise ValueError(f"parallelize: labels of shape {tuple(labels.shape)} must be the whole sequences "
                              f"(b, cp x L) of logits {tuple(logits.shape)} (b, L, V), cp={self.cp.size}")
-        mine = self._shifted(labels).to(logits.device)
+        mine = hf_stages.shifted_labels(labels).to(logits.device)
         if self.split is not None:
             mine = mine.index_select(1, self.split.positions(self.cp.rank, L, logits.device))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

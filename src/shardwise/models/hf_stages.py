@@ -54,6 +54,7 @@ __all__ = [
     "causal_lm_loss",
     "gpt2_pipeline_layers",
     "llama_pipeline_layers",
+    "shifted_labels",
 ]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
@@ -333,5 +334,11 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"causal_lm_loss: labels shape {tuple(labels.shape)} does not match logits shape "
                          f"{tuple(logits.shape)} minus the vocabulary dim")
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX).to(logits.device)
+    shifted = shifted_labels(labels).to(logits.device)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """HuggingFace's causal-LM targets: `labels` shifted left by one along the last dim, the last position -100
+    (it predicts nothing)."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)

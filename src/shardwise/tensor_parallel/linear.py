@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator, ReduceOp
+from ..graph_gradients import refuse_second_order
 from ..sharded_tensor import local
 from .layer_base import TensorParallelLayer, as_param, check_split, dense_linear_init
 from .mappings import all_gather_along, gather_from_region, reduce_scatter_along, scatter_to_region
 from .sequence_parallel import reduce_sequence_parallel_grads
-from ..graph_gradients import refuse_second_order
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
