@@ -51,6 +51,7 @@ from .compression.base import Compressor
 from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
 from .batch_norm_split import apply_batch_norm_choice
+from .buffer_writes import check_buffer_writes_option, watch_buffer_writes
 from .batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from .compiled import refuse_compiled
 from .placement import to_comm_device
@@ -122,6 +123,7 @@ def DDP(
     broadcast_buffers: bool = True,
     compression: Compressor | None = None,
     batch_norm: str | None = None,
+    buffer_writes: str | None = None,
 ) -> nn.Module:
     """Make `module` data parallel over `comm` and return it (the same object, its parameter names unchanged).
 
@@ -134,6 +136,9 @@ def DDP(
     batch_norm: "sync" (BatchNorm layers become sw.SyncBatchNorm over `comm`: the global batch's statistics),
         "local" (each rank's own, torch DDP's), None (default: a forward that would use per-rank batch statistics
         raises, naming the layer; batch_norm_split.py).
+    buffer_writes: None (default: a buffer that a training forward leaves different across the ranks, such as a
+        running statistic of each rank's slice, raises, naming it) or "local" (each rank's own, torch DDP's;
+        buffer_writes.py).
     Train it with any torch.optim optimizer over `module.parameters()`; use `module.no_sync()` to accumulate.
     """
     if not isinstance(module, nn.Module):
@@ -151,6 +156,7 @@ def DDP(
     layout.check_not_data_parallel(module, "DDP")
     refuse_unsplittable_batch_statistics(module, comm, "DDP")
     apply_batch_norm_choice(module, comm, batch_norm, "DDP")
+    check_buffer_writes_option(buffer_writes, "DDP")
     check_copies(module, compression, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -165,7 +171,7 @@ def DDP(
         raise ValueError("DDP: compression with expert-parallel parameters is not supported yet; use compression=None")
     check_agreement(comm, "DDP", {"parameters": describe_parameters(module), "options": {
         "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "find_unused_parameters": find_unused_parameters,
-        "broadcast_buffers": broadcast_buffers, "batch_norm": batch_norm,
+        "broadcast_buffers": broadcast_buffers, "batch_norm": batch_norm, "buffer_writes": buffer_writes,
         "compression": None if compression is None else compression.config()}})
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters() if groups.get(id(p), comm) is comm]
@@ -185,6 +191,7 @@ def DDP(
         extra_state=() if reducer.compressor is None else (reducer.compressor.extra_state(
             comm, buckets=[b.buffer.numel() for b in reducer.buckets]),),
         before_step=reducer.check_averaged if comm.size > 1 else None))
+    watch_buffer_writes(module, comm, buffer_writes, "DDP")
     share_batch_split(module, comm, "DDP")  # a MoE layer's balance loss over the global batch (batch_split.py)
     register_wrapped(module)
     log.debug("DDP over %d ranks: %d buckets %s", comm.size, len(reducer.buckets), [b.nbytes for b in reducer.buckets])

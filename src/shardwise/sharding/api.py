@@ -30,6 +30,7 @@ from .. import layout
 from .._mixin import MovesRefused, mix_in
 from ..activation_checkpointing import check_interval
 from ..batch_norm_split import apply_batch_norm_choice
+from ..buffer_writes import check_buffer_writes_option, watch_buffer_writes
 from ..batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
@@ -152,11 +153,12 @@ def _check_replicated(module: nn.Module, params: object) -> tuple[nn.Parameter, 
 
 def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate: Communicator | None,
           config: ShardingConfig, record_name: str, replicated_params: tuple[nn.Parameter, ...],
-          batch_norm: str | None) -> nn.Module:
+          batch_norm: str | None, buffer_writes: str | None) -> nn.Module:
     # The model lives where the collectives run (this rank's GPU under NCCL); master shards go back to CPU only
     # with cpu_offload. Every rank wraps the same model with the same options, and starts from rank 0's values.
     refuse_unsplittable_batch_statistics(module, comm, record_name)
     apply_batch_norm_choice(module, comm, batch_norm, record_name)
+    check_buffer_writes_option(buffer_writes, record_name)
     to_comm_device(module, comm, record_name)
     # Expert-parallel slices differ across comm: their own units, over the ranks holding the same experts.
     experts = expert_family(module, comm, shard, "ZeRO/FSDP", config.compression)
@@ -165,7 +167,8 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
         raise ValueError(f"ZeRO/FSDP: replicated_params entries {stray} are expert-parallel slices, which differ "
                          f"across the data-parallel ranks and cannot be averaged over all of them; leave them out")
     check_agreement(comm, record_name, {"parameters": describe_parameters(module), "options": {
-        "batch_norm": str(batch_norm), **{k: str(v) for k, v in dataclasses.asdict(config).items()}}})
+        "batch_norm": str(batch_norm), "buffer_writes": str(buffer_writes),
+        **{k: str(v) for k, v in dataclasses.asdict(config).items()}}})
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters() if p not in experts.params]
                             + [b.data for b in module.buffers()])
@@ -189,6 +192,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
         extra_state=() if engine.compressor is None else (engine.compressor.extra_state(
             comm, sharding=config.name, units=len(engine.units), shard=shard.size,
             replicate=None if replicate is None else replicate.size),)))
+    watch_buffer_writes(module, comm, buffer_writes, record_name)
     share_batch_split(module, comm, record_name)  # a MoE layer's balance loss over the global batch (batch_split.py)
     register_wrapped(module)
     load_full_into_pieces(module)  # torch's load_state_dict of a full (one-process) state dict: each rank's piece
@@ -210,6 +214,7 @@ def ZeRO(
     max_inflight_reductions: int = 2,
     compression: Compressor | None = None,
     batch_norm: str | None = None,
+    buffer_writes: str | None = None,
 ) -> nn.Module:
     """ZeRO data parallelism (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
     Models", SC 2020) over `comm`; returns the same module.
@@ -236,6 +241,8 @@ def ZeRO(
     batch_norm: "sync" (BatchNorm layers become sw.SyncBatchNorm over `comm`: the global batch's statistics),
         "local" (each rank's own, torch DDP's), None (default: a forward that would use per-rank batch statistics
         raises, naming the layer; batch_norm_split.py).
+    buffer_writes: None (default: a buffer that a training forward leaves different across the ranks, such as a
+        running statistic of each rank's slice, raises, naming it) or "local" (each rank's own; buffer_writes.py).
     After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
     empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
     """
@@ -251,7 +258,7 @@ def ZeRO(
                             max_inflight_reductions=_check_inflight(max_inflight_reductions),
                             compression=compression)
     return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params),
-                 batch_norm)
+                 batch_norm, buffer_writes)
 
 
 def FSDP(
@@ -270,6 +277,7 @@ def FSDP(
     max_inflight_reductions: int = 2,
     compression: Compressor | None = None,
     batch_norm: str | None = None,
+    buffer_writes: str | None = None,
 ) -> nn.Module:
     """Fully sharded data parallelism (Zhao et al., "PyTorch FSDP", VLDB 2023) with PyTorch's strategy names.
 
@@ -309,9 +317,10 @@ def FSDP(
                             compression=compression)
     if sharding == "no_shard":
         return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard", replicated_params,
-                     batch_norm)
+                     batch_norm, buffer_writes)
     if sharding == "hybrid_shard":
         shard = comm.split(comm.rank // shard_size)
         replicate = comm.split(comm.rank % shard_size)
-        return _wrap(module, comm, shard, replicate, config, "fsdp:hybrid_shard", replicated_params, batch_norm)
-    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}", replicated_params, batch_norm)
+        return _wrap(module, comm, shard, replicate, config, "fsdp:hybrid_shard", replicated_params, batch_norm,
+                     buffer_writes)
+    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}", replicated_params, batch_norm, buffer_writes)
