@@ -52,6 +52,7 @@ from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
 from .batch_norm_split import apply_batch_norm_choice
 from .buffer_writes import check_buffer_writes_option, watch_buffer_writes
+from .embedding_rows import check_embedding_rows
 from .batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from .compiled import refuse_compiled
 from .placement import to_comm_device
@@ -157,6 +158,7 @@ def DDP(
     refuse_unsplittable_batch_statistics(module, comm, "DDP")
     apply_batch_norm_choice(module, comm, batch_norm, "DDP")
     check_buffer_writes_option(buffer_writes, "DDP")
+    check_embedding_rows(module, comm, "DDP")
     check_copies(module, compression, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -117,7 +117,9 @@ class Unit(UnitGradients):
         self.offload = offload  # an offload level (see .offload): "none", "optimizer" or "full"
         self.master_device = torch.device("cpu") if offload != "none" else self.device
         if any(p.dtype != self.master_dtype for p in plan.params):
-            raise ValueError(f"unit {self.name!r} mixes parameter dtypes {sorted({str(p.dtype) for p in plan.params})}")
+            raise ValueError(f"unit {self.name!r} mixes parameter dtypes {sorted({str(p.dtype) for p in plan.params})}: "
+                             f"a unit's parameters are one flat buffer of one dtype; give the modules holding the "
+                             f"other dtype's parameters units of their own (wrap=their class), or use one dtype")
 
         n = shard_comm.size
         # A tensor-parallel slice is flattened as the slice it stores (sharded_tensor.local), not the dense
