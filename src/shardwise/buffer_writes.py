@@ -104,7 +104,8 @@ class BufferWrites:
         self.first, self.watching = False, any(row[0] > 0 for row in rows)
         if differ:
             name, was_written = differ[0]
-            how = "this training forward wrote it" if was_written else "it was written outside a checked forward"
+            how = ("this training forward wrote it" if was_written else "written by this forward through a kernel "
+                   "or `.data` that leaves its version counter, or outside a checked forward")
             raise ValueError(
                 f"{self.who}: buffer {name!r} differs across the {self.comm.size} data-parallel ranks ({how}: a "
                 f"statistic of each rank's own slice of the batch, such as an EMA codebook, a running mean or a "
