@@ -14,6 +14,7 @@ What may be computed on them (`__torch_function__`, Python-level, so one call pe
   copies, casts, clones, random fills): what optimizers do. They run on the local piece; a result of an out-of-place
   elementwise operation is sharded again (`p.grad.abs()` still knows it is a piece), a result of `zeros_like` and
   the like, or of a `torch._foreach_*` call, is plain (an optimizer's state and intermediates: local, as it needs);
+  `view_as_real` / `view_as_complex` (Adam on complex parameters) give a piece of the viewed tensor;
 * metadata (dtype, device, requires_grad, `.grad`, `.data`, strides, storage): as they are (reading `.data` also
   calls the piece's `on_data_read` callback);
 * anything else, in particular reductions (`norm`, `sum`, `max`, `_foreach_norm`: torch's clip), indexing, views
@@ -40,6 +41,8 @@ import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
 from torch.utils import _foreach_utils as torch_foreach_utils
+
+from .sharded_messages import CLIP, MESSAGES
 
 __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
            "grad_like", "on_data_read"]
@@ -124,6 +127,8 @@ class _Sharded:
             _refuse_address(args[0])
         if kind == "transpose" and local(args[0]).dim() != len(getattr(args[0], _SPEC).shape):
             _refuse(func, args, kwargs or {})  # Muon's `grad.T`: a tensor-parallel slice, a matrix itself, may
+        if kind == "complex_view" and isinstance(args[0], _Sharded):
+            return _complex_view(func, args[0])
         if kind == "data":
             _data_read(args[0])
         elif kind == "data_set" and getattr(args[0], _ON_DATA, None) is not None and args[1] is not args[0]:
@@ -169,6 +174,14 @@ def _leads_with_shard(first: Any) -> bool:
     if isinstance(first, (list, tuple)):  # torch._foreach_*: lists of tensors
         first = first[0] if first else None
     return isinstance(first, _Sharded)
+
+
+def _complex_view(func: Any, piece: Any) -> Any:
+    """The same view of the local elements, a piece of the viewed tensor (real view: a trailing dim of 2)."""
+    spec = getattr(piece, _SPEC)
+    out = func(local(piece))
+    shape = (*spec.shape, 2) if out.dim() > local(piece).dim() else tuple(spec.shape)[:-1]
+    return as_sharded(out, dataclasses.replace(spec, shape=torch.Size(shape)))
 
 
 def _refuse_whole_with_piece(func: Any, args: tuple) -> None:
@@ -282,19 +295,6 @@ _META = frozenset({
     "record_stream", "backward", "__format__", "_backward_hooks", "grad_fn", "_has_compatible_shallow_copy_type",
     "is_inference", "is_neg", "is_conj", "_is_zerotensor", "has_names", "is_meta", "is_cuda", "is_cpu",
 })
-_CLIP = ("torch.nn.utils.clip_grad_norm_ over a sharded model would clip each rank by its own piece's norm: use "
-         "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
-         "sw.full_state_dict(model))")
-_MESSAGES = {
-    "_foreach_norm": _CLIP, "linalg_vector_norm": _CLIP, "norm": _CLIP, "vector_norm": _CLIP,
-    "_amp_foreach_non_finite_check_and_unscale_": "torch.amp.GradScaler over a sharded model lets each rank decide "
-                     "alone whether to skip the step: use sw.ShardedGradScaler(model) (the same API; every rank "
-                     "skips together)",
-    "grad": "torch.autograd.grad with respect to a parameter differentiates the piece, which the forward did not "
-            "use (a unit computes with its gathered whole, freed after it): gradients of the parameters with "
-            "create_graph=True (a gradient-norm penalty) work under sw.DDP, ZeRO-1/2 and wrap=None (one unit), "
-            "averaged over the ranks; gradients of the inputs (a WGAN-GP or R1 penalty) work under every stage",
-}
 
 
 @functools.lru_cache(maxsize=None)
@@ -338,6 +338,8 @@ def _kind(func: Any) -> str:
     if any(owner is t for t in _TRANSPOSES):  # a transposed view: of a flat ZeRO piece, not of the matrix
         return "transpose"
     name = getattr(func, "__name__", "")
+    if name in ("view_as_real", "view_as_complex"):
+        return "complex_view"
     if name == "__setitem__":  # elementwise when the index is a mask made from a piece (Rprop: grad[sign < 0] = 0)
         return "masked"
     return _kind_of_name(name)
@@ -385,13 +387,14 @@ def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
     spec, piece = getattr(source, _SPEC), local(source).numel()
     if spec.whole:
         raise RuntimeError(f"{name}() on {spec.name}, under {spec.what}, would combine only this rank's part of the "
-                           f"model: {_MESSAGES.get(name, _CLIP)}")
-    why = _MESSAGES.get(name, "read the whole tensor with sw.full_state_dict(model) (collective), clip with "
+                           f"model: {MESSAGES.get(name, CLIP)}")
+    why = MESSAGES.get(name, "read the whole tensor with sw.full_state_dict(model) (collective), clip with "
                               "sw.clip_grad_norm_(model, max_norm), scale losses with sw.ShardedGradScaler(model); "
                               "a loss term on a parameter (a regulariser) is computed where it is whole: in a "
                               "forward hook of its module")
     why += ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, while an "
-            "optimizer that needs whole tensors (per-tensor norms: LARS, LAMB; factored moments: Adafactor; Muon) "
-            "cannot step pieces: train it with sw.DDP or FSDP(sharding='no_shard')")
+            "optimizer that needs whole tensors (per-tensor norms: LARS, LAMB; factored moments: Adafactor; Muon; "
+            "LBFGS, which flattens every gradient) cannot step pieces: train it with sw.DDP or "
+            "FSDP(sharding='no_shard')")
     raise RuntimeError(f"{name}() on {spec.name}, a {spec.what} shard (this rank holds {piece} of its {spec.numel} "
                        f"elements, shape {tuple(spec.shape)}), would see only this rank's piece: {why}")

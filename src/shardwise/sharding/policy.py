@@ -7,14 +7,15 @@ collective and whose gradients are reduce-scattered with ONE collective. Units a
 * `wrap="auto"` (default): walk the module tree; every module whose subtree holds at least `group_mb` of
   parameters becomes its own unit if it is a natural repeating block (a child of a ModuleList / Sequential);
   runs of consecutive small siblings are merged until they reach `group_mb`. `group_mb=None` (the default) picks it
-  from the model: about 1/8 of its parameter bytes, within [2 MiB, 25 MiB] (`auto_group_mb`). A model of 1,000 tiny layers thus
-  needs a handful of collectives per pass, not 1,000 (the grouping PyTorch FSDP's size-based policy only does for
-  whole subtrees, and DeepSpeed's bucketing does for communication only).
+  from the model: about 1/8 of its parameter bytes, within [2 MiB, 25 MiB] (`auto_group_mb`). A model of 1,000
+  tiny layers thus needs a handful of collectives per pass, not 1,000 (the grouping PyTorch FSDP's size-based
+  policy only does for whole subtrees, and DeepSpeed's bucketing does for communication only).
 * `wrap=<module class or tuple of classes>`: every instance of those classes is a unit (e.g. the GPT Block).
 * `wrap="size:<MB>"`: every module whose subtree holds >= MB of parameters not already in a unit becomes one.
 * `wrap=None`: one unit for the whole model.
 Parameters not claimed by any unit belong to the root unit. A parameter shared by modules of different units (tied
-weights) is moved to the root unit so it is gathered once and its gradient summed once.
+weights) is moved to the root unit so it is gathered once and its gradient summed once. A unit is one dtype: inside
+a unit that would mix dtypes, the modules holding another dtype become units of their own (`_split_by_dtype`).
 """
 
 from __future__ import annotations
@@ -168,6 +169,51 @@ def _choose_unit_roots(model: nn.Module, wrap: object, group_mb: float) -> list[
     return units
 
 
+def _direct_dtypes(module: nn.Module, exclude: frozenset[nn.Parameter]) -> set[torch.dtype]:
+    return {p.dtype for p in module.parameters(recurse=False) if p not in exclude}
+
+
+def _split_by_dtype(model: nn.Module, roots: list[tuple[str, list[nn.Module]]],
+                    exclude: frozenset[nn.Parameter]) -> list[tuple[str, list[nn.Module]]]:
+    """A unit is one flat buffer of one dtype. Where a unit's modules hold parameters of several dtypes (complex
+    spectral weights of a Fourier neural operator beside real linear layers, a float64 head), every module inside it
+    whose own parameters are of another dtype than the unit's (that of its bracketing modules' own parameters, else
+    of most of its bytes) becomes a unit of its own, placed before the unit that held it, until no unit mixes. A
+    module holding several dtypes itself is left as it is: the unit then raises, naming the dtypes."""
+    names = {m: name for name, m in model.named_modules()}
+    order = {m: i for i, m in enumerate(_post_order(model))}
+    roots = list(roots)
+    while True:
+        domain: dict[int, list[nn.Module]] = {}
+        seen: set[nn.Module] = set()
+        for index, (_, modules) in [*enumerate(roots), (len(roots), ("<root>", [model]))]:
+            for top in modules:
+                for sub in top.modules():
+                    if sub not in seen:
+                        seen.add(sub)
+                        domain.setdefault(index, []).append(sub)
+        for index, modules in domain.items():
+            brackets = roots[index][1] if index < len(roots) else [model]
+            held = {m: _direct_dtypes(m, exclude) for m in modules}
+            dtypes = set().union(*held.values())
+            if len(dtypes) < 2:
+                continue
+            own = set().union(*(held[m] for m in brackets if m in held))
+            nbytes = {dt: sum(p.numel() * p.element_size() for m in modules for p in m.parameters(recurse=False)
+                              if p.dtype == dt and p not in exclude) for dt in dtypes}
+            main = next(iter(own)) if len(own) == 1 else max(dtypes, key=lambda dt: nbytes[dt])
+            split = [m for m in modules if m not in brackets and len(held[m]) == 1 and held[m] != {main}]
+            if split:
+                roots[index:index] = [(names[m], [m]) for m in sorted(split, key=order.__getitem__)]
+                break
+        else:
+            return roots
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    return [m for child in module.children() for m in _post_order(child)] + [module]
+
+
 #: `group_mb=None` (the default): units of about 1/TARGET_UNITS of the model, clamped to [MIN_GROUP_MB, MAX_GROUP_MB].
 TARGET_UNITS = 8
 MIN_GROUP_MB = 2.0
@@ -199,7 +245,7 @@ def plan_units(model: nn.Module, wrap: object = "auto", group_mb: float | None =
         group_mb = auto_group_mb(model, exclude)
     if not group_mb > 0:
         raise ValueError(f"group_mb={group_mb!r} must be a positive number of MiB")
-    roots = _choose_unit_roots(model, wrap, group_mb)
+    roots = _split_by_dtype(model, _choose_unit_roots(model, wrap, group_mb), exclude)
     owner: dict[nn.Parameter, int] = {}
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     module_unit: dict[nn.Module, int] = {}
