@@ -25,6 +25,9 @@ from .comm.objects import all_gather_json
 __all__ = ["check_agreement", "describe_parameters", "fingerprints", "agree_on_recovery"]
 
 
+_BUILD_ALIKE = "build the same model (same seed or state dict) with the same options on every rank"
+
+
 def describe_parameters(module: nn.Module) -> list[list[Any]]:
     """[name, shape, dtype, requires_grad] for every parameter, in registration order (tied ones once)."""
     return [[name, list(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
@@ -65,9 +68,9 @@ def _first_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | 
     return None if a == b else (path.lstrip("."), a, b)
 
 
-def check_agreement(comm: Communicator, who: str, description: dict[str, Any]) -> None:
-    """Raise ValueError naming the first difference and the ranks unless every rank of `comm` passed an equal
-    JSON-able `description` (see the module docstring). Collective over `comm`; free for a group of one."""
+def check_agreement(comm: Communicator, who: str, description: dict[str, Any], advice: str = _BUILD_ALIKE) -> None:
+    """Raise ValueError naming the first difference, the ranks and `advice` unless every rank of `comm` passed an
+    equal JSON-able `description` (see the module docstring). Collective over `comm`; free for a group of one."""
     if comm.size == 1:
         return
     text = json.dumps(description, sort_keys=True, separators=(",", ":"))
@@ -81,9 +84,8 @@ def check_agreement(comm: Communicator, who: str, description: dict[str, Any]) -
     other = next(r for r in range(comm.size) if described[r] != described[0])
     where, first, second = _first_difference(described[0], described[other]) or ("(description)", "?", "?")
     group = list(getattr(comm, "global_ranks", range(comm.size)))
-    raise ValueError(f"{who}: the ranks of its group do not hold the same model or options: {where} is {first!r} on "
-                     f"rank {group[0]} but {second!r} on rank {group[other]}; build the same model (same seed or "
-                     f"state dict) with the same options on every rank")
+    raise ValueError(f"{who}: the ranks of its group disagree: {where} is {first!r} on rank {group[0]} but "
+                     f"{second!r} on rank {group[other]}; {advice}")
 
 
 def agree_on_recovery(comm: Communicator, who: str) -> None:

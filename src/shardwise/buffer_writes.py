@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .comm.base import Communicator, ReduceOp
+from .comm.uncounted import uncounted
 
 __all__ = ["BUFFER_WRITES_CHOICES", "check_buffer_writes_option", "watch_buffer_writes"]
 
@@ -96,7 +97,7 @@ class BufferWrites:
         stats = torch.cat([flags[:, None], torch.stack([_fingerprint(b).to(device) for _, b in named])], dim=1)
         # One MAX all-reduce gives whether any rank wrote each buffer, and the largest and smallest fingerprints.
         both = torch.cat([stats, -stats[:, 1:]], dim=1)
-        if self.comm.size > 1:
+        with uncounted(self.comm):  # control traffic: comm.stats stays the strategy's own (comm/uncounted.py)
             self.comm.all_reduce(both, ReduceOp.MAX)
         rows = both.tolist()
         differ = [(name, bool(row[0] > 0)) for (name, _), row in zip(named, rows)

@@ -36,6 +36,7 @@ from torch import nn
 
 from . import layout
 from .hf_save import guard_save_pretrained
+from .optimizer_agreement import HyperparameterAgreement
 from .whole.optim_state import localize_loaded_state, reading_pieces, to_local_optimizer_state
 
 __all__ = ["mark_replaced", "register_wrapped", "check_step", "mark_updated"]
@@ -47,6 +48,8 @@ _checks: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]] = we
 _over_pieces: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # holding pieces of sharded parameters
 _installed = False
 _lock = threading.Lock()
+_agreement = HyperparameterAgreement()
+_DATA_PARALLEL = ("ddp", "zero", "fsdp")  # the strategies whose group holds the same parameters and optimizer
 
 
 def mark_replaced(params: list[nn.Parameter], wrapper: str) -> None:
@@ -154,18 +157,23 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 
 def _before_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """Each strategy of a model wrapped in this thread that declared a `before_step` check, over the parameters
-    this optimizer holds (DDP: every gradient is one it averaged). Which models the optimizer holds parameters of is
+    this optimizer holds (DDP: every gradient is one it averaged), and the hyperparameter agreement over each
+    data-parallel group among them (optimizer_agreement.py). Which models the optimizer holds parameters of is
     cached with the parameter count, as the first check is."""
     cached = _checks.get(optimizer)
     if cached is None or cached[0] != len(params):
         ids = {id(p) for p in params}
-        checks = []
+        checks, groups = [], {}
         for model in list(getattr(_local, "models", ())):
             held = {id(pl.param) for pl in layout.placements(model).values()} & ids
             checks += [(s.before_step, held) for s in layout.strategies(model) if s.before_step is not None and held]
-        cached = _checks[optimizer] = (len(params), checks)
+            groups.update({id(s.world): s.world for s in layout.strategies(model) if held and s.world is not None
+                           and s.world.size > 1 and s.name.startswith(_DATA_PARALLEL)})
+        cached = _checks[optimizer] = (len(params), checks, list(groups.values()))
     for check, held in cached[1]:
         check(held)
+    if cached[2]:
+        _agreement.check(optimizer, cached[2])
 
 
 def mark_updated(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
