@@ -190,3 +190,37 @@ def test_bad_option_and_distribute() -> None:
         assert bad is not None and "DDP: buffer_writes='average' is not supported" in bad and "'local'" in bad
         assert bad_zero is not None and "buffer_writes=True is not supported" in bad_zero
         assert moved == 6
+
+
+class Tracker(nn.Module):
+    """Accumulates the mean activation of each batch it sees: a per-rank statistic inside a GPT block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, hidden: torch.Tensor) -> None:
+        if self.training:
+            self.seen += hidden.detach().mean()
+
+
+@pytest.mark.parametrize("choice", [None, "local"])
+def test_parallelize_checks_over_its_data_parallel_ranks(choice: str | None) -> None:
+    from parity import CONFIG, batch
+
+    from shardwise.models import GPT
+
+    def body(comm: sw.Communicator) -> str | None:
+        gpt = GPT(CONFIG, seed=0)
+        block = gpt.blocks[0]
+        block.tracker = Tracker()
+        block.register_forward_pre_hook(lambda module, args: module.tracker(args[0]))
+        model = sw.parallelize(gpt, sw.Mesh(comm, dp=2, tp=1, pp=1), buffer_writes=choice)
+        return value_error_text(lambda: model.step(*batch(0, comm.rank, comm.size)))
+
+    for text in sw.launch(body, 2):
+        if choice is None:
+            # named as the pipeline stage holds it ('1.tracker.seen')
+            assert text is not None and "tracker.seen' differs across the 2 data-parallel ranks" in text
+        else:
+            assert text is None

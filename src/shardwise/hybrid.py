@@ -115,15 +115,16 @@ def data_group(mesh: Mesh) -> Communicator:
 def _wrap_stage(stage: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     group = data_group(mesh)
     if plan.dp_strategy == "ddp":
-        return DDP(stage, group, compression=plan.compression, find_unused_parameters=plan.find_unused_parameters)
+        return DDP(stage, group, compression=plan.compression, find_unused_parameters=plan.find_unused_parameters,
+                   buffer_writes=plan.buffer_writes)
     mp = plan.mixed_precision
     if plan.dp_strategy.startswith("zero"):
         return ZeRO(stage, group, stage=int(plan.dp_strategy[-1]), mixed_precision=mp, cpu_offload=plan.cpu_offload,
-                    compression=plan.compression)
+                    compression=plan.compression, buffer_writes=plan.buffer_writes)
     sharding = plan.dp_strategy.split(":", 1)[1]
     shard_size = plan.dp_shard if sharding == "hybrid_shard" else None
     return FSDP(stage, group, sharding=sharding, shard_size=shard_size, mixed_precision=mp,
-                cpu_offload=plan.cpu_offload, compression=plan.compression)
+                cpu_offload=plan.cpu_offload, compression=plan.compression, buffer_writes=plan.buffer_writes)
 
 
 class HybridModel(nn.Module):
@@ -295,6 +296,7 @@ def parallelize(
     compression: Any = None,
     find_unused_parameters: bool = False,
     cp_method: str = "ring",
+    buffer_writes: str | None = None,
 ) -> HybridModel:
     """Data x tensor x pipeline parallelism over `mesh`, in the documented order (see the module docstring).
 
@@ -327,6 +329,8 @@ def parallelize(
     cp_method: with cp > 1, "ring" (ring attention, zigzag) or "ulysses" (all-to-all over heads: n_heads / tp
         divisible by cp); every rank of a cp group is given its dp rank's batch and `step` splits the sequence; with
         tp > 1 context parallel runs on each tp rank's heads (docs/context_parallel.md).
+    buffer_writes: the data-parallel wrappers' option (None: a buffer a training forward leaves different across
+        the dp (x cp) ranks raises; "local": each rank keeps its own; docs/forward_writes.md).
     With ep > 1 the model's MoE layers have their experts split over mesh.ep (shardwise.experts; docs/experts.md).
     A MoE layer's load-balancing loss (moe_aux_loss_coef > 0; a HuggingFace Mixtral's with output_router_logits and
     router_aux_loss_coef > 0) is added to the loss, over the global batch as `GPT.forward` (Mixtral's forward)
@@ -340,7 +344,7 @@ def parallelize(
         n_microbatches = 1 if mesh.sizes["pp"] == 1 and balanced else 2 * mesh.sizes["pp"]
     plan = Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
-                 offload_level(cpu_offload), compression, find_unused_parameters, cp_method)
+                 offload_level(cpu_offload), compression, find_unused_parameters, cp_method, buffer_writes)
     check_plan(mesh, plan, model)
     to_comm_device(model, mesh.world, "parallelize")  # every axis of the mesh shares the world's device
     if mesh.sizes["tp"] > 1:

@@ -11,6 +11,7 @@ from torch import nn
 from .compression.support import check_supported
 from .context_parallel.compose import attention_dropout, check_method
 from . import layout
+from .buffer_writes import check_buffer_writes_option
 from .mesh import Mesh
 from .models.hf_parallel import router_loss_coef
 from .models.moe import MoE
@@ -36,6 +37,7 @@ class Plan:
     compression: Any = None  # a sw.compression method for the dp axis (compression/support.py's table)
     find_unused_parameters: bool = False  # DDP's option (the sharding engine needs none: sharding/grad_layout.py)
     cp_method: str = "ring"  # context parallel's attention ("ring" or "ulysses"; context_parallel/apply.py)
+    buffer_writes: str | None = None  # the dp wrappers' check of buffers a forward writes (buffer_writes.py)
 
 
 def check_plan(mesh: Mesh, plan: Plan, model: nn.Module) -> None:
@@ -92,6 +94,7 @@ def check_plan(mesh: Mesh, plan: Plan, model: nn.Module) -> None:
         if plan.dp_strategy == "ddp":
             raise ValueError("parallelize: mixed_precision needs a sharded dp_strategy (zero1/2/3 or fsdp:*), whose "
                              "engine keeps fp32 master weights; DDP trains in the model's own dtype")
+    check_buffer_writes_option(plan.buffer_writes, "parallelize")
     if not isinstance(plan.find_unused_parameters, bool):
         raise ValueError(f"parallelize: find_unused_parameters={plan.find_unused_parameters!r} must be True or False")
     if plan.find_unused_parameters and plan.dp_strategy != "ddp":
