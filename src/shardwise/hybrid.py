@@ -52,6 +52,7 @@ from .models.moe import MoE
 from .placement import to_comm_device
 from .sharding import FSDP, MixedPrecision, ZeRO
 from .sharding.offload import offload_level
+from .skipped_forward import refuse_skipped_forward
 from .tensor_parallel.mappings import gather_from_region
 
 __all__ = ["parallelize", "HybridModel", "DP_STRATEGIES"]
@@ -78,6 +79,16 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None,
     raise ValueError(f"parallelize: {type(model).__name__} has no pipeline_layers() and is not a known HuggingFace "
                      f"decoder ({sorted(hf_parallel.BUILDERS)}); give the model a pipeline_layers() method returning "
                      f"its layers")
+
+
+def _layers_class(model: nn.Module) -> type | None:
+    """The class whose forward the pipeline layers reproduce: the one defining pipeline_layers(), or the
+    HuggingFace class of a known decoder."""
+    if hasattr(model, "pipeline_layers"):
+        return next(c for c in type(model).__mro__ if "pipeline_layers" in c.__dict__)
+    if getattr(getattr(model, "config", None), "model_type", None) in hf_parallel.BUILDERS:
+        return next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), None)
+    return None
 
 
 def _balance_layers(model: nn.Module) -> list[MoE]:
@@ -346,6 +357,7 @@ def parallelize(
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
                  offload_level(cpu_offload), compression, find_unused_parameters, cp_method, buffer_writes)
     check_plan(mesh, plan, model)
+    refuse_skipped_forward(model, _layers_class(model))
     to_comm_device(model, mesh.world, "parallelize")  # every axis of the mesh shares the world's device
     if mesh.sizes["tp"] > 1:
         tp.parallelize(model, mesh.tp, tp_plan, sequence_parallel=sequence_parallel)
