@@ -120,3 +120,47 @@ def test_batch_norm_in_eval_mode_over_microbatches_trains_as_one_process():
         return float(pipe.step(*_bn_batch()))
 
     assert sw.launch(body, 2) == pytest.approx([want, want], rel=1e-6)
+
+
+class _Counted(torch.nn.Module):
+    """Counts its forwards in a buffer: one per step in one process, one per microbatch in a pipeline."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return x
+
+
+def _counted_layers():
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        for p in (*first.parameters(), *second.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g))
+    return [first, torch.nn.Tanh(), _Counted(), second]
+
+
+@pytest.mark.parametrize("n_microbatches, choice", [(2, None), (2, "local"), (1, None)])
+def test_a_buffer_written_once_per_microbatch_is_refused_on_every_rank(n_microbatches, choice):
+    """The counter would count 2 per step where one process counts 1: refused on both pipeline ranks at the first
+    step (the rank holding it names it); with one microbatch, or buffer_writes='local', the step runs."""
+    def body(comm):
+        layers = _counted_layers()
+        pipe = sw.pipeline.Pipeline(sw.pipeline.partition(layers, 2), comm, "gpipe", n_microbatches=n_microbatches,
+                                    loss_fn=_mse, buffer_writes=choice)
+        try:
+            pipe.step(*_bn_batch())
+        except ValueError as e:
+            return str(e)
+        return int(layers[2].calls)
+
+    got = sw.launch(body, 2, timeout=30)
+    if n_microbatches == 2 and choice is None:
+        assert "was written by the forward of each of the 2 microbatches" in got[0] + got[1]
+        assert "buffer 'stage 1: 1.calls'" in got[0] + got[1] and "another pipeline rank's stage" in got[0] + got[1]
+    else:
+        assert n_microbatches in got  # the holding rank's counter: one per microbatch

@@ -368,7 +368,8 @@ def parallelize(
     layers, loss, gather_vocab, split_targets = _layers_and_loss(model, loss_fn, mesh)
     loss = _with_balance_loss(loss, _balance_layers(model))
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
-    pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss)
+    pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss,
+                       buffer_writes=plan.buffer_writes)
     if mixed_precision is not None and pipe.tied:
         raise ValueError(f"parallelize: mixed_precision with weights tied across pipeline ranks "
                          f"({'; '.join(pipe.tied.names)}) is not supported: the tied copies stay whole fp32 "

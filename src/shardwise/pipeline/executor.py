@@ -54,11 +54,13 @@ import torch
 from torch import nn
 
 from ..batch_norm_split import MicrobatchStatistics
+from ..buffer_writes import check_buffer_writes_option
 from ..comm.base import Communicator
 from ..profiler_ranges import profiler_range
 from .actions import Action, Op, Schedule
 from .batches import host_steps
 from .messages import Messenger, Spec, spec_of
+from .microbatch_writes import MicrobatchBufferWrites
 from .predict import check_destination, deliver
 from .schedules import FORWARD_SCHEDULES, SCHEDULES, build_schedule, check_schedule_args
 from .simulate import check_schedule
@@ -101,6 +103,8 @@ class Pipeline(nn.Module):
     loss_fn: `loss_fn(output, target) -> scalar`, the mean loss of one microbatch (e.g. `lm_loss`); output is the
     last stage's output, whatever its structure, and target the microbatch of `targets`.
     record_timeline: record each step's compute actions with their times (`pipe.timeline`).
+    buffer_writes: None (a buffer a stage's forward writes under more than one microbatch raises at the first step)
+        or "local" (accepted knowingly; microbatch_writes.py).
     Raises ValueError naming the argument for a stage count that is not a multiple of p, a schedule that does not
     fit (see `build_schedule`), or a missing loss_fn.
     """
@@ -114,8 +118,10 @@ class Pipeline(nn.Module):
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *,
         record_timeline: bool = False,
+        buffer_writes: str | None = None,
     ) -> None:
         super().__init__()
+        check_buffer_writes_option(buffer_writes, "Pipeline")
         stages = list(stages)
         p = comm.size
         if not stages or any(not isinstance(s, nn.Module) for s in stages):
@@ -160,6 +166,8 @@ class Pipeline(nn.Module):
         self.tied = TiedParameters(stages, comm, schedule.rank_of)
         self.stages = nn.ModuleDict({str(s): stages[s] for s in self.local_stages})
         self._batch_norms = MicrobatchStatistics(stages, dict(self.stages.items()), n_microbatches, comm, "Pipeline")
+        self._buffer_writes = MicrobatchBufferWrites(dict(self.stages.items()), n_microbatches, comm, "Pipeline",
+                                                     buffer_writes)
         declare_pipeline(self, dict(self.stages.items()), comm, self.tied.groups, {
             "schedule": schedule.name, "n_microbatches": n_microbatches, "n_stages": self.n_stages,
             "virtual_stages": schedule.virtual_stages, "stage_sizes": [sum(p.numel() for p in st.parameters())
@@ -189,7 +197,9 @@ class Pipeline(nn.Module):
         """
         m = self.n_microbatches
         self._batch_norms.check()
+        self._buffer_writes.before()
         st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False, around=around_action)
+        self._buffer_writes.after()
         self.tied.all_reduce_grads()
         loss = torch.zeros(1, device=self.comm.device)  # broadcast: on the communicator's device
         if st.losses:
