@@ -142,3 +142,45 @@ def test_a_module_holding_two_dtypes_itself_is_refused() -> None:
     text = sw.launch(lambda comm: value_error_text(lambda: sw.ZeRO(Mixed(), comm, stage=3)), 2)[0]
     assert text is not None and "mixes parameter dtypes ['torch.complex64', 'torch.float32']" in text
     assert "units of their own" in text
+
+
+class KeptInFloat32(nn.Module):
+    """A float64 MLP whose middle layer is kept in float32 (as HuggingFace's keep_in_fp32 modules are): wrap="auto"
+    runs the Sequential's siblings together, and the float32 one must leave that run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with _BUILD, torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+            self.m[2].float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.m[1](self.m[0](x))
+        return self.m[4](self.m[3](self.m[2](h.float()).double()))
+
+
+def train_float64(model: nn.Module, rank: int = 0, world: int = 1) -> nn.Module:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL, 6, generator=g).double(), torch.randn(GLOBAL, 1, generator=g).double()
+        rows = slice(rank * GLOBAL // world, (rank + 1) * GLOBAL // world)
+        ((model(x[rows]) - y[rows]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("wrap", ["zero1", "zero3", "fsdp"])
+def test_a_float32_sibling_leaves_a_float64_run(wrap: str) -> None:
+    units = [(u.name, sorted({str(p.dtype) for p in u.params})) for u in plan_units(KeptInFloat32())]
+    assert units == [("m.2", ["torch.float32"]), ("m.0..4", ["torch.float64"]), ("<root>", [])]
+    want = {k: v.clone() for k, v in train_float64(KeptInFloat32()).state_dict().items()}
+
+    def body(comm: sw.Communicator) -> dict[str, torch.Tensor]:
+        model = train_float64(WRAPS[wrap](KeptInFloat32(), comm), comm.rank, comm.size)
+        return {k: v.clone() for k, v in sw.full_state_dict(model).items()}
+
+    for got in sw.launch(body, 2):
+        assert_state_close(got, want)

@@ -178,8 +178,9 @@ def _split_by_dtype(model: nn.Module, roots: list[tuple[str, list[nn.Module]]],
     """A unit is one flat buffer of one dtype. Where a unit's modules hold parameters of several dtypes (complex
     spectral weights of a Fourier neural operator beside real linear layers, a float64 head), every module inside it
     whose own parameters are of another dtype than the unit's (that of its bracketing modules' own parameters, else
-    of most of its bytes) becomes a unit of its own, placed before the unit that held it, until no unit mixes. A
-    module holding several dtypes itself is left as it is: the unit then raises, naming the dtypes."""
+    of most of its bytes) becomes a unit of its own, placed before the unit that held it, until no unit mixes; in a
+    run of siblings grouped into one unit (wrap="auto"), the siblings of another dtype leave the run. A module
+    holding several dtypes itself is left as it is: the unit then raises, naming the dtypes."""
     names = {m: name for name, m in model.named_modules()}
     order = {m: i for i, m in enumerate(_post_order(model))}
     roots = list(roots)
@@ -202,8 +203,14 @@ def _split_by_dtype(model: nn.Module, roots: list[tuple[str, list[nn.Module]]],
             nbytes = {dt: sum(p.numel() * p.element_size() for m in modules for p in m.parameters(recurse=False)
                               if p.dtype == dt and p not in exclude) for dt in dtypes}
             main = next(iter(own)) if len(own) == 1 else max(dtypes, key=lambda dt: nbytes[dt])
-            split = [m for m in modules if m not in brackets and len(held[m]) == 1 and held[m] != {main}]
+            # A module of another dtype inside the unit leaves it; so does one of several siblings run together.
+            split = [m for m in modules if (m not in brackets or len(brackets) > 1)
+                     and len(held[m]) == 1 and held[m] != {main}]
             if split:
+                if index < len(roots):
+                    name, run = roots[index]
+                    rest = [b for b in run if b not in split]
+                    roots[index:index + 1] = [(name, rest)] if rest else []
                 roots[index:index] = [(names[m], [m]) for m in sorted(split, key=order.__getitem__)]
                 break
         else:
