@@ -110,12 +110,13 @@ def mlp_batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, t
     return x[rows], y[rows]
 
 
-def train_mlp(model: torch.nn.Module, loss_of, rank: int = 0, world: int = 1, steps: int = 4) -> torch.nn.Module:
+def train_mlp(model: torch.nn.Module, loss_of, rank: int = 0, world: int = 1, steps: int = 4,
+              batch_of=mlp_batch) -> torch.nn.Module:
     """`steps` AdamW steps (lr 1e-2, weight decay 0.1, eps 1e-5) of a `small_mlp`-shaped model on this rank's share
-    of `mlp_batch`, the loss `loss_of(model, x, y)`."""
+    of `mlp_batch` (or of `batch_of(step, rank, world)`), the loss `loss_of(model, x, y)`."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
     for step in range(steps):
-        x, y = mlp_batch(step, rank, world)
+        x, y = batch_of(step, rank, world)
         loss_of(model, x, y).backward()
         opt.step()
         opt.zero_grad()

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from parity import assert_state_close, value_error_text
+from parity import assert_state_close, mlp_batch, train_mlp, value_error_text
 from torch import nn
 
 import shardwise as sw
@@ -72,14 +72,12 @@ def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch
     return x[rows], y[rows]
 
 
+def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
 def train(model: nn.Module, rank: int = 0, world: int = 1) -> nn.Module:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
-    for step in range(3):
-        x, y = batch(step, rank, world)
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    return model
+    return train_mlp(model, mse, rank, world, steps=3, batch_of=batch)
 
 
 WRAPS = {
@@ -160,16 +158,13 @@ class KeptInFloat32(nn.Module):
         return self.m[4](self.m[3](self.m[2](h.float()).double()))
 
 
+def float64_batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = mlp_batch(step, rank, world)
+    return x.double(), y.double()
+
+
 def train_float64(model: nn.Module, rank: int = 0, world: int = 1) -> nn.Module:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
-    for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(GLOBAL, 6, generator=g).double(), torch.randn(GLOBAL, 1, generator=g).double()
-        rows = slice(rank * GLOBAL // world, (rank + 1) * GLOBAL // world)
-        ((model(x[rows]) - y[rows]) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    return model
+    return train_mlp(model, mse, rank, world, steps=3, batch_of=float64_batch)
 
 
 @pytest.mark.parametrize("wrap", ["zero1", "zero3", "fsdp"])
