@@ -40,7 +40,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .comm.base import Communicator, ReduceOp
 from .comm.uncounted import uncounted
 
-__all__ = ["BUFFER_WRITES_CHOICES", "check_buffer_writes_option", "watch_buffer_writes"]
+__all__ = ["BUFFER_WRITES_CHOICES", "WatchedBuffers", "check_buffer_writes_option", "watch_buffer_writes"]
 
 BUFFER_WRITES_CHOICES = (None, "local")
 
@@ -64,34 +64,52 @@ def watch_buffer_writes(model: nn.Module, comm: Communicator, buffer_writes: str
         model.register_forward_hook(watch.after)
 
 
+class WatchedBuffers:
+    """The buffers of a module outside its BatchNorm layers (those follow the batch_norm= choice; the names are
+    fixed when this is made), and which of them some code wrote: `note()` before it, `written(noted, named)` after.
+    A write is an in-place change (the version counter moved) or another tensor now under the name."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.skipped = {f"{prefix}.{name}".lstrip(".") for prefix, m in module.named_modules()
+                        if isinstance(m, _BatchNorm) for name, _ in m.named_buffers(recurse=False)}
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, b) for name, b in self.module.named_buffers() if name not in self.skipped]
+
+    def note(self) -> dict[str, tuple[int, int]]:
+        return {name: (id(b), b._version) for name, b in self.named()}
+
+    @staticmethod
+    def written(noted: dict[str, tuple[int, int]], named: list[tuple[str, torch.Tensor]]) -> list[bool]:
+        return [noted.get(name) != (id(b), b._version) for name, b in named]
+
+
 class BufferWrites:
     """The check of one wrapped model (module docstring): `before` notes each buffer's tensor and version, `after`
     compares every buffer across the ranks and raises on a difference."""
 
     def __init__(self, model: nn.Module, comm: Communicator, who: str) -> None:
-        self.model, self.comm, self.who = model, comm, who
-        # BatchNorm statistics follow the batch_norm= choice; the names are fixed at wrap time.
-        self.skipped = {f"{prefix}.{name}".lstrip(".") for prefix, m in model.named_modules()
-                        if isinstance(m, _BatchNorm) for name, _ in m.named_buffers(recurse=False)}
+        self.watched, self.comm, self.who = WatchedBuffers(model), comm, who
         self.noted: dict[str, tuple[int, int]] | None = None
         self.first, self.watching = True, False
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, b) for name, b in self.model.named_buffers() if name not in self.skipped]
+        return self.watched.named()
 
     def before(self, module: nn.Module, args: Any) -> None:
         checked = module.training and torch.is_grad_enabled() and (self.first or self.watching)
-        self.noted = {name: (id(b), b._version) for name, b in self.buffers()} if checked else None
+        self.noted = self.watched.note() if checked else None
 
     @torch.no_grad()
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.noted is None:
             return
         noted, self.noted = self.noted, None
-        named = self.buffers()
+        named = self.watched.named()
         if not named:
             return
-        written = [noted.get(name) != (id(b), b._version) for name, b in named]
+        written = WatchedBuffers.written(noted, named)
         device = self.comm.device
         flags = torch.tensor(written, dtype=torch.float64).to(device)
         stats = torch.cat([flags[:, None], torch.stack([_fingerprint(b).to(device) for _, b in named])], dim=1)

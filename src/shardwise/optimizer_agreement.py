@@ -11,8 +11,9 @@ over parameters of a data-parallel model (sw.DDP, sw.ZeRO, sw.FSDP, and those `s
 step and every `EVERY`-th after it, the ranks of each data-parallel group compare the optimizer's param groups with
 their parameters left out (lr, betas, eps, weight_decay, momentum, ...) by `agreement.check_agreement`: one
 all-gather of an 8-byte digest per rank, and only on a difference the descriptions themselves, to name the first
-entry that differs and the ranks; control traffic, not counted in `comm.stats` (comm/uncounted.py). A rate that starts to differ is caught within `EVERY` steps; the steps between cost
-nothing. Every rank of the group steps the optimizer as often (it holds the same parameters), so the checks line up.
+entry that differs and the ranks; control traffic, not counted in `comm.stats` (comm/uncounted.py). A rate that
+starts to differ is caught within `EVERY` steps; the steps between cost nothing. Every rank of the group steps the
+optimizer as often (it holds the same parameters), so the checks line up.
 """
 
 from __future__ import annotations

@@ -166,9 +166,13 @@ def _before_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -
         checks, groups = [], {}
         for model in list(getattr(_local, "models", ())):
             held = {id(pl.param) for pl in layout.placements(model).values()} & ids
-            checks += [(s.before_step, held) for s in layout.strategies(model) if s.before_step is not None and held]
-            groups.update({id(s.world): s.world for s in layout.strategies(model) if held and s.world is not None
-                           and s.world.size > 1 and s.name.startswith(_DATA_PARALLEL)})
+            if not held:
+                continue
+            for s in layout.strategies(model):
+                if s.before_step is not None:
+                    checks.append((s.before_step, held))
+                if s.world is not None and s.world.size > 1 and s.name.startswith(_DATA_PARALLEL):
+                    groups[id(s.world)] = s.world
         cached = _checks[optimizer] = (len(params), checks, list(groups.values()))
     for check, held in cached[1]:
         check(held)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..buffer_writes import WatchedBuffers
 from ..comm.base import Communicator, ReduceOp
 from ..comm.uncounted import uncounted
 
@@ -30,26 +30,23 @@ class MicrobatchBufferWrites:
 
     def __init__(self, local: dict[str, nn.Module], n_microbatches: int, comm: Communicator, who: str,
                  buffer_writes: str | None) -> None:
-        self.local, self.comm, self.who, self.n = local, comm, who, n_microbatches
+        self.comm, self.who, self.n = comm, who, n_microbatches
+        self.watched = {s: WatchedBuffers(stage) for s, stage in local.items()}
         self.active = n_microbatches > 1 and buffer_writes != "local"
-        self.noted: dict[str, tuple[int, int]] | None = None
-
-    def _buffers(self) -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for s, stage in self.local.items():
-            skipped = {f"{p}.{n}".lstrip(".") for p, m in stage.named_modules() if isinstance(m, _BatchNorm)
-                       for n, _ in m.named_buffers(recurse=False)}
-            out += [(f"stage {s}: {name}", b) for name, b in stage.named_buffers() if name not in skipped]
-        return out
+        self.noted: dict[str, dict[str, tuple[int, int]]] | None = None
 
     def before(self) -> None:
         if self.active:
-            self.noted = {name: (id(b), b._version) for name, b in self._buffers()}
+            self.noted = {s: watched.note() for s, watched in self.watched.items()}
 
     def after(self) -> None:
         if not self.active or self.noted is None:
             return
-        written = [name for name, b in self._buffers() if self.noted.get(name) != (id(b), b._version)]
+        written = []
+        for s, watched in self.watched.items():
+            named = watched.named()
+            written += [f"stage {s}: {name}" for (name, _), moved in
+                        zip(named, WatchedBuffers.written(self.noted[s], named)) if moved]
         self.active, self.noted = False, None
         flag = torch.tensor([1.0 if written else 0.0], device=self.comm.device)
         if self.comm.size > 1:

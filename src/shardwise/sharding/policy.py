@@ -186,13 +186,8 @@ def _split_by_dtype(model: nn.Module, roots: list[tuple[str, list[nn.Module]]],
     roots = list(roots)
     while True:
         domain: dict[int, list[nn.Module]] = {}
-        seen: set[nn.Module] = set()
-        for index, (_, modules) in [*enumerate(roots), (len(roots), ("<root>", [model]))]:
-            for top in modules:
-                for sub in top.modules():
-                    if sub not in seen:
-                        seen.add(sub)
-                        domain.setdefault(index, []).append(sub)
+        for sub, index in _module_units(model, roots).items():
+            domain.setdefault(index, []).append(sub)
         for index, modules in domain.items():
             brackets = roots[index][1] if index < len(roots) else [model]
             held = {m: _direct_dtypes(m, exclude) for m in modules}
@@ -215,6 +210,19 @@ def _split_by_dtype(model: nn.Module, roots: list[tuple[str, list[nn.Module]]],
                 break
         else:
             return roots
+
+
+def _module_units(model: nn.Module, roots: list[tuple[str, list[nn.Module]]]) -> dict[nn.Module, int]:
+    """Each module of `model` and the index in `roots` of the unit whose modules contain it (the first, for a
+    module inside two), or len(roots) for the root unit; in unit order, then module order."""
+    unit: dict[nn.Module, int] = {}
+    for index, (_, modules) in enumerate(roots):
+        for top in modules:
+            for sub in top.modules():
+                unit.setdefault(sub, index)
+    for sub in model.modules():
+        unit.setdefault(sub, len(roots))
+    return unit
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:
@@ -255,18 +263,14 @@ def plan_units(model: nn.Module, wrap: object = "auto", group_mb: float | None =
     roots = _split_by_dtype(model, _choose_unit_roots(model, wrap, group_mb), exclude)
     owner: dict[nn.Parameter, int] = {}
     locations: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
-    module_unit: dict[nn.Module, int] = {}
-    for index, (_, modules) in enumerate(roots):
-        for top in modules:
-            for sub in top.modules():
-                module_unit.setdefault(sub, index)
+    module_unit = _module_units(model, roots)
     root_index = len(roots)
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if p in exclude:
                 continue
             locations.setdefault(p, []).append((module, name))
-            unit = module_unit.get(module, root_index)
+            unit = module_unit[module]
             if p in owner and owner[p] != unit:
                 owner[p] = root_index  # tied across units: gathered once, by the root
             else:
