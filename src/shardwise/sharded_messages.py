@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["CLIP", "MESSAGES"]
+from typing import Any
+
+__all__ = ["CLIP", "MESSAGES", "broadcast_piece", "whole_with_piece"]
 
 CLIP = ("torch.nn.utils.clip_grad_norm_ over a sharded model would clip each rank by its own piece's norm: use "
          "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
@@ -17,3 +19,21 @@ MESSAGES = {
             "create_graph=True (a gradient-norm penalty) work under sw.DDP, ZeRO-1/2 and wrap=None (one unit), "
             "averaged over the ranks; gradients of the inputs (a WGAN-GP or R1 penalty) work under every stage",
 }
+
+
+def whole_with_piece(name: str, spec: Any, held: int) -> str:
+    return (f"{name}() combines a whole tensor of shape {tuple(spec.shape)} with {spec.name}, a {spec.what} piece "
+            f"(this rank holds {held} of its {spec.numel} elements): a copy of the whole model updated from the "
+            f"wrapped one (torch.optim.swa_utils.AveragedModel, an EMA) would mix one rank's piece into every element. "
+            f"Keep the average as pieces: ema = [p.detach().clone() for p in model.parameters()], after each step "
+            f"torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 1 - decay), and evaluate with them "
+            f"copied in (p.data.copy_(e)); or update the copy from sw.full_state_dict(model) (collective)")
+
+
+def broadcast_piece(name: str, spec: Any, held: int, other: tuple) -> str:
+    return (f"{name}() would broadcast {spec.name}, a {spec.what} piece (this rank holds {held} of its {spec.numel} "
+            f"elements, shape {tuple(spec.shape)}), against a tensor of shape {tuple(other)}, as if the flat piece "
+            f"were the parameter: it is read where its unit is not gathered, outside the forward of a module that "
+            f"holds it (or after that forward). Read it inside the forward of the module that registers it (a "
+            f"container such as ParameterList has no forward: its parent's forward reads it), or keep it whole on "
+            f"every rank with replicated_params=(param,) (it is then all-reduced as under DDP)")

@@ -42,7 +42,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 from torch.utils import _foreach_utils as torch_foreach_utils
 
-from .sharded_messages import CLIP, MESSAGES
+from .sharded_messages import CLIP, MESSAGES, broadcast_piece, whole_with_piece
 
 __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
            "grad_like", "on_data_read"]
@@ -53,12 +53,15 @@ class ShardSpec:
     """What a sharded piece answers for. shape: the original tensor's (global) shape. name: its name in the model,
     for messages. what: which strategy holds the piece ("ZeRO-3", ...). whole: the tensor is whole, but part of a
     model spread over ranks (a pipeline stage's gradient): everything runs on it but what combines tensors into one
-    model-wide figure (torch's clip and GradScaler, `_ACROSS_RANKS`), which would see only this rank's part."""
+    model-wide figure (torch's clip and GradScaler, `_ACROSS_RANKS`), which would see only this rank's part. flat:
+    the piece is a flat range of the tensor's elements (ZeRO/FSDP), not a sub-tensor in the tensor's own layout (a
+    tensor-parallel or expert slice), so nothing may broadcast it."""
 
     shape: torch.Size
     name: str
     what: str = "ZeRO/FSDP"
     whole: bool = False
+    flat: bool = False
 
     @property
     def numel(self) -> int:
@@ -136,8 +139,8 @@ class _Sharded:
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
-        if kind == "elementwise" and args and not _leads_with_shard(args[0]):
-            _refuse_whole_with_piece(func, args)  # an EMA copy of the whole model updated from the pieces
+        if kind == "elementwise" and args:
+            _check_operands(func, args)  # a piece broadcast against, or mixed into, a tensor of another shape
         # torch's C implementation of "run with __torch_function__ off" (what nn.Parameter uses): the cheapest way.
         out = _run_plain(func, types, args, kwargs) if kwargs else _run_plain(func, types, args)
         if kind == "elementwise" and out is not None and not (args and out is args[0]):
@@ -170,12 +173,6 @@ def _refuse_data_set(t: Any) -> None:
                        f"cast or move the model, do it before wrapping")
 
 
-def _leads_with_shard(first: Any) -> bool:
-    if isinstance(first, (list, tuple)):  # torch._foreach_*: lists of tensors
-        first = first[0] if first else None
-    return isinstance(first, _Sharded)
-
-
 def _complex_view(func: Any, piece: Any) -> Any:
     """The same view of the local elements, a piece of the viewed tensor (real view: a trailing dim of 2)."""
     spec = getattr(piece, _SPEC)
@@ -184,27 +181,30 @@ def _complex_view(func: Any, piece: Any) -> Any:
     return as_sharded(out, dataclasses.replace(spec, shape=torch.Size(shape)))
 
 
-def _refuse_whole_with_piece(func: Any, args: tuple) -> None:
-    """An elementwise operation whose first operand is a plain tensor shaped like a whole parameter, and another a
-    piece of that parameter: torch.optim.swa_utils.AveragedModel's update (a deep copy of the model made before
-    wrapping, lerped towards `model.parameters()`) or any EMA kept as whole tensors. It would mix this rank's piece
-    into every element, or fail with a size mismatch that names nothing."""
-    # A torch._foreach_* call is checked at its first index only (the optimizer's moment lists lead its calls: O(1)).
+def _check_operands(func: Any, args: tuple) -> None:
+    """An elementwise operation combining a piece with a plain tensor of another shape, refused before it runs: one
+    shaped like the whole parameter (AveragedModel's update of a copy made before wrapping, any EMA kept whole) would
+    mix this rank's piece into every element; any other that the flat piece would broadcast against (`x * w`, `w`
+    read where its unit is not gathered) gives a wrong number on every rank whose piece happens to fit. A
+    torch._foreach_* call is checked at its first index only (the optimizer's moment lists lead its calls: O(1))."""
     flat = [t for a in args for t in (a[:1] if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
-    shapes = {tuple(t.shape) for t in flat if not isinstance(t, _Sharded)}
-    piece = next((t for t in flat if isinstance(t, _Sharded) and not getattr(t, _SPEC).whole
-                  and tuple(getattr(t, _SPEC).shape) in shapes - {tuple(local(t).shape)}), None)
+    piece = next((t for t in flat if isinstance(t, _Sharded) and not getattr(t, _SPEC).whole), None)
     if piece is None:
         return
-    spec = getattr(piece, _SPEC)
-    raise RuntimeError(
-        f"{getattr(func, '__name__', func)}() combines a whole tensor of shape {tuple(spec.shape)} with "
-        f"{spec.name}, a {spec.what} piece (this rank holds {local(piece).numel()} of its {spec.numel} elements): a "
-        f"copy of the whole model updated from the wrapped one (torch.optim.swa_utils.AveragedModel, an EMA) would "
-        f"mix one rank's piece into every element. Keep the average as pieces: ema = [p.detach().clone() for p in "
-        f"model.parameters()], after each step torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], "
-        f"1 - decay), and evaluate with them copied in (p.data.copy_(e)); or update the copy from "
-        f"sw.full_state_dict(model) (collective)")
+    spec, mine = getattr(piece, _SPEC), local(piece).shape
+    others = [t.shape for t in flat if not isinstance(t, _Sharded) and t.dim() and t.shape != mine]
+    name = getattr(func, "__name__", func)
+    if spec.shape in others:
+        raise RuntimeError(whole_with_piece(name, spec, local(piece).numel()))
+    if spec.flat and any(_broadcasts(shape, mine) for shape in others):
+        raise RuntimeError(broadcast_piece(name, spec, local(piece).numel(), next(s for s in others)))
+
+
+def _broadcasts(shape: torch.Size, mine: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, mine) != mine
+    except RuntimeError:  # no common shape (an empty piece): torch's own message would name neither tensor
+        return True
 
 
 def _is_piece(t: Any) -> bool:

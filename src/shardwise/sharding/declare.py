@@ -37,8 +37,8 @@ def sharded_placements(engine: ShardingEngine, before: dict[str, layout.Placemen
             pl = before[info.name]
             # The piece answers for the ORIGINAL tensor (its name, its shape before tensor parallel split it too).
             if not unit.whole_pieces:
-                set_spec(info.shard_param, ShardSpec(torch.Size(pl.shape), pl.name, _STRATEGY_NAMES.get(
-                    engine.config.name, engine.config.name)))
+                what = _STRATEGY_NAMES.get(engine.config.name, engine.config.name)
+                set_spec(info.shard_param, ShardSpec(torch.Size(pl.shape), pl.name, what, flat=True))
             refined[pl.name] = dataclasses.replace(
                 pl, param=info.shard_param, flat=(info.shard_lo, info.shard_hi), flat_group=group,
                 flat_by_rank=tuple(unit.piece_of(info.offset, info.numel, r) for r in range(group.size)),

@@ -13,7 +13,10 @@ collective and whose gradients are reduce-scattered with ONE collective. Units a
 * `wrap=<module class or tuple of classes>`: every instance of those classes is a unit (e.g. the GPT Block).
 * `wrap="size:<MB>"`: every module whose subtree holds >= MB of parameters not already in a unit becomes one.
 * `wrap=None`: one unit for the whole model.
-Parameters not claimed by any unit belong to the root unit. A parameter shared by modules of different units (tied
+No unit is bracketed by a module without a forward of its own (ModuleList, ModuleDict, ParameterList: containers
+nothing calls, whose hooks would never fire): a run looks through them to the blocks they hold, and their own
+parameters stay with the unit of the module that reads them. Parameters not claimed by any unit belong to the root
+unit. A parameter shared by modules of different units (tied
 weights) is moved to the root unit so it is gathered once and its gradient summed once. A unit is one dtype: inside
 a unit that would mix dtypes, the modules holding another dtype become units of their own (`_split_by_dtype`).
 """
@@ -97,6 +100,27 @@ class UnitPlan:
     is_root: bool = False
 
 
+def _has_forward(module: nn.Module) -> bool:
+    """Whether the module can be called: a container (ModuleList, ModuleDict, ParameterList) defines no forward, nor
+    can a Sequential holding one run its own, so nothing calls them and a unit bracketed by one would never be
+    gathered."""
+    if type(module).forward is nn.Module.forward:
+        return False
+    return type(module).forward is not nn.Sequential.forward or all(_has_forward(c) for c in module.children())
+
+
+def _called_children(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of `module` as a run of siblings sees them: a child without a forward (a ModuleList of blocks
+    inside a ModuleList, as Funnel-Transformer's encoder holds them) is replaced by its own children, recursively."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_children():
+        if _has_forward(child):
+            found.append((f"{prefix}{name}", child))
+        else:
+            found += _called_children(f"{prefix}{name}.", child)
+    return found
+
+
 def _subtree_bytes(module: nn.Module, claimed: set[nn.Parameter]) -> int:
     return sum(local(p).numel() * p.element_size() for p in module.parameters() if p not in claimed)
 
@@ -114,6 +138,12 @@ def _choose_unit_roots(model: nn.Module, wrap: object, group_mb: float) -> list[
     if wrap is None:
         return units
     if isinstance(wrap, type) or (isinstance(wrap, tuple) and all(isinstance(c, type) for c in wrap)):
+        for cls in wrap if isinstance(wrap, tuple) else (wrap,):
+            if issubclass(cls, nn.Module) and cls.forward is nn.Module.forward:
+                raise ValueError(
+                    f"wrap={cls.__name__}: a {cls.__name__} has no forward of its own, so nothing calls it and a unit "
+                    f"it brackets would never be gathered; name the class of the blocks it holds (e.g. the "
+                    f"transformer block), or use wrap='auto'")
         for name, module in model.named_modules():
             if module is not model and isinstance(module, wrap) and not (set(module.parameters()) <= claimed):
                 claim(name, [module])
@@ -124,8 +154,14 @@ def _choose_unit_roots(model: nn.Module, wrap: object, group_mb: float) -> list[
         def visit_size(prefix: str, module: nn.Module) -> None:
             for child_name, child in module.named_children():
                 visit_size(f"{prefix}{child_name}.", child)
-            if module is not model and _subtree_bytes(module, claimed) >= threshold:
+            if module is model or _subtree_bytes(module, claimed) < threshold:
+                return
+            if _has_forward(module):
                 claim(prefix.rstrip("."), [module])
+                return
+            run = [(n, c) for n, c in _called_children(prefix, module) if _subtree_bytes(c, claimed) > 0]
+            if run:  # a container of small blocks: they become one unit, its own parameters stay with its caller
+                claim(f"{run[0][0]}..{run[-1][0]}", [c for _, c in run])
 
         visit_size("", model)
         return units
@@ -141,7 +177,7 @@ def _choose_unit_roots(model: nn.Module, wrap: object, group_mb: float) -> list[
             run: list[nn.Module] = []
             run_names: list[str] = []
             size = 0
-            for child_name, child in children:
+            for child_name, child in _called_children("", module):
                 child_size = _subtree_bytes(child, claimed)
                 if child_size >= limit:
                     if run:
@@ -169,8 +205,16 @@ def _choose_unit_roots(model: nn.Module, wrap: object, group_mb: float) -> list[
     return units
 
 
-def _direct_dtypes(module: nn.Module, exclude: frozenset[nn.Parameter]) -> set[torch.dtype]:
-    return {p.dtype for p in module.parameters(recurse=False) if p not in exclude}
+def _owned_dtypes(module: nn.Module, exclude: frozenset[nn.Parameter]) -> set[torch.dtype]:
+    """The dtypes of the parameters `module`'s forward reads as its own: its direct ones and those of the containers
+    without a forward below it (an FNO layer's ParameterList of complex weights); a container itself owns none."""
+    if not _has_forward(module):
+        return set()
+
+    def owned(m: nn.Module) -> list[nn.Parameter]:
+        return [*m.parameters(recurse=False), *(p for c in m.children() if not _has_forward(c) for p in owned(c))]
+
+    return {p.dtype for p in owned(module) if p not in exclude}
 
 
 def _split_by_dtype(model: nn.Module, roots: list[tuple[str, list[nn.Module]]],
@@ -190,7 +234,7 @@ def _split_by_dtype(model: nn.Module, roots: list[tuple[str, list[nn.Module]]],
             domain.setdefault(index, []).append(sub)
         for index, modules in domain.items():
             brackets = roots[index][1] if index < len(roots) else [model]
-            held = {m: _direct_dtypes(m, exclude) for m in modules}
+            held = {m: _owned_dtypes(m, exclude) for m in modules}
             dtypes = set().union(*held.values())
             if len(dtypes) < 2:
                 continue

@@ -170,7 +170,7 @@ class Unit(UnitGradients):
                 shard_param = nn.Parameter(piece.view(shape), requires_grad=p.requires_grad)
             else:  # this rank's piece, answering for the whole parameter (shape, dim, numel: sharded_tensor.py);
                 # the strategy re-describes it with the original name and global shape once placements are known
-                shard_param = as_sharded(piece, ShardSpec(p.shape, names[p]), parameter=True,
+                shard_param = as_sharded(piece, ShardSpec(p.shape, names[p], flat=True), parameter=True,
                                          requires_grad=p.requires_grad)
             on_data_read(shard_param, self.mark_stale)  # a write through .data bumps no version counter
             unsharded = nn.Parameter(self.full[offset : offset + numel].view(shape), requires_grad=p.requires_grad)
