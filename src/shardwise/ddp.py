@@ -52,6 +52,7 @@ from .compression.support import check_copies
 from .optimizer_guard import register_wrapped
 from .batch_norm_split import apply_batch_norm_choice
 from .buffer_writes import check_buffer_writes_option, watch_buffer_writes
+from .forward_methods import check_forward_methods, route_through_forward
 from .embedding_rows import check_embedding_rows
 from .batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from .compiled import refuse_compiled
@@ -125,6 +126,7 @@ def DDP(
     compression: Compressor | None = None,
     batch_norm: str | None = None,
     buffer_writes: str | None = None,
+    forward_methods: tuple[str, ...] | None = None,
 ) -> nn.Module:
     """Make `module` data parallel over `comm` and return it (the same object, its parameter names unchanged).
 
@@ -140,6 +142,8 @@ def DDP(
     buffer_writes: None (default: a buffer that a training forward leaves different across the ranks, such as a
         running statistic of each rank's slice, raises, naming it) or "local" (each rank's own, torch DDP's;
         buffer_writes.py).
+    forward_methods: names of the model's methods called instead of its forward (CLIP's "encode_image"): each runs
+        as the forward, through its hooks (forward_methods.py; needed under ZeRO / FSDP, accepted here alike).
     Train it with any torch.optim optimizer over `module.parameters()`; use `module.no_sync()` to accumulate.
     """
     if not isinstance(module, nn.Module):
@@ -158,6 +162,7 @@ def DDP(
     refuse_unsplittable_batch_statistics(module, comm, "DDP")
     apply_batch_norm_choice(module, comm, batch_norm, "DDP")
     check_buffer_writes_option(buffer_writes, "DDP")
+    methods = check_forward_methods(module, forward_methods, "DDP")
     check_embedding_rows(module, comm, "DDP")
     check_copies(module, compression, "DDP")
     for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
@@ -174,12 +179,14 @@ def DDP(
     check_agreement(comm, "DDP", {"parameters": describe_parameters(module), "options": {
         "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "find_unused_parameters": find_unused_parameters,
         "broadcast_buffers": broadcast_buffers, "batch_norm": batch_norm, "buffer_writes": buffer_writes,
+        "forward_methods": methods,
         "compression": None if compression is None else compression.config()}})
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters() if groups.get(id(p), comm) is comm]
                             + [b.data for b in module.buffers()])
     reducer = Reducer(module, comm, bucket_mb, first_bucket_mb, find_unused_parameters, broadcast_buffers,
                        compression, groups)
+    route_through_forward(module, methods)  # before DDPModule: its forward then wraps the routed method too
     mix_in(module, DDPModule, "DDP")
     module._ddp = reducer
     layout.declare(module, layout.Parallelized(

@@ -195,6 +195,12 @@ class Reducer:
             self.unsynced = True
             return  # no_sync(): let gradients accumulate locally
         if not self.in_backward:
+            if self.find_unused and not self.outstanding_forwards:  # every parameter would look unused
+                raise RuntimeError(
+                    f"DDP(find_unused_parameters=True): a backward reached {self.names[param]!r} after no forward of "
+                    f"the wrapped model: a method called instead of the forward (CLIP's encode_image) is declared "
+                    f"with forward_methods=('encode_image', ...); a forward run under no_sync() has its backward "
+                    f"under it too")
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if self.find_unused:

@@ -55,7 +55,7 @@ WRAPPER_OPTIONS = {
     "find_unused_parameters": ("ddp", "3d"), "broadcast_buffers": ("ddp",), "tp_plan": ("tp", "3d"),
     "sequence_parallel": ("tp", "3d"), "pp_schedule": ("3d",), "n_microbatches": ("3d",), "loss_fn": ("3d",),
     "virtual_stages": ("3d",), "cp_method": ("3d",), "batch_norm": ("ddp", "zero", "fsdp"),
-    "buffer_writes": ("ddp", "zero", "fsdp", "3d"),
+    "buffer_writes": ("ddp", "zero", "fsdp", "3d"), "forward_methods": ("ddp", "zero", "fsdp"),
 }
 OPTIONS = PLANNER_OPTIONS + tuple(WRAPPER_OPTIONS)
 

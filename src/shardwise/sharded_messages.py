@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CLIP", "MESSAGES", "broadcast_piece", "whole_with_piece"]
+__all__ = ["CLIP", "MESSAGES", "PIECE", "PIECE_OPTIMIZERS", "broadcast_piece", "whole_with_piece"]
 
+PIECE = ("read the whole tensor with sw.full_state_dict(model) (collective), clip with sw.clip_grad_norm_(model, "
+         "max_norm), scale losses with sw.ShardedGradScaler(model); a loss term on a parameter (a regulariser) is "
+         "computed where it is whole: in a forward hook of its module; a method of the model called instead of its "
+         "forward (CLIP's encode_image, a VAE's encode) gathers its parameters when the wrapper is told of it: "
+         "forward_methods=('encode_image', ...)")
+PIECE_OPTIMIZERS = ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, while an "
+                    "optimizer that needs whole tensors (per-tensor norms: LARS, LAMB; factored moments: Adafactor; "
+                    "Muon; LBFGS, which flattens every gradient) cannot step pieces: train it with sw.DDP or "
+                    "FSDP(sharding='no_shard')")
 CLIP = ("torch.nn.utils.clip_grad_norm_ over a sharded model would clip each rank by its own piece's norm: use "
          "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
          "sw.full_state_dict(model))")

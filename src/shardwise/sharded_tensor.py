@@ -42,7 +42,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 from torch.utils import _foreach_utils as torch_foreach_utils
 
-from .sharded_messages import CLIP, MESSAGES, broadcast_piece, whole_with_piece
+from .sharded_messages import CLIP, MESSAGES, PIECE, PIECE_OPTIMIZERS, broadcast_piece, whole_with_piece
 
 __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
            "grad_like", "on_data_read"]
@@ -187,12 +187,17 @@ def _check_operands(func: Any, args: tuple) -> None:
     mix this rank's piece into every element; any other that the flat piece would broadcast against (`x * w`, `w`
     read where its unit is not gathered) gives a wrong number on every rank whose piece happens to fit. A
     torch._foreach_* call is checked at its first index only (the optimizer's moment lists lead its calls: O(1))."""
-    flat = [t for a in args for t in (a[:1] if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
-    piece = next((t for t in flat if isinstance(t, _Sharded) and not getattr(t, _SPEC).whole), None)
-    if piece is None:
+    piece, others = None, []
+    for a in args:
+        t = (a[0] if a else None) if isinstance(a, (list, tuple)) else a
+        if isinstance(t, _Sharded):
+            piece = t if piece is None and not getattr(t, _SPEC).whole else piece
+        elif isinstance(t, torch.Tensor) and t.dim():
+            others.append(t.shape)
+    if piece is None or not others:  # an optimizer's scalars (0-d tensors, numbers): nothing to compare
         return
     spec, mine = getattr(piece, _SPEC), local(piece).shape
-    others = [t.shape for t in flat if not isinstance(t, _Sharded) and t.dim() and t.shape != mine]
+    others = [shape for shape in others if shape != mine]
     name = getattr(func, "__name__", func)
     if spec.shape in others:
         raise RuntimeError(whole_with_piece(name, spec, local(piece).numel()))
@@ -388,13 +393,6 @@ def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
     if spec.whole:
         raise RuntimeError(f"{name}() on {spec.name}, under {spec.what}, would combine only this rank's part of the "
                            f"model: {MESSAGES.get(name, CLIP)}")
-    why = MESSAGES.get(name, "read the whole tensor with sw.full_state_dict(model) (collective), clip with "
-                              "sw.clip_grad_norm_(model, max_norm), scale losses with sw.ShardedGradScaler(model); "
-                              "a loss term on a parameter (a regulariser) is computed where it is whole: in a "
-                              "forward hook of its module")
-    why += ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, while an "
-            "optimizer that needs whole tensors (per-tensor norms: LARS, LAMB; factored moments: Adafactor; Muon; "
-            "LBFGS, which flattens every gradient) cannot step pieces: train it with sw.DDP or "
-            "FSDP(sharding='no_shard')")
+    why = MESSAGES.get(name, PIECE) + PIECE_OPTIMIZERS
     raise RuntimeError(f"{name}() on {spec.name}, a {spec.what} shard (this rank holds {piece} of its {spec.numel} "
                        f"elements, shape {tuple(spec.shape)}), would see only this rank's piece: {why}")

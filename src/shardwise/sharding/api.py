@@ -32,6 +32,7 @@ from ..activation_checkpointing import check_interval
 from ..batch_norm_split import apply_batch_norm_choice
 from ..buffer_writes import check_buffer_writes_option, watch_buffer_writes
 from ..embedding_rows import check_embedding_rows
+from ..forward_methods import check_forward_methods, route_through_forward
 from ..batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
@@ -154,12 +155,13 @@ def _check_replicated(module: nn.Module, params: object) -> tuple[nn.Parameter, 
 
 def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate: Communicator | None,
           config: ShardingConfig, record_name: str, replicated_params: tuple[nn.Parameter, ...],
-          batch_norm: str | None, buffer_writes: str | None) -> nn.Module:
+          batch_norm: str | None, buffer_writes: str | None, forward_methods: Any = None) -> nn.Module:
     # The model lives where the collectives run (this rank's GPU under NCCL); master shards go back to CPU only
     # with cpu_offload. Every rank wraps the same model with the same options, and starts from rank 0's values.
     refuse_unsplittable_batch_statistics(module, comm, record_name)
     apply_batch_norm_choice(module, comm, batch_norm, record_name)
     check_buffer_writes_option(buffer_writes, record_name)
+    methods = check_forward_methods(module, forward_methods, record_name)
     # An in-place write in forward reaches the master where the whole parameters kept between steps are its storage.
     check_embedding_rows(module, comm, record_name, lambda dtype: config.keep_full and config.cpu_offload == "none"
                          and config.mixed_precision.param_dtype in (None, dtype), sparse_alone=True)
@@ -171,7 +173,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
         raise ValueError(f"ZeRO/FSDP: replicated_params entries {stray} are expert-parallel slices, which differ "
                          f"across the data-parallel ranks and cannot be averaged over all of them; leave them out")
     check_agreement(comm, record_name, {"parameters": describe_parameters(module), "options": {
-        "batch_norm": str(batch_norm), "buffer_writes": str(buffer_writes),
+        "batch_norm": str(batch_norm), "buffer_writes": str(buffer_writes), "forward_methods": str(methods),
         **{k: str(v) for k, v in dataclasses.asdict(config).items()}}})
     if comm.size > 1:
         broadcast_coalesced(comm, [p.data for p in module.parameters() if p not in experts.params]
@@ -187,6 +189,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     engine = ShardingEngine(module, comm, shard, replicate, config, (*replicated_params, *tied), experts)
     kept = {id(p) for p in module.parameters()}
     mark_replaced([p for p in originals if id(p) not in kept], record_name)
+    route_through_forward(module, methods)  # below ShardedModule's class, as under DDP
     mix_in(module, ShardedModule, "Sharded")
     module._sharding = engine
     comms = (shard,) if replicate is None else (shard, replicate)
@@ -219,6 +222,7 @@ def ZeRO(
     compression: Compressor | None = None,
     batch_norm: str | None = None,
     buffer_writes: str | None = None,
+    forward_methods: tuple[str, ...] | None = None,
 ) -> nn.Module:
     """ZeRO data parallelism (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
     Models", SC 2020) over `comm`; returns the same module.
@@ -247,6 +251,9 @@ def ZeRO(
         raises, naming the layer; batch_norm_split.py).
     buffer_writes: None (default: a buffer that a training forward leaves different across the ranks, such as a
         running statistic of each rank's slice, raises, naming it) or "local" (each rank's own; buffer_writes.py).
+    forward_methods: names of the model's methods that compute like its forward and are called instead of it
+        (CLIP's "encode_image", a VAE's "encode"): each runs as the forward, its parameters gathered
+        (forward_methods.py, FSDP2's register_fsdp_forward_method).
     After wrapping, `module.named_parameters()` yields each original name with this rank's shard (a 1-D, possibly
     empty nn.Parameter): build any torch.optim optimizer over `module.parameters()` after wrapping.
     """
@@ -262,7 +269,7 @@ def ZeRO(
                             max_inflight_reductions=_check_inflight(max_inflight_reductions),
                             compression=compression)
     return _wrap(module, comm, comm, None, config, f"zero{stage}", _check_replicated(module, replicated_params),
-                 batch_norm, buffer_writes)
+                 batch_norm, buffer_writes, forward_methods)
 
 
 def FSDP(
@@ -282,6 +289,7 @@ def FSDP(
     compression: Compressor | None = None,
     batch_norm: str | None = None,
     buffer_writes: str | None = None,
+    forward_methods: tuple[str, ...] | None = None,
 ) -> nn.Module:
     """Fully sharded data parallelism (Zhao et al., "PyTorch FSDP", VLDB 2023) with PyTorch's strategy names.
 
@@ -321,10 +329,11 @@ def FSDP(
                             compression=compression)
     if sharding == "no_shard":
         return _wrap(module, comm, comm.split(comm.rank), comm, config, "fsdp:no_shard", replicated_params,
-                     batch_norm, buffer_writes)
+                     batch_norm, buffer_writes, forward_methods)
     if sharding == "hybrid_shard":
         shard = comm.split(comm.rank // shard_size)
         replicate = comm.split(comm.rank % shard_size)
         return _wrap(module, comm, shard, replicate, config, "fsdp:hybrid_shard", replicated_params, batch_norm,
-                     buffer_writes)
-    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}", replicated_params, batch_norm, buffer_writes)
+                     buffer_writes, forward_methods)
+    return _wrap(module, comm, comm, None, config, f"fsdp:{sharding}", replicated_params, batch_norm, buffer_writes,
+                 forward_methods)

@@ -1,0 +1,141 @@
+"""Methods called instead of the forward (`forward_methods=`): a CLIP-shaped model trained through its forward and
+through `encode_image` / `encode_text` called by the script, and evaluated with them under no_grad, matches one
+process under every data-parallel wrapper; without the option ZeRO-3 refuses the call by name; bad names raise.
+
+References are computed: the same model trained (AdamW, weight decay) in one process on the global batch."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import assert_state_close, value_error_text
+from torch import nn
+
+import shardwise as sw
+
+_BUILD = threading.Lock()  # thread ranks share torch's global RNG: one seeded build at a time
+
+
+class TinyClip(nn.Module):
+    """Two towers and a learned temperature held by the root (Radford et al. 2021): the root unit's parameters are
+    read by `encode_text` and by the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with _BUILD, torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.image = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 8))
+            self.token = nn.Embedding(20, 8)
+            self.text_proj = nn.Parameter(torch.randn(8, 8) / 3)
+            self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.image(pixels), dim=-1)
+
+    def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.token(tokens).mean(1) @ self.text_proj, dim=-1)
+
+    def forward(self, pixels: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # each pair's score
+        return self.logit_scale.exp() * (self.encode_image(pixels) * self.encode_text(tokens)).sum(-1)
+
+
+def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    pixels, tokens = torch.randn(8, 12, generator=g), torch.randint(0, 20, (8, 5), generator=g)
+    targets = torch.randn(8, generator=g)
+    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    return pixels[rows], tokens[rows], targets[rows]
+
+
+def train(model: nn.Module, rank: int = 0, world: int = 1) -> tuple[nn.Module, list[float]]:
+    """Odd steps go through the forward, even ones through the encoders (the pairs' scores regressed on targets);
+    each step ends with an evaluation through the encoders under no_grad."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+    scores = []
+    for step in range(4):
+        pixels, tokens, targets = batch(step, rank, world)
+        if step % 2:
+            score = model(pixels, tokens)
+        else:
+            score = 5.0 * (model.encode_image(pixels) * model.encode_text(tokens)).sum(-1)
+        F.mse_loss(score, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            scores.append(float((model.encode_image(pixels) * model.encode_text(tokens)).sum()))
+    return model, scores
+
+
+WRAPS = {
+    "ddp": lambda m, c, **kw: sw.DDP(m, c, find_unused_parameters=True, **kw),  # logit_scale: forward steps only
+    "zero1": lambda m, c, **kw: sw.ZeRO(m, c, stage=1, **kw),
+    "zero2": lambda m, c, **kw: sw.ZeRO(m, c, stage=2, **kw),
+    "zero3": lambda m, c, **kw: sw.ZeRO(m, c, stage=3, **kw),
+    "zero3-per-layer": lambda m, c, **kw: sw.ZeRO(m, c, stage=3, wrap=(nn.Linear, nn.Embedding), **kw),
+    "fsdp": lambda m, c, **kw: sw.FSDP(m, c, **kw),
+    "fsdp-shard-grad-op": lambda m, c, **kw: sw.FSDP(m, c, sharding="shard_grad_op", **kw),
+    "distribute-zero3": lambda m, c, **kw: sw.distribute(m, c, strategy="zero3", **kw),
+}
+METHODS = ("encode_image", "encode_text")
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_methods_called_instead_of_the_forward_train_as_one_process(wrap: str) -> None:
+    model, want_scores = train(TinyClip())
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def body(comm: sw.Communicator) -> tuple[dict[str, torch.Tensor], list[float]]:
+        trained, scores = train(WRAPS[wrap](TinyClip(), comm, forward_methods=METHODS), comm.rank, comm.size)
+        totals = torch.tensor(scores)
+        comm.all_reduce(totals, sw.ReduceOp.SUM)  # each rank scored its own rows
+        scores = totals.tolist()
+        return {k: v.clone() for k, v in sw.full_state_dict(trained).items()}, scores
+
+    for got, scores in sw.launch(body, 2):
+        assert_state_close(got, want)
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(want_scores), rtol=1e-5, atol=1e-5)
+
+
+def test_a_method_inside_the_forward_runs_as_it_is() -> None:
+    """CLIP's forward calls encode_image itself: the hooks run once per forward, not again for the method."""
+    def body(comm: sw.Communicator) -> list[int]:
+        model = sw.ZeRO(TinyClip(), comm, stage=3, forward_methods=METHODS)
+        calls = []
+        model.register_forward_pre_hook(lambda module, args: calls.append(len(args)))
+        pixels, tokens, _ = batch(0, comm.rank, comm.size)
+        model(pixels, tokens).sum().backward()
+        model.encode_text(tokens).sum().backward()
+        return calls
+
+    assert sw.launch(body, 2) == [[2, 1], [2, 1]]  # the forward's two arguments, then encode_text's one
+
+
+@pytest.mark.parametrize("wrap, fragment", [
+    (lambda m, c: sw.ZeRO(m, c, stage=3, wrap=(nn.Linear, nn.Embedding)), "matmul() on text_proj"),
+    (lambda m, c: sw.DDP(m, c, find_unused_parameters=True), "after no forward of the wrapped model"),
+], ids=["zero3", "ddp-find-unused"])
+def test_without_the_option_the_method_is_refused_by_name(wrap, fragment: str) -> None:  # noqa: ANN001
+    def body(comm: sw.Communicator) -> str:
+        model = wrap(TinyClip(), comm)
+        try:
+            model.encode_text(batch(0, comm.rank, comm.size)[1]).sum().backward()
+        except RuntimeError as e:
+            return str(e)
+        return "ran"
+
+    for text in sw.launch(body, 2):
+        assert fragment in text and "forward_methods=" in text
+
+
+@pytest.mark.parametrize("names, fragment", [
+    ("encode_image", "must be a tuple of method names"),
+    (("encode_video",), "'encode_video' is not a public method of TinyClip"),
+    (("forward",), "other than forward"),
+])
+def test_bad_method_names_are_refused_at_wrap(names: object, fragment: str) -> None:
+    text = sw.launch(lambda comm: value_error_text(
+        lambda: sw.ZeRO(TinyClip(), comm, stage=3, forward_methods=names)), 2)[0]
+    assert text is not None and fragment in text and "encode_image" in text
