@@ -213,7 +213,7 @@ class Unit(UnitGradients):
         self.reduced_shard: torch.Tensor | None = None
         self.replicated = False
         self.entered = False  # inside the unit's forward (between its first pre-hook and its post-hook)
-        self._install("shard_param")
+        self._install("shard_param", replacing_originals=True)
         self.unsharded_in_modules = False
         if not keep_full:
             memory.allocated(self.full_bytes)  # so that freeing balances
@@ -315,10 +315,13 @@ class Unit(UnitGradients):
             self.full.untyped_storage().resize_(0)
             self.memory.freed(self.full_bytes)
 
-    def _install(self, which: str) -> None:
+    def _install(self, which: str, replacing_originals: bool = False) -> None:
         for info in self.infos:
             tensor = getattr(info, which)
             for module, attr in info.locations:
+                current = module._parameters.get(attr)
+                if not replacing_originals and current is not info.shard_param and current is not info.unsharded:
+                    continue  # the caller's own tensor, swapped in for this call (torch.func.functional_call)
                 module._parameters[attr] = tensor  # bypasses __setattr__: no re-registration, same key order
 
     def swap_to_unsharded(self) -> None:
