@@ -52,6 +52,7 @@ from ..placement import map_buffers
 from ..profiler_ranges import profiler_range
 from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
 from .hook_tools import MarkBackwardDone, cast_floating, eager_under_compile, inside_backward, tensors_in
+from .inner_calls import InnerCalls
 from .policy import ShardingConfig, auto_group_mb, plan_units
 from .outside_reads import OutsideReads
 from .param_info import ParamInfo
@@ -135,24 +136,25 @@ class ShardingEngine:
         # A unit's hooks go first (prepend): a pre-hook the model had before wrapping (torch.nn.utils.weight_norm's,
         # which computes `weight` from `weight_g` and `weight_v`) then sees whole parameters, as in one process, and
         # every forward hook runs outside the unit, where what it saves is watched (outside_reads.py).
-        for unit in self.families:
-            if unit.is_root:
-                continue
+        units = [u for u in self.families if not u.is_root]
+        for unit in units:
             for module in unit.modules:
                 self.handles.append(module.register_forward_pre_hook(eager(self._make_pre_forward(unit)),
                                                                      with_kwargs=True, prepend=True))
             self.handles.append(unit.modules[-1].register_forward_hook(eager(self._make_post_forward(unit)),
                                                                        prepend=True))
         # Activation checkpointing of every k-th unit (k = 1: all of them), each unit's modules recomputed.
-        units = [u for u in self.families if not u.is_root]
         for unit in every_kth(units, int(self.config.activation_checkpointing)):
             for module in unit.modules:
                 checkpoint_module(module)
         self.handles.append(self.model.register_forward_pre_hook(eager(self._root_pre_forward), with_kwargs=True,
                                                                  prepend=True))
         self.handles.append(self.model.register_forward_hook(eager(self._make_post_forward(self.root))))
-        self.trainable = TrainableSet(self.units, self._make_grad_hook, self.handles)  # follows requires_grad
+        self.trainable = TrainableSet(self.units, lambda unit, info: lambda param: self._on_grad(unit, info),
+                                      self.handles)  # follows requires_grad
         self.outside = OutsideReads(self.families, self._gather)  # parameters saved outside their unit's forward
+        self.inner = InnerCalls(self.model, units, lambda: self.in_backward, self._pre_forward, self._post_forward,
+                                self.handles)  # a unit's submodule called from outside the unit's forward
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -167,9 +169,6 @@ class ShardingEngine:
                 return self._post_forward(unit, output)
 
         return hook
-
-    def _make_grad_hook(self, unit: Unit, info: ParamInfo) -> Any:
-        return lambda param: self._on_grad(unit, info)
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -193,7 +192,7 @@ class ShardingEngine:
                 self._start_gather(self.forward_order[0])
             return args, kwargs
 
-    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict, prefetch: bool = True) -> tuple[tuple, dict]:
         if not self.in_backward and self._finished_forward is not None and self._finished_forward is not unit:
             self._reshard(self._finished_forward)  # before this unit's prefetch: still two units at most
         self._gather(unit)
@@ -204,7 +203,7 @@ class ShardingEngine:
             if unit not in self.forward_pos:
                 self.forward_pos[unit] = len(self.forward_order)
                 self.forward_order.append(unit)
-        elif self.config.prefetch and unit in self.forward_pos:
+        elif prefetch and self.config.prefetch and unit in self.forward_pos:
             pos = self.forward_pos[unit]
             if pos + 1 < len(self.forward_order):
                 self._start_gather(self.forward_order[pos + 1])
