@@ -155,6 +155,23 @@ def test_a_rank_killed_by_a_signal_is_named_with_it(tmp_path):
     assert "shardwise run: rank 0 failed first: killed by SIGKILL" in result.stderr
 
 
+def test_a_rank_aborted_in_native_code_shows_where_its_threads_were(tmp_path):
+    """SIGABRT (a C++ std::terminate at exit, "terminate called without an active exception") leaves no Python
+    traceback: the report shows every thread's stack, which faulthandler wrote when the signal arrived."""
+    script = _script(tmp_path, """
+        import os, time, shardwise as sw
+        comm = sw.init()
+        if comm.rank == 1:
+            os.abort()
+        time.sleep(30)
+    """)
+    result = _shardwise("run", "-n", "2", "--grace", "1", script, timeout=120)
+    assert result.returncode == 128 + 6, result.stderr
+    assert "shardwise run: rank 1 failed first: killed by SIGABRT" in result.stderr
+    root = result.stderr.split("--- traceback of rank 1 (the root cause) ---")[1]
+    assert "Fatal Python error: Aborted" in root and f'File "{script}", line 5 in <module>' in root, root
+
+
 def _survivor_script(tmp_path: Path) -> tuple[str, Path]:
     marker = tmp_path / "survivor-finished"
     return _script(tmp_path, f"""

@@ -90,6 +90,9 @@ def main(argv: list[str]) -> None:
     if run_dir and hasattr(faulthandler, "register"):
         stack = open(stack_file(run_dir, rank), "w")  # noqa: SIM115 - held open for faulthandler until exit
         faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
+        # A fatal signal (SIGABRT from a C++ std::terminate, SIGSEGV) writes every thread's Python stack there too:
+        # the report shows it instead of "no traceback" (run_report.py).
+        faulthandler.enable(file=stack, all_threads=True)
     supervisor = os.environ.get(SUPERVISOR_PID_ENV)
     if supervisor:
         threading.Thread(target=_watch_supervisor, args=(int(supervisor),), name="shardwise-run-watchdog",

@@ -44,8 +44,10 @@ class RunResult:
     @classmethod
     def build(cls, detector: FailureDetector, first_rank: int, procs: Mapping[int, subprocess.Popen],
               stacks: Mapping[int, str], signum: int | None, *, unexplained: str | None = None,
-              exit_code: int | None = None) -> RunResult:
+              exit_code: int | None = None, run_dir: str | None = None) -> RunResult:
         failures = [dataclasses.replace(f, rank=f.rank + first_rank) for f in detector.failures()]
+        if run_dir is not None:
+            failures = [_with_fatal_dump(f, run_dir) for f in failures]
         stopped = {first_rank + r: stacks.get(first_rank + r, "") for r in detector.running()}
         if signum is not None:
             code = 128 + signum
@@ -113,6 +115,22 @@ def main_thread_frames(stack: str) -> list[str]:
     return [line for line in main.splitlines()[1:] if line.strip()
             and "<frozen runpy>" not in line and not line.strip().endswith(("in _run_module_as_main",))
             and "shardwise/launch/run_rank.py" not in line]
+
+
+def _with_fatal_dump(failure: Failure, run_dir: str) -> Failure:
+    """A rank a signal killed (SIGABRT from a C++ std::terminate, SIGSEGV): faulthandler (run_rank.py) wrote each
+    Python thread's stack to the rank's stack file, which says where every thread was."""
+    if failure.kind != "died":
+        return failure
+    try:
+        with open(stack_file(run_dir, failure.rank)) as f:
+            text = f.read()
+    except OSError:
+        return failure
+    start = text.find("Fatal Python error")
+    if start < 0:
+        return failure
+    return dataclasses.replace(failure, traceback=f"{failure.traceback}\n{text[start:].rstrip()}".lstrip())
 
 
 def dump_stacks(procs: Mapping[int, subprocess.Popen], run_dir: str, wait: float = 2.0) -> dict[int, str]:

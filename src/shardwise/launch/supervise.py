@@ -210,7 +210,7 @@ def _run_ranks(config: RunConfig, policy: FailurePolicy, run_dir: str, interrupt
         stacks = stop_ranks(procs, run_dir, config, stopping)
         if config.node_rank == 0 and config.nnodes > 1:
             _wait_for_other_nodes(config, board)  # the store lives in this process: keep it until they are done
-        return RunResult.build(detector, config.first_rank, procs, stacks, interrupt.signum)
+        return RunResult.build(detector, config.first_rank, procs, stacks, interrupt.signum, run_dir=run_dir)
     finally:
         detector.stop()
         kill_ranks(procs.values())
