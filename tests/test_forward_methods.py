@@ -139,3 +139,55 @@ def test_bad_method_names_are_refused_at_wrap(names: object, fragment: str) -> N
     text = sw.launch(lambda comm: value_error_text(
         lambda: sw.ZeRO(TinyClip(), comm, stage=3, forward_methods=names)), 2)[0]
     assert text is not None and fragment in text and "encode_image" in text
+
+
+class PairedLoss(TinyClip):
+    def paired_loss(self, pixels: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A loss method that calls the model twice: nested forwards, served by this call's gathered root."""
+        return F.mse_loss(self(pixels, tokens), targets) + F.mse_loss(self(-pixels, tokens), -targets)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "zero3", "zero3-per-layer", "fsdp"])
+def test_a_method_calling_the_model_inside_trains_as_one_process(wrap: str) -> None:
+    def train_paired(model: nn.Module, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+        for step in range(3):
+            model.paired_loss(*batch(step, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in sw.full_state_dict(model).items()} if world > 1 else model.state_dict()
+
+    want = {k: v.clone() for k, v in train_paired(PairedLoss()).items()}
+    for got in sw.launch(lambda comm: train_paired(WRAPS[wrap](PairedLoss(), comm, forward_methods=("paired_loss",)),
+                                                   comm.rank, comm.size), 2):
+        assert_state_close(got, want)
+
+
+@pytest.mark.parametrize("sharding", ["zero3-per-block", "fsdp-per-block"])
+def test_huggingface_generate_of_an_encoder_decoder_matches_one_process(sharding: str) -> None:
+    """T5's generate calls its encoder directly, then the model once per token (nested in the routed call)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    def build() -> nn.Module:
+        with _BUILD, torch.random.fork_rng():
+            torch.manual_seed(0)
+            return transformers.T5ForConditionalGeneration(transformers.T5Config(
+                vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    want = build().generate(ids, max_new_tokens=6, do_sample=False)
+    wrap = {"zero3-per-block": lambda m, c, **kw: sw.ZeRO(m, c, stage=3, wrap=T5Block, **kw),
+            "fsdp-per-block": lambda m, c, **kw: sw.FSDP(m, c, wrap=T5Block, **kw)}[sharding]
+
+    def body(comm: sw.Communicator) -> tuple[list[torch.Tensor], int]:
+        model = wrap(build(), comm, forward_methods=("generate",))
+        reductions = comm.stats.calls("all_reduce")
+        tokens = [model.generate(ids, max_new_tokens=6, do_sample=False) for _ in range(2)]
+        return tokens, comm.stats.calls("all_reduce") - reductions
+
+    for got, reductions in sw.launch(body, 2):
+        for tokens in got:
+            assert torch.equal(tokens, want), (tokens, want)
+        assert reductions == 0  # the per-token forwards nest in the routed call: no recovery's agreement

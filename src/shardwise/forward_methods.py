@@ -12,7 +12,9 @@ How. As FSDP2's `register_fsdp_forward_method` does, each named method is replac
 calls the model itself (`nn.Module.__call__`: every forward pre-hook and hook runs, with the method's arguments, and
 so does every wrapper's own `forward`, which a mixin layer below them, `RoutedForward`, turns into the method for
 that call). A call from inside a forward of the model (CLIP's own forward calls `encode_image`) runs the method as
-it is: the hooks already ran. Call it before the wrapper mixes in its own class, so the layer sits below it.
+it is: the hooks already ran. A call of the model inside the method (HuggingFace's `generate` calls it once per
+token) is a nested forward, which the sharding engine's root hooks let pass (`hook_tools.register_outermost`). Call
+`route_through_forward` before the wrapper mixes in its own class, so the layer sits below it.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ from ..graph_gradients import KeptGraph, refuse_graph_accumulation
 from ..placement import map_buffers
 from ..profiler_ranges import profiler_range
 from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
-from .hook_tools import MarkBackwardDone, cast_floating, eager_under_compile, inside_backward, tensors_in
+from .hook_tools import (MarkBackwardDone, cast_floating, eager_under_compile, inside_backward,
+                         register_outermost, tensors_in)
 from .inner_calls import InnerCalls
 from .policy import ShardingConfig, auto_group_mb, plan_units
 from .outside_reads import OutsideReads
@@ -147,9 +148,8 @@ class ShardingEngine:
         for unit in every_kth(units, int(self.config.activation_checkpointing)):
             for module in unit.modules:
                 checkpoint_module(module)
-        self.handles.append(self.model.register_forward_pre_hook(eager(self._root_pre_forward), with_kwargs=True,
-                                                                 prepend=True))
-        self.handles.append(self.model.register_forward_hook(eager(self._make_post_forward(self.root))))
+        register_outermost(self.model, eager(self._root_pre_forward), eager(self._make_post_forward(self.root)),
+                           self.handles)  # a call the model makes inside its own (HF generate, routed) passes
         self.trainable = TrainableSet(self.units, lambda unit, info: lambda param: self._on_grad(unit, info),
                                       self.handles)  # follows requires_grad
         self.outside = OutsideReads(self.families, self._gather)  # parameters saved outside their unit's forward

@@ -8,6 +8,7 @@
 * `tensors_in(obj)` / `cast_floating(obj, dtype)`: the tensors of a module's inputs or outputs (nested lists,
   tuples and dicts), and the same structure with its floating tensors cast (mixed precision's compute dtype).
 * `eager_under_compile(hook)`: the hook, run eagerly (a graph break) when torch.compile traces it.
+* `register_outermost(model, pre, post, handles)`: the model's root hooks, run for the outermost call only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MarkBackwardDone", "inside_backward", "tensors_in", "cast_floating", "eager_under_compile"]
+__all__ = ["MarkBackwardDone", "inside_backward", "tensors_in", "cast_floating", "eager_under_compile",
+           "register_outermost"]
 
 
 class MarkBackwardDone(torch.autograd.Function):
@@ -80,3 +82,28 @@ def eager_under_compile(hook: Callable[..., Any]) -> Callable[..., Any]:
         return hook(*args, **kwargs)
 
     return run
+
+
+def register_outermost(model: torch.nn.Module, pre: Callable[..., Any], post: Callable[..., Any],
+                       handles: list[Any]) -> None:
+    """Register `pre` (a forward pre-hook with kwargs, first of the model's) and `post` (a forward hook) so that they
+    run for the outermost call of the model only. A call the model makes inside its own (HuggingFace's `generate`,
+    routed through `forward_methods=`, calls the model once per token) is nested: the outer call's pre-hook already
+    gathered what the forward needs, and its post-hook will free it. A forward that raised leaves the depth at zero
+    (the counting post-hook always runs), so the next call is outermost and finds the previous one unfinished."""
+    depth = [0]
+
+    def enter(*_: Any) -> None:
+        depth[0] += 1
+
+    def leave(*_: Any) -> None:
+        depth[0] -= 1
+
+    # prepend: the last registered runs first, so `enter` precedes `pre`; `leave` follows `post`
+    handles.append(model.register_forward_pre_hook(
+        lambda module, args, kwargs: pre(module, args, kwargs) if depth[0] == 1 else None, with_kwargs=True,
+        prepend=True))
+    handles.append(model.register_forward_pre_hook(enter, prepend=True))
+    handles.append(model.register_forward_hook(
+        lambda module, args, output: post(module, args, output) if depth[0] == 1 else None))
+    handles.append(model.register_forward_hook(leave, always_call=True))
