@@ -163,9 +163,11 @@ def test_a_method_calling_the_model_inside_trains_as_one_process(wrap: str) -> N
         assert_state_close(got, want)
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named", "routed-unasked"])
 @pytest.mark.parametrize("sharding", ["zero3-per-block", "fsdp-per-block"])
-def test_huggingface_generate_of_an_encoder_decoder_matches_one_process(sharding: str) -> None:
-    """T5's generate calls its encoder directly, then the model once per token (nested in the routed call)."""
+def test_huggingface_generate_of_an_encoder_decoder_matches_one_process(sharding: str, named: bool) -> None:
+    """T5's generate calls its encoder directly, then the model once per token (nested in the routed call); ZeRO /
+    FSDP route a HuggingFace model's generate whether named or not."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.t5.modeling_t5 import T5Block
 
@@ -182,7 +184,7 @@ def test_huggingface_generate_of_an_encoder_decoder_matches_one_process(sharding
             "fsdp-per-block": lambda m, c, **kw: sw.FSDP(m, c, wrap=T5Block, **kw)}[sharding]
 
     def body(comm: sw.Communicator) -> tuple[list[torch.Tensor], int]:
-        model = wrap(build(), comm, forward_methods=("generate",))
+        model = wrap(build(), comm, **({"forward_methods": ("generate",)} if named else {}))
         reductions = comm.stats.calls("all_reduce")
         tokens = [model.generate(ids, max_new_tokens=6, do_sample=False) for _ in range(2)]
         return tokens, comm.stats.calls("all_reduce") - reductions
@@ -191,3 +193,29 @@ def test_huggingface_generate_of_an_encoder_decoder_matches_one_process(sharding
         for tokens in got:
             assert torch.equal(tokens, want), (tokens, want)
         assert reductions == 0  # the per-token forwards nest in the routed call: no recovery's agreement
+
+
+def test_a_decoder_only_generation_gathers_its_root_unit_once() -> None:
+    """Routed, the root unit (embeddings, output head) is gathered once per generation, not once per token."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    def build() -> nn.Module:
+        with _BUILD, torch.random.fork_rng():
+            torch.manual_seed(0)
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=0, eos_token_id=1)).eval()
+
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    want = build().generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+
+    def body(comm: sw.Communicator) -> tuple[torch.Tensor, int]:
+        model = sw.ZeRO(build(), comm, stage=3, wrap=LlamaDecoderLayer)
+        gathers = comm.stats.calls("all_gather")
+        tokens = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        return tokens, comm.stats.calls("all_gather") - gathers
+
+    for tokens, gathers in sw.launch(body, 2):
+        assert torch.equal(tokens, want)
+        assert gathers == 1 + 2 * 8  # the root once, each of the 2 layers per token (per token: 3 x 8 = 24)

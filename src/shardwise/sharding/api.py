@@ -32,7 +32,7 @@ from ..activation_checkpointing import check_interval
 from ..batch_norm_split import apply_batch_norm_choice
 from ..buffer_writes import check_buffer_writes_option, watch_buffer_writes
 from ..embedding_rows import check_embedding_rows
-from ..forward_methods import check_forward_methods, route_through_forward
+from ..forward_methods import check_forward_methods, route_through_forward, with_generate
 from ..batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from ..agreement import check_agreement, describe_parameters
 from ..comm.coalesced import broadcast_coalesced
@@ -161,7 +161,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     refuse_unsplittable_batch_statistics(module, comm, record_name)
     apply_batch_norm_choice(module, comm, batch_norm, record_name)
     check_buffer_writes_option(buffer_writes, record_name)
-    methods = check_forward_methods(module, forward_methods, record_name)
+    methods = with_generate(module, check_forward_methods(module, forward_methods, record_name))
     # An in-place write in forward reaches the master where the whole parameters kept between steps are its storage.
     check_embedding_rows(module, comm, record_name, lambda dtype: config.keep_full and config.cpu_offload == "none"
                          and config.mixed_precision.param_dtype in (None, dtype), sparse_alone=True)
