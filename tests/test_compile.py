@@ -48,13 +48,18 @@ def test_a_compiled_wrapped_model_trains_exactly_as_eager(kind):
     torch._dynamo.reset()
     counters.clear()
     model = _wrap(kind)
-    got_losses, got = _train(model, torch.compile(model, backend="aot_eager"))
+    compiled = torch.compile(model, backend="aot_eager")
+    got_losses, got = _train(model, compiled)
     torch.testing.assert_close(got_losses, want_losses, rtol=0, atol=0)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-    # the model's 2 Blocks + the root's pieces between them: a handful of graphs, not one per layer or step
-    assert 1 <= counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])
+    # the model's 2 Blocks + the root's pieces between them, compiled twice at most (ZeRO's first forward carries
+    # the discovery hooks of sharding/inner_calls.py, removed after it): a handful of graphs, not one per layer
+    assert 1 <= counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
+    graphs = counters["stats"]["unique_graphs"]
+    _train(model, compiled, steps=2)
+    assert counters["stats"]["unique_graphs"] == graphs, "later steps compiled again"
 
 
 @pytest.mark.parametrize("kind", ["ddp", "zero3", "tp", "local_sgd"])

@@ -117,3 +117,67 @@ def test_a_call_first_made_after_the_first_forward_is_refused_by_name() -> None:
 
     for text in sw.launch(body, 2):
         assert "on blocks.0.emb.proj.weight, a ZeRO-3 shard" in text
+
+
+class Prompted(nn.Module):
+    """A forward that takes embeddings: the script builds them with the model's own embedding, a module of the root
+    unit called before the model's forward (prompt tuning, image features spliced into a prompt)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with _BUILD, torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(20, 8)
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+            self.head = nn.Linear(8, 1)
+
+    def forward(self, inputs_embeds: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = inputs_embeds
+        for block in self.blocks:
+            h = block(h, x)
+        return self.head(h).mean(1)
+
+
+def prompted_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    tokens = (x.abs() * 7).long().clamp(max=19)  # (rows, 6) ids from the regression inputs
+    embeds = model.emb(tokens)  # the root unit's embedding, outside the forward
+    return ((model(embeds, x[:, None, :].expand(-1, 6, -1)) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("wrap", ["zero2-per-block", "zero3-per-block", "fsdp-per-block"])
+def test_a_root_module_called_before_the_forward_trains_as_one_process(wrap: str) -> None:
+    want = {k: v.clone() for k, v in train_mlp(Prompted(), prompted_loss).state_dict().items()}
+
+    def body(comm: sw.Communicator) -> dict[str, torch.Tensor]:
+        model = train_mlp(WRAPS[wrap](Prompted(), comm), prompted_loss, comm.rank, comm.size)
+        with torch.no_grad():  # evaluation builds its embeddings the same way
+            model(model.emb(torch.zeros(2, 3, dtype=torch.long)), torch.ones(2, 3, 6))
+        return {k: v.clone() for k, v in sw.full_state_dict(model).items()}
+
+    for got in sw.launch(body, 2):
+        assert_state_close(got, want)
+
+
+def test_a_t5_encoder_called_by_the_script_matches_one_process() -> None:
+    """Sentence embeddings from a T5's encoder, called directly (its shared embedding is in the root unit)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    def build() -> nn.Module:
+        with _BUILD, torch.random.fork_rng():
+            torch.manual_seed(0)
+            return transformers.T5ForConditionalGeneration(transformers.T5Config(
+                vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)).eval()
+
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = build().encoder(input_ids=ids).last_hidden_state
+
+    def body(comm: sw.Communicator) -> torch.Tensor:
+        model = sw.ZeRO(build(), comm, stage=3, wrap=T5Block)
+        with torch.no_grad():
+            return model.encoder(input_ids=ids).last_hidden_state
+
+    for got in sw.launch(body, 2):
+        torch.testing.assert_close(got, want)

@@ -153,8 +153,8 @@ class ShardingEngine:
         self.trainable = TrainableSet(self.units, lambda unit, info: lambda param: self._on_grad(unit, info),
                                       self.handles)  # follows requires_grad
         self.outside = OutsideReads(self.families, self._gather)  # parameters saved outside their unit's forward
-        self.inner = InnerCalls(self.model, units, lambda: self.in_backward, self._pre_forward, self._post_forward,
-                                self.handles)  # a unit's submodule called from outside the unit's forward
+        self.inner = InnerCalls(self.model, list(self.families), lambda u: u.entered or self.in_backward or (
+            u.is_root and self.forward_running), self._pre_forward, self._post_forward, self.handles)  # inner_calls.py
 
     def _make_pre_forward(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -4,7 +4,10 @@ Why. A unit is gathered in the pre-forward hook of the modules that bracket it (
 it. A model may also call a module *inside* a unit from elsewhere: Peebles & Xie's DiT (diffusers'
 `DiTTransformer2DModel`) computes its output layer's conditioning with `transformer_blocks[0].norm1.emb(...)` after
 every block ran. That call found block 0's unit freed, so its layers computed with this rank's flat pieces: refused
-by name (sharded_tensor.py), and the model could not train under ZeRO-3 / FSDP with a unit per block. DeepSpeed's
+by name (sharded_tensor.py), and the model could not train under ZeRO-3 / FSDP with a unit per block. The same holds
+for the root unit (the parameters no block holds) when a script calls one of its modules before the model's forward:
+`model.get_input_embeddings()(ids)` to build `inputs_embeds` (prompt tuning, spliced image features), a T5's
+`model.encoder(ids)` for sentence embeddings, `model.model(ids)` for hidden states. DeepSpeed's
 ZeRO-3 serves such calls because it hooks every submodule; hooking every submodule for every forward costs a Python
 call per module call and a graph break per module under torch.compile.
 
@@ -35,13 +38,14 @@ __all__ = ["InnerCalls"]
 class InnerCalls:
     """The discovery hooks and the entries of one sharded model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], in_backward: Callable[[], bool],
+    def __init__(self, model: nn.Module, units: list[Unit], inside: Callable[[Unit], bool],
                  pre_forward: Callable[..., tuple[tuple, dict]], post_forward: Callable[[Unit, Any], Any],
                  handles: list[Any]) -> None:
-        self.in_backward, self.pre_forward, self.post_forward = in_backward, pre_forward, post_forward
+        # inside(unit): the unit is in its forward (for the root unit: the model's) or in a backward's recomputation
+        self.inside, self.pre_forward, self.post_forward = inside, pre_forward, post_forward
         tops = {m for unit in units for m in unit.modules}
         owner: dict[nn.Module, Unit] = {}
-        for unit in units:  # plan order: a unit nested in another's subtree comes first and keeps its modules
+        for unit in units:  # plan order (the root last): a unit nested in another's subtree comes first
             for top in unit.modules:
                 for module in top.modules():
                     owner.setdefault(module, unit)
@@ -60,7 +64,7 @@ class InnerCalls:
 
     def _make_pre(self, unit: Unit) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if unit.entered or self.in_backward():
+            if self.inside(unit):
                 return None  # inside the unit's forward, or its recomputation: the unit is gathered
             return self.enter(unit, module, args, kwargs)
 
