@@ -1,6 +1,6 @@
-"""Shared HuggingFace models of the context-parallel tests, built the same on every thread rank: a tiny Llama with
-grouped-query heads (4 query heads over 2 key/value heads), eager attention and rotary positions; Gemma 2 with a soft
-cap its scores reach; GPT-OSS with attention sinks and experts."""
+"""Shared HuggingFace models of the tests, built the same on every thread rank: a tiny Llama with grouped-query heads
+(4 query heads over 2 key/value heads), eager attention and rotary positions; Gemma 2 with a soft cap its scores
+reach; GPT-OSS with attention sinks and experts; a tiny T5 (an encoder-decoder, its embedding shared)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ def tiny_llama():  # noqa: ANN201 (transformers is imported lazily: only these t
     with _BUILD:  # thread ranks share torch's global RNG
         torch.manual_seed(0)
         return transformers.LlamaForCausalLM(config)
+
+
+def tiny_t5():  # noqa: ANN201
+    """T5ForConditionalGeneration, vocab 64, d_model 32, 2 layers each side, no dropout, in eval mode, seed 0."""
+    import transformers
+
+    return build(transformers.T5ForConditionalGeneration, transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
 
 
 def build(cls, config):  # noqa: ANN001, ANN201

@@ -168,23 +168,17 @@ def test_a_method_calling_the_model_inside_trains_as_one_process(wrap: str) -> N
 def test_huggingface_generate_of_an_encoder_decoder_matches_one_process(sharding: str, named: bool) -> None:
     """T5's generate calls its encoder directly, then the model once per token (nested in the routed call); ZeRO /
     FSDP route a HuggingFace model's generate whether named or not."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from hf_cases import tiny_t5
     from transformers.models.t5.modeling_t5 import T5Block
 
-    def build() -> nn.Module:
-        with _BUILD, torch.random.fork_rng():
-            torch.manual_seed(0)
-            return transformers.T5ForConditionalGeneration(transformers.T5Config(
-                vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-                relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
-
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
-    want = build().generate(ids, max_new_tokens=6, do_sample=False)
+    want = tiny_t5().generate(ids, max_new_tokens=6, do_sample=False)
     wrap = {"zero3-per-block": lambda m, c, **kw: sw.ZeRO(m, c, stage=3, wrap=T5Block, **kw),
             "fsdp-per-block": lambda m, c, **kw: sw.FSDP(m, c, wrap=T5Block, **kw)}[sharding]
 
     def body(comm: sw.Communicator) -> tuple[list[torch.Tensor], int]:
-        model = wrap(build(), comm, **({"forward_methods": ("generate",)} if named else {}))
+        model = wrap(tiny_t5(), comm, **({"forward_methods": ("generate",)} if named else {}))
         reductions = comm.stats.calls("all_reduce")
         tokens = [model.generate(ids, max_new_tokens=6, do_sample=False) for _ in range(2)]
         return tokens, comm.stats.calls("all_reduce") - reductions
@@ -197,21 +191,15 @@ def test_huggingface_generate_of_an_encoder_decoder_matches_one_process(sharding
 
 def test_a_decoder_only_generation_gathers_its_root_unit_once() -> None:
     """Routed, the root unit (embeddings, output head) is gathered once per generation, not once per token."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from hf_cases import tiny_llama
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    def build() -> nn.Module:
-        with _BUILD, torch.random.fork_rng():
-            torch.manual_seed(0)
-            return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-                vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, pad_token_id=0, eos_token_id=1)).eval()
-
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
-    want = build().generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    want = tiny_llama().eval().generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
 
     def body(comm: sw.Communicator) -> tuple[torch.Tensor, int]:
-        model = sw.ZeRO(build(), comm, stage=3, wrap=LlamaDecoderLayer)
+        model = sw.ZeRO(tiny_llama().eval(), comm, stage=3, wrap=LlamaDecoderLayer)
         gathers = comm.stats.calls("all_gather")
         tokens = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         return tokens, comm.stats.calls("all_gather") - gathers

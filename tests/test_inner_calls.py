@@ -160,22 +160,16 @@ def test_a_root_module_called_before_the_forward_trains_as_one_process(wrap: str
 
 def test_a_t5_encoder_called_by_the_script_matches_one_process() -> None:
     """Sentence embeddings from a T5's encoder, called directly (its shared embedding is in the root unit)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from hf_cases import tiny_t5
     from transformers.models.t5.modeling_t5 import T5Block
-
-    def build() -> nn.Module:
-        with _BUILD, torch.random.fork_rng():
-            torch.manual_seed(0)
-            return transformers.T5ForConditionalGeneration(transformers.T5Config(
-                vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-                relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)).eval()
 
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = build().encoder(input_ids=ids).last_hidden_state
+        want = tiny_t5().encoder(input_ids=ids).last_hidden_state
 
     def body(comm: sw.Communicator) -> torch.Tensor:
-        model = sw.ZeRO(build(), comm, stage=3, wrap=T5Block)
+        model = sw.ZeRO(tiny_t5(), comm, stage=3, wrap=T5Block)
         with torch.no_grad():
             return model.encoder(input_ids=ids).last_hidden_state
 

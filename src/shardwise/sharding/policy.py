@@ -16,9 +16,9 @@ collective and whose gradients are reduce-scattered with ONE collective. Units a
 No unit is bracketed by a module without a forward of its own (ModuleList, ModuleDict, ParameterList: containers
 nothing calls, whose hooks would never fire): a run looks through them to the blocks they hold, and their own
 parameters stay with the unit of the module that reads them. Parameters not claimed by any unit belong to the root
-unit. A parameter shared by modules of different units (tied
-weights) is moved to the root unit so it is gathered once and its gradient summed once. A unit is one dtype: inside
-a unit that would mix dtypes, the modules holding another dtype become units of their own (`_split_by_dtype`).
+unit. A parameter shared by modules of different units (tied weights) is moved to the root unit so it is gathered
+once and its gradient summed once. A unit is one dtype: inside a unit that would mix dtypes, the modules holding
+another dtype become units of their own (`_split_by_dtype`).
 """
 
 from __future__ import annotations
