@@ -2,9 +2,12 @@
 (transformers' unwrap_model follows `model.module`, which shardwise's in-place wrappers return as the model itself);
 under tensor parallel it wrote garbage without an error (safetensors copied each piece's bytes as the whole
 tensor). Now: DDP's `model.module.save_pretrained(dir)` on rank 0 saves the model; ZeRO-3, FSDP and tensor parallel
-refuse naming the collective recipe, which saves what one process would (reloaded with `from_pretrained`)."""
+refuse naming the collective recipe, which saves what one process would (reloaded with `from_pretrained`), its
+config naming the model's own class."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ def test_ddp_model_module_save_pretrained_on_rank_0(tmp_path):
     sw.launch(body, 2)
     saved = transformers.LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
     assert all(torch.equal(saved[k], want[k]) for k in want)
+    assert _architectures(tmp_path) == ["LlamaForCausalLM"]  # what vLLM and pipelines pick the class by
 
 
 @pytest.mark.parametrize("wrap", list(WRAPS))
@@ -52,6 +56,12 @@ def test_split_models_refuse_then_save_by_the_recipe(wrap, tmp_path):
     saved = type(build()).from_pretrained(tmp_path / "full").state_dict()
     assert sorted(saved) == sorted(want)
     assert all(torch.equal(saved[k], want[k]) for k in want)
+    # the class's own name, not the wrappers' mixed-in one ("SavePretrainedTokenMeanShardedLlamaForCausalLM")
+    assert _architectures(tmp_path / "full") == [type(build()).__name__]
+
+
+def _architectures(directory) -> list[str]:  # noqa: ANN001
+    return json.loads((directory / "config.json").read_text())["architectures"]
 
 
 @pytest.mark.parametrize("wrap", ["zero3", "tp"])

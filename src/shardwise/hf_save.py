@@ -23,12 +23,15 @@ class of a HuggingFace model for one whose `save_pretrained` hides ``model.modul
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from . import layout
-from ._mixin import mix_in
+from ._mixin import mix_in, original_class
+from .files import write_text
 from .sharded_tensor import spec_of
 
 __all__ = ["from_transformers", "guard_save_pretrained"]
@@ -65,7 +68,8 @@ class SavePretrainedGuard:
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
         save = super().save_pretrained  # type: ignore[misc]
-        given = inspect.signature(save).bind_partial(save_directory, *args, **kwargs).arguments.get("state_dict")
+        bound = inspect.signature(save).bind_partial(save_directory, *args, **kwargs).arguments
+        given = bound.get("state_dict")
         pieces = _split_pieces(self, given)
         if pieces:
             applied = " + ".join(s.name for s in layout.strategies(self)) or "a strategy"
@@ -74,9 +78,26 @@ class SavePretrainedGuard:
                              f"model) (collective), then on one rank: model.save_pretrained(dir, state_dict=state)")
         object.__setattr__(self, "_sw_saving", True)
         try:
-            return save(save_directory, *args, **kwargs)
+            result = save(save_directory, *args, **kwargs)
         finally:
             object.__setattr__(self, "_sw_saving", False)
+        _name_the_architecture(self, save_directory, bound.get("is_main_process", True))
+        return result
+
+
+def _name_the_architecture(model: nn.Module, directory: Any, main: bool) -> None:
+    """transformers writes `config.architectures` as the model's class name, which the strategies' mixins prefix
+    ("SavePretrainedShardedLlamaForCausalLM"): a loader that picks the class by it (vLLM, pipelines) would not find
+    it. The original class's name replaces it, in the config and in the written config.json."""
+    config, name = getattr(model, "config", None), original_class(model).__name__
+    if config is None or getattr(config, "architectures", None) in (None, [name]):
+        return
+    config.architectures = [name]
+    path = Path(directory) / "config.json"
+    if main and path.is_file():
+        written = json.loads(path.read_text())
+        written["architectures"] = [name]
+        write_text(path, json.dumps(written, indent=2, sort_keys=True) + "\n")  # transformers' own layout
 
 
 def guard_save_pretrained(model: nn.Module) -> None:
