@@ -26,7 +26,7 @@ from torch import nn
 
 from ._mixin import mix_in
 
-__all__ = ["check_forward_methods", "route_through_forward", "RoutedForward", "with_generate"]
+__all__ = ["check_forward_methods", "count_calls", "route_through_forward", "RoutedForward", "with_generate"]
 
 _ROUTED = "_sw_routed_method"  # the method the next forward runs instead of the model's own (this instance only)
 
@@ -68,11 +68,11 @@ def with_generate(module: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
     return (*names, "generate") if can_generate() else names
 
 
-def route_through_forward(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Make each named method of `module` (this instance) run as the model's forward: see the module docstring."""
-    if not names:
-        return
-    depth = [0]  # forwards of this model running now: a method called inside one needs no hooks of its own
+def count_calls(module: nn.Module, handles: list[Any] | None = None) -> list[int]:
+    """A one-element list holding how many calls of `module` are running now (nested ones included). Its pre-hook
+    goes first of those registered so far and its post-hook last, and runs even when the forward raised (the count
+    goes back to zero). The hooks' handles are appended to `handles` when given."""
+    depth = [0]
 
     def enter(*_: Any) -> None:
         depth[0] += 1
@@ -80,9 +80,19 @@ def route_through_forward(module: nn.Module, names: tuple[str, ...]) -> None:
     def leave(*_: Any) -> None:
         depth[0] -= 1
 
+    made = [module.register_forward_pre_hook(enter, prepend=True),
+            module.register_forward_hook(leave, always_call=True)]
+    if handles is not None:
+        handles += made
+    return depth
+
+
+def route_through_forward(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Make each named method of `module` (this instance) run as the model's forward: see the module docstring."""
+    if not names:
+        return
     mix_in(module, RoutedForward, "Routed")
-    module.register_forward_pre_hook(enter, prepend=True)
-    module.register_forward_hook(leave, always_call=True)
+    depth = count_calls(module)  # a method called inside a forward of the model needs no hooks of its own
     for name in names:
         method = getattr(type(module), name).__get__(module)
         setattr(module, name, _routed(module, method, depth))

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..forward_methods import count_calls
+
 __all__ = ["MarkBackwardDone", "inside_backward", "tensors_in", "cast_floating", "eager_under_compile",
            "register_outermost"]
 
@@ -91,19 +93,9 @@ def register_outermost(model: torch.nn.Module, pre: Callable[..., Any], post: Ca
     routed through `forward_methods=`, calls the model once per token) is nested: the outer call's pre-hook already
     gathered what the forward needs, and its post-hook will free it. A forward that raised leaves the depth at zero
     (the counting post-hook always runs), so the next call is outermost and finds the previous one unfinished."""
-    depth = [0]
-
-    def enter(*_: Any) -> None:
-        depth[0] += 1
-
-    def leave(*_: Any) -> None:
-        depth[0] -= 1
-
-    # prepend: the last registered runs first, so `enter` precedes `pre`; `leave` follows `post`
     handles.append(model.register_forward_pre_hook(
         lambda module, args, kwargs: pre(module, args, kwargs) if depth[0] == 1 else None, with_kwargs=True,
         prepend=True))
-    handles.append(model.register_forward_pre_hook(enter, prepend=True))
     handles.append(model.register_forward_hook(
         lambda module, args, output: post(module, args, output) if depth[0] == 1 else None))
-    handles.append(model.register_forward_hook(leave, always_call=True))
+    depth = count_calls(model, handles)  # registered after: its pre-hook runs before `pre`, its post-hook after `post`
