@@ -57,6 +57,7 @@ from .embedding_rows import check_embedding_rows
 from .batch_split import refuse_unsplittable_batch_statistics, share_batch_split
 from .compiled import refuse_compiled
 from .placement import to_comm_device
+from .sharded_tensor import local
 from .ddp_reducer import Reducer
 
 __all__ = ["DDP", "DDPModule"]
@@ -182,7 +183,7 @@ def DDP(
         "forward_methods": methods,
         "compression": None if compression is None else compression.config()}})
     if comm.size > 1:
-        broadcast_coalesced(comm, [p.data for p in module.parameters() if groups.get(id(p), comm) is comm]
+        broadcast_coalesced(comm, [local(p.data) for p in module.parameters() if groups.get(id(p), comm) is comm]
                             + [b.data for b in module.buffers()])
     reducer = Reducer(module, comm, bucket_mb, first_bucket_mb, find_unused_parameters, broadcast_buffers,
                        compression, groups)

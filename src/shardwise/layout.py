@@ -30,6 +30,7 @@ Anchors: Megatron-core's tensor-parallel parameter attributes (``partition_dim``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,7 @@ from torch import nn
 
 from .boxes import Box, box_numel, box_slices, full_box, intersect, inverse_perm, split_flat_range
 from .comm.base import Communicator
-from .sharded_tensor import local
+from .sharded_tensor import local, set_spec, spec_of
 
 __all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extra_states", "strategies", "placements",
            "declare", "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices",
@@ -139,9 +140,7 @@ class MemoryView:
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExtraState:
     """State a strategy keeps besides parameters, buffers and optimizer state, which a checkpoint saves and restores
-    with the model (docs/checkpoints.md, "Strategy state"): gradient compressors' error-feedback residuals and
-    PowerSGD's Q, local SGD's anchors and outer optimizer.
-
+    with the model (docs/checkpoints.md, "Strategy state"): compressors' residuals, local SGD's anchors.
     name: unique among the model's extra states ("compressor", "local_sgd"): the checkpoint's key for it.
     scope: "per_rank", each rank's own (residuals): saved by every rank, reloaded only onto the same world size and
         rank layout; or "replicated", equal on every rank of the model: saved once, reloaded on any world size.
@@ -197,8 +196,8 @@ class Parallelized:
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    """The module, or the one torch.compile wrapped (OptimizedModule._orig_mod): tools given the compiled model see the
-    wrapped model's layout. Not a module (torch's habit clip_grad_norm_(model.parameters(), ...)): a TypeError."""
+    """The module, or the one torch.compile wrapped (OptimizedModule._orig_mod, whose layout tools see); TypeError
+    for what is not a module (torch's habit `clip_grad_norm_(model.parameters(), ...)`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected the model (a torch.nn.Module, as the wrapper returned it), got "
                         f"{type(model).__name__}: pass the model itself, e.g. sw.clip_grad_norm_(model, max_norm)")
@@ -244,8 +243,12 @@ def is_partitioned(model: nn.Module) -> bool:
 
 
 def declare(model: nn.Module, record: Parallelized) -> None:
-    """Append `record` to `model`'s strategies (called by a strategy once it has wrapped the model)."""
+    """Append `record` to `model`'s strategies (called by a strategy once it has wrapped the model), and tell each
+    piece it places where it lies in its whole tensor (`ShardSpec.held`: random fills draw as one process does)."""
     model.__dict__[_ATTR] = (*model.__dict__.get(_ATTR, ()), record)
+    for pl in record.placements.values() if isinstance(record.placements, dict) else ():
+        if (spec := spec_of(pl.param)) is not None and not spec.whole:
+            set_spec(pl.param, dataclasses.replace(spec, held=functools.partial(held_views, pl)))
 
 
 def base_placements(model: nn.Module) -> dict[str, Placement]:
@@ -312,8 +315,7 @@ def merged_memory(modules: Any) -> MemoryView:
     """What the strategies of several modules (pipeline stages) hold, together."""
     views = [r.memory() for m in modules for r in strategies(m) if r.memory is not None]
     return MemoryView(params=tuple(t for v in views for t in v.params), grads=tuple(t for v in views for t in v.grads),
-                      gathered_peak=sum(v.gathered_peak for v in views),
-                      gathered_now=sum(v.gathered_now for v in views),
+                      gathered_peak=sum(v.gathered_peak for v in views), gathered_now=sum(v.gathered_now for v in views),
                       grad_buffer_peak=sum(v.grad_buffer_peak for v in views))
 
 
@@ -380,13 +382,11 @@ def model_world(model: nn.Module, what: str) -> Communicator:
 
 
 def data_parallel_group(pl: Placement, comm: Communicator) -> Communicator | None:
-    """The ranks of `comm` over which a data-parallel strategy on `comm` averages `pl`'s gradient.
-
-    `comm` itself for a parameter every rank of `comm` holds alike (whole, or split over a group across `comm`, as
-    tensor parallel is). A parameter split over ranks *of* `comm` (the experts of a MoE layer, split over an
-    expert-parallel group that borrows its ranks from dp) differs across `comm`: it is averaged only over the replica
-    group it declares inside `comm` (expert data parallel), or over nothing (None) when no other rank of `comm` holds
-    its piece. ValueError when the two groups do not tile `comm` (a copy the average would miss)."""
+    """The ranks of `comm` over which a data-parallel strategy on `comm` averages `pl`'s gradient: `comm` itself for a
+    parameter every rank of `comm` holds alike (whole, or split across `comm` as tensor parallel is); for one split
+    over ranks *of* `comm` (MoE experts over an expert-parallel group borrowing dp's ranks), the replica group it
+    declares inside `comm` (expert data parallel), or None when no other rank holds its piece. ValueError when the
+    two groups do not tile `comm` (a copy the average would miss)."""
     split = pl.box_group
     inside = set(comm.global_ranks)
     if split is None or split.size == 1 or len(inside & set(split.global_ranks)) <= 1:

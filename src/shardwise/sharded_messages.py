@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CLIP", "MESSAGES", "PIECE", "PIECE_OPTIMIZERS", "broadcast_piece", "whole_with_piece"]
+__all__ = ["CLIP", "MESSAGES", "PIECE", "PIECE_OPTIMIZERS", "address_of_piece", "broadcast_piece", "data_set",
+           "part_of_model", "pickling", "piece_only", "whole_with_piece"]
 
 PIECE = ("read the whole tensor with sw.full_state_dict(model) (collective), clip with sw.clip_grad_norm_(model, "
          "max_norm), scale losses with sw.ShardedGradScaler(model); a loss term on a parameter (a regulariser) is "
@@ -18,7 +19,12 @@ PIECE_OPTIMIZERS = ("; elementwise operations (SGD, Adam, AdamW and the like) ru
 CLIP = ("torch.nn.utils.clip_grad_norm_ over a sharded model would clip each rank by its own piece's norm: use "
          "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
          "sw.full_state_dict(model))")
+WHOLE_INIT = ("an initialiser that reads the whole tensor (torch.nn.init.trunc_normal_'s rejection sampling, "
+              "orthogonal_, eye_, dirac_, sparse_) cannot run on a piece: initialise before wrapping (the wrap keeps "
+              "the model's values), or load values made in one process with model.load_state_dict(state_dict); "
+              "normal_, uniform_, constant_, xavier_* and kaiming_* run on pieces and give one process's values")
 MESSAGES = {
+    "new_tensor": WHOLE_INIT, "new_empty": WHOLE_INIT, "eye": WHOLE_INIT,
     "_foreach_norm": CLIP, "linalg_vector_norm": CLIP, "norm": CLIP, "vector_norm": CLIP,
     "_amp_foreach_non_finite_check_and_unscale_": "torch.amp.GradScaler over a sharded model lets each rank decide "
                      "alone whether to skip the step: use sw.ShardedGradScaler(model) (the same API; every rank "
@@ -46,3 +52,32 @@ def broadcast_piece(name: str, spec: Any, held: int, other: tuple) -> str:
             f"holds it (or after that forward). Read it inside the forward of the module that registers it (a "
             f"container such as ParameterList has no forward: its parent's forward reads it), or keep it whole on "
             f"every rank with replicated_params=(param,) (it is then all-reduced as under DDP)")
+
+
+def data_set(spec: Any) -> str:
+    return (f"assigning {spec.name}.data replaces the storage of a {spec.what} piece, which would no longer be the "
+            f"shard the engine gathers and the optimizer steps (training would leave the model as it is): write in "
+            f"place instead (p.data.copy_(x), or under torch.no_grad() p.copy_(x)); to cast or move the model, do it "
+            f"before wrapping")
+
+
+def address_of_piece(spec: Any, held: int) -> str:
+    return (f"data_ptr() of {spec.name}, a {spec.what} piece ({held} of its {spec.numel} elements, shape "
+            f"{tuple(spec.shape)}): a reader of the whole shape from this address (e.g. "
+            f"safetensors.torch.save_file(model.state_dict())) would copy past the piece; save "
+            f"sw.full_state_dict(model) (collective) instead")
+
+
+def pickling(spec: Any, held: int) -> str:
+    return (f"pickling {spec.name}, a {spec.what} shard ({held} of {spec.numel} elements on this rank), would save one "
+            f"rank's piece: save the model with sw.save_checkpoint(path, model, optimizer) (sharded, any layout "
+            f"reloads) or sw.full_state_dict(model) (whole tensors, collective)")
+
+
+def part_of_model(name: str, spec: Any, why: str) -> str:
+    return f"{name}() on {spec.name}, under {spec.what}, would combine only this rank's part of the model: {why}"
+
+
+def piece_only(name: str, spec: Any, held: int, why: str) -> str:
+    return (f"{name}() on {spec.name}, a {spec.what} shard (this rank holds {held} of its {spec.numel} elements, shape "
+            f"{tuple(spec.shape)}), would see only this rank's piece: {why}")

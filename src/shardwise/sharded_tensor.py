@@ -11,12 +11,13 @@ parameters do.
 
 What may be computed on them (`__torch_function__`, Python-level, so one call per operation):
 * elementwise operations (aten ops tagged pointwise, every `torch._foreach_*` except the norms and maxima, fills,
-  copies, casts, clones, random fills): what optimizers do. They run on the local piece; a result of an out-of-place
+  copies, casts, clones): what optimizers do. They run on the local piece; a result of an out-of-place
   elementwise operation is sharded again (`p.grad.abs()` still knows it is a piece), a result of `zeros_like` and
   the like, or of a `torch._foreach_*` call, is plain (an optimizer's state and intermediates: local, as it needs);
   `view_as_real` / `view_as_complex` (Adam on complex parameters) give a piece of the viewed tensor;
-* metadata (dtype, device, requires_grad, `.grad`, `.data`, strides, storage): as they are (reading `.data` also
-  calls the piece's `on_data_read` callback);
+* random fills (`normal_`, `uniform_`, ..., `randn_like`): drawn as one process draws them (sharded_random.py);
+* metadata (dtype, device, requires_grad, `.grad`, strides, storage): as they are; `.data` is the same piece
+  answering for the whole (reading it also calls the piece's `on_data_read` callback);
 * anything else, in particular reductions (`norm`, `sum`, `max`, `_foreach_norm`: torch's clip), indexing, views
   and reshapes, `item()`, pickling (`torch.save` of the piece): refused with a RuntimeError naming the operation and
   the shardwise way (`sw.clip_grad_norm_`, `sw.ShardedGradScaler`, `sw.full_state_dict`). A wrong number is
@@ -32,6 +33,7 @@ has the measured figure); torch kernels themselves run unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -42,7 +44,9 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 from torch.utils import _foreach_utils as torch_foreach_utils
 
-from .sharded_messages import CLIP, MESSAGES, PIECE, PIECE_OPTIMIZERS, broadcast_piece, whole_with_piece
+from .sharded_messages import (CLIP, MESSAGES, PIECE, PIECE_OPTIMIZERS, address_of_piece, broadcast_piece, data_set,
+                               part_of_model, pickling, piece_only, whole_with_piece)
+from .sharded_random import RANDOM_FILLS, RANDOM_LIKE, drawn_as_one_process
 
 __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
            "grad_like", "on_data_read"]
@@ -55,13 +59,16 @@ class ShardSpec:
     model spread over ranks (a pipeline stage's gradient): everything runs on it but what combines tensors into one
     model-wide figure (torch's clip and GradScaler, `_ACROSS_RANKS`), which would see only this rank's part. flat:
     the piece is a flat range of the tensor's elements (ZeRO/FSDP), not a sub-tensor in the tensor's own layout (a
-    tensor-parallel or expert slice), so nothing may broadcast it."""
+    tensor-parallel or expert slice), so nothing may broadcast it. held: the piece's place in the whole tensor,
+    `layout.held_views` of its placement (set when a strategy declares it): random fills draw as one process does
+    (sharded_random.py)."""
 
     shape: torch.Size
     name: str
     what: str = "ZeRO/FSDP"
     whole: bool = False
     flat: bool = False
+    held: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -70,7 +77,7 @@ class ShardSpec:
 
 _SPEC = "_sw_spec"
 _run_plain = torch._C._disabled_torch_function_impl
-_KINDS: dict[Any, str] = {}  # per torch function: "elementwise", "plain", "meta" or "refuse" (see _kind)
+_KINDS: dict[Any, str] = {}  # per torch function: "elementwise", "plain", "random", "meta", "refuse"... (see _kind)
 
 
 class _Sharded:
@@ -87,8 +94,7 @@ class _Sharded:
     def dim(self) -> int:  # type: ignore[override]
         return len(getattr(self, _SPEC).shape)
 
-    def ndimension(self) -> int:  # type: ignore[override]
-        return self.dim()
+    ndimension = dim
 
     @property
     def ndim(self) -> int:  # type: ignore[override]
@@ -97,8 +103,7 @@ class _Sharded:
     def numel(self) -> int:  # type: ignore[override]
         return getattr(self, _SPEC).numel
 
-    def nelement(self) -> int:  # type: ignore[override]
-        return self.numel()
+    nelement = numel
 
     def __len__(self) -> int:
         shape = getattr(self, _SPEC).shape
@@ -116,10 +121,7 @@ class _Sharded:
         spec = getattr(self, _SPEC)
         if spec.whole:
             return local(self).__reduce_ex__(protocol)
-        raise RuntimeError(
-            f"pickling {spec.name}, a {spec.what} shard ({local(self).numel()} of {spec.numel} elements on this rank), "
-            f"would save one rank's piece: save the model with sw.save_checkpoint(path, model, optimizer) (sharded, "
-            f"any layout reloads) or sw.full_state_dict(model) (whole tensors, collective)")
+        raise RuntimeError(pickling(spec, local(self).numel()))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -132,10 +134,12 @@ class _Sharded:
             _refuse(func, args, kwargs or {})  # Muon's `grad.T`: a tensor-parallel slice, a matrix itself, may
         if kind == "complex_view" and isinstance(args[0], _Sharded):
             return _complex_view(func, args[0])
+        if kind in ("random", "random_like") and _is_piece(args[0] if args else (kwargs or {}).get("tensor")):
+            return _random(func, kind, args, kwargs or {})  # else as torch runs it: the whole tensor is here
         if kind == "data":
             _data_read(args[0])
         elif kind == "data_set" and getattr(args[0], _ON_DATA, None) is not None and args[1] is not args[0]:
-            _refuse_data_set(args[0])  # `p.data = p` is a move that changed nothing (`model.to("cpu")` on a CPU)
+            raise RuntimeError(data_set(getattr(args[0], _SPEC)))  # `p.data = p`: a move that changed nothing
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
@@ -145,6 +149,8 @@ class _Sharded:
         out = _run_plain(func, types, args, kwargs) if kwargs else _run_plain(func, types, args)
         if kind == "elementwise" and out is not None and not (args and out is args[0]):
             return _reshard(out, args, kwargs or {})
+        if kind == "data" and isinstance(args[0], _Sharded):  # `p.data` is the same piece, answering for the whole
+            return as_sharded(out, getattr(args[0], _SPEC))
         return out  # in-place results, metadata, getters and setters, like-factories: as torch gives them
 
 
@@ -165,12 +171,14 @@ def _data_read(t: Any) -> None:
         callback()
 
 
-def _refuse_data_set(t: Any) -> None:
-    spec = getattr(t, _SPEC)
-    raise RuntimeError(f"assigning {spec.name}.data replaces the storage of a {spec.what} piece, which would no longer "
-                       f"be the shard the engine gathers and the optimizer steps (training would leave the model as "
-                       f"it is): write in place instead (p.data.copy_(x), or under torch.no_grad() p.copy_(x)); to "
-                       f"cast or move the model, do it before wrapping")
+def _random(func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
+    """A random fill or `rand*_like` of a piece, drawn as one process draws it (sharded_random.py)."""
+    piece = args[0] if args else kwargs["tensor"]  # torch.nn.init's functions pass it by name
+    values = drawn_as_one_process(func, local(piece), getattr(piece, _SPEC), args, kwargs)
+    if kind == "random_like":
+        return as_sharded(values, getattr(piece, _SPEC))
+    with torch.no_grad() if not args else contextlib.nullcontext():  # torch.nn.init's functions run under no_grad
+        return _run_plain(torch.Tensor.copy_, (type(piece),), (piece, values))  # bumps the version, as a fill
 
 
 def _complex_view(func: Any, piece: Any) -> Any:
@@ -220,11 +228,7 @@ def _is_piece(t: Any) -> bool:
 def _refuse_address(t: Any) -> None:
     """`data_ptr()` of a piece answering for a larger tensor: what reads `numel()` elements from that address
     (safetensors' save_file, numpy through ctypes) would copy past the piece's end. Its own code reads `local(t)`."""
-    spec = getattr(t, _SPEC)
-    raise RuntimeError(f"data_ptr() of {spec.name}, a {spec.what} piece ({local(t).numel()} of its {spec.numel} "
-                       f"elements, shape {tuple(spec.shape)}): a reader of the whole shape from this address (e.g. "
-                       f"safetensors.torch.save_file(model.state_dict())) would copy past the piece; save "
-                       f"sw.full_state_dict(model) (collective) instead")
+    raise RuntimeError(address_of_piece(getattr(t, _SPEC), local(t).numel()))
 
 
 class ShardedTensor(_Sharded, torch.Tensor):
@@ -240,9 +244,7 @@ class ShardedParameter(_Sharded, nn.Parameter):
 # model's AdamW on CUDA would loop over its tensors one by one (a few kernels per tensor instead of a few in all).
 for _types in (getattr(torch_optimizer, "_foreach_supported_types", []),
                getattr(torch_foreach_utils, "_foreach_supported_types", [])):
-    for _cls in (ShardedTensor, ShardedParameter):
-        if _cls not in _types:
-            _types.append(_cls)
+    _types.extend(cls for cls in (ShardedTensor, ShardedParameter) if cls not in _types)
 
 
 def as_sharded(piece: torch.Tensor, spec: ShardSpec, parameter: bool = False, requires_grad: bool = False) -> Any:
@@ -284,14 +286,13 @@ def local(t: Any) -> Any:
 # ---- which operations run on the piece -------------------------------------------------------------------------
 _IDENTITY = frozenset({
     "detach", "detach_", "clone", "contiguous", "conj", "conj_physical", "resolve_conj", "resolve_neg", "to", "cpu",
-    "cuda", "float", "double", "half", "bfloat16", "type_as", "_to_copy", "copy_", "zero_", "fill_", "normal_",
-    "uniform_", "bernoulli_", "exponential_", "random_", "log_normal_", "geometric_", "cauchy_", "requires_grad_",
+    "cuda", "float", "double", "half", "bfloat16", "type_as", "_to_copy", "copy_", "zero_", "fill_", "requires_grad_",
     "masked_fill_", "lerp_", "div_", "mul_", "add_", "sub_", "clamp_min_", "clamp_max_", "sign_", "pow_",
 })
 # torch's fused optimizer steps (`fused=True`, nanoGPT's default on CUDA): one kernel updating every element from
 # its own gradient and state; the loss-scale arguments (`grad_scale`, `found_inf`) are plain scalars.
 _FUSED_OPTIMIZERS = frozenset({"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"})
-_PLAIN = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"})
+_PLAIN = frozenset({"zeros_like", "ones_like", "empty_like", "full_like"})
 _META = frozenset({
     "__get__", "__set__", "__delete__", "element_size", "untyped_storage", "storage_offset", "stride",
     "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "dim_order", "is_pinned",
@@ -310,6 +311,8 @@ def _kind_of_name(name: str) -> str:
         return "meta"
     if name in _PLAIN:
         return "plain"
+    if name in RANDOM_FILLS or name in RANDOM_LIKE:
+        return "random" if name in RANDOM_FILLS else "random_like"
     if name in _IDENTITY:
         return "elementwise"
     if name.startswith("_foreach_"):
@@ -343,6 +346,8 @@ def _kind(func: Any) -> str:
     if any(owner is t for t in _TRANSPOSES):  # a transposed view: of a flat ZeRO piece, not of the matrix
         return "transpose"
     name = getattr(func, "__name__", "")
+    if getattr(func, "__module__", "") == "torch.nn.init":  # the initialisers that dispatch: a fill of the whole
+        return "random"
     if name in ("view_as_real", "view_as_complex"):
         return "complex_view"
     if name == "__setitem__":  # elementwise when the index is a mask made from a piece (Rprop: grad[sign < 0] = 0)
@@ -391,8 +396,5 @@ def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
     source = _first_sharded(args, kwargs)
     spec, piece = getattr(source, _SPEC), local(source).numel()
     if spec.whole:
-        raise RuntimeError(f"{name}() on {spec.name}, under {spec.what}, would combine only this rank's part of the "
-                           f"model: {MESSAGES.get(name, CLIP)}")
-    why = MESSAGES.get(name, PIECE) + PIECE_OPTIMIZERS
-    raise RuntimeError(f"{name}() on {spec.name}, a {spec.what} shard (this rank holds {piece} of its {spec.numel} "
-                       f"elements, shape {tuple(spec.shape)}), would see only this rank's piece: {why}")
+        raise RuntimeError(part_of_model(name, spec, MESSAGES.get(name, CLIP)))
+    raise RuntimeError(piece_only(name, spec, piece, MESSAGES.get(name, PIECE) + PIECE_OPTIMIZERS))

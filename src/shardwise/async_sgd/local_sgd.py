@@ -52,6 +52,7 @@ from ..comm.base import Communicator, ReduceOp
 from ..comm.coalesced import broadcast_coalesced
 from ..compression.base import Compressor
 from ..placement import to_comm_device
+from ..sharded_tensor import local
 from ..requires_grad_at_wrap import RequiresGradAtWrap
 from .checks import check_anchor_names, check_comm, check_positive_int, check_whole_model
 from .extra_state import declare_local_sgd
@@ -314,7 +315,7 @@ def LocalSGD(
         "compression": None if compression is None else compression.config()}})
     if comm.size > 1:
         with torch.no_grad():
-            broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
+            broadcast_coalesced(comm, [local(p.data) for p in module.parameters()] + [b.data for b in module.buffers()])
     state = _State(module, comm, sync_every, outer_optimizer, reduce or _average,
                    None if compression is None else compression.fresh())
     mix_in(module, LocalSGDModule, "LocalSGD")

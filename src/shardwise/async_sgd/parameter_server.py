@@ -42,6 +42,7 @@ from ..agreement import check_agreement, describe_parameters
 from ..comm.base import CommError, Communicator, Work
 from ..comm.coalesced import broadcast_coalesced
 from ..placement import to_comm_device
+from ..sharded_tensor import local
 from ..requires_grad_at_wrap import RequiresGradAtWrap
 from .checks import check_comm, check_whole_model
 from .protocol import DONE, PULL_TAG, PUSH, PUSH_TAG, decode_into, encode, header, message_bytes
@@ -246,7 +247,7 @@ def AsyncSGD(
     check_agreement(comm, "AsyncSGD", {"parameters": describe_parameters(module), "options": {
         "n_servers": n_servers, "staleness": str(staleness), "lr_scaling": str(lr_scaling)}})
     with torch.no_grad():
-        broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
+        broadcast_coalesced(comm, [local(p.data) for p in module.parameters()] + [b.data for b in module.buffers()])
     server_ranks = list(range(n_workers, comm.size))
     shards = assign_shards([p.numel() * p.element_size() for p in params], n_servers)
     server = worker = None

@@ -47,6 +47,7 @@ from ..comm.base import Communicator, ReduceOp, Work
 from ..comm.coalesced import broadcast_coalesced
 from ..compression.base import Compressor
 from ..placement import to_comm_device
+from ..sharded_tensor import local
 from ..requires_grad_at_wrap import RequiresGradAtWrap
 from .checks import check_comm, check_positive_int, check_whole_model
 from .finite import check_averaged
@@ -380,7 +381,7 @@ def StreamingDiLoCo(
     check_agreement(comm, who, {"parameters": describe_parameters(module), "options": options})
     if comm.size > 1:
         with torch.no_grad():
-            broadcast_coalesced(comm, [p.data for p in module.parameters()] + [b.data for b in module.buffers()])
+            broadcast_coalesced(comm, [local(p.data) for p in module.parameters()] + [b.data for b in module.buffers()])
             for anchor, p in zip(state.anchors, state.params):
                 anchor.copy_(p)  # the anchors were taken before the broadcast
     mix_in(module, StreamingDiLoCoModule, "StreamingDiLoCo")

@@ -40,6 +40,7 @@ import torch
 
 from ..comm.base import Communicator, ReduceOp, is_communicator
 from ..comm.coalesced import broadcast_coalesced
+from ..sharded_tensor import local
 from .base import Compressor
 from .onebit import OneBit
 from .transaction import NonFiniteStateError, first_nonfinite
@@ -80,7 +81,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self.compressor = (compressor or OneBit(scale="rms")).fresh()
         self.steps = 0
         if comm.size > 1:  # every replica starts from rank 0's values
-            broadcast_coalesced(comm, [p.data for group in self.param_groups for p in group["params"]])
+            broadcast_coalesced(comm, [local(p.data) for group in self.param_groups for p in group["params"]])
 
     def _trainable(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]

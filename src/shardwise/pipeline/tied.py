@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator, ReduceOp
+from ..sharded_tensor import local
 from ..unused import used_anywhere
 
 __all__ = ["TiedParameters"]
@@ -59,7 +60,7 @@ class TiedParameters:
         with torch.no_grad():
             for _, params, sub in self.groups:
                 for p in params:
-                    sub.broadcast(p.data, src=0)
+                    sub.broadcast(local(p.data), src=0)
 
     def __bool__(self) -> bool:
         return bool(self.names)

@@ -40,6 +40,7 @@ from ..optimizer_guard import mark_replaced, register_wrapped
 from ..compiled import refuse_compiled
 from ..whole.state_dict import load_full_into_pieces
 from ..placement import to_comm_device
+from ..sharded_tensor import local
 from ..comm.base import Communicator, is_communicator
 from ..mesh import Mesh
 from ..compression.base import Compressor
@@ -176,13 +177,13 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
         "batch_norm": str(batch_norm), "buffer_writes": str(buffer_writes), "forward_methods": str(methods),
         **{k: str(v) for k, v in dataclasses.asdict(config).items()}}})
     if comm.size > 1:
-        broadcast_coalesced(comm, [p.data for p in module.parameters() if p not in experts.params]
+        broadcast_coalesced(comm, [local(p.data) for p in module.parameters() if p not in experts.params]
                             + [b.data for b in module.buffers()])
     if experts.replicas is not None and experts.replicas.size > 1:
-        broadcast_coalesced(experts.replicas, [p.data for p in module.parameters() if p in experts.params])
+        broadcast_coalesced(experts.replicas, [local(p.data) for p in module.parameters() if p in experts.params])
     # The placements so far (plain, or tensor parallel), keyed by this module's own parameter names.
-    local = {id(p): name for name, p in module.named_parameters()}
-    before = {local[id(pl.param)]: pl for pl in layout.placements(module).values()}
+    own_names = {id(p): name for name, p in module.named_parameters()}
+    before = {own_names[id(pl.param)]: pl for pl in layout.placements(module).values()}
     # Weights tied to copies on other pipeline ranks stay whole, so the pipeline can sum the copies' gradients.
     tied = tuple(pl.param for pl in before.values() if pl.tied_over is not None and pl.param not in replicated_params)
     originals = list(module.parameters())
