@@ -9,6 +9,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.models import GPT
+from shardwise.param_hooks import internal_hook
 
 STEPS = 5
 
@@ -105,8 +106,9 @@ def test_a_bucket_all_reduce_starts_before_backward_ends():
 
     def body(comm):
         model = GPT(CONFIG, seed=0)
-        if comm.rank == 0:
-            model.pos_emb.weight.register_post_accumulate_grad_hook(lambda p: events.append("pos_emb grad ready"))
+        if comm.rank == 0:  # internal: a user's hook would be held back until the gradients are averaged
+            model.pos_emb.weight.register_post_accumulate_grad_hook(
+                internal_hook(lambda p: events.append("pos_emb grad ready")))
         model = sw.DDP(model, Recording(comm) if comm.rank == 0 else comm, bucket_mb=0.05, first_bucket_mb=0.01)
         x, y = batch(0, comm.rank, comm.size)
         model(x, y).backward()

@@ -22,6 +22,7 @@ from .comm.base import Communicator, ReduceOp, Work
 from .comm.coalesced import broadcast_coalesced
 from .compression.base import Compressor
 from .graph_gradients import average_when_building_graph, refuse_graph_accumulation
+from .param_hooks import hold_back_hooks, internal_hook
 from .profiler_ranges import profiler_range
 from .sharded_tensor import grad_like, local
 from .unused import used_anywhere
@@ -95,9 +96,11 @@ class Reducer:
         self.params = [p for p in self.averaged if p.requires_grad]
         self.buckets = self._make_buckets(self.bucket_mb, self.first_bucket_mb)
         self.location = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        ready = internal_hook(lambda param: self._on_grad_ready(param))  # DDP's own: never held back (HeldBack)
+        self.hooks = [p.register_post_accumulate_grad_hook(ready) for p in self.params]
         # torch.autograd.grad(..., create_graph=True) gets the data-parallel average (graph_gradients.py)
-        self.hooks += [p.register_hook(average_when_building_graph((self.groups[id(p)],))) for p in self.params]
+        self.hooks += [p.register_hook(internal_hook(average_when_building_graph((self.groups[id(p)],))))
+                       for p in self.params]
 
     def follow_requires_grad(self) -> None:
         """A script that froze or unfroze parameters since the last forward (gradual unfreezing, a frozen
@@ -147,12 +150,14 @@ class Reducer:
         self.unsynced = False  # gradients of backward passes under no_sync() wait for their all-reduce
         self.next_bucket = 0
         self.in_backward = False
+        self.held_calls: list[tuple[Any, nn.Parameter]] = []  # the user's gradient hooks, held back (HeldBack)
 
     # ---- forward side -----------------------------------------------------------------------------------------
     def before_forward(self) -> None:
         if self.failed or (self.in_backward and torch._C._current_graph_task_id() == -1):
             self._recover()
         self.follow_requires_grad()
+        hold_back_hooks(self.params, self._holding)
         if self.broadcast_buffers and self.buffers and self.comm.size > 1:
             broadcast_coalesced(self.comm, [b.data for b in self.buffers])
 
@@ -215,6 +220,11 @@ class Reducer:
             )
         self._mark_ready(param, used=True)
 
+    def _holding(self) -> list[tuple[Any, nn.Parameter]] | None:
+        """Where a user's gradient hook records its call: held back until the gradients are averaged in a
+        synchronised backward (param_hooks.HeldBack); None under no_sync(), where it runs at once as in torch DDP."""
+        return self.held_calls if self.require_sync else None
+
     def _mark_ready(self, param: nn.Parameter, *, used: bool) -> None:
         bucket, i = self.location[param]
         view = bucket.views[i]
@@ -254,6 +264,8 @@ class Reducer:
                     assert bucket.work is not None
                     bucket.work.wait()
                 self._hand_out_grads(used_flags)
+                for hook, param in self.held_calls:  # the user's gradient hooks, on averaged gradients
+                    hook.release(param)
             finally:
                 self.outstanding_forwards = max(0, self.outstanding_forwards - 1)
                 if self.outstanding_forwards == 0:

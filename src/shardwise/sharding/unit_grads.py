@@ -17,6 +17,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from ..comm.base import CompletedWork, ReduceOp
+from ..param_hooks import run_gradient_hooks
 from ..sharded_tensor import as_sharded, grad_like, local, spec_of
 from .param_info import ParamInfo
 
@@ -224,12 +225,8 @@ class UnitGradients:
                 piece = shard[info.offset + info.shard_lo - start : info.offset + info.shard_hi - start]
                 piece = piece if info.shard_hi > info.shard_lo else shard[:0]
                 piece = piece.view(info.shape) if self.whole_pieces else piece
-            if info.shard_param.grad is None:  # shaped like its parameter: whole, or a piece answering for it
-                info.shard_param.grad = grad_like(piece, info.shard_param) if self.whole_pieces \
-                    else as_sharded(piece, spec_of(info.shard_param))
-            else:  # a second reduced backward before the step: add, as torch does (a whole piece in its shape)
-                held = local(info.shard_param.grad)
-                held.add_(piece.view(held.shape))
+            self._give_grad(info, grad_like(piece, info.shard_param) if self.whole_pieces
+                            else as_sharded(piece, spec_of(info.shard_param)))  # answering for the whole tensor
         self.reduced_shard = None
         if not self.keep_grad_buffer:
             self._drop_grad_buffer()
@@ -240,12 +237,26 @@ class UnitGradients:
         before the step, as torch adds). A parameter without one keeps its .grad, None after zero_grad."""
         for info in self.trainable:
             grad, info.unsharded.grad = info.unsharded.grad, None
-            if grad is None:
-                continue
+            if grad is not None:
+                self._give_grad(info, grad_like(grad, info.shard_param))
+
+    def _give_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
+        """The averaged `grad` (shaped like the shard parameter: whole, or a piece answering for it) into its
+        `.grad`, added to one already there (a second reduced backward before the step, as torch adds), through
+        the user's gradient hooks on the shard parameter when it has any (param_hooks.run_gradient_hooks)."""
+        given = grad
+
+        def add(grad: torch.Tensor) -> None:  # a hook's replacement is described as the piece again
             if info.shard_param.grad is None:
-                info.shard_param.grad = grad_like(grad, info.shard_param)
+                info.shard_param.grad = grad if grad is given else grad_like(local(grad), info.shard_param)
             else:
-                local(info.shard_param.grad).add_(grad)
+                held = local(info.shard_param.grad)
+                held.add_(local(grad).view(held.shape))
+
+        if info.user_hooks():
+            run_gradient_hooks(info.shard_param, grad, add)
+        else:
+            add(grad)
 
     def _start_flags(self, used: list[bool]) -> None:
         """Under compression: all-reduce the used flags (exact, SUM) over the group the gradients reduce over first."""
