@@ -18,6 +18,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise import tensor_parallel as tp
+from shardwise.experts import expert_parallel
 from shardwise.models import GPT, GPTConfig
 from shardwise.sharded_tensor import ShardSpec, as_sharded, is_sharded
 
@@ -139,6 +140,26 @@ def test_initialisers_on_tensor_parallel_slices_and_their_zero_pieces(dp_strateg
         return _gpt_init(model, torch.Generator().manual_seed(7))
 
     for got, got_next in sw.launch(body, 4 if dp_strategy else 2):
+        assert set(got) == set(want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+        assert torch.equal(got_next, want_next)
+
+
+@pytest.mark.parametrize("dp_strategy", ["ddp", "zero3"])
+def test_initialisers_on_expert_parallel_pieces(dp_strategy):
+    """A MoE GPT's experts split over ep=2 (under DDP, or ZeRO-3 over dp on top): one process's values."""
+    from expert_cases import CFG as MOE
+
+    want, want_next = _gpt_init(GPT(MOE, seed=0), torch.Generator().manual_seed(9))
+
+    def body(comm):
+        mesh = sw.Mesh(comm, ep=2)
+        model = expert_parallel(GPT(MOE, seed=0), mesh)
+        model = sw.DDP(model, mesh.dp) if dp_strategy == "ddp" else sw.ZeRO(model, mesh.dp, stage=3)
+        return _gpt_init(model, torch.Generator().manual_seed(9))
+
+    for got, got_next in sw.launch(body, 4):
         assert set(got) == set(want)
         for key in want:
             assert torch.equal(got[key], want[key]), key

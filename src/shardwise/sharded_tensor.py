@@ -15,7 +15,7 @@ What may be computed on them (`__torch_function__`, Python-level, so one call pe
   elementwise operation is sharded again (`p.grad.abs()` still knows it is a piece), a result of `zeros_like` and
   the like, or of a `torch._foreach_*` call, is plain (an optimizer's state and intermediates: local, as it needs);
   `view_as_real` / `view_as_complex` (Adam on complex parameters) give a piece of the viewed tensor;
-* random fills (`normal_`, `uniform_`, ..., `randn_like`): drawn as one process draws them (sharded_random.py);
+* random fills (`normal_`, `uniform_`, ..., `randn_like`): drawn as one process draws them (sharded_whole.py);
 * metadata (dtype, device, requires_grad, `.grad`, strides, storage): as they are; `.data` is the same piece
   answering for the whole (reading it also calls the piece's `on_data_read` callback);
 * anything else, in particular reductions (`norm`, `sum`, `max`, `_foreach_norm`: torch's clip), indexing, views
@@ -24,11 +24,10 @@ What may be computed on them (`__torch_function__`, Python-level, so one call pe
   impossible to get silently; an unlisted operation that would have been right fails loudly instead, and the
   library's own code reads the plain piece through `local(t)`.
 
-Not DTensor: DTensor needs a torch.distributed process group (shardwise's thread and MPI communicators are not),
-and its placements split whole dims into even chunks, while a ZeRO piece is any flat range of a unit's buffer (the
-layout contract's `flat` range), which lets the engine gather straight into views with no copy-in / copy-out.
-The cost is one Python `__torch_function__` call per torch operation touching a sharded tensor (docs/sharding.md
-has the measured figure); torch kernels themselves run unchanged.
+Not DTensor: it needs a torch.distributed process group (shardwise's thread and MPI communicators are not) and
+splits whole dims into even chunks, while a ZeRO piece is any flat range of a unit's buffer, gathered straight into
+views. The cost is one Python `__torch_function__` call per torch operation touching a sharded tensor
+(docs/sharding.md has the figure); torch kernels themselves run unchanged.
 """
 
 from __future__ import annotations
@@ -46,7 +45,8 @@ from torch.utils import _foreach_utils as torch_foreach_utils
 
 from .sharded_messages import (CLIP, MESSAGES, PIECE, PIECE_OPTIMIZERS, address_of_piece, broadcast_piece, data_set,
                                part_of_model, pickling, piece_only, whole_with_piece)
-from .sharded_random import RANDOM_FILLS, RANDOM_LIKE, drawn_as_one_process
+from .sharded_data import data_read, on_data_read, watches_data
+from .sharded_whole import RANDOM_FILLS, RANDOM_LIKE, drawn_as_one_process, fits_whole, this_ranks_part
 
 __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
            "grad_like", "on_data_read"]
@@ -60,8 +60,8 @@ class ShardSpec:
     model-wide figure (torch's clip and GradScaler, `_ACROSS_RANKS`), which would see only this rank's part. flat:
     the piece is a flat range of the tensor's elements (ZeRO/FSDP), not a sub-tensor in the tensor's own layout (a
     tensor-parallel or expert slice), so nothing may broadcast it. held: the piece's place in the whole tensor,
-    `layout.held_views` of its placement (set when a strategy declares it): random fills draw as one process does
-    (sharded_random.py)."""
+    `layout.held_views` of its placement (set when a strategy declares it): random fills and whole-shaped operands
+    (sharded_whole.py)."""
 
     shape: torch.Size
     name: str
@@ -137,14 +137,14 @@ class _Sharded:
         if kind in ("random", "random_like") and _is_piece(args[0] if args else (kwargs or {}).get("tensor")):
             return _random(func, kind, args, kwargs or {})  # else as torch runs it: the whole tensor is here
         if kind == "data":
-            _data_read(args[0])
-        elif kind == "data_set" and getattr(args[0], _ON_DATA, None) is not None and args[1] is not args[0]:
+            data_read(args[0])
+        elif kind == "data_set" and watches_data(args[0]) and args[1] is not args[0]:
             raise RuntimeError(data_set(getattr(args[0], _SPEC)))  # `p.data = p`: a move that changed nothing
         if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
         if kind == "elementwise" and args:
-            _check_operands(func, args)  # a piece broadcast against, or mixed into, a tensor of another shape
+            args = _check_operands(func, args)  # a whole-shaped operand cut to the piece's part, or refused
         # torch's C implementation of "run with __torch_function__ off" (what nn.Parameter uses): the cheapest way.
         out = _run_plain(func, types, args, kwargs) if kwargs else _run_plain(func, types, args)
         if kind == "elementwise" and out is not None and not (args and out is args[0]):
@@ -154,25 +154,8 @@ class _Sharded:
         return out  # in-place results, metadata, getters and setters, like-factories: as torch gives them
 
 
-_ON_DATA = "_sw_on_data_read"
-
-
-def on_data_read(param: torch.Tensor, callback: Any) -> None:
-    """Call `callback()` whenever `param.data` is read. `.data` is an alias with a version counter of its own, so a
-    write through it (`p.data.mul_(0.5)`, `p.data.copy_(ema)`: an EMA swapped in for evaluation, weight clipping)
-    leaves `param._version` as it was; the sharding engine, which tells a stale gathered copy by the version of its
-    master, is told this way instead (its callback marks the unit stale: read, so possibly written)."""
-    setattr(param, _ON_DATA, callback)
-
-
-def _data_read(t: Any) -> None:
-    callback = getattr(t, _ON_DATA, None)
-    if callback is not None:
-        callback()
-
-
 def _random(func: Any, kind: str, args: tuple, kwargs: dict) -> Any:
-    """A random fill or `rand*_like` of a piece, drawn as one process draws it (sharded_random.py)."""
+    """A random fill or `rand*_like` of a piece, drawn as one process draws it (sharded_whole.py)."""
     piece = args[0] if args else kwargs["tensor"]  # torch.nn.init's functions pass it by name
     values = drawn_as_one_process(func, local(piece), getattr(piece, _SPEC), args, kwargs)
     if kind == "random_like":
@@ -189,12 +172,13 @@ def _complex_view(func: Any, piece: Any) -> Any:
     return as_sharded(out, dataclasses.replace(spec, shape=torch.Size(shape)))
 
 
-def _check_operands(func: Any, args: tuple) -> None:
-    """An elementwise operation combining a piece with a plain tensor of another shape, refused before it runs: one
-    shaped like the whole parameter (AveragedModel's update of a copy made before wrapping, any EMA kept whole) would
-    mix this rank's piece into every element; any other that the flat piece would broadcast against (`x * w`, `w`
-    read where its unit is not gathered) gives a wrong number on every rank whose piece happens to fit. A
-    torch._foreach_* call is checked at its first index only (the optimizer's moment lists lead its calls: O(1))."""
+def _check_operands(func: Any, args: tuple) -> tuple:
+    """The arguments of an elementwise operation of a piece with plain tensors of other shapes: one of the whole
+    parameter's shape or broadcasting to it (`p.copy_(pretrained)`, `p.mul_(mask)`) is cut to this rank's part
+    (sharded_whole.py). Refused: an in-place operation on such a whole tensor (an EMA kept whole, AveragedModel),
+    which would mix this rank's piece into every element; lists of them; any other tensor the flat piece would
+    broadcast against (`x * w`, `w` read where its unit is not gathered). torch._foreach_* calls are checked at their
+    first index only (the optimizer's moment lists lead its calls: O(1))."""
     piece, others = None, []
     for a in args:
         t = (a[0] if a else None) if isinstance(a, (list, tuple)) else a
@@ -203,14 +187,20 @@ def _check_operands(func: Any, args: tuple) -> None:
         elif isinstance(t, torch.Tensor) and t.dim():
             others.append(t.shape)
     if piece is None or not others:  # an optimizer's scalars (0-d tensors, numbers): nothing to compare
-        return
+        return args
     spec, mine = getattr(piece, _SPEC), local(piece).shape
     others = [shape for shape in others if shape != mine]
-    name = getattr(func, "__name__", func)
+    name = getattr(func, "__name__", str(func))
+    whole_target = not isinstance(args[0], _Sharded) and (name.endswith("_") or name.startswith("__i"))
+    if (others and spec.held is not None and not whole_target and all(fits_whole(s, spec) for s in others)
+            and not any(isinstance(a, (list, tuple)) for a in args)):
+        plain = [isinstance(a, torch.Tensor) and not isinstance(a, _Sharded) and a.dim() > 0 for a in args]
+        return tuple(this_ranks_part(a, spec, local(piece)) if p and a.shape != mine else a for a, p in zip(args, plain))
     if spec.shape in others:
         raise RuntimeError(whole_with_piece(name, spec, local(piece).numel()))
     if spec.flat and any(_broadcasts(shape, mine) for shape in others):
         raise RuntimeError(broadcast_piece(name, spec, local(piece).numel(), next(s for s in others)))
+    return args
 
 
 def _broadcasts(shape: torch.Size, mine: torch.Size) -> bool:
