@@ -191,8 +191,9 @@ def test_data_of_a_piece_answers_for_the_whole_tensor():
 
 
 def test_fills_that_need_more_than_the_piece_are_refused():
-    """A piece with no declared place, a fill reading another tensor elementwise, and initialisers that read the
-    whole tensor (trunc_normal_'s rejection sampling, orthogonal_): a RuntimeError naming the parameter."""
+    """A piece with no declared place, a fill reading another tensor elementwise, initialisers that read the whole
+    tensor (trunc_normal_'s rejection sampling, orthogonal_) and indexing (HuggingFace's _init_weights zeroing the
+    padding row): a RuntimeError naming the parameter and what works."""
     loose = as_sharded(torch.zeros(2), ShardSpec(torch.Size([4]), "loose.weight", flat=True))
     with pytest.raises(RuntimeError, match="loose.weight.*place in the whole tensor"):
         loose.normal_()
@@ -201,7 +202,7 @@ def test_fills_that_need_more_than_the_piece_are_refused():
         model = sw.ZeRO(built(), comm, stage=3)
         errors = []
         for fill in (lambda w: w.bernoulli_(torch.full((12, 12), 0.5)), lambda w: nn.init.trunc_normal_(w),
-                     lambda w: nn.init.orthogonal_(w)):
+                     lambda w: nn.init.orthogonal_(w), lambda w: w.data[0].zero_()):  # the last: a padding row
             with pytest.raises(RuntimeError) as caught:
                 with torch.no_grad():
                     fill(model.lin.weight)
@@ -212,3 +213,15 @@ def test_fills_that_need_more_than_the_piece_are_refused():
         assert all("lin.weight" in e for e in errors), errors
         assert "tensor argument" in errors[0]
         assert "initialise before wrapping" in errors[1] and "initialise before wrapping" in errors[2]
+        assert "p.copy_(whole)" in errors[3]
+
+
+def test_initialisers_while_transformers_stands_in_for_torch_init():
+    """transformers replaces torch.nn.init's functions module-wide while it builds a model (and with thread ranks
+    building at once the replacement can outlive the builds): its stand-ins, which call torch's, run on pieces as
+    torch's do (they were refused by name)."""
+    from transformers import initialization
+
+    with initialization.guard_torch_init_functions():
+        assert torch.nn.init.kaiming_uniform_ is initialization.kaiming_uniform_
+        test_initialisers_after_wrapping_give_one_process_values("zero3")

@@ -46,7 +46,8 @@ from torch.utils import _foreach_utils as torch_foreach_utils
 from .sharded_messages import (CLIP, MESSAGES, PIECE, PIECE_OPTIMIZERS, address_of_piece, broadcast_piece, data_set,
                                part_of_model, pickling, piece_only, whole_with_piece)
 from .sharded_data import data_read, on_data_read, watches_data
-from .sharded_whole import RANDOM_FILLS, RANDOM_LIKE, drawn_as_one_process, fits_whole, this_ranks_part
+from .sharded_whole import (RANDOM_FILLS, RANDOM_LIKE, drawn_as_one_process, fits_whole, is_initialiser,
+                            this_ranks_part)
 
 __all__ = ["ShardSpec", "ShardedTensor", "ShardedParameter", "local", "as_sharded", "is_sharded", "spec_of",
            "grad_like", "on_data_read"]
@@ -190,9 +191,11 @@ def _check_operands(func: Any, args: tuple) -> tuple:
         return args
     spec, mine = getattr(piece, _SPEC), local(piece).shape
     others = [shape for shape in others if shape != mine]
+    if not others:  # the optimizer's state and the gradient: shaped like the piece
+        return args
     name = getattr(func, "__name__", str(func))
     whole_target = not isinstance(args[0], _Sharded) and (name.endswith("_") or name.startswith("__i"))
-    if (others and spec.held is not None and not whole_target and all(fits_whole(s, spec) for s in others)
+    if (spec.held is not None and not whole_target and all(fits_whole(s, spec) for s in others)
             and not any(isinstance(a, (list, tuple)) for a in args)):
         plain = [isinstance(a, torch.Tensor) and not isinstance(a, _Sharded) and a.dim() > 0 for a in args]
         return tuple(this_ranks_part(a, spec, local(piece)) if p and a.shape != mine else a for a, p in zip(args, plain))
@@ -336,7 +339,7 @@ def _kind(func: Any) -> str:
     if any(owner is t for t in _TRANSPOSES):  # a transposed view: of a flat ZeRO piece, not of the matrix
         return "transpose"
     name = getattr(func, "__name__", "")
-    if getattr(func, "__module__", "") == "torch.nn.init":  # the initialisers that dispatch: a fill of the whole
+    if is_initialiser(func):  # torch.nn.init's functions that dispatch (or a library's stand-ins): a whole fill
         return "random"
     if name in ("view_as_real", "view_as_complex"):
         return "complex_view"

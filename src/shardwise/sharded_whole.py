@@ -43,11 +43,23 @@ import torch
 
 from .boxes import box_slices
 
-__all__ = ["RANDOM_FILLS", "RANDOM_LIKE", "drawn_as_one_process", "this_ranks_part", "fits_whole"]
+__all__ = ["RANDOM_FILLS", "RANDOM_LIKE", "drawn_as_one_process", "this_ranks_part", "fits_whole", "is_initialiser"]
 
 RANDOM_FILLS = frozenset({"normal_", "uniform_", "bernoulli_", "exponential_", "random_", "log_normal_",
                           "geometric_", "cauchy_"})
 RANDOM_LIKE = frozenset({"rand_like", "randn_like", "randint_like"})
+_INITIALISERS = frozenset({"uniform_", "normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                           "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_"})
+
+
+def is_initialiser(func: Any) -> bool:
+    """Whether `func` is one of torch.nn.init's initialisers, which dispatch to a tensor subclass with the tensor
+    passed by name (`uniform_`, `normal_`, `constant_`, `kaiming_uniform_` in torch 2.13), or a library's stand-in
+    for one: transformers (`transformers.initialization`) replaces torch.nn.init's functions module-wide while it
+    builds a model, and when two threads build at once (thread ranks) the replacement can outlive both builds, so
+    the function dispatched is transformers' (which calls torch's) rather than torch's own."""
+    module = getattr(func, "__module__", None) or ""
+    return getattr(func, "__name__", "") in _INITIALISERS and module.rsplit(".", 1)[-1] in ("init", "initialization")
 
 
 def this_ranks_part(whole: torch.Tensor, spec: Any, plain_piece: torch.Tensor) -> torch.Tensor:
