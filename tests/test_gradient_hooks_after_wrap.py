@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from parity import assert_state_close, mlp_batch, small_mlp
+from parity import assert_state_close, mlp_batch, small_mlp, train_mlp
 from torch import nn
 
 import shardwise as sw
@@ -35,7 +35,12 @@ def built() -> nn.Module:
 
 
 def adamw(params) -> torch.optim.Optimizer:
+    """train_mlp's optimizer, for one parameter."""
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-5)
+
+
+def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
 
 
 def optimizer_in_backward(model: nn.Module, rank: int, world: int) -> tuple[dict, list[int]]:
@@ -51,8 +56,7 @@ def optimizer_in_backward(model: nn.Module, rank: int, world: int) -> tuple[dict
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(step)
     for i in range(4):
-        x, y = mlp_batch(i, rank, world)
-        ((model(x) - y) ** 2).mean().backward()
+        mse(model, *mlp_batch(i, rank, world)).backward()
     return {k: v.clone() for k, v in sw.full_state_dict(model).items()}, [len(steps)]
 
 
@@ -60,12 +64,7 @@ def clamped(model: nn.Module, rank: int, world: int) -> tuple[dict, list[int]]:
     """A gradient clamp (not linear: clamping each rank's gradient then averaging is not clamping the average)."""
     for p in model.parameters():
         p.register_hook(lambda g: g.clamp(-0.02, 0.02))
-    opt = adamw(model.parameters())
-    for i in range(4):
-        x, y = mlp_batch(i, rank, world)
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    train_mlp(model, mse, rank, world)
     return {k: v.clone() for k, v in sw.full_state_dict(model).items()}, []
 
 
@@ -93,13 +92,7 @@ def test_a_hook_registered_before_ddp_wraps_is_held_back_too():
     reference, _ = clamped(built(), 0, 1)
 
     def body(comm):
-        model = sw.DDP(clamp_first(built()), comm)
-        opt = adamw(model.parameters())
-        for i in range(4):
-            x, y = mlp_batch(i, comm.rank, comm.size)
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        model = train_mlp(sw.DDP(clamp_first(built()), comm), mse, comm.rank, comm.size)
         return {k: v.clone() for k, v in sw.full_state_dict(model).items()}
 
     for got in sw.launch(body, 2):

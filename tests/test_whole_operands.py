@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from parity import assert_state_close, mlp_batch, small_mlp
+from parity import assert_state_close, small_mlp, train_mlp
 from torch import nn
 
 import shardwise as sw
@@ -52,12 +52,7 @@ def edits(model: nn.Module) -> None:
 def edited_and_trained(model: nn.Module, rank: int, world: int) -> tuple[dict, dict]:
     edits(model)
     after = {k: v.clone() for k, v in sw.full_state_dict(model).items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
-    for step in range(3):
-        x, y = mlp_batch(step, rank, world)
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    train_mlp(model, lambda m, x, y: ((m(x) - y) ** 2).mean(), rank, world, steps=3)
     return after, {k: v.clone() for k, v in sw.full_state_dict(model).items()}
 
 

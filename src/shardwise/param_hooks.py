@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["carry_grad_hooks", "internal_hook", "hook_even_if_frozen", "run_gradient_hooks", "hold_back_hooks",
-           "HeldBack"]
+__all__ = ["carry_grad_hooks", "internal_hook", "hook_even_if_frozen", "run_gradient_hooks", "has_gradient_hooks",
+           "hold_back_hooks", "HeldBack"]
 
 _INTERNAL = "_shardwise_internal_hook"
 
@@ -60,23 +60,28 @@ def hook_even_if_frozen(param: torch.Tensor, register: str, hook) -> None:  # no
 
 def carry_grad_hooks(old: torch.Tensor, new: torch.Tensor, name: str, who: str) -> None:
     """Register `old`'s gradient hooks on `new` (see the module docstring); ValueError for a post-accumulate hook."""
-    post_hooks = (getattr(old, "_post_accumulate_grad_hooks", None) or {}).values()
-    if any(not getattr(h, _INTERNAL, False) for h in post_hooks):
+    if _users(old, "_post_accumulate_grad_hooks"):
         raise ValueError(f"{who}: parameter {name!r} has a post-accumulate-grad hook (register_post_accumulate_grad_"
                          f"hook); {who} replaces the parameter and assigns its .grad, so the hook would never run. "
                          f"Register it after wrapping, on the parameter model.parameters() then yields: it runs when "
                          f"the averaged gradient is in that parameter's .grad")
     if old is new:
         return
-    for hook in (getattr(old, "_backward_hooks", None) or {}).values():
-        if not getattr(hook, _INTERNAL, False):
-            hook_even_if_frozen(new, "register_hook", hook)
+    for hook in _users(old, "_backward_hooks"):
+        hook_even_if_frozen(new, "register_hook", hook)
 
 
 def _users(param: torch.Tensor, table: str) -> list:
+    """The hooks in `param`'s torch table `table` that are not shardwise's own (`internal_hook`)."""
     with torch._C.DisableTorchFunctionSubclass():  # a sharded piece's table: a plain attribute read
         hooks = getattr(param, table, None)
     return [h for h in (hooks or {}).values() if not getattr(h, _INTERNAL, False)]
+
+
+def has_gradient_hooks(param: torch.Tensor) -> bool:
+    """Whether `param` carries any gradient hook at all (a cheap test before `run_gradient_hooks`: two reads)."""
+    with torch._C.DisableTorchFunctionSubclass():  # a sharded piece's tables: plain attribute reads
+        return bool(param._backward_hooks or param._post_accumulate_grad_hooks)
 
 
 def run_gradient_hooks(param: torch.Tensor, grad: torch.Tensor, add: Callable[[torch.Tensor], None]) -> None:

@@ -27,9 +27,3 @@ class ParamInfo:
     shard_hi: int
     shard_param: nn.Parameter
     unsharded: nn.Parameter
-
-    def user_hooks(self) -> bool:
-        """Whether a script registered gradient hooks on the shard parameter (after wrapping): the engine runs them
-        where its averaged gradient arrives (param_hooks.run_gradient_hooks)."""
-        with torch._C.DisableTorchFunctionSubclass():  # a sharded piece's tables: plain attribute reads
-            return bool(self.shard_param._backward_hooks or self.shard_param._post_accumulate_grad_hooks)

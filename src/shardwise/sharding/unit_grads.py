@@ -13,12 +13,14 @@ tensors autograd produced become the shard parameters' `.grad`, as in plain PyTo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._utils import _unflatten_dense_tensors
 
 from ..comm.base import CompletedWork, ReduceOp
-from ..param_hooks import run_gradient_hooks
-from ..sharded_tensor import as_sharded, grad_like, local, spec_of
+from ..param_hooks import has_gradient_hooks, run_gradient_hooks
+from ..sharded_tensor import as_sharded, grad_like, is_sharded, local, spec_of
 from .param_info import ParamInfo
 
 __all__ = ["UnitGradients"]
@@ -242,21 +244,22 @@ class UnitGradients:
 
     def _give_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
         """The averaged `grad` (shaped like the shard parameter: whole, or a piece answering for it) into its
-        `.grad`, added to one already there (a second reduced backward before the step, as torch adds), through
-        the user's gradient hooks on the shard parameter when it has any (param_hooks.run_gradient_hooks)."""
-        given = grad
-
-        def add(grad: torch.Tensor) -> None:  # a hook's replacement is described as the piece again
-            if info.shard_param.grad is None:
-                info.shard_param.grad = grad if grad is given else grad_like(local(grad), info.shard_param)
-            else:
-                held = local(info.shard_param.grad)
-                held.add_(local(grad).view(held.shape))
-
-        if info.user_hooks():
-            run_gradient_hooks(info.shard_param, grad, add)
+        `.grad`, through the user's gradient hooks on the shard parameter when it has any
+        (param_hooks.run_gradient_hooks)."""
+        if has_gradient_hooks(info.shard_param):
+            run_gradient_hooks(info.shard_param, grad, functools.partial(self._add_grad, info))
         else:
-            add(grad)
+            self._add_grad(info, grad)
+
+    @staticmethod
+    def _add_grad(info: ParamInfo, grad: torch.Tensor) -> None:
+        """`grad` as the shard parameter's `.grad`, or added to one already there (a second reduced backward before
+        the step, as torch adds); a hook's plain replacement is described as the piece again."""
+        if info.shard_param.grad is None:
+            info.shard_param.grad = grad if is_sharded(grad) else grad_like(grad, info.shard_param)
+        else:
+            held = local(info.shard_param.grad)
+            held.add_(local(grad).view(held.shape))
 
     def _start_flags(self, used: list[bool]) -> None:
         """Under compression: all-reduce the used flags (exact, SUM) over the group the gradients reduce over first."""
