@@ -232,7 +232,8 @@ def test_what_cannot_be_exact_is_refused():
         model = cp.apply(tiny_llama(), comm)
         with pytest.raises(ValueError, match=r"LlamaAttention passes \['relative_bias'\] to its attention function"):
             model(input_ids=x, relative_bias=torch.zeros(1))  # HF forwards unknown keywords to the attention
-        with pytest.raises(ValueError, match=r"position_ids must be this rank's global positions"):
+        with pytest.raises(ValueError, match=r"position_ids are 0..7 on every rank, positions within each rank.s "
+                                             r"chunks"):
             model(input_ids=x, position_ids=torch.arange(8).expand(2, -1))
         model(input_ids=x, position_ids=cp.sequence_positions(8, comm).expand(2, -1))  # the global ones pass
         with pytest.raises(ValueError, match=r"generate\(\) extends sequences one token at a time"):

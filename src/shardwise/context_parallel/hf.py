@@ -5,7 +5,9 @@ transformers' decoders (Llama, Qwen, Mistral, Gemma, GPT-2, GPT-OSS, ...) call t
 values after rotary embedding, plus keywords for what the model's attention does besides softmax(q k^T) v. `apply_hf`
 registers :func:`hf_attention` under :data:`HF_ATTENTION`, selects it in the model's config, and makes the model's
 forward pass ``position_ids`` = the global positions of this rank's tokens, so rotary embeddings rotate each token by
-its place in the whole sequence.
+its place in the whole sequence. Given ``position_ids`` must be the whole sequence's cut like the tokens: packed
+documents' positions (restarting at each document) make the attention keep the documents apart (documents.py), and
+positions 0..L-1 on every rank (counted within each rank's chunks) are refused.
 
 What the attention function does with each keyword: ``scaling`` scales q k^T; ``softcap`` (Gemma 2's
 ``attn_logit_softcapping``) caps the scores as ``softcap * tanh(s / softcap)``; ``s_aux`` (GPT-OSS's per-head
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from .._mixin import mix_in
+from .documents import NOT_FILED, chunk_local, file_documents, filed_documents, packed_documents, whole_positions
 from .state import ContextParallelState, get_state, set_state
 
 __all__ = ["HF_ATTENTION", "apply_hf", "hf_attention", "is_hf"]
@@ -53,6 +56,20 @@ class _Calls:
         self.count = 0
 
 
+class _Packing:
+    """Whether the model's forward now running was given packed position ids: shared by the model and its
+    attention modules, so an attention call without ``position_ids`` then raises instead of ignoring the packing."""
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+_PACKING_MESSAGE = ("pack documents into rows and mark them by position_ids that restart at each document (what "
+                    "DataCollatorWithFlattening gives), cut by split_sequence like the tokens")
+
+
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                  **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -65,8 +82,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if calls is not None:
         calls.count += 1
     if attention_mask is not None:
-        raise ValueError("context parallel attention is causal over the whole sequence; attention_mask (padding) "
-                         "is not supported: pass attention_mask=None")
+        raise ValueError(f"context parallel attention is causal over the whole sequence; attention_mask (padding) "
+                         f"is not supported: pass attention_mask=None ({_PACKING_MESSAGE})")
     if dropout:  # GPT-2 passes its attn_pdrop here in training mode: the blockwise attention has no dropout
         raise ValueError(f"context parallel attention: attention dropout {dropout} is not implemented by ring / "
                          f"Ulysses attention; allowed: 0.0 (e.g. GPT2Config(attn_pdrop=0.0), or eval())")
@@ -82,8 +99,40 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         raise ValueError(f"context parallel attention: {who} passes {other} to its attention function, which ring "
                          f"/ Ulysses attention does not implement (it implements scaling, softcap, s_aux sinks and "
                          f"a sliding window); use cp=1 for this model")
-    out = state.attend(query, key, value, scale=scaling, softcap=softcap, sinks=sinks, window=window)
+    documents = _attention_documents(module, state, kwargs.get("position_ids"), who)
+    out = state.attend(query, key, value, scale=scaling, softcap=softcap, sinks=sinks, window=window,
+                       documents=documents)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_documents(module: nn.Module, state: ContextParallelState, positions: torch.Tensor | None,
+                         who: str) -> torch.Tensor | None:
+    """The whole sequence's document ids for this attention call (documents.py), None for unpacked rows: filed by
+    the model's forward under the position tensor's identity, else found from it (one all-gather)."""
+    if positions is None:
+        packing = module.__dict__.get("_shardwise_cp_packing")
+        if packing is not None and packing.active:
+            raise ValueError(f"context parallel attention: {who} does not pass position_ids to its attention "
+                             f"function, so the packed documents they mark cannot be kept apart; allowed for this "
+                             f"model: rows of one sequence each (no position_ids)")
+        return None
+    documents = filed_documents(positions)
+    if documents is NOT_FILED:  # a position tensor the model made itself: every rank finds it the same way
+        documents = _documents_of(positions, state)
+        file_documents(positions, documents)
+    return documents
+
+
+def _documents_of(positions: torch.Tensor, state: ContextParallelState) -> torch.Tensor | None:
+    """The documents `positions` (this rank's (b, L) position ids) mark over the whole sequence, None for one
+    sequence per row; ValueError for chunk-local positions. Every rank of the group calls it (an all-gather)."""
+    whole = whole_positions(positions, state.comm, state.split)
+    if chunk_local(whole, state.split):
+        raise ValueError(f"context parallel HF model: position_ids are 0..{positions.shape[-1] - 1} on every rank, "
+                         f"positions within each rank's chunks; they must be the whole sequence's position ids cut "
+                         f"by split_sequence (context_parallel.sequence_positions for rows of one sequence), or "
+                         f"none and the model computes them")
+    return packed_documents(whole)
 
 
 def _window(module: nn.Module, kwargs: dict[str, Any]) -> int | None:
@@ -116,25 +165,43 @@ class ContextParallelHFMixin:
             raise ValueError("context parallel HF model: labels= shifts targets within this rank's chunk, wrong at "
                              "chunk edges; compute the loss from .logits against split_sequence((x, y))'s targets")
         if kwargs.get("attention_mask") is not None:
-            raise ValueError("context parallel HF model: attention_mask (padding) is not supported; pass None")
+            raise ValueError(f"context parallel HF model: attention_mask (padding) is not supported; pass None "
+                             f"({_PACKING_MESSAGE})")
+        packing, packed = self.__dict__["_shardwise_cp_packing"], False
         ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if ref is not None:
             state = get_state(self)
             state.split.chunk_len(ref.shape[1], "context parallel HF model")
-            mine = state.positions(ref.shape[1], ref.device).unsqueeze(0).expand(ref.shape[0], -1)
             given = kwargs.get("position_ids")
             if given is None:
+                mine = state.positions(ref.shape[1], ref.device).unsqueeze(0).expand(ref.shape[0], -1)
+                file_documents(mine, None)
                 kwargs["position_ids"] = mine
-            elif given.shape[-1] != mine.shape[-1] or not torch.equal(given, mine.expand_as(given)):
-                raise ValueError("context parallel HF model: position_ids must be this rank's global positions "
-                                 "(context_parallel.sequence_positions), not chunk-local ones; or pass none and "
-                                 "the model computes them")
+            else:
+                _check_positions(given, ref)
+                documents = _documents_of(given, state)
+                file_documents(given, documents)
+                packed = documents is not None
         kwargs.setdefault("use_cache", False)  # no generation cache: a chunk is not a prefix of the sequence
-        return super().forward(input_ids, **kwargs)
+        packing.active = packed
+        try:
+            return super().forward(input_ids, **kwargs)
+        finally:
+            packing.active = False
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError("context parallel HF model: generate() extends sequences one token at a time, which chunks "
                          "split over ranks cannot; generate with a plain model holding sw.full_state_dict(model)")
+
+
+def _check_positions(positions: object, ref: torch.Tensor) -> None:
+    B, L = ref.shape[:2]
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.is_floating_point() \
+            or positions.shape[0] not in (1, B) or positions.shape[1] != L:
+        got = (f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor)
+               else type(positions).__name__)
+        raise ValueError(f"context parallel HF model: position_ids must be an integer tensor ({B} or 1, {L}), this "
+                         f"rank's tokens' positions in the whole sequence, got {got}")
 
 
 class ContextParallelHFAttentionMixin:
@@ -216,10 +283,13 @@ def apply_hf(model: nn.Module, state: ContextParallelState) -> None:
             raise ValueError(_bidirectional(f"{name} ({type(module).__name__})"))
     AttentionInterface.register(HF_ATTENTION, hf_attention)
     config._attn_implementation = HF_ATTENTION
+    packing = _Packing()
     for _, module in attention:
         set_state(module, state)
         object.__setattr__(module, "_shardwise_cp_calls", _Calls())
+        object.__setattr__(module, "_shardwise_cp_packing", packing)
         mix_in(module, ContextParallelHFAttentionMixin, "ContextParallel")
+    object.__setattr__(model, "_shardwise_cp_packing", packing)
     mix_in(model, ContextParallelHFMixin, "ContextParallel")
 
 

@@ -36,6 +36,10 @@ its query and key chunks, and skips the blocks it leaves entirely out of reach; 
 in a block gets probability 0 from it (its log-sum-exp is -inf there and it is merged with weight 0). The K/V
 blocks still travel the whole ring.
 
+Packed documents (documents.py) mask each block by document too: a query sees only keys of its own document.
+A block in which no query sees any key (every key in another document) is skipped, in the backward as in the
+forward (the forward records which).
+
 Soft-capped scores (Gemma 2) are capped inside every block, forward and backward (the cap's derivative multiplies
 dS). Attention sinks (GPT-OSS; Xiao et al. 2023, arXiv 2309.17453: one logit per head in every softmax denominator,
 with no value) enter once, after the last block, as one more term of each row's log-sum-exp; the backward's
@@ -57,7 +61,8 @@ import torch
 
 from ..comm.base import Communicator, P2POp
 from ..graph_gradients import refuse_second_order
-from .split import SequenceSplit, hidden_keys
+from .documents import check_documents, visibility, whole_documents
+from .split import SequenceSplit
 
 __all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv", "check_window"]
 
@@ -128,13 +133,15 @@ def _block_backward(q, k, v, do, lse, delta, scale, masked, softcap):  # noqa: A
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
 
 
-def _block_mask(qid: int, kid: int, c: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Where query chunk `qid` may not see key chunk `kid` (chunks of c tokens), by their global positions
-    (`hidden_keys`); None when the whole block is visible."""
+def _block_mask(qid: int, kid: int, c: int, window: int | None, documents: torch.Tensor | None,
+                device: torch.device) -> torch.Tensor | None:
+    """Where query chunk `qid` may not see key chunk `kid` (chunks of c tokens), by their global positions and,
+    for packed sequences, their document ids (documents.py: `visibility`); None when the whole block is visible."""
     q0, k0 = qid * c, kid * c
-    if kid < qid and (window is None or q0 + c - 1 - window < k0):
+    if documents is None and kid < qid and (window is None or q0 + c - 1 - window < k0):
         return None
-    return hidden_keys(torch.arange(q0, q0 + c, device=device), torch.arange(k0, k0 + c, device=device), window)
+    return visibility(torch.arange(q0, q0 + c, device=device), torch.arange(k0, k0 + c, device=device), window,
+                      documents)
 
 
 def _pairs(split: SequenceSplit, rank: int, src: int, c: int, window: int | None):  # noqa: ANN202
@@ -169,7 +176,7 @@ class RingAttention(torch.autograd.Function):
     module docstring). Call through :func:`ring_attention`, which validates the arguments."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, comm, split, scale, softcap, window):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, sinks, documents, comm, split, scale, softcap, window):  # noqa: ANN001, ANN205
         n, rank = comm.size, comm.rank
         acc = torch.promote_types(q.dtype, torch.float32)
         m = split.chunks_per_rank
@@ -180,12 +187,16 @@ class RingAttention(torch.autograd.Function):
         out = [t.new_zeros(*t.shape[:-1], v.shape[-1]) for t in qs]
         lse = [torch.full(t.shape[:-1], float("-inf"), dtype=acc, device=q.device) for t in qs]
         kv = torch.cat([k, v], dim=-1).to(acc)  # one transfer per step; v's head size may differ from k's
+        hidden_blocks = set()  # blocks whose every key is in another document than every query: skipped
         for step in range(n):
             if step < n - 1:
                 nxt, works = _exchange(comm, kv)
             for a, b, qid, kid in _pairs(split, rank, (rank - step) % n, c, window):
+                masked = _block_mask(qid, kid, c, window, documents, q.device)
+                if documents is not None and masked is not None and bool(masked.all()):
+                    hidden_blocks.add((qid, kid))
+                    continue
                 kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in (kv[..., :dk], kv[..., dk:]))
-                masked = _block_mask(qid, kid, c, window, q.device)
                 o_b, l_b = _block_forward(qs[a], kb, vb, scale, masked, softcap)
                 merged = torch.logaddexp(lse[a], l_b)
                 # exp(-inf - -inf) is nan where no block has reached a row yet: such a weight is 0
@@ -203,14 +214,15 @@ class RingAttention(torch.autograd.Function):
         # Laid out (B, L, H, D) as fused kernels return it: the caller's transpose + reshape to (B, L, H*D) is then
         # a view, so the output projection saves this same storage instead of a copy.
         o = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2), sinks)
+        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2), sinks, documents)
         ctx.comm, ctx.split, ctx.scale, ctx.softcap, ctx.window = comm, split, scale, softcap, window
+        ctx.hidden_blocks = hidden_blocks
         return o
 
     @staticmethod
     def backward(ctx, do):  # noqa: ANN001, ANN205
         refuse_second_order("context parallel's ring attention")
-        q, k, v, o, lse, sinks = ctx.saved_tensors
+        q, k, v, o, lse, sinks, documents = ctx.saved_tensors
         comm, split, scale, softcap, window = ctx.comm, ctx.split, ctx.scale, ctx.softcap, ctx.window
         n, rank = comm.size, comm.rank
         acc = lse.dtype
@@ -229,9 +241,11 @@ class RingAttention(torch.autograd.Function):
                 nxt, works = _exchange(comm, kv)
             dkv = torch.zeros_like(kv)
             for a, b, qid, kid in _pairs(split, rank, (rank - step) % n, c, window):
+                if (qid, kid) in ctx.hidden_blocks:
+                    continue
                 kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in (kv[..., :dk], kv[..., dk:]))
                 dq_b, dk_b, dv_b = _block_backward(qs[a], kb, vb, dos[a], lses[a], deltas[a], scale,
-                                                   _block_mask(qid, kid, c, window, q.device), softcap)
+                                                   _block_mask(qid, kid, c, window, documents, q.device), softcap)
                 dq[a] += dq_b
                 dkv[..., :dk].narrow(2, b * c, c).add_(_fold(dk_b, groups))
                 dkv[..., dk:].narrow(2, b * c, c).add_(_fold(dv_b, groups))
@@ -250,7 +264,7 @@ class RingAttention(torch.autograd.Function):
         if sinks is not None:  # d l / d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
             dsinks = -(torch.exp(_sink_logits(sinks, acc) - lse) * delta).sum((0, 2)).to(sinks.dtype)
         return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[..., :dk].to(k.dtype), dkv_in[..., dk:].to(v.dtype), dsinks,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -285,7 +299,7 @@ def check_extras(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | N
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
                    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence's keys, by ring attention.
 
     q: (B, H, L, D) this rank's L = T / cp tokens in the order `split_sequence` gives them (zigzag: chunks r and
@@ -295,7 +309,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2). sinks: (H,) one extra logit per head in every
     softmax denominator, with no value (GPT-OSS's attention sinks; it gets a gradient). window: a sliding window,
     query position q sees keys k with ``q - window < k <= q`` (Mistral, Gemma 2/3, GPT-OSS's sliding layers); blocks
-    entirely outside it are skipped. Returns (B, H, L, D), what
+    entirely outside it are skipped. documents: packed sequences, an integer id per token (documents.py); a query
+    sees only keys of its own document: (B or 1, L) for this rank's tokens (cut by `split_sequence`; one all-gather
+    reassembles them) or (B or 1, T) for the whole sequence's, the same on every rank. Returns (B, H, L, D), what
     ``F.scaled_dot_product_attention(..., is_causal=True)`` on the whole sequence gives for these tokens (with the
     cap and the sinks applied as HuggingFace's eager attention applies them). Under autocast q, k and v are taken in
     the autocast dtype (`autocast_inputs`) and the blocks still accumulate in float32. ValueError if the shapes
@@ -308,5 +324,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     split = SequenceSplit(comm.size, zigzag)
     split.chunk_len(q.shape[2], "ring_attention")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if documents is not None:
+        documents = whole_documents(check_documents(documents, q, comm.size, "ring_attention"), comm, split,
+                                    q.shape[2])
     with torch.autocast(q.device.type, enabled=False):  # the blocks accumulate in float32 forward and backward
-        return RingAttention.apply(q, k, v, sinks, comm, split, scale, softcap, window)
+        return RingAttention.apply(q, k, v, sinks, documents, comm, split, scale, softcap, window)

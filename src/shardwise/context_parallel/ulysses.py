@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from ..comm.base import Communicator
 from ..graph_gradients import refuse_second_order
 from .ring import autocast_inputs, check_extras, check_qkv, check_window
-from .split import SequenceSplit, hidden_keys
+from .documents import check_documents, visibility, whole_documents
+from .split import SequenceSplit
 
 __all__ = ["ulysses_attention", "AllToAll", "all_to_all"]
 
@@ -64,29 +65,33 @@ def all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim
     return AllToAll.apply(x, comm, scatter_dim, gather_dim)
 
 
-def _masked(T: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """(T, T) True where key k is hidden from query q over the whole sequence (`hidden_keys`)."""
+def _masked(T: int, window: int | None, documents: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """(T, T), or (b, 1, T, T) with `documents`, True where key k is hidden from query q over the whole sequence
+    (documents.py: `visibility`)."""
     positions = torch.arange(T, device=device)
-    return hidden_keys(positions, positions, window)
+    hidden = visibility(positions, positions, window, documents)
+    return hidden if hidden is not None else torch.zeros(T, T, dtype=torch.bool, device=device)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                      softcap: float | None, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+                      softcap: float | None, sinks: torch.Tensor | None, window: int | None,
+                      documents: torch.Tensor | None) -> torch.Tensor:
     """Full causal attention of one head group, fused (``scaled_dot_product_attention``, with a boolean mask under a
-    sliding window) unless a soft cap or sinks need the scores themselves: then as HuggingFace's eager attention
-    computes them (autograd differentiates it)."""
+    sliding window or packed documents) unless a soft cap or sinks need the scores themselves: then as
+    HuggingFace's eager attention computes them (autograd differentiates it)."""
     gqa = q.shape[1] != k.shape[1]
     if softcap is None and sinks is None:
-        if window is None:
+        if window is None and documents is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        visible = ~_masked(q.shape[2], window, q.device)
+        visible = ~_masked(q.shape[2], window, documents, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     with torch.autocast(q.device.type, enabled=False):  # the scores in float32, as the ring computes them
-        return _eager_causal_attention(q, k, v, scale, softcap, sinks, window)
+        return _eager_causal_attention(q, k, v, scale, softcap, sinks, window, documents)
 
 
 def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                            softcap: float | None, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+                            softcap: float | None, sinks: torch.Tensor | None, window: int | None,
+                            documents: torch.Tensor | None) -> torch.Tensor:
     acc = torch.promote_types(q.dtype, torch.float32)
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1).to(acc) for t in (k, v))
@@ -94,7 +99,7 @@ def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     T = s.shape[-1]
-    s = s.masked_fill(_masked(T, window, s.device), float("-inf"))
+    s = s.masked_fill(_masked(T, window, documents, s.device), float("-inf"))
     if sinks is not None:  # a column of per-head logits in the softmax, dropped from the weights
         s = torch.cat([s, sinks.to(acc).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
     p = torch.softmax(s, dim=-1)
@@ -103,14 +108,15 @@ def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
                       scale: float | None = None, softcap: float | None = None,
-                      sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, window: int | None = None,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens against the whole sequence, by all-to-all over heads (Ulysses).
 
     Same contract as :func:`~shardwise.context_parallel.ring_attention`: q (B, H, L, D), k (B, Hkv, L, D), v
-    (B, Hkv, L, Dv), this rank's tokens in `split_sequence` order, softcap, sinks and window as there; returns
-    (B, H, L, Dv). ValueError unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated to H
-    heads before the exchange. A soft cap or sinks make the local attention the eager one (the fused kernel has
-    neither); a window alone is a boolean mask to the fused kernel.
+    (B, Hkv, L, Dv), this rank's tokens in `split_sequence` order, softcap, sinks, window and documents as there;
+    returns (B, H, L, Dv). ValueError unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated
+    to H heads before the exchange. A soft cap or sinks make the local attention the eager one (the fused kernel
+    has neither); a window or documents alone are a boolean mask to the fused kernel.
     """
     q, k, v = autocast_inputs(q, k, v)
     H, Hkv = check_qkv(q, k, v, "ulysses_attention")
@@ -123,6 +129,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     split = SequenceSplit(cp, zigzag)
     L = q.shape[2]
     split.chunk_len(L, "ulysses_attention")
+    if documents is not None:
+        documents = whole_documents(check_documents(documents, q, cp, "ulysses_attention"), comm, split, L)
     if Hkv % cp:
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
         Hkv = H
@@ -141,6 +149,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
         qf, kf = full.split([hq, hkv], dim=1)
         vf = all_to_all(v.unflatten(1, (cp, -1)), comm, scatter_dim=1, gather_dim=3).squeeze(1).index_select(2, order)
     mine = None if sinks is None else sinks.narrow(0, comm.rank * hq, hq)  # this rank's head group
-    y = _causal_attention(qf, kf, vf, scale, softcap, mine, window)
+    y = _causal_attention(qf, kf, vf, scale, softcap, mine, window, documents)
     y = y.index_select(2, where).unflatten(2, (cp, L))  # back to rank order: (B, hq, cp, L, D)
     return all_to_all(y, comm, scatter_dim=2, gather_dim=1).squeeze(2)  # (B, H, L, D)

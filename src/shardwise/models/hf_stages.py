@@ -113,9 +113,12 @@ class _Positions:
         T = hidden.shape[1]
         if self.cp is None:
             return torch.arange(T, device=hidden.device).unsqueeze(0)
+        from ..context_parallel.documents import file_documents
         from ..context_parallel.split import SequenceSplit
 
-        return SequenceSplit(self.cp.size, self.zigzag).positions(self.cp.rank, T, hidden.device).unsqueeze(0)
+        positions = SequenceSplit(self.cp.size, self.zigzag).positions(self.cp.rank, T, hidden.device).unsqueeze(0)
+        file_documents(positions, None)  # one sequence per row: the attention need not gather these to find out
+        return positions
 
 
 class _CausalMasks:
