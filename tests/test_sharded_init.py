@@ -192,8 +192,8 @@ def test_data_of_a_piece_answers_for_the_whole_tensor():
 
 def test_fills_that_need_more_than_the_piece_are_refused():
     """A piece with no declared place, a fill reading another tensor elementwise, initialisers that read the whole
-    tensor (trunc_normal_'s rejection sampling, orthogonal_) and indexing (HuggingFace's _init_weights zeroing the
-    padding row): a RuntimeError naming the parameter and what works."""
+    tensor (trunc_normal_'s rejection sampling, orthogonal_) and reading a row (writes through an index work:
+    test_sharded_index.py): a RuntimeError naming the parameter and what works."""
     loose = as_sharded(torch.zeros(2), ShardSpec(torch.Size([4]), "loose.weight", flat=True))
     with pytest.raises(RuntimeError, match="loose.weight.*place in the whole tensor"):
         loose.normal_()
@@ -202,7 +202,7 @@ def test_fills_that_need_more_than_the_piece_are_refused():
         model = sw.ZeRO(built(), comm, stage=3)
         errors = []
         for fill in (lambda w: w.bernoulli_(torch.full((12, 12), 0.5)), lambda w: nn.init.trunc_normal_(w),
-                     lambda w: nn.init.orthogonal_(w), lambda w: w.data[0].zero_()):  # the last: a padding row
+                     lambda w: nn.init.orthogonal_(w), lambda w: w.data[0].sum()):  # the last: a row read
             with pytest.raises(RuntimeError) as caught:
                 with torch.no_grad():
                     fill(model.lin.weight)
@@ -213,7 +213,7 @@ def test_fills_that_need_more_than_the_piece_are_refused():
         assert all("lin.weight" in e for e in errors), errors
         assert "tensor argument" in errors[0]
         assert "initialise before wrapping" in errors[1] and "initialise before wrapping" in errors[2]
-        assert "p.copy_(whole)" in errors[3]
+        assert "writes through the index work" in errors[3]
 
 
 def test_initialisers_while_transformers_stands_in_for_torch_init():

@@ -23,10 +23,11 @@ WHOLE_INIT = ("an initialiser that reads the whole tensor (torch.nn.init.trunc_n
               "orthogonal_, eye_, dirac_, sparse_) cannot run on a piece: initialise before wrapping (the wrap keeps "
               "the model's values), or load values made in one process with model.load_state_dict(state_dict); "
               "normal_, uniform_, constant_, xavier_* and kaiming_* run on pieces and give one process's values")
-INDEXING = ("an index of the whole tensor does not select from a piece: to set rows or columns after wrapping "
-            "(HuggingFace's _init_weights zeroing the padding row), build the whole tensor and copy it in "
-            "(with torch.no_grad(): p.copy_(whole), which each rank cuts to its part), or initialise before "
-            "wrapping; to read them, sw.full_state_dict(model) (collective)")
+INDEXING = ("an index selects from the whole tensor only on a piece whose place its strategy declared (a "
+            "parameter, or its .data), with a plain index: there p[i] = v and in-place writes to p[i] "
+            "(init.zeros_(p[i]), p[i].normal_()) reach this rank's elements; elsewhere build the whole tensor and "
+            "copy it in (with torch.no_grad(): p.copy_(whole), which each rank cuts to its part); to read, "
+            "sw.full_state_dict(model) (collective)")
 MESSAGES = {
     "new_tensor": WHOLE_INIT, "new_empty": WHOLE_INIT, "eye": WHOLE_INIT, "__getitem__": INDEXING,
     "__setitem__": INDEXING,

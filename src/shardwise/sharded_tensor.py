@@ -16,9 +16,10 @@ What may be computed on them (`__torch_function__`, Python-level, so one call pe
   the like, or of a `torch._foreach_*` call, is plain (an optimizer's state and intermediates: local, as it needs);
   `view_as_real` / `view_as_complex` (Adam on complex parameters) give a piece of the viewed tensor;
 * random fills (`normal_`, `uniform_`, ..., `randn_like`): drawn as one process draws them (sharded_whole.py);
+  writes through an index of the whole tensor (`w[pad] = 0`, `init.zeros_(w[pad])`: sharded_index.py);
 * metadata (dtype, device, requires_grad, `.grad`, strides, storage): as they are; `.data` is the same piece
   answering for the whole (reading it also calls the piece's `on_data_read` callback);
-* anything else, in particular reductions (`norm`, `sum`, `max`, `_foreach_norm`: torch's clip), indexing, views
+* anything else, in particular reductions (`norm`, `sum`, `max`, `_foreach_norm`: torch's clip), reads, views
   and reshapes, `item()`, pickling (`torch.save` of the piece): refused with a RuntimeError naming the operation and
   the shardwise way (`sw.clip_grad_norm_`, `sw.ShardedGradScaler`, `sw.full_state_dict`). A wrong number is
   impossible to get silently; an unlisted operation that would have been right fails loudly instead, and the
@@ -46,6 +47,7 @@ from torch.utils import _foreach_utils as torch_foreach_utils
 from .sharded_messages import (CLIP, MESSAGES, PIECE, PIECE_OPTIMIZERS, address_of_piece, broadcast_piece, data_set,
                                part_of_model, pickling, piece_only, whole_with_piece)
 from .sharded_data import data_read, on_data_read, watches_data
+from .sharded_index import indexes_whole, select_whole, set_whole
 from .sharded_whole import (RANDOM_FILLS, RANDOM_LIKE, drawn_as_one_process, fits_whole, is_initialiser,
                             this_ranks_part)
 
@@ -137,11 +139,14 @@ class _Sharded:
             return _complex_view(func, args[0])
         if kind in ("random", "random_like") and _is_piece(args[0] if args else (kwargs or {}).get("tensor")):
             return _random(func, kind, args, kwargs or {})  # else as torch runs it: the whole tensor is here
+        if kind in ("index", "masked") and isinstance(args[0], _Sharded) and not isinstance(args[-1], _Sharded) \
+                and indexes_whole(spec := getattr(args[0], _SPEC), args[1]):  # `w[pad] = 0`, `init.zeros_(w[pad])`
+            return (select_whole if kind == "index" else set_whole)(args[0], spec, local(args[0]), *args[1:])
         if kind == "data":
             data_read(args[0])
         elif kind == "data_set" and watches_data(args[0]) and args[1] is not args[0]:
             raise RuntimeError(data_set(getattr(args[0], _SPEC)))  # `p.data = p`: a move that changed nothing
-        if kind == "refuse" or (kind == "masked" and not (len(args) > 1 and isinstance(args[1], _Sharded))):
+        if kind in ("refuse", "index") or (kind == "masked" and not any(isinstance(a, _Sharded) for a in args[1:2])):
             if not _whole_and_local(func, args, kwargs or {}):
                 _refuse(func, args, kwargs or {})
         if kind == "elementwise" and args:
@@ -345,6 +350,8 @@ def _kind(func: Any) -> str:
         return "complex_view"
     if name == "__setitem__":  # elementwise when the index is a mask made from a piece (Rprop: grad[sign < 0] = 0)
         return "masked"
+    if name == "__getitem__":  # an index of the whole tensor (sharded_index.py)
+        return "index"
     return _kind_of_name(name)
 
 
