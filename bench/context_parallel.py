@@ -206,7 +206,7 @@ def overlap_main(args: argparse.Namespace, sizes: list[int]) -> None:
         waits = sum(r["serial_waits"] for r in results) / (n * args.rounds * args.steps)
         if waits != 3 * n - 2:
             raise SystemExit(f"ring_serial waited at once on {waits} exchanges per rank and call, not {3 * n - 2}: "
-                             f"ring.py no longer posts its transfers through _exchange; the row is not serial")
+                             f"ring.py no longer posts its transfers through batch_isend_irecv; the row is not serial")
         rows["ring_serial"]["serial_waits_per_rank_call"] = waits
         errors = {name: max(r["errors"].get(name, 0.0) for r in results) for name in rows}
         for name, row in rows.items():

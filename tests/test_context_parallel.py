@@ -54,11 +54,15 @@ def assert_all_close(got, want, names=("output", "dq", "dk", "dv")):
 def test_ring_attention_equals_torch_causal_attention_float64(world, zigzag):
     want = torch_attention()
     kv_bytes = 2 * K.numel() // world * 8  # this rank's k and v, float64
-    for got, forward, backward in sw.launch(cp_attention, world, cp.ring_attention, zigzag):
+    for rank, (got, forward, backward) in enumerate(sw.launch(cp_attention, world, cp.ring_attention, zigzag)):
         assert_all_close(got, want)
-        # K/V blocks go round the ring once forward, again backward, with their gradients (plus a final hop).
-        assert forward.bytes("send") == (world - 1) * kv_bytes
-        assert backward.bytes("send") == (world - 1) * kv_bytes + world * kv_bytes
+        if zigzag:  # K/V blocks go round the ring once forward, again backward, with their gradients (+ a last hop)
+            assert forward.bytes("send") == (world - 1) * kv_bytes
+            assert backward.bytes("send") == (world - 1) * kv_bytes + world * kv_bytes
+        else:  # rank r's queries see no later rank's keys: its block goes straight to the later ranks
+            later = world - 1 - rank
+            assert forward.bytes("send") == later * kv_bytes
+            assert backward.bytes("send") == later * kv_bytes + rank * kv_bytes  # and the gradients come back
 
 
 @pytest.mark.parametrize("world,zigzag", [(2, True), (4, True), (2, False)])

@@ -27,7 +27,7 @@ SINKS = torch.randn(H, generator=_GEN, dtype=torch.float64)
 DOCS = torch.tensor([[0] * 3 + [1] * 6 + [2] * 7, [5] * 8 + [6] + [7] * 7])
 
 
-def eager_attention(window, softcap, sinks):
+def eager_attention(window, softcap, sinks, documents=DOCS):
     """The whole sequence, one process: causal, windowed, and hidden across documents; output and gradients."""
     q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
     s_param = None if sinks is None else sinks.clone().requires_grad_()
@@ -37,7 +37,7 @@ def eager_attention(window, softcap, sinks):
         s = torch.tanh(s / softcap) * softcap
     q_pos, k_pos = torch.arange(T).unsqueeze(-1), torch.arange(T).unsqueeze(0)
     hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window is not None else False)
-    hidden = hidden | (DOCS[:, None, :, None] != DOCS[:, None, None, :])
+    hidden = hidden | (documents[:, None, :, None] != documents[:, None, None, :])
     s = s.masked_fill(hidden, float("-inf"))
     if s_param is not None:
         s = torch.cat([s, s_param.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
@@ -70,6 +70,32 @@ def test_documents_equal_the_eager_formula_float64(fn, world, zigzag, window, so
     for got in sw.launch(cp_attention, world, fn, zigzag, window, softcap, sinks, whole):
         for name, g, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("window,documents,forward_blocks,backward_blocks", [
+    (2, None, [1, 2, 2, 1], [2, 4, 4, 2]),                    # a window within one chunk: the neighbours only
+    (None, torch.arange(T).div(4, rounding_mode="floor").expand(B, -1), [1] * 4, [2] * 4),  # 4-token documents
+])
+def test_blocks_go_only_to_the_ranks_that_need_them(window, documents, forward_blocks, backward_blocks):
+    """cp 4, zigzag chunks of 2 tokens. The ring would send each rank's block 3 times forward and 7 times backward
+    (with the gradients); here a block goes to the ranks whose queries see it, and its gradients come back."""
+    docs = documents if documents is not None else torch.zeros(B, T, dtype=torch.long)
+    want = eager_attention(window, None, None, docs)
+    kv_bytes = 2 * K.numel() // 4 * 4  # this rank's k and v, sent in float32 (the blocks' accumulation dtype)
+
+    def body(comm):
+        q_r, k_r, v_r, do_r = (cp.split_sequence(t.float(), comm, dim=2).requires_grad_() for t in (Q, K, V, DO))
+        with comm.stats.measure() as forward:
+            out = cp.ring_attention(q_r, k_r, v_r, comm, window=window, documents=documents)
+        with comm.stats.measure() as backward:
+            out.backward(do_r)
+        got = [cp.gather_sequence(t, comm, dim=2) for t in (out, q_r.grad, k_r.grad, v_r.grad)]
+        return got, forward.bytes("send"), backward.bytes("send")
+
+    for rank, (got, sent_forward, sent_backward) in enumerate(sw.launch(body, 4)):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w.float(), rtol=1e-5, atol=1e-6)
+        assert (sent_forward, sent_backward) == (forward_blocks[rank] * kv_bytes, backward_blocks[rank] * kv_bytes)
 
 
 def test_bad_documents_raise():

@@ -33,12 +33,14 @@ waits for another; with the contiguous split rank cp-1 computes cp blocks while 
 
 A sliding window (key k visible to query q iff ``q - window < k <= q``) masks each block by the global positions of
 its query and key chunks, and skips the blocks it leaves entirely out of reach; a query row with no visible key
-in a block gets probability 0 from it (its log-sum-exp is -inf there and it is merged with weight 0). The K/V
-blocks still travel the whole ring.
+in a block gets probability 0 from it (its log-sum-exp is -inf there and it is merged with weight 0). Packed
+documents (documents.py) mask each block by document too: a query sees only keys of its own document. The blocks'
+math is in blocks.py.
 
-Packed documents (documents.py) mask each block by document too: a query sees only keys of its own document.
-A block in which no query sees any key (every key in another document) is skipped, in the backward as in the
-forward (the forward records which).
+The ring runs when every rank's queries see keys of every other rank (causal attention over zigzag chunks). When
+some pair of ranks sees nothing of each other (a window shorter than the sequence, packed documents, the
+contiguous split), `ring_attention` runs :class:`~shardwise.context_parallel.direct.DirectAttention` instead: each
+block goes straight to the ranks that need it (direct.py), with the same blocks and results.
 
 Soft-capped scores (Gemma 2) are capped inside every block, forward and backward (the cap's derivative multiplies
 dS). Attention sinks (GPT-OSS; Xiao et al. 2023, arXiv 2309.17453: one logit per head in every softmax denominator,
@@ -61,7 +63,9 @@ import torch
 
 from ..comm.base import Communicator, P2POp
 from ..graph_gradients import refuse_second_order
-from .documents import check_documents, visibility, whole_documents
+from .blocks import Blocks, backward_start, finish, sinks_grad, start
+from .direct import DirectAttention
+from .documents import check_documents, whole_documents
 from .split import SequenceSplit
 
 __all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv", "check_window"]
@@ -84,81 +88,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str) -> tu
     return q.shape[1], k.shape[1]
 
 
-def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, Hkv, c, D) -> (B, Hkv * groups, c, D): query head h reads key/value head h // groups (HF's repeat_kv)."""
-    if groups == 1:
-        return t
-    B, H, c, D = t.shape
-    return t[:, :, None].expand(B, H, groups, c, D).reshape(B, H * groups, c, D)
-
-
-def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of `_repeat`: sum over the repeated heads."""
-    if groups == 1:
-        return t
-    B, H, c, D = t.shape
-    return t.view(B, H // groups, groups, c, D).sum(2)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, masked: torch.Tensor | None,
-            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The block's scores, soft-capped (``softcap * tanh(s / softcap)``, Gemma 2) when asked, -inf where `masked`
-    (`_block_mask`); and the tanh before masking (the cap's derivative is ``1 - tanh^2``), None without a cap."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    capped = None
-    if softcap is not None:
-        capped = torch.tanh(s / softcap)
-        s = capped * softcap
-    if masked is not None:
-        s = s.masked_fill(masked, float("-inf"))
-    return s, capped
-
-
-def _block_forward(q, k, v, scale, masked, softcap):  # noqa: ANN001, ANN202
-    s, _ = _scores(q, k, scale, masked, softcap)
-    lse = torch.logsumexp(s, dim=-1)
-    # A row with every key masked (a sliding window that ends before this block) has lse -inf: its probabilities
-    # are 0, not exp(-inf - -inf) = nan; the merge then gives it weight 0.
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.matmul(torch.exp(s - finite.unsqueeze(-1)), v), lse
-
-
-def _block_backward(q, k, v, do, lse, delta, scale, masked, softcap):  # noqa: ANN001, ANN202
-    s, capped = _scores(q, k, scale, masked, softcap)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    if capped is not None:  # masked entries have p = 0, so ds is 0 there whatever the factor
-        ds = ds * (1 - capped * capped)
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
-
-
-def _block_mask(qid: int, kid: int, c: int, window: int | None, documents: torch.Tensor | None,
-                device: torch.device) -> torch.Tensor | None:
-    """Where query chunk `qid` may not see key chunk `kid` (chunks of c tokens), by their global positions and,
-    for packed sequences, their document ids (documents.py: `visibility`); None when the whole block is visible."""
-    q0, k0 = qid * c, kid * c
-    if documents is None and kid < qid and (window is None or q0 + c - 1 - window < k0):
-        return None
-    return visibility(torch.arange(q0, q0 + c, device=device), torch.arange(k0, k0 + c, device=device), window,
-                      documents)
-
-
-def _pairs(split: SequenceSplit, rank: int, src: int, c: int, window: int | None):  # noqa: ANN202
-    """(local query chunk a, key chunk b of rank src's block, qid, kid) for every block with a visible key: key
-    chunks before or at the query chunk, and under a sliding window not entirely before its reach."""
-    for a, qid in enumerate(split.chunks(rank)):
-        for b, kid in enumerate(split.chunks(src)):
-            if kid <= qid and (window is None or (kid + 1) * c - 1 > qid * c - window):
-                yield a, b, qid, kid
-
-
-def _sink_logits(sinks: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """(H,) per-head sink logits as (1, H, 1), to broadcast against a (B, H, rows) log-sum-exp."""
-    return sinks.to(acc).view(1, -1, 1)
-
-
-def _exchange(comm: Communicator, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+def exchange(comm: Communicator, send: torch.Tensor) -> tuple[torch.Tensor, list]:
     """Post: send `send` to rank+1, receive a tensor like it from rank-1 (one batch). Returns (buffer, works)."""
     recv = torch.empty_like(send)
     works = comm.batch_isend_irecv([P2POp.send(send, (comm.rank + 1) % comm.size),
@@ -166,7 +96,7 @@ def _exchange(comm: Communicator, send: torch.Tensor) -> tuple[torch.Tensor, lis
     return recv, works
 
 
-def _wait(works: list) -> None:
+def wait(works: list) -> None:
     for w in works:
         w.wait()
 
@@ -176,95 +106,50 @@ class RingAttention(torch.autograd.Function):
     module docstring). Call through :func:`ring_attention`, which validates the arguments."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, documents, comm, split, scale, softcap, window):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, sinks, comm, split, blocks):  # noqa: ANN001, ANN205
         n, rank = comm.size, comm.rank
-        acc = torch.promote_types(q.dtype, torch.float32)
-        m = split.chunks_per_rank
-        c = q.shape[2] // m
-        groups = q.shape[1] // k.shape[1]
-        qs = [t.to(acc) for t in q.split(c, dim=2)]
-        dk = k.shape[-1]
-        out = [t.new_zeros(*t.shape[:-1], v.shape[-1]) for t in qs]
-        lse = [torch.full(t.shape[:-1], float("-inf"), dtype=acc, device=q.device) for t in qs]
+        acc, _, qs, out, lse = start(q, v, split.chunks_per_rank)
         kv = torch.cat([k, v], dim=-1).to(acc)  # one transfer per step; v's head size may differ from k's
-        hidden_blocks = set()  # blocks whose every key is in another document than every query: skipped
         for step in range(n):
             if step < n - 1:
-                nxt, works = _exchange(comm, kv)
-            for a, b, qid, kid in _pairs(split, rank, (rank - step) % n, c, window):
-                masked = _block_mask(qid, kid, c, window, documents, q.device)
-                if documents is not None and masked is not None and bool(masked.all()):
-                    hidden_blocks.add((qid, kid))
-                    continue
-                kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in (kv[..., :dk], kv[..., dk:]))
-                o_b, l_b = _block_forward(qs[a], kb, vb, scale, masked, softcap)
-                merged = torch.logaddexp(lse[a], l_b)
-                # exp(-inf - -inf) is nan where no block has reached a row yet: such a weight is 0
-                keep, add = (torch.exp(t - merged).nan_to_num(0.0).unsqueeze(-1) for t in (lse[a], l_b))
-                out[a] = out[a] * keep + o_b * add
-                lse[a] = merged
+                nxt, works = exchange(comm, kv)
+            blocks.forward(rank, (rank - step) % n, kv, qs, out, lse)
             if step < n - 1:
-                _wait(works)
+                wait(works)
                 kv = nxt
-        if sinks is not None:  # one more logit per head in every row's denominator, with no value: o shrinks
-            for a in range(m):
-                merged = torch.logaddexp(lse[a], _sink_logits(sinks, acc).expand_as(lse[a]))
-                out[a] = out[a] * torch.exp(lse[a] - merged).unsqueeze(-1)
-                lse[a] = merged
-        # Laid out (B, L, H, D) as fused kernels return it: the caller's transpose + reshape to (B, L, H*D) is then
-        # a view, so the output projection saves this same storage instead of a copy.
-        o = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2), sinks, documents)
-        ctx.comm, ctx.split, ctx.scale, ctx.softcap, ctx.window = comm, split, scale, softcap, window
-        ctx.hidden_blocks = hidden_blocks
+        o, lse = finish(out, lse, sinks, q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.comm, ctx.split, ctx.blocks = comm, split, blocks
         return o
 
     @staticmethod
     def backward(ctx, do):  # noqa: ANN001, ANN205
         refuse_second_order("context parallel's ring attention")
-        q, k, v, o, lse, sinks, documents = ctx.saved_tensors
-        comm, split, scale, softcap, window = ctx.comm, ctx.split, ctx.scale, ctx.softcap, ctx.window
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        comm, blocks = ctx.comm, ctx.blocks
         n, rank = comm.size, comm.rank
-        acc = lse.dtype
-        m = split.chunks_per_rank
-        c = q.shape[2] // m
-        groups = q.shape[1] // k.shape[1]
-        do = do.to(acc)
-        delta = (do * o.to(acc)).sum(-1)
-        qs, dos, lses, deltas = (t.split(c, dim=2) for t in (q.to(acc), do, lse, delta))
-        dq = [torch.zeros_like(t) for t in qs]
-        dk = k.shape[-1]
-        kv = torch.cat([k, v], dim=-1).to(acc)
+        qs, dos, lses, deltas, delta, dq = backward_start(q, o, lse, do, blocks.c)
+        kv = torch.cat([k, v], dim=-1).to(lse.dtype)
         dkv_in, dkv_works = None, []
         for step in range(n):
             if step < n - 1:
-                nxt, works = _exchange(comm, kv)
+                nxt, works = exchange(comm, kv)
             dkv = torch.zeros_like(kv)
-            for a, b, qid, kid in _pairs(split, rank, (rank - step) % n, c, window):
-                if (qid, kid) in ctx.hidden_blocks:
-                    continue
-                kb, vb = (_repeat(t.narrow(2, b * c, c), groups) for t in (kv[..., :dk], kv[..., dk:]))
-                dq_b, dk_b, dv_b = _block_backward(qs[a], kb, vb, dos[a], lses[a], deltas[a], scale,
-                                                   _block_mask(qid, kid, c, window, documents, q.device), softcap)
-                dq[a] += dq_b
-                dkv[..., :dk].narrow(2, b * c, c).add_(_fold(dk_b, groups))
-                dkv[..., dk:].narrow(2, b * c, c).add_(_fold(dv_b, groups))
+            blocks.backward(rank, (rank - step) % n, kv, qs, dos, lses, deltas, dq, dkv)
             if dkv_in is not None:  # the block's gradient from the ranks that held it before
-                _wait(dkv_works)
+                wait(dkv_works)
                 dkv += dkv_in
             if n > 1:  # pass it on; after the last step this hop returns it to the block's owner
-                dkv_in, dkv_works = _exchange(comm, dkv)
+                dkv_in, dkv_works = exchange(comm, dkv)
             else:
                 dkv_in = dkv
             if step < n - 1:
-                _wait(works)
+                wait(works)
                 kv = nxt
-        _wait(dkv_works)
-        dsinks = None
-        if sinks is not None:  # d l / d sink_h = -sum over rows of P(sink) * rowsum(dO * O)
-            dsinks = -(torch.exp(_sink_logits(sinks, acc) - lse) * delta).sum((0, 2)).to(sinks.dtype)
-        return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[..., :dk].to(k.dtype), dkv_in[..., dk:].to(v.dtype), dsinks,
-                None, None, None, None, None, None)
+        wait(dkv_works)
+        dk = k.shape[-1]
+        return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[..., :dk].to(k.dtype), dkv_in[..., dk:].to(v.dtype),
+                sinks_grad(sinks, lse, delta), None, None, None)
 
 
 def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -327,5 +212,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     if documents is not None:
         documents = whole_documents(check_documents(documents, q, comm.size, "ring_attention"), comm, split,
                                     q.shape[2])
+    blocks = Blocks(split, q.shape[2] // split.chunks_per_rank, q.shape[1] // k.shape[1], k.shape[-1], scale,
+                    softcap, window, documents)
+    # Every rank's queries see keys of every other rank (plain causal attention under zigzag): the ring. Some pairs
+    # see nothing of each other (a window, packed documents): each block goes straight to the ranks that need it.
+    ring = all(blocks.needs(dst, src) for dst in range(comm.size) for src in range(comm.size))
     with torch.autocast(q.device.type, enabled=False):  # the blocks accumulate in float32 forward and backward
-        return RingAttention.apply(q, k, v, sinks, documents, comm, split, scale, softcap, window)
+        return (RingAttention if ring else DirectAttention).apply(q, k, v, sinks, comm, split, blocks)
