@@ -142,7 +142,8 @@ def _after_backward(comm):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0), r"use sw.clip_grad_norm_\(model, max_norm\)"),
+    (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, norm_type=0.0), r"use sw.clip_grad_norm_"),
+    (lambda m: torch.linalg.vector_norm(m.tok_emb.weight.grad, dim=1), r"linalg_vector_norm\(\) on tok_emb.weight"),
     (lambda m: m.tok_emb.weight.grad.abs().max(), r"max\(\) on tok_emb.weight, a ZeRO-3 shard"),
     (lambda m: m.tok_emb.weight[0].sum(), r"sum\(\) reads tok_emb.weight\[0\], a selection of a ZeRO-3 piece"),
     (lambda m: m.tok_emb.weight.view(-1), r"view\(\) on tok_emb.weight"),
@@ -159,18 +160,23 @@ def test_what_would_see_only_the_piece_raises_naming_the_shardwise_way(call, mes
     sw.launch(body, 2)
 
 
-def test_torch_grad_scaler_is_refused_naming_the_sharded_one():
+def test_torch_grad_scaler_skips_on_every_rank_when_one_piece_overflows():
     def body(comm):
         with _lock:
             model = GPT(CONFIG, seed=0)
         model = sw.ZeRO(model, comm, stage=2)
         opt = torch.optim.AdamW(model.parameters())
-        scaler = torch.amp.GradScaler("cpu")
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
         scaler.scale(model(*_tokens(0, comm.rank, comm.size))).backward()
-        with pytest.raises(RuntimeError, match=r"use sw.ShardedGradScaler\(model\)"):
-            scaler.step(opt)
+        with torch.no_grad():
+            model.tok_emb.weight.grad[0, 0] = float("inf")  # on rank 0's piece only
+        before = {k: v.clone() for k, v in sw.full_state_dict(model).items()}
+        scaler.step(opt)
+        scaler.update()
+        after = sw.full_state_dict(model)
+        return scaler.get_scale(), all(torch.equal(v, after[k]) for k, v in before.items())
 
-    sw.launch(body, 2)
+    assert sw.launch(body, 2) == [(2.0 ** 9, True)] * 2
 
 
 def test_pieces_and_their_gradients_answer_for_the_whole_tensor_and_run_elementwise_work():

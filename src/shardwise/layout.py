@@ -19,12 +19,10 @@ rows, a partial last row, recursively), each un-permuted and split at the block 
 state-dict slice is therefore always a plain N-d box of the global tensor, and any layout reloads onto any other
 (the idea of PyTorch DCP's chunk metadata and Megatron's ``sharded_state_dict``, without DTensor).
 
-Counting once. A rank counts a parameter in a global reduction (the gradient norm) only if it is rank 0 of every
-group the parameter is replicated over; the partial results are then summed over every group of every strategy
-(:func:`reduction_groups`), which spans all ranks of the model.
+Counting once. A rank counts a parameter in a global sum (the gradient norm) only if it is rank 0 of every group
+holding copies of it; the partial sums are then summed over every group of the model (:func:`reduction_groups`).
 
-Anchors: Megatron-core's tensor-parallel parameter attributes (``partition_dim``, ``sequence_parallel``) and
-``sharded_state_dict``; DTensor placements (Shard / Replicate / Partial) as used by FSDP2 and torchtitan.
+Anchors: Megatron-core's tensor-parallel parameter attributes and ``sharded_state_dict``; DTensor placements.
 """
 
 from __future__ import annotations
@@ -243,12 +241,14 @@ def is_partitioned(model: nn.Module) -> bool:
 
 
 def declare(model: nn.Module, record: Parallelized) -> None:
-    """Append `record` to `model`'s strategies (called by a strategy once it has wrapped the model), and tell each
-    piece it places where it lies in its whole tensor (`ShardSpec.held`: random fills draw as one process does)."""
+    """Append `record` to `model`'s strategies (a strategy calls it once it has wrapped the model), and tell each
+    piece it places where it lies in its whole tensor (`ShardSpec.held`: random fills; `norm_over`: norms)."""
     model.__dict__[_ATTR] = (*model.__dict__.get(_ATTR, ()), record)
     for pl in record.placements.values() if isinstance(record.placements, dict) else ():
         if (spec := spec_of(pl.param)) is not None and not spec.whole:
-            set_spec(pl.param, dataclasses.replace(spec, held=functools.partial(held_views, pl)))
+            over = [pl.flat_group, pl.box_group, *pl.replicated_over, pl.tied_over]
+            set_spec(pl.param, dataclasses.replace(spec, held=functools.partial(held_views, pl), norm_over=(
+                counts_here(pl), tuple(g for g in over if g is not None and g.size > 1))))
 
 
 def base_placements(model: nn.Module) -> dict[str, Placement]:

@@ -16,9 +16,10 @@ PIECE_OPTIMIZERS = ("; elementwise operations (SGD, Adam, AdamW and the like) ru
                     "optimizer that needs whole tensors (per-tensor norms: LARS, LAMB; factored moments: Adafactor; "
                     "Muon; LBFGS, which flattens every gradient) cannot step pieces: train it with sw.DDP or "
                     "FSDP(sharding='no_shard')")
-CLIP = ("torch.nn.utils.clip_grad_norm_ over a sharded model would clip each rank by its own piece's norm: use "
-         "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
-         "sw.full_state_dict(model))")
+CLIP = ("torch.nn.utils.clip_grad_norm_ takes the whole tensors' norms of pieces (orders p > 0 and inf, no dims), "
+        "but not of a pipeline stage's tensors, whose total needs the other stages': use "
+        "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
+        "sw.full_state_dict(model))")
 WHOLE_INIT = ("an initialiser that reads the whole tensor (torch.nn.init.trunc_normal_'s rejection sampling, "
               "orthogonal_, eye_, dirac_, sparse_) cannot run on a piece: initialise before wrapping (the wrap keeps "
               "the model's values), or load values made in one process with model.load_state_dict(state_dict); "

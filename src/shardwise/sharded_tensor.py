@@ -10,20 +10,16 @@ piece, exactly as before (every torch kernel, every optimizer, runs on it unchan
 parameters do.
 
 What may be computed on them (`__torch_function__`, Python-level, so one call per operation):
-* elementwise operations (aten ops tagged pointwise, every `torch._foreach_*` except the norms and maxima, fills,
-  copies, casts, clones): what optimizers do. They run on the local piece; a result of an out-of-place
-  elementwise operation is sharded again (`p.grad.abs()` still knows it is a piece), a result of `zeros_like` and
-  the like, or of a `torch._foreach_*` call, is plain (an optimizer's state and intermediates: local, as it needs);
-  `view_as_real` / `view_as_complex` (Adam on complex parameters) give a piece of the viewed tensor;
-* random fills (`normal_`, `uniform_`, ..., `randn_like`): drawn as one process draws them (sharded_whole.py);
-  writes through an index of the whole tensor (`w[pad] = 0`, `init.zeros_(w[pad])`: sharded_index.py);
-* metadata (dtype, device, requires_grad, `.grad`, strides, storage): as they are; `.data` is the same piece
-  answering for the whole (reading it also calls the piece's `on_data_read` callback);
-* anything else, in particular reductions (`norm`, `sum`, `max`, `_foreach_norm`: torch's clip), reads, views
-  and reshapes, `item()`, pickling (`torch.save` of the piece): refused with a RuntimeError naming the operation and
-  the shardwise way (`sw.clip_grad_norm_`, `sw.ShardedGradScaler`, `sw.full_state_dict`). A wrong number is
-  impossible to get silently; an unlisted operation that would have been right fails loudly instead, and the
-  library's own code reads the plain piece through `local(t)`.
+* elementwise operations (aten ops tagged pointwise, `torch._foreach_*` but the maxima, fills, copies, casts): what
+  optimizers do, on the local piece; an out-of-place result is sharded again (`p.grad.abs()`), a `zeros_like` or
+  `torch._foreach_*` result is plain (an optimizer's state); `view_as_real` / `view_as_complex` give a piece;
+* random fills, drawn as one process draws them (sharded_whole.py); writes through an index of the whole tensor
+  (`init.zeros_(w[pad])`: sharded_index.py); norms of whole tensors (torch's clip_grad_norm_: sharded_norm.py);
+* metadata (dtype, device, requires_grad, `.grad`, strides, storage); `.data` is the same piece answering for the
+  whole (reading it also calls the piece's `on_data_read` callback);
+* anything else (`sum`, `max`, reads through an index, views, `item()`, `torch.save` of the piece): a RuntimeError
+  naming the operation and the shardwise way (`sw.ShardedGradScaler`, `sw.full_state_dict`). A wrong number is
+  impossible to get silently; the library's own code reads the plain piece through `local(t)`.
 
 Not DTensor: it needs a torch.distributed process group (shardwise's thread and MPI communicators are not) and
 splits whole dims into even chunks, while a ZeRO piece is any flat range of a unit's buffer, gathered straight into
@@ -48,6 +44,7 @@ from .sharded_messages import (CLIP, MESSAGES, PIECE, PIECE_OPTIMIZERS, address_
                                part_of_model, pickling, piece_only, whole_with_piece)
 from .sharded_data import data_read, on_data_read, watches_data
 from .sharded_index import indexes_whole, select_whole, set_whole
+from .sharded_norm import ACROSS_RANKS, across_ranks
 from .sharded_whole import (RANDOM_FILLS, RANDOM_LIKE, drawn_as_one_process, fits_whole, is_initialiser,
                             this_ranks_part)
 
@@ -64,7 +61,8 @@ class ShardSpec:
     the piece is a flat range of the tensor's elements (ZeRO/FSDP), not a sub-tensor in the tensor's own layout (a
     tensor-parallel or expert slice), so nothing may broadcast it. held: the piece's place in the whole tensor,
     `layout.held_views` of its placement (set when a strategy declares it): random fills and whole-shaped operands
-    (sharded_whole.py)."""
+    (sharded_whole.py). norm_over: (whether this rank counts the piece once, the groups across which its tensor's
+    pieces and copies lie), set with `held`: norms of the whole tensor (sharded_norm.py)."""
 
     shape: torch.Size
     name: str
@@ -72,6 +70,7 @@ class ShardSpec:
     whole: bool = False
     flat: bool = False
     held: Any = dataclasses.field(default=None, compare=False, repr=False)
+    norm_over: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -139,6 +138,9 @@ class _Sharded:
             return _complex_view(func, args[0])
         if kind in ("random", "random_like") and _is_piece(args[0] if args else (kwargs or {}).get("tensor")):
             return _random(func, kind, args, kwargs or {})  # else as torch runs it: the whole tensor is here
+        if kind == "refuse" and func in ACROSS_RANKS:  # torch's clip and GradScaler: whole tensors' figures
+            if (out := across_ranks(func, args, kwargs or {}, local, spec_of)) is not None:
+                return out
         if kind in ("index", "masked") and isinstance(args[0], _Sharded) and not isinstance(args[-1], _Sharded) \
                 and indexes_whole(spec := getattr(args[0], _SPEC), args[1]):  # `w[pad] = 0`, `init.zeros_(w[pad])`
             return (select_whole if kind == "index" else set_whole)(args[0], spec, local(args[0]), *args[1:])
@@ -202,8 +204,9 @@ def _check_operands(func: Any, args: tuple) -> tuple:
     whole_target = not isinstance(args[0], _Sharded) and (name.endswith("_") or name.startswith("__i"))
     if (spec.held is not None and not whole_target and all(fits_whole(s, spec) for s in others)
             and not any(isinstance(a, (list, tuple)) for a in args)):
-        plain = [isinstance(a, torch.Tensor) and not isinstance(a, _Sharded) and a.dim() > 0 for a in args]
-        return tuple(this_ranks_part(a, spec, local(piece)) if p and a.shape != mine else a for a, p in zip(args, plain))
+        cut = [isinstance(a, torch.Tensor) and not isinstance(a, _Sharded) and a.dim() > 0 and a.shape != mine
+               for a in args]
+        return tuple(this_ranks_part(a, spec, local(piece)) if c else a for a, c in zip(args, cut))
     if spec.shape in others:
         raise RuntimeError(whole_with_piece(name, spec, local(piece).numel()))
     if spec.flat and any(_broadcasts(shape, mine) for shape in others):
@@ -372,9 +375,7 @@ def _reshard(out: Any, args: tuple, kwargs: dict) -> Any:
     if isinstance(out, torch.Tensor) and not isinstance(out, _Sharded):
         source = _first_sharded(args, kwargs)
         return as_sharded(out, getattr(source, _SPEC), requires_grad=out.requires_grad) if source is not None else out
-    # Lists (torch._foreach_* results) stay plain: they are an optimizer's intermediates, and wrapping each tensor
-    # of every foreach call would cost more than the call saves (bench/sharded_params.py).
-    return out
+    return out  # lists (torch._foreach_* results) stay plain: wrapping each costs more (bench/sharded_params.py)
 
 
 # What torch's clip_grad_norm_ (foreach or per tensor) and GradScaler's unscale_ run: on a whole tensor that is part
@@ -385,8 +386,7 @@ _ACROSS_RANKS = frozenset({"_foreach_norm", "linalg_vector_norm", "_amp_foreach_
 def _whole_and_local(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether an otherwise refused operation may run: on whole tensors, anything but `_ACROSS_RANKS`."""
     source = _first_sharded(args, kwargs)
-    return (source is not None and getattr(source, _SPEC).whole
-            and getattr(func, "__name__", "") not in _ACROSS_RANKS)
+    return source is not None and getattr(source, _SPEC).whole and getattr(func, "__name__", "") not in _ACROSS_RANKS
 
 
 def _refuse(func: Any, args: tuple, kwargs: dict) -> None:
