@@ -184,3 +184,21 @@ def test_torch_grad_scaler_skips_together(wrap):
     for scales, state in sw.launch(body, 4):
         assert scales == want_scales
         assert_state_close(state, want)
+
+
+def test_a_parameters_norm_is_whole_without_grad_and_refused_with_it():
+    """`torch.linalg.vector_norm(p)` of a piece under no_grad is the whole tensor's; with autograd recording it would
+    have no gradient (a regulariser added to the loss), so it raises naming where to compute it."""
+    want = float(torch.linalg.vector_norm(built().lin.weight.detach()))
+
+    def body(comm):
+        model = sw.ZeRO(built(), comm, stage=3)
+        with pytest.raises(RuntimeError, match=r"linalg_vector_norm\(\) on lin.weight"):
+            torch.linalg.vector_norm(model.lin.weight)
+        with pytest.raises(RuntimeError, match=r"torch.linalg.vector_norm\(p\) \(and torch's clip_grad_norm_\) take "
+                                               r"the whole tensor's norm"):
+            model.lin.weight.norm()
+        with torch.no_grad():
+            return float(torch.linalg.vector_norm(model.lin.weight))
+
+    assert sw.launch(body, 2) == [pytest.approx(want, rel=1e-6)] * 2

@@ -20,6 +20,9 @@ CLIP = ("torch.nn.utils.clip_grad_norm_ takes the whole tensors' norms of pieces
         "but not of a pipeline stage's tensors, whose total needs the other stages': use "
         "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
         "sw.full_state_dict(model))")
+NORM = ("p.norm() of a piece would be the norm of this rank's piece: torch.linalg.vector_norm(p) (and torch's "
+        "clip_grad_norm_) take the whole tensor's norm (a collective: every rank together); norms along a dim need "
+        "the whole tensor, sw.full_state_dict(model)")
 WHOLE_INIT = ("an initialiser that reads the whole tensor (torch.nn.init.trunc_normal_'s rejection sampling, "
               "orthogonal_, eye_, dirac_, sparse_) cannot run on a piece: initialise before wrapping (the wrap keeps "
               "the model's values), or load values made in one process with model.load_state_dict(state_dict); "
@@ -32,7 +35,7 @@ INDEXING = ("an index selects from the whole tensor only on a piece whose place 
 MESSAGES = {
     "new_tensor": WHOLE_INIT, "new_empty": WHOLE_INIT, "eye": WHOLE_INIT, "__getitem__": INDEXING,
     "__setitem__": INDEXING,
-    "_foreach_norm": CLIP, "linalg_vector_norm": CLIP, "norm": CLIP, "vector_norm": CLIP,
+    "_foreach_norm": CLIP, "linalg_vector_norm": CLIP, "norm": NORM, "vector_norm": CLIP,
     "_amp_foreach_non_finite_check_and_unscale_": "torch.amp.GradScaler over a sharded model lets each rank decide "
                      "alone whether to skip the step: use sw.ShardedGradScaler(model) (the same API; every rank "
                      "skips together)",

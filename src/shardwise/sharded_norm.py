@@ -19,7 +19,8 @@ computes the same norms, so the scaling that follows (`_foreach_mul_` of the pie
 These are collectives: every rank of the model must take the norm together (as every rank calls clip_grad_norm_ in a
 training loop). Refused (None to the caller, which raises naming `sw.clip_grad_norm_`): a pipeline stage's gradients
 (whole tensors of a model spread over stages: the total needs the other stages' tensors), a piece whose place no
-strategy declared, norms along dims, and orders other than p > 0 and inf.
+strategy declared, norms along dims, orders other than p > 0 and inf, and a norm autograd would differentiate (of a
+parameter with grad enabled: a regulariser is computed where the parameter is whole, in a forward hook).
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def whole_norms(func: Any, args: tuple, kwargs: dict, local: Callable, spec_of: 
     storage and ShardSpec (None for a plain tensor). None when it cannot be computed here (module docstring)."""
     order = _order(args, kwargs)
     foreach = func is torch._foreach_norm
-    pieces = [(local(t), spec_of(t)) for t in (args[0] if foreach else [args[0]])]
+    tensors = list(args[0]) if foreach else [args[0]]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None  # a norm to differentiate (a regulariser): computed here it would have no gradient
+    pieces = [(local(t), spec_of(t)) for t in tensors]
     dtype = kwargs.get("dtype") or (args[2] if foreach and len(args) > 2 else None)
     along = kwargs.get("dim") is not None or kwargs.get("keepdim") or (not foreach and any(
         a is not None and a is not False for a in args[2:]))
