@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_cases import DO, SINKS, B, K, Q, T, V, cp_attention, eager_attention
 from hf_cases import gemma2, gpt_oss, tiny_llama
 
 import shardwise as sw
@@ -19,45 +20,8 @@ from shardwise import context_parallel as cp
 
 transformers = pytest.importorskip("transformers")
 
-B, H, HKV, T, D = 2, 4, 2, 16, 8
-_GEN = torch.Generator().manual_seed(0)
-Q, K, V, DO = (torch.randn(B, h, T, D, generator=_GEN, dtype=torch.float64) for h in (H, HKV, HKV, H))
-SINKS = torch.randn(H, generator=_GEN, dtype=torch.float64)
 # Row 0: documents of 3, 6 and 7 tokens; row 1: 8, 1 and 7 (a one-token document, edges on and off chunk edges).
 DOCS = torch.tensor([[0] * 3 + [1] * 6 + [2] * 7, [5] * 8 + [6] + [7] * 7])
-
-
-def eager_attention(window, softcap, sinks, documents=DOCS):
-    """The whole sequence, one process: causal, windowed, and hidden across documents; output and gradients."""
-    q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
-    s_param = None if sinks is None else sinks.clone().requires_grad_()
-    kr, vr = (t.repeat_interleave(H // HKV, dim=1) for t in (k, v))
-    s = q @ kr.transpose(-1, -2) / D ** 0.5
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    q_pos, k_pos = torch.arange(T).unsqueeze(-1), torch.arange(T).unsqueeze(0)
-    hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window is not None else False)
-    hidden = hidden | (documents[:, None, :, None] != documents[:, None, None, :])
-    s = s.masked_fill(hidden, float("-inf"))
-    if s_param is not None:
-        s = torch.cat([s, s_param.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
-    out = torch.softmax(s, dim=-1)[..., :T] @ vr
-    out.backward(DO)
-    return [out.detach(), q.grad, k.grad, v.grad] + ([] if s_param is None else [s_param.grad])
-
-
-def cp_attention(comm, fn, zigzag, window, softcap, sinks, whole):
-    q_r, k_r, v_r, do_r = (cp.split_sequence(t, comm, zigzag=zigzag, dim=2).requires_grad_() for t in (Q, K, V, DO))
-    s_param = None if sinks is None else sinks.clone().requires_grad_()
-    documents = DOCS if whole else cp.split_sequence(DOCS, comm, zigzag=zigzag)
-    out = fn(q_r, k_r, v_r, comm, zigzag=zigzag, window=window, softcap=softcap, sinks=s_param, documents=documents)
-    out.backward(do_r.detach())
-    got = [cp.gather_sequence(t, comm, zigzag=zigzag, dim=2) for t in (out, q_r.grad, k_r.grad, v_r.grad)]
-    if s_param is not None:
-        total = s_param.grad.clone()
-        comm.all_reduce(total)
-        got.append(total)
-    return got
 
 
 @pytest.mark.parametrize("fn,world,zigzag", [(cp.ring_attention, 2, True), (cp.ring_attention, 4, True),
@@ -66,8 +30,9 @@ def cp_attention(comm, fn, zigzag, window, softcap, sinks, whole):
 @pytest.mark.parametrize("window,softcap,sinks,whole", [(None, None, None, False), (3, None, None, True),
                                                         (5, 0.7, SINKS, False)])
 def test_documents_equal_the_eager_formula_float64(fn, world, zigzag, window, softcap, sinks, whole):
-    want = eager_attention(window, softcap, sinks)
-    for got in sw.launch(cp_attention, world, fn, zigzag, window, softcap, sinks, whole):
+    want = eager_attention(softcap, sinks, window, DOCS)
+    documents = DOCS if whole else ("split", DOCS)
+    for got in sw.launch(cp_attention, world, fn, zigzag, softcap, sinks, window, documents):
         for name, g, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
@@ -80,7 +45,7 @@ def test_blocks_go_only_to_the_ranks_that_need_them(window, documents, forward_b
     """cp 4, zigzag chunks of 2 tokens. The ring would send each rank's block 3 times forward and 7 times backward
     (with the gradients); here a block goes to the ranks whose queries see it, and its gradients come back."""
     docs = documents if documents is not None else torch.zeros(B, T, dtype=torch.long)
-    want = eager_attention(window, None, None, docs)
+    want = eager_attention(None, None, window, docs)
     kv_bytes = 2 * K.numel() // 4 * 4  # this rank's k and v, sent in float32 (the blocks' accumulation dtype)
 
     def body(comm):
@@ -134,12 +99,22 @@ def document_mask(positions, dtype=torch.float32):
     return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype).unsqueeze(1)
 
 
-def assert_gradients_equal(got, want):
-    for name, w in want.items():
-        if w is None:  # an expert no token chose, in one process as under cp
-            assert got[name] is None or not got[name].any(), name
-            continue
-        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+def assert_cp_matches_one_process(model_of, positions, method="ring", reference=None, **one_process):
+    """Gradients of `model_of()` under cp 2 (DDP over the group), given this rank's part of `positions`, against
+    one process on the whole rows (`reference()` built when given, else `model_of()`)."""
+    want = gradients((reference or model_of)(), X, Y, positions, **one_process)
+
+    def body(comm):
+        model = sw.DDP(cp.apply(model_of(), comm, method=method), comm, find_unused_parameters=True)
+        return gradients(model, *cp.split_sequence((X, Y, positions), comm))
+
+    for got in sw.launch(body, 2):
+        for name, w in want.items():
+            if w is None:  # an expert no token chose, in one process as under cp
+                assert got[name] is None or not got[name].any(), name
+                continue
+            torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return want
 
 
 @pytest.mark.parametrize("model_of", [tiny_llama, gemma2, gpt_oss])
@@ -148,16 +123,9 @@ def test_packed_hf_gradients_match_one_process(model_of, method):
     # GPT-OSS's eager and SDPA masks do not read position ids (in one process its packed documents see each other,
     # as under flash attention they do not): its reference gets the documents' mask explicitly.
     explicit = {"attention_mask": document_mask(PACKED)} if model_of is gpt_oss else {}
-    want = gradients(model_of(), X, Y, PACKED, **explicit)
+    want = assert_cp_matches_one_process(model_of, PACKED, method, **explicit)
     unpacked = gradients(model_of(), X, Y, None)
     assert max((unpacked[n] - w).abs().max() for n, w in want.items() if w is not None) > 1e-4  # the mask matters
-
-    def body(comm):
-        model = sw.DDP(cp.apply(model_of(), comm, method=method), comm, find_unused_parameters=True)
-        return gradients(model, *cp.split_sequence((X, Y, PACKED), comm))
-
-    for got in sw.launch(body, 2):
-        assert_gradients_equal(got, want)
 
 
 def test_activation_checkpointing_recomputes_with_the_same_documents():
@@ -166,14 +134,7 @@ def test_activation_checkpointing_recomputes_with_the_same_documents():
         model.activation_checkpointing_enable()
         return model
 
-    want = gradients(tiny_llama(), X, Y, PACKED)
-
-    def body(comm):
-        model = sw.DDP(cp.apply(checkpointed(), comm, method="ring"), comm)
-        return gradients(model, *cp.split_sequence((X, Y, PACKED), comm))
-
-    for got in sw.launch(body, 2):
-        assert_gradients_equal(got, want)
+    assert_cp_matches_one_process(checkpointed, PACKED, reference=tiny_llama)
 
 
 class PositionCopyingAttention(transformers.models.llama.modeling_llama.LlamaAttention):
@@ -192,27 +153,12 @@ def test_position_ids_the_model_makes_itself_are_gathered():
             layer.self_attn.__class__ = PositionCopyingAttention
         return model
 
-    want = gradients(copying(), X, Y, PACKED)
-
-    def body(comm):
-        model = sw.DDP(cp.apply(copying(), comm, method="ring"), comm)
-        return gradients(model, *cp.split_sequence((X, Y, PACKED), comm))
-
-    for got in sw.launch(body, 2):
-        assert_gradients_equal(got, want)
+    assert_cp_matches_one_process(copying, PACKED)
 
 
 def test_positions_offset_into_a_long_document_match_one_process():
     """Rows cut from the middle of a long document (positions 40..55): one sequence per row, rotated from 40."""
-    offset = torch.arange(40, 40 + 16).expand(2, -1)
-    want = gradients(tiny_llama(), X, Y, offset)
-
-    def body(comm):
-        model = sw.DDP(cp.apply(tiny_llama(), comm, method="ulysses"), comm)
-        return gradients(model, *cp.split_sequence((X, Y, offset), comm))
-
-    for got in sw.launch(body, 2):
-        assert_gradients_equal(got, want)
+    assert_cp_matches_one_process(tiny_llama, torch.arange(40, 40 + 16).expand(2, -1), "ulysses")
 
 
 def packed_batch(step):

@@ -15,51 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_cases import HKV, SINKS, SOFTCAP, B, K, Q, T, cp_attention, eager_attention
 from hf_cases import build, gemma2, gpt_oss, tiny_llama
 
 import shardwise as sw
 from shardwise import context_parallel as cp
 
 transformers = pytest.importorskip("transformers")
-
-B, H, HKV, T, D = 2, 4, 2, 16, 8
-_GEN = torch.Generator().manual_seed(0)
-Q, K, V, DO = (torch.randn(B, h, T, D, generator=_GEN, dtype=torch.float64) for h in (H, HKV, HKV, H))
-SINKS = torch.randn(H, generator=_GEN, dtype=torch.float64)
-SOFTCAP = 0.7  # |q k^T| / sqrt(D) reaches ~3 here: a cap this small bends most scores
-
-
-def eager_attention(softcap, sinks, window=None):
-    """HuggingFace's eager formula on the whole sequence (Gemma 2's cap, GPT-OSS's sink column): output and
-    gradients of <output, DO> for q, k, v and the sinks."""
-    q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
-    s_param = None if sinks is None else sinks.clone().requires_grad_()
-    kr, vr = (t.repeat_interleave(H // HKV, dim=1) for t in (k, v))
-    s = q @ kr.transpose(-1, -2) / D ** 0.5
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    q_pos, k_pos = torch.arange(T).unsqueeze(-1), torch.arange(T).unsqueeze(0)
-    hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window is not None else False)
-    s = s.masked_fill(hidden, float("-inf"))
-    if s_param is not None:
-        s = torch.cat([s, s_param.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
-    out = torch.softmax(s, dim=-1)[..., :T] @ vr
-    out.backward(DO)
-    return [out.detach(), q.grad, k.grad, v.grad] + ([] if s_param is None else [s_param.grad])
-
-
-def cp_attention(comm, fn, zigzag, softcap, sinks, window=None):
-    q_r, k_r, v_r, do_r = (cp.split_sequence(t, comm, zigzag=zigzag, dim=2).requires_grad_() for t in (Q, K, V, DO))
-    s_param = None if sinks is None else sinks.clone().requires_grad_()
-    out = fn(q_r, k_r, v_r, comm, zigzag=zigzag, softcap=softcap, sinks=s_param, window=window)
-    out.backward(do_r.detach())
-    got = [cp.gather_sequence(t, comm, zigzag=zigzag, dim=2) for t in (out, q_r.grad, k_r.grad, v_r.grad)]
-    if s_param is not None:  # each rank's share of the sinks' gradient (its tokens): summed over the group
-        total = s_param.grad.clone()
-        comm.all_reduce(total)
-        got.append(total)
-    return got
-
 
 @pytest.mark.parametrize("fn,world,zigzag", [(cp.ring_attention, 2, True), (cp.ring_attention, 4, True),
                                              (cp.ring_attention, 4, False), (cp.ulysses_attention, 2, True),
