@@ -78,7 +78,7 @@ class Blocks:
         self.hidden: set[tuple[int, int]] = set()  # blocks found entirely hidden in the forward
         self._ranges = None
         if documents is not None:  # per chunk and row, the least and greatest document id (one host sync)
-            chunks = documents.view(documents.shape[0], split.n_chunks, c)
+            chunks = documents.reshape(documents.shape[0], split.n_chunks, c)
             self._ranges = (chunks.amin(-1).T.tolist(), chunks.amax(-1).T.tolist())
 
     def pairs(self, rank: int, src: int) -> Iterator[tuple[int, int, int, int]]:
