@@ -128,6 +128,39 @@ def test_hf_gradients_match_one_process(model_of, method):
             torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def llama_with_an_unread_window():
+    """A Llama whose config carries a sliding_window that Llama never reads (configs converted from Mistral's)."""
+    return build(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, attn_implementation="eager"))
+
+
+def phimoe_windowed_by_its_mask():
+    """Phi-MoE applies config.sliding_window to every layer through its mask alone (no keyword, no layer_types)."""
+    return build(transformers.PhimoeForCausalLM, transformers.PhimoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, router_jitter_noise=0.0,
+        input_jitter_noise=0.0, attention_dropout=0.0, attn_implementation="eager"))
+
+
+@pytest.mark.parametrize("model_of", [llama_with_an_unread_window, phimoe_windowed_by_its_mask])
+def test_a_config_window_applies_where_the_model_reads_it(model_of):
+    """Before, any config.sliding_window of a model without layer_types windowed its attention under cp: a Llama
+    carrying an unread one trained a windowed model, silently. Now only a model whose modeling file builds
+    sliding-window masks (Phi-MoE) is windowed, as in one process."""
+    x, y = IDS[:, :-1], IDS[:, 1:]
+    want = gradients(model_of(), x, y)
+
+    def body(comm):
+        model = sw.DDP(cp.apply(model_of(), comm), comm, find_unused_parameters=True)
+        return gradients(model, *cp.split_sequence((x, y), comm))
+
+    for got in sw.launch(body, 2):
+        for name, w in want.items():
+            if w is not None:
+                torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def _llama_grads(model, x, y, autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = model(input_ids=x).logits

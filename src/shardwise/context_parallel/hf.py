@@ -139,13 +139,16 @@ def _window(module: nn.Module, kwargs: dict[str, Any]) -> int | None:
     """The sliding window of this attention call: the ``sliding_window`` keyword the module passes (Mistral, Gemma,
     GPT-OSS; None on their full layers), else the module's own ``sliding_window`` (Qwen2-MoE sets it and windows
     through the mask alone), else, for a model that applies ``config.sliding_window`` to every layer through its
-    mask (Phi-MoE), that; None without one. Consumes the keyword."""
+    mask (Phi-MoE: its modeling file builds sliding-window masks), that; None without one (a ``sliding_window`` in
+    the config of a model that never reads it, Llama's, windows nothing). Consumes the keyword."""
     if "sliding_window" in kwargs:
         return kwargs.pop("sliding_window")
     if hasattr(module, "sliding_window"):
         return module.sliding_window
     config = getattr(module, "config", None)
-    if getattr(config, "layer_types", None) is None:
+    windows = any(hasattr(sys.modules.get(cls.__module__), "create_sliding_window_causal_mask")
+                  for cls in type(module).__mro__)
+    if windows and getattr(config, "layer_types", None) is None:
         return getattr(config, "sliding_window", None)
     return None
 
