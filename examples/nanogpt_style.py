@@ -15,8 +15,9 @@ exact resume). What the loop uses from shardwise, and why each is right under ev
 * `model.module` is the model itself under shardwise's wrappers (they wrap in place), torch DDP's inner module.
 * `p.dim()` and `p.numel()` answer for the whole parameter under ZeRO-3 (`ShardedParameter`), so the decay groups
   and the parameter count are one process's.
-* `sw.clip_grad_norm_(model, 1.0)` and `sw.ShardedGradScaler(model)` agree over the ranks holding pieces
-  (torch's own refuse sharded parameters with a message naming these).
+* torch's own `clip_grad_norm_` and `GradScaler` run as they are: under ZeRO-3 a piece's norm is its whole tensor's
+  and an overflow in any rank's piece skips the step on every rank (`sw.clip_grad_norm_(model, 1.0)` and
+  `sw.ShardedGradScaler(model)` do the same, and also cover pipelines and gradient compression).
 * Evaluation runs on every rank: a ZeRO-3 forward gathers parameters, a collective every rank must join.
 * The checkpoint: `sw.full_state_dict` and `sw.full_optimizer_state_dict` (collective: every rank calls them, rank 0
   saves) give one process's state dicts; torch's `load_state_dict` of both slices them into any layout.
@@ -93,7 +94,7 @@ def train(comm: sw.Communicator, args: argparse.Namespace) -> dict[str, Any]:
     model = wrap(GPT(cfg, seed=0), comm, args.wrap)
     raw_model = model.module
     optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay)
-    scaler = sw.ShardedGradScaler(model, enabled=False)  # enabled=True with fp16 autocast on a GPU
+    scaler = torch.amp.GradScaler(enabled=False)  # enabled=True with fp16 autocast on a GPU
     path = os.path.join(args.out, f"ckpt-{args.wrap}.pt")
     start = 0
     if args.resume:
@@ -124,7 +125,7 @@ def train(comm: sw.Communicator, args: argparse.Namespace) -> dict[str, Any]:
             loss = forward(*get_batch(args, cfg, step, micro, comm.rank, comm.size)) / args.accum
             scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        sw.clip_grad_norm_(model, 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
