@@ -13,13 +13,13 @@ What may be computed on them (`__torch_function__`, Python-level, so one call pe
 * elementwise operations (aten ops tagged pointwise, `torch._foreach_*` but the maxima, fills, copies, casts): what
   optimizers do, on the local piece; an out-of-place result is sharded again (`p.grad.abs()`), a `zeros_like` or
   `torch._foreach_*` result is plain (an optimizer's state); `view_as_real` / `view_as_complex` give a piece;
-* random fills, drawn as one process draws them (sharded_whole.py); writes through an index of the whole tensor
-  (`init.zeros_(w[pad])`: sharded_index.py); norms of whole tensors (torch's clip_grad_norm_: sharded_norm.py);
+* random fills, drawn as one process draws them (sharded_whole.py); writes through a whole index (`w[pad] = 0`:
+  sharded_index.py); whole tensors' norms and overflow checks (torch's clip, GradScaler: sharded_norm.py);
 * metadata (dtype, device, requires_grad, `.grad`, strides, storage); `.data` is the same piece answering for the
   whole (reading it also calls the piece's `on_data_read` callback);
 * anything else (`sum`, `max`, reads through an index, views, `item()`, `torch.save` of the piece): a RuntimeError
-  naming the operation and the shardwise way (`sw.ShardedGradScaler`, `sw.full_state_dict`). A wrong number is
-  impossible to get silently; the library's own code reads the plain piece through `local(t)`.
+  naming the operation and the shardwise way (`sw.full_state_dict`, ...): no wrong number silently. The library's
+  own code reads the plain piece through `local(t)`.
 
 Not DTensor: it needs a torch.distributed process group (shardwise's thread and MPI communicators are not) and
 splits whole dims into even chunks, while a ZeRO piece is any flat range of a unit's buffer, gathered straight into
