@@ -99,8 +99,9 @@ class TrustRatioSGD(torch.optim.Optimizer):
 
 def test_per_tensor_optimizer_under_sharding_is_refused_at_its_first_norm():
     """Under ZeRO the optimizer steps each rank's piece; a piece answers for the whole tensor's shape, and an
-    operation that would see only the piece (the trust ratio's norm) raises instead of stepping on the piece's norm."""
-    with pytest.raises(Exception, match=r"norm\(\) on tok_emb.weight, a ZeRO-2 shard .* LARS"):
+    operation that would see only the piece (the trust ratio's `p.norm()`) raises instead of stepping on the piece's
+    norm, naming torch.linalg.vector_norm, which takes the whole tensor's (test_torch_clip_and_scaler.py: LARS)."""
+    with pytest.raises(Exception, match=r"norm\(\) on tok_emb.weight, a ZeRO-2 shard .*torch.linalg.vector_norm\(p\)"):
         check(build_gpt, gpt_batch, strategy="zero2", world_size=2, steps=2, optimizer=TrustRatioSGD)
     assert check(build_gpt, gpt_batch, strategy="ddp", world_size=2, steps=2, optimizer=TrustRatioSGD).ok
     assert check(build_gpt, gpt_batch, strategy="fsdp:no_shard", world_size=2, steps=2, optimizer=TrustRatioSGD).ok

@@ -68,8 +68,9 @@ WRAPS = {
 }
 
 
-def train(model: nn.Module, clip, rank: int, world: int) -> tuple[list[float], dict]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+def train(model: nn.Module, clip, rank: int, world: int, optimizer=None) -> tuple[list[float], dict]:
+    opt = (optimizer(model.parameters()) if optimizer is not None
+           else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5))
     norms = []
     for step in range(3):
         g = torch.Generator().manual_seed(10 + step)
@@ -202,3 +203,31 @@ def test_a_parameters_norm_is_whole_without_grad_and_refused_with_it():
             return float(torch.linalg.vector_norm(model.lin.weight))
 
     assert sw.launch(body, 2) == [pytest.approx(want, rel=1e-6)] * 2
+
+
+class LARS(torch.optim.Optimizer):
+    """SGD with a layer-wise trust ratio (You et al. 2017, arXiv 1708.03888), norms by torch.linalg.vector_norm."""
+
+    def __init__(self, params, lr=0.1, eta=0.001, weight_decay=1e-4):
+        super().__init__(params, dict(lr=lr, eta=eta, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = p.grad.add(p, alpha=group["weight_decay"])
+                w, u = torch.linalg.vector_norm(p), torch.linalg.vector_norm(update)
+                trust = torch.where((w > 0) & (u > 0), group["eta"] * w / u, torch.ones_like(w))
+                p.add_(update * trust, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("wrap", ["zero3", "fsdp_hybrid"])
+def test_an_optimizer_with_per_tensor_norms_steps_pieces_like_one_process(wrap):
+    def run(model, rank, world):
+        return train(model, lambda m: 0.0, rank, world, LARS)[1]
+
+    want = run(built(), 0, 1)
+    for state in sw.launch(lambda comm: run(WRAPS[wrap](built(), comm), comm.rank, comm.size), 4):
+        assert_state_close(state, want)

@@ -12,10 +12,10 @@ PIECE = ("read the whole tensor with sw.full_state_dict(model) (collective), cli
          "computed where it is whole: in a forward hook of its module; a method of the model called instead of its "
          "forward (CLIP's encode_image, a VAE's encode) gathers its parameters when the wrapper is told of it: "
          "forward_methods=('encode_image', ...)")
-PIECE_OPTIMIZERS = ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, while an "
-                    "optimizer that needs whole tensors (per-tensor norms: LARS, LAMB; factored moments: Adafactor; "
-                    "Muon; LBFGS, which flattens every gradient) cannot step pieces: train it with sw.DDP or "
-                    "FSDP(sharding='no_shard')")
+PIECE_OPTIMIZERS = ("; elementwise operations (SGD, Adam, AdamW and the like) run on the piece as they are, and "
+                    "torch.linalg.vector_norm of a piece is its whole tensor's (LARS, LAMB written with it), while an "
+                    "optimizer that needs whole tensors otherwise (factored moments: Adafactor; Muon; LBFGS, which "
+                    "flattens every gradient) cannot step pieces: train it with sw.DDP or FSDP(sharding='no_shard')")
 CLIP = ("torch.nn.utils.clip_grad_norm_ takes the whole tensors' norms of pieces (orders p > 0 and inf, no dims), "
         "but not of a pipeline stage's tensors, whose total needs the other stages': use "
         "sw.clip_grad_norm_(model, max_norm), which returns one process's norm (any other norm: of "
