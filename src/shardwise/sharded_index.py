@@ -88,6 +88,11 @@ def _basic(index: Any, shape: torch.Size) -> list[int | slice] | None:
     return out
 
 
+def _selection_shape(shape: torch.Size, index: Any) -> torch.Size:
+    """The shape of ``whole[index]`` for a whole tensor of `shape` (torch's indexing rules, on a 0-stride tensor)."""
+    return torch.empty((), dtype=torch.bool).expand(shape)[index].shape
+
+
 def _box_part(box: Box, basic: list[int | slice]) -> tuple[tuple, tuple] | None:
     """(index into the box's view, index into the selection) of the elements of `box` the basic index selects; None
     when it selects none there."""
@@ -113,7 +118,7 @@ def write_selection(piece: Any, spec: Any, plain: torch.Tensor, index: Any, valu
     """Set this rank's elements of ``whole[index]`` to `value` (a number or plain tensor broadcast to the selection);
     `plain` is the piece's own storage (`local(piece)`)."""
     shape = torch.Size(spec.shape)
-    selection = torch.empty((), dtype=torch.bool).expand(shape)[index].shape
+    selection = _selection_shape(shape, index)
     values = torch.as_tensor(value, dtype=plain.dtype, device=plain.device).expand(selection)
     basic = _basic(index, shape)
     with torch.no_grad():
@@ -251,8 +256,7 @@ def select_whole(piece: Any, spec: Any, plain: torch.Tensor, index: Any) -> Whol
         like = torch.empty(shape, device="meta")[index]
         placeholder = torch.empty_strided(like.shape, like.stride(), dtype=plain.dtype, device=plain.device)
     else:
-        placeholder = torch.empty(torch.empty((), dtype=torch.bool).expand(shape)[index].shape, dtype=plain.dtype,
-                                  device=plain.device)
+        placeholder = torch.empty(_selection_shape(shape, index), dtype=plain.dtype, device=plain.device)
     out = torch.Tensor._make_subclass(WholeSelection, placeholder, piece.requires_grad)
     out._target, out._written, out._view = (piece, spec, plain, index), False, view
     return out

@@ -28,7 +28,7 @@ from ..comm.base import Communicator, P2POp
 from ..graph_gradients import refuse_second_order
 from .blocks import Blocks, backward_start, finish, sinks_grad, start
 
-__all__ = ["DirectAttention"]
+__all__ = ["DirectAttention", "wait_all"]
 
 
 def _peers(blocks: Blocks, comm: Communicator) -> tuple[list[int], list[int]]:
@@ -44,7 +44,8 @@ def _post(comm: Communicator, send: dict[int, torch.Tensor], receive: dict[int, 
     return comm.batch_isend_irecv(ops) if ops else []
 
 
-def _wait(works: list) -> None:
+def wait_all(works: list) -> None:
+    """Wait for every operation of a group (what `batch_isend_irecv` returned)."""
     for w in works:
         w.wait()
 
@@ -61,12 +62,12 @@ class DirectAttention(torch.autograd.Function):
         received = {src: torch.empty_like(kv) for src in sources}
         works = _post(comm, {dst: kv for dst in targets}, received)
         blocks.forward(comm.rank, comm.rank, kv, qs, out, lse)  # while the blocks travel
-        _wait(works)
+        wait_all(works)
         for src in sources:
             blocks.forward(comm.rank, src, received[src], qs, out, lse)
         o, lse = finish(out, lse, sinks, q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, sinks)
-        ctx.comm, ctx.blocks = comm, blocks
+        ctx.comm, ctx.blocks, ctx.peers = comm, blocks, (sources, targets)
         return o
 
     @staticmethod
@@ -76,18 +77,18 @@ class DirectAttention(torch.autograd.Function):
         comm, blocks = ctx.comm, ctx.blocks
         qs, dos, lses, deltas, delta, dq = backward_start(q, o, lse, do, blocks.c)
         kv = torch.cat([k, v], dim=-1).to(lse.dtype)
-        sources, targets = _peers(blocks, comm)
+        sources, targets = ctx.peers  # the forward's plan
         received = {src: torch.empty_like(kv) for src in sources}
         works = _post(comm, {dst: kv for dst in targets}, received)
         dkv = torch.zeros_like(kv)
         blocks.backward(comm.rank, comm.rank, kv, qs, dos, lses, deltas, dq, dkv)
-        _wait(works)
+        wait_all(works)
         grads = {}
         for src in sources:
             grads[src] = torch.zeros_like(kv)
             blocks.backward(comm.rank, src, received[src], qs, dos, lses, deltas, dq, grads[src])
         returned = {dst: torch.empty_like(kv) for dst in targets}
-        _wait(_post(comm, grads, returned))
+        wait_all(_post(comm, grads, returned))
         for dst in targets:
             dkv += returned[dst]
         dk = k.shape[-1]

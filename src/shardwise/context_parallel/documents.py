@@ -17,7 +17,7 @@ HuggingFace decoders mark packing through ``position_ids`` alone: positions that
 gives ``0 1 2 0 1 0 1 2 3``) start a new document wherever a position is not the previous one plus 1, the rule of
 transformers' ``find_packed_sequence_indices`` (`packed_documents`), which its eager and SDPA masks apply. Under
 context parallel each rank holds only its chunks' positions, so the model's forward gathers them once
-(`whole_positions`) and files the documents found under the local tensor's identity (`file_documents`); every
+(`gather_sequence`) and files the documents found under the local tensor's identity (`file_documents`); every
 attention call of that forward, and its recomputation under activation checkpointing, looks them up by the
 ``position_ids`` tensor it receives (`filed_documents`), and gathers again only for a tensor it was not given.
 """
@@ -32,8 +32,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..comm.base import Communicator
 from .split import SequenceSplit, gather_sequence, hidden_keys
 
-__all__ = ["check_documents", "whole_documents", "packed_documents", "visibility", "whole_positions",
-           "chunk_local", "file_documents", "filed_documents", "NOT_FILED"]
+__all__ = ["check_documents", "whole_documents", "packed_documents", "visibility", "chunk_local", "file_documents",
+           "filed_documents", "NOT_FILED"]
 
 
 def check_documents(documents: object, q: torch.Tensor, cp: int, who: str) -> torch.Tensor:
@@ -81,11 +81,6 @@ def packed_documents(positions: torch.Tensor) -> torch.Tensor | None:
     start = positions[:, :1] - 1
     documents = (torch.diff(positions, prepend=start, dim=-1) != 1).cumsum(-1)
     return None if not documents[:, -1].any() else documents
-
-
-def whole_positions(positions: torch.Tensor, comm: Communicator, split: SequenceSplit) -> torch.Tensor:
-    """This rank's (b, L) position ids gathered into the whole sequence's (b, T), in sequence order."""
-    return gather_sequence(positions, comm, zigzag=split.zigzag, dim=1)
 
 
 def chunk_local(whole: torch.Tensor, split: SequenceSplit) -> bool:

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from .._mixin import mix_in
-from .documents import NOT_FILED, chunk_local, file_documents, filed_documents, packed_documents, whole_positions
+from .documents import NOT_FILED, chunk_local, file_documents, filed_documents, packed_documents
+from .split import gather_sequence
 from .state import ContextParallelState, get_state, set_state
 
 __all__ = ["HF_ATTENTION", "apply_hf", "hf_attention", "is_hf"]
@@ -126,7 +127,7 @@ def _attention_documents(module: nn.Module, state: ContextParallelState, positio
 def _documents_of(positions: torch.Tensor, state: ContextParallelState) -> torch.Tensor | None:
     """The documents `positions` (this rank's (b, L) position ids) mark over the whole sequence, None for one
     sequence per row; ValueError for chunk-local positions. Every rank of the group calls it (an all-gather)."""
-    whole = whole_positions(positions, state.comm, state.split)
+    whole = gather_sequence(positions, state.comm, zigzag=state.zigzag, dim=1)  # (b, T), in sequence order
     if chunk_local(whole, state.split):
         raise ValueError(f"context parallel HF model: position_ids are 0..{positions.shape[-1] - 1} on every rank, "
                          f"positions within each rank's chunks; they must be the whole sequence's position ids cut "

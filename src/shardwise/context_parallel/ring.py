@@ -64,7 +64,7 @@ import torch
 from ..comm.base import Communicator, P2POp
 from ..graph_gradients import refuse_second_order
 from .blocks import Blocks, backward_start, finish, sinks_grad, start
-from .direct import DirectAttention
+from .direct import DirectAttention, wait_all
 from .documents import check_documents, whole_documents
 from .split import SequenceSplit
 
@@ -96,11 +96,6 @@ def exchange(comm: Communicator, send: torch.Tensor) -> tuple[torch.Tensor, list
     return recv, works
 
 
-def wait(works: list) -> None:
-    for w in works:
-        w.wait()
-
-
 class RingAttention(torch.autograd.Function):
     """Causal ring attention as one autograd node: forward and backward both pass blocks around the ring (see the
     module docstring). Call through :func:`ring_attention`, which validates the arguments."""
@@ -115,7 +110,7 @@ class RingAttention(torch.autograd.Function):
                 nxt, works = exchange(comm, kv)
             blocks.forward(rank, (rank - step) % n, kv, qs, out, lse)
             if step < n - 1:
-                wait(works)
+                wait_all(works)
                 kv = nxt
         o, lse = finish(out, lse, sinks, q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, sinks)
@@ -137,16 +132,16 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv)
             blocks.backward(rank, (rank - step) % n, kv, qs, dos, lses, deltas, dq, dkv)
             if dkv_in is not None:  # the block's gradient from the ranks that held it before
-                wait(dkv_works)
+                wait_all(dkv_works)
                 dkv += dkv_in
             if n > 1:  # pass it on; after the last step this hop returns it to the block's owner
                 dkv_in, dkv_works = exchange(comm, dkv)
             else:
                 dkv_in = dkv
             if step < n - 1:
-                wait(works)
+                wait_all(works)
                 kv = nxt
-        wait(dkv_works)
+        wait_all(dkv_works)
         dk = k.shape[-1]
         return (torch.cat(dq, dim=2).to(q.dtype), dkv_in[..., :dk].to(k.dtype), dkv_in[..., dk:].to(v.dtype),
                 sinks_grad(sinks, lse, delta), None, None, None)
