@@ -95,6 +95,14 @@ def test_split_positions_and_gather():
     assert sw.launch(lambda comm: cp.split_sequence(torch.arange(8), comm, zigzag=False, dim=0), 2)[1].tolist() == \
         [4, 5, 6, 7]
 
+    def batch_dict(comm):  # a HuggingFace batch: the keys kept, every tensor cut like the tokens
+        x = torch.arange(16).view(1, 16)
+        return cp.split_sequence({"input_ids": x, "position_ids": x + 100}, comm), cp.split_sequence(x, comm)
+
+    for got, tokens in sw.launch(batch_dict, 2):
+        assert list(got) == ["input_ids", "position_ids"]
+        assert torch.equal(got["input_ids"], tokens) and torch.equal(got["position_ids"], tokens + 100)
+
 
 # ---- the shardwise GPT: three AdamW steps on chunks equal one process on the whole sequence --------------------
 CONFIG = GPTConfig(vocab_size=256, seq_len=32, d_model=32, n_heads=4, n_layers=2)

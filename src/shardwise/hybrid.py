@@ -170,6 +170,9 @@ class HybridModel(nn.Module):
     def step(self, inputs: Any = None, targets: Any = None, *, loss_scale: float = 1.0) -> torch.Tensor:
         """One training step on this rank's slice of the global batch; returns the loss (every rank).
 
+        inputs: what the first layer takes (a tensor, or a tuple / dict of tensors; a HuggingFace decoder takes
+        ``{"input_ids": ..., "position_ids": ...}`` for packed rows, models/hf_stages.py), rows on dim 0.
+
         loss_scale: multiply every microbatch's loss by this before backward (fp16: `scaler.get_scale()` of a
         `sw.ShardedGradScaler(model)`, then `scaler.step(opt)`; the returned loss is unscaled).
         """

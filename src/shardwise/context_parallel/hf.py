@@ -27,7 +27,9 @@ differ from the keys' (DeepSeek's multi-head latent attention).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,7 +40,7 @@ from .documents import NOT_FILED, chunk_local, file_documents, filed_documents, 
 from .split import gather_sequence
 from .state import ContextParallelState, get_state, set_state
 
-__all__ = ["HF_ATTENTION", "apply_hf", "hf_attention", "is_hf"]
+__all__ = ["HF_ATTENTION", "apply_hf", "hf_attention", "is_hf", "packed_rows"]
 
 #: the name under which the attention is registered in transformers' AttentionInterface
 HF_ATTENTION = "shardwise_context_parallel"
@@ -104,6 +106,22 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     out = state.attend(query, key, value, scale=scaling, softcap=softcap, sinks=sinks, window=window,
                        documents=documents)
     return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def packed_rows(module: nn.Module) -> Iterator[None]:
+    """Run `module` (decoder layers of a model `apply_hf` prepared, called with packed rows' position ids by a caller
+    other than the model's forward: pipeline stages) so that an attention call without ``position_ids`` raises
+    instead of attending across the documents, as under the prepared model's own forward."""
+    flags = {id(flag): flag for flag in (m.__dict__.get("_shardwise_cp_packing") for m in module.modules())
+             if flag is not None}
+    for flag in flags.values():
+        flag.active = True
+    try:
+        yield
+    finally:
+        for flag in flags.values():
+            flag.active = False
 
 
 def _attention_documents(module: nn.Module, state: ContextParallelState, positions: torch.Tensor | None,

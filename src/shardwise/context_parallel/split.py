@@ -19,7 +19,7 @@ embedding must see); `gather_sequence` puts the parts back in sequence order (lo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -28,7 +28,7 @@ from ..comm.base import Communicator
 
 __all__ = ["SequenceSplit", "split_sequence", "gather_sequence", "sequence_positions", "hidden_keys"]
 
-Batch = TypeVar("Batch", torch.Tensor, Sequence[torch.Tensor])
+Batch = TypeVar("Batch", torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +97,20 @@ def _check_dim(x: torch.Tensor, dim: int, who: str) -> int:
 
 
 def split_sequence(batch: Batch, comm: Communicator, *, zigzag: bool = True, dim: int = 1) -> Batch:
-    """This rank's chunks of `batch` (a tensor, or a tuple / list of tensors cut alike) along `dim`.
+    """This rank's chunks of `batch` (a tensor, or a tuple / list / dict of tensors cut alike) along `dim`.
 
     For ``(x, y)`` of shape (B, T) each rank gets (B, T / cp): chunks r and 2cp-1-r concatenated (zigzag) or chunk
-    r. Pass the same `zigzag` as to :func:`shardwise.context_parallel.apply`. ValueError if T is not a multiple of
-    2 cp (zigzag) or cp, or if the tensors' lengths differ.
+    r. A dict (a HuggingFace batch: ``{"input_ids": ..., "position_ids": ...}``) keeps its keys. Pass the same
+    `zigzag` as to :func:`shardwise.context_parallel.apply`. ValueError if T is not a multiple of 2 cp (zigzag) or
+    cp, or if the tensors' lengths differ.
     """
     _check_comm(comm, "split_sequence")
+    if isinstance(batch, Mapping):
+        return dict(zip(batch, split_sequence(tuple(batch.values()), comm, zigzag=zigzag, dim=dim)))
     split = SequenceSplit(comm.size, zigzag)
     tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch)
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise ValueError(f"split_sequence: batch must be a tensor or a tuple/list of tensors, got "
+        raise ValueError(f"split_sequence: batch must be a tensor or a tuple/list/dict of tensors, got "
                          f"{type(batch).__name__}")
     dims = [_check_dim(t, dim, "split_sequence") for t in tensors]
     lengths = {t.shape[d] for t, d in zip(tensors, dims)}

@@ -32,17 +32,31 @@ sequence) and no mask: the ring / Ulysses attention is causal over the whole seq
 window the layer's attention passes it. The loss of such stages is in hf_parallel.py:
 labels are shifted over the whole sequence before they are cut, so no label crosses a chunk edge.
 
+Packed rows (several documents per row, marked by ``position_ids`` that restart at each document, as
+``DataCollatorWithFlattening`` gives them): give the first stage ``(input_ids, position_ids)`` (a dict with those
+keys, or a tuple) and every stage passes the positions on beside the hidden states, ``(hidden, position_ids)``, to the
+next (an integer leaf of the pipeline's messages, without gradient). The layers then rotate by those positions (GPT-2
+embeds them) and keep documents apart by transformers' rule (a new document wherever a position is not the previous
+plus 1, ``find_packed_sequence_indices``): a block-diagonal causal mask (b, 1, T, T), built once per microbatch and
+window; under context parallel the ring / Ulysses attention finds the documents from the positions itself
+(context_parallel/documents.py). transformers' own eager and SDPA masks apply this rule only when no cache is in use
+(``use_cache=False``); the stages apply it always.
+
 ``causal_lm_loss`` is HuggingFace's ``ForCausalLMLoss``: logits at position t predict label t + 1, -100 labels are
 ignored, the mean is over the remaining tokens.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.base import Communicator, is_communicator
+from ..comm.base import Communicator
+from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
+                              passed_on)
 
 __all__ = [
     "SUPPORTED_ATTENTION",
@@ -61,7 +75,7 @@ SUPPORTED_ATTENTION = ("eager", "sdpa")
 IGNORE_INDEX = -100
 
 
-def _check_attention(config: object, who: str, positions: _Positions | None = None) -> None:
+def _check_attention(config: object, who: str, positions: StagePositions | None = None) -> None:
     from ..context_parallel.apply import HF_ATTENTION
 
     impl = getattr(config, "_attn_implementation", None)
@@ -81,78 +95,6 @@ def _check_attention(config: object, who: str, positions: _Positions | None = No
         )
 
 
-def _check_ids(ids: torch.Tensor, who: str, max_positions: int | None = None) -> None:
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
-        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"{who}: input_ids must be an integer tensor of shape (B, T), got {got}")
-    if max_positions is not None and ids.shape[1] > max_positions:
-        raise ValueError(f"{who}: sequence length T={ids.shape[1]} exceeds the model's {max_positions} positions")
-
-
-def _check_hidden(hidden: torch.Tensor, who: str) -> None:
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
-        got = f"{hidden.dtype} {tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-        raise ValueError(f"{who}: expected hidden states of shape (B, T, d), got {got}")
-
-
-class _Positions:
-    """The position ids of the T tokens a stage receives, (1, T) (broadcast over the batch, as HuggingFace's own
-    forward builds them without a cache): ``arange(T)`` for whole sequences; under context parallel (`cp`, a group
-    of ranks each holding chunks of every sequence) the global positions of this rank's chunks (split.py)."""
-
-    def __init__(self, cp: Communicator | None = None, zigzag: bool = True) -> None:
-        if cp is not None and not is_communicator(cp):
-            raise ValueError(f"pipeline layers: cp={cp!r} must be a Communicator (mesh.cp) or None")
-        self.cp = cp if cp is not None and cp.size > 1 else None
-        self.zigzag = zigzag
-
-    def global_length(self, local: int) -> int:
-        return local * (self.cp.size if self.cp is not None else 1)
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        T = hidden.shape[1]
-        if self.cp is None:
-            return torch.arange(T, device=hidden.device).unsqueeze(0)
-        from ..context_parallel.documents import file_documents
-        from ..context_parallel.split import SequenceSplit
-
-        positions = SequenceSplit(self.cp.size, self.zigzag).positions(self.cp.rank, T, hidden.device).unsqueeze(0)
-        file_documents(positions, None)  # one sequence per row: the attention need not gather these to find out
-        return positions
-
-
-class _CausalMasks:
-    """The additive causal masks of one model's decoder stages, built once per (T, window, dtype, device), and the
-    stages' position ids (`positions`).
-
-    Shared by the stages of one ``*_pipeline_layers`` call (a plain object, not a module: it holds no state to
-    save or move). Only the latest mask per window is kept, so varying sequence lengths do not accumulate masks;
-    reusing one tensor also means an attention kernel that saves its mask for backward keeps one copy, not one
-    per layer and microbatch. Under context parallel there is no mask (None): the attention is causal over the
-    whole sequence by itself.
-    """
-
-    def __init__(self, positions: _Positions) -> None:
-        self._latest: dict[int | None, tuple[tuple, torch.Tensor]] = {}
-        self.positions = positions
-
-    def __call__(self, hidden: torch.Tensor, window: int | None, who: str) -> torch.Tensor | None:
-        B, T = hidden.shape[:2]
-        if self.positions.cp is not None:  # ring / Ulysses attention masks causally (and by the window) itself
-            return None
-        key = (T, hidden.dtype, hidden.device)
-        hit = self._latest.get(window)
-        if hit is None or hit[0] != key:
-            from ..context_parallel.split import hidden_keys
-
-            positions = torch.arange(T, device=hidden.device)
-            zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
-            blocked = hidden_keys(positions, positions, window)
-            mask = torch.where(blocked, torch.finfo(hidden.dtype).min, zero).view(1, 1, T, T)
-            hit = self._latest[window] = (key, mask)
-        return hit[1].expand(B, 1, T, T)
-
-
 class LlamaEmbeddingStage(nn.Module):
     """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d)."""
 
@@ -160,9 +102,10 @@ class LlamaEmbeddingStage(nn.Module):
         super().__init__()
         self.embed_tokens = embed_tokens
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(input_ids, "LlamaEmbeddingStage")
-        return self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
+        check_ids(input_ids, "LlamaEmbeddingStage")
+        hidden = self.embed_tokens(input_ids)
+        return passed_on(hidden, given_positions(position_ids, input_ids, "LlamaEmbeddingStage"))
 
 
 class LlamaDecoderStage(nn.Module):
@@ -176,7 +119,7 @@ class LlamaDecoderStage(nn.Module):
     """
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: object, window: int | None,
-                 masks: _CausalMasks) -> None:
+                 masks: CausalMasks) -> None:
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
@@ -184,16 +127,17 @@ class LlamaDecoderStage(nn.Module):
         self.window = window
         self._masks = masks
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        _check_hidden(hidden, "LlamaDecoderStage")
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
+        check_hidden(hidden, "LlamaDecoderStage")
         # Read at call time: set_attn_implementation may switch it after the stages were built.
         _check_attention(self.config, "LlamaDecoderStage", self._masks.positions)
-        position_ids = self._masks.positions(hidden)
-        out = self.layer(hidden, attention_mask=self._masks(hidden, self.window, "LlamaDecoderStage"),
-                         position_ids=position_ids,
-                         position_embeddings=self.rotary_emb(hidden, position_ids))
+        given = given_positions(position_ids, hidden, "LlamaDecoderStage")
+        positions = self._masks.positions(hidden, given)
+        with packed_layer(self.layer, self._masks.positions, given):
+            out = self.layer(hidden, attention_mask=self._masks(hidden, self.window, "LlamaDecoderStage", given),
+                             position_ids=positions, position_embeddings=self.rotary_emb(hidden, positions))
         # Older transformers returned a 1-tuple (hidden,); 5.x returns the tensor.
-        return out[0] if isinstance(out, tuple) else out
+        return passed_on(out[0] if isinstance(out, tuple) else out, given)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"
@@ -207,8 +151,8 @@ class HFHeadStage(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # packed rows' positions end here
 
 
 def _submodule(model: nn.Module, path: str, who: str, expected: str) -> nn.Module:
@@ -252,7 +196,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
         ("embed_tokens", "model.embed_tokens"), ("layers", "model.layers"), ("norm", "model.norm"),
         ("rotary_emb", "model.rotary_emb"), ("lm_head", "lm_head"))}
     config = model.config
-    masks = _CausalMasks(_Positions(cp, zigzag))
+    masks = CausalMasks(StagePositions(cp, zigzag))
     _check_attention(config, who, masks.positions)
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
@@ -267,35 +211,38 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
 class GPT2EmbeddingStage(nn.Module):
     """First stage of GPT-2: ``drop(wte(input_ids) + wpe(arange(T)))``, (B, T) int -> (B, T, d)."""
 
-    def __init__(self, wte: nn.Module, wpe: nn.Embedding, drop: nn.Module, positions: _Positions | None = None
+    def __init__(self, wte: nn.Module, wpe: nn.Embedding, drop: nn.Module, positions: StagePositions | None = None
                  ) -> None:
         super().__init__()
         self.wte = wte
         self.wpe = wpe
         self.drop = drop
-        self._positions = positions if positions is not None else _Positions()
+        self._positions = positions if positions is not None else StagePositions()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(input_ids, "GPT2EmbeddingStage", self.wpe.num_embeddings // self._positions.global_length(1))
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
+        check_ids(input_ids, "GPT2EmbeddingStage", self.wpe.num_embeddings // self._positions.global_length(1))
+        given = given_positions(position_ids, input_ids, "GPT2EmbeddingStage")
         # Same operand order as GPT2Model.forward (token embeddings first), so the sum is bitwise the same.
-        return self.drop(self.wte(input_ids) + self.wpe(self._positions(input_ids)))
+        return passed_on(self.drop(self.wte(input_ids) + self.wpe(self._positions(input_ids, given))), given)
 
 
 class GPT2BlockStage(nn.Module):
     """One ``GPT2Block`` as a stage: hidden (B, T, d) -> hidden (B, T, d), with the additive causal mask."""
 
-    def __init__(self, block: nn.Module, config: object, masks: _CausalMasks) -> None:
+    def __init__(self, block: nn.Module, config: object, masks: CausalMasks) -> None:
         super().__init__()
         self.block = block
         self.config = config
         self._masks = masks
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        _check_hidden(hidden, "GPT2BlockStage")
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
+        check_hidden(hidden, "GPT2BlockStage")
         _check_attention(self.config, "GPT2BlockStage", self._masks.positions)
-        out = self.block(hidden, attention_mask=self._masks(hidden, None, "GPT2BlockStage"),
-                         position_ids=self._masks.positions(hidden))
-        return out[0] if isinstance(out, tuple) else out
+        given = given_positions(position_ids, hidden, "GPT2BlockStage")
+        with packed_layer(self.block, self._masks.positions, given):
+            out = self.block(hidden, attention_mask=self._masks(hidden, None, "GPT2BlockStage", given),
+                             position_ids=self._masks.positions(hidden, given))
+        return passed_on(out[0] if isinstance(out, tuple) else out, given)
 
 
 def gpt2_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zigzag: bool = True
@@ -314,7 +261,7 @@ def gpt2_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zi
         ("wte", "transformer.wte"), ("wpe", "transformer.wpe"), ("drop", "transformer.drop"), ("h", "transformer.h"),
         ("ln_f", "transformer.ln_f"), ("lm_head", "lm_head"))}
     config = model.config
-    masks = _CausalMasks(_Positions(cp, zigzag))
+    masks = CausalMasks(StagePositions(cp, zigzag))
     _check_attention(config, who, masks.positions)
     return [
         GPT2EmbeddingStage(parts["wte"], parts["wpe"], parts["drop"], masks.positions),

@@ -1,0 +1,155 @@
+"""What each HuggingFace decoder stage rebuilds from the tensors it receives: the tokens' position ids and the additive
+causal mask (hf_stages.py), and the checks of what a stage is given.
+
+`StagePositions` gives the position ids of a stage's tokens: ``arange(T)``; under context parallel the global positions
+of this rank's chunks; for packed rows the positions the stage received (`given_positions`), which `passed_on` hands
+to the next stage beside the hidden states. `CausalMasks` builds the additive masks HuggingFace's eager and SDPA
+attention take -- causal, sliding-window, and for packed rows block-diagonal by document (context_parallel/documents.py
+has the rule) -- once per shape, or once per microbatch of packed rows, and none under context parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+from torch import nn
+
+import torch
+
+from ..comm.base import Communicator, is_communicator
+
+__all__ = ["CausalMasks", "StagePositions", "check_hidden", "check_ids", "given_positions", "packed_layer",
+           "passed_on"]
+
+
+def check_ids(ids: torch.Tensor, who: str, max_positions: int | None = None) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{who}: input_ids must be an integer tensor of shape (B, T), got {got}")
+    if max_positions is not None and ids.shape[1] > max_positions:
+        raise ValueError(f"{who}: sequence length T={ids.shape[1]} exceeds the model's {max_positions} positions")
+
+
+def check_hidden(hidden: torch.Tensor, who: str) -> None:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
+        got = f"{hidden.dtype} {tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"{who}: expected hidden states of shape (B, T, d), got {got}")
+
+
+def given_positions(positions: object, ref: torch.Tensor, who: str) -> torch.Tensor | None:
+    """Packed rows' position ids as a stage receives them (None: none given), after checking they fit `ref`'s
+    (B, T) tokens: an integer tensor (B, T)."""
+    if positions is None:
+        return None
+    B, T = ref.shape[:2]
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.is_floating_point() \
+            or positions.is_complex() or positions.dtype == torch.bool or tuple(positions.shape) != (B, T):
+        got = (f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor)
+               else type(positions).__name__)
+        raise ValueError(f"{who}: position_ids must be an integer tensor ({B}, {T}) like the tokens, got {got}")
+    return positions
+
+
+def passed_on(hidden: torch.Tensor, positions: torch.Tensor | None) -> Any:
+    """What a stage gives the next one: the hidden states, and beside them packed rows' positions when given."""
+    return hidden if positions is None else (hidden, positions)
+
+
+def packed_layer(layer: nn.Module, positions: StagePositions, given: torch.Tensor | None
+                 ) -> contextlib.AbstractContextManager:
+    """Where a stage calls `layer` with packed rows' positions under context parallel: its attention must receive
+    them (context_parallel.hf.packed_rows), or it would attend across the documents."""
+    if given is None or positions.cp is None:
+        return contextlib.nullcontext()
+    from ..context_parallel.hf import packed_rows
+
+    return packed_rows(layer)
+
+
+class StagePositions:
+    """The position ids of the T tokens a stage receives, (1, T) (broadcast over the batch, as HuggingFace's own
+    forward builds them without a cache): ``arange(T)`` for whole sequences; under context parallel (`cp`, a group
+    of ranks each holding chunks of every sequence) the global positions of this rank's chunks (split.py)."""
+
+    def __init__(self, cp: Communicator | None = None, zigzag: bool = True) -> None:
+        if cp is not None and not is_communicator(cp):
+            raise ValueError(f"pipeline layers: cp={cp!r} must be a Communicator (mesh.cp) or None")
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.zigzag = zigzag
+
+    def global_length(self, local: int) -> int:
+        return local * (self.cp.size if self.cp is not None else 1)
+
+    def __call__(self, hidden: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
+        T = hidden.shape[1]
+        if given is not None:  # packed rows' positions, this rank's part of them under cp (checked by the stage)
+            return given
+        if self.cp is None:
+            return torch.arange(T, device=hidden.device).unsqueeze(0)
+        from ..context_parallel.documents import file_documents
+        from ..context_parallel.split import SequenceSplit
+
+        positions = SequenceSplit(self.cp.size, self.zigzag).positions(self.cp.rank, T, hidden.device).unsqueeze(0)
+        file_documents(positions, None)  # one sequence per row: the attention need not gather these to find out
+        return positions
+
+
+class CausalMasks:
+    """The additive causal masks of one model's decoder stages, built once per (T, window, dtype, device) (for packed
+    rows once per microbatch's position tensor and window), and the stages' position ids (`positions`).
+
+    Shared by the stages of one ``*_pipeline_layers`` call (a plain object, not a module: it holds no state to
+    save or move). Only the latest mask per window is kept, so varying sequence lengths do not accumulate masks;
+    reusing one tensor also means an attention kernel that saves its mask for backward keeps one copy, not one
+    per layer and microbatch. Under context parallel there is no mask (None): the attention is causal over the
+    whole sequence by itself.
+    """
+
+    def __init__(self, positions: StagePositions) -> None:
+        self._latest: dict[int | None, tuple[tuple, torch.Tensor]] = {}
+        self._packed: dict[int | None, tuple[weakref.ref, tuple, torch.Tensor | None]] = {}
+        self.positions = positions
+
+    def __call__(self, hidden: torch.Tensor, window: int | None, who: str,
+                 packed: torch.Tensor | None = None) -> torch.Tensor | None:
+        B, T = hidden.shape[:2]
+        if self.positions.cp is not None:  # ring / Ulysses attention masks causally (and by the window) itself
+            return None
+        if packed is not None:
+            mask = self._documents_mask(hidden, window, packed)
+            if mask is not None:
+                return mask
+        key = (T, hidden.dtype, hidden.device)
+        hit = self._latest.get(window)
+        if hit is None or hit[0] != key:
+            from ..context_parallel.split import hidden_keys
+
+            positions = torch.arange(T, device=hidden.device)
+            zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
+            blocked = hidden_keys(positions, positions, window)
+            mask = torch.where(blocked, torch.finfo(hidden.dtype).min, zero).view(1, 1, T, T)
+            hit = self._latest[window] = (key, mask)
+        return hit[1].expand(B, 1, T, T)
+
+    def _documents_mask(self, hidden: torch.Tensor, window: int | None, positions: torch.Tensor
+                        ) -> torch.Tensor | None:
+        """The additive mask (b, 1, T, T) keeping the documents `positions` mark apart, None for rows of one
+        sequence each; kept for the latest position tensor (by identity: the one every layer of a stage receives for
+        a microbatch, and activation checkpointing's recomputation)."""
+        from ..context_parallel.documents import packed_documents, visibility
+
+        key = (hidden.dtype, hidden.device)
+        hit = self._packed.get(window)
+        if hit is None or hit[0]() is not positions or hit[1] != key:
+            documents = packed_documents(positions)
+            mask = None
+            if documents is not None:
+                where = torch.arange(hidden.shape[1], device=hidden.device)
+                hidden_keys = visibility(where, where, window, documents.to(hidden.device))
+                zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
+                mask = torch.where(hidden_keys, torch.finfo(hidden.dtype).min, zero)
+            hit = self._packed[window] = (weakref.ref(positions), key, mask)
+        mask = hit[2]
+        return None if mask is None else mask.expand(hidden.shape[0], *mask.shape[1:])
