@@ -1,10 +1,10 @@
-"""The blocks of blockwise causal attention: which (query chunk, key chunk) pairs exist, their masks, their math.
+"""The blocks of blockwise attention: which (query chunk, key chunk) pairs exist, their masks, their math.
 
 Ring attention (ring.py) and its direct exchange (direct.py) cut the sequence into chunks (split.py) and compute
 attention one *block* at a time: this rank's query chunk against one key/value chunk. A block exists when some
-query in it may see some key in it: the key chunk is not after the query chunk (causality), not entirely before a
-sliding window's reach, and, for packed documents (documents.py), shares a document id range with the query chunk
-in some row. Inside a block the exact mask (`visibility`) hides the rest, and a block all of whose entries are
+query in it may see some key in it: the key chunk is not after the query chunk (causality; bidirectional attention
+has no such rule), not entirely before a sliding window's reach, and, for packed documents (documents.py), shares a
+document id range with the query chunk in some row. Inside a block the exact mask (`visibility`) hides the rest, and a block all of whose entries are
 hidden after all (documents interleaved) is skipped at run time and remembered for the backward.
 
 Each block gives a partial output ``o_b = softmax(S_b) V_b`` and log-sum-exp ``l_b`` per query row, merged exactly
@@ -72,9 +72,10 @@ class Blocks:
     whole-sequence document ids (b, T) or None."""
 
     def __init__(self, split: SequenceSplit, c: int, groups: int, dk: int, scale: float, softcap: float | None,
-                 window: int | None, documents: torch.Tensor | None) -> None:
+                 window: int | None, documents: torch.Tensor | None, causal: bool = True) -> None:
         self.split, self.c, self.groups, self.dk = split, c, groups, dk
         self.scale, self.softcap, self.window, self.documents = scale, softcap, window, documents
+        self.causal = causal  # False: bidirectional (every key chunk of the query's documents is a block)
         self.hidden: set[tuple[int, int]] = set()  # blocks found entirely hidden in the forward
         self._ranges = None
         if documents is not None:  # per chunk and row, the least and greatest document id (one host sync)
@@ -87,7 +88,7 @@ class Blocks:
         c, window = self.c, self.window
         for a, qid in enumerate(self.split.chunks(rank)):
             for b, kid in enumerate(self.split.chunks(src)):
-                if kid <= qid and (window is None or (kid + 1) * c - 1 > qid * c - window) \
+                if (not self.causal or kid <= qid and (window is None or (kid + 1) * c - 1 > qid * c - window)) \
                         and not self._apart(qid, kid):
                     yield a, b, qid, kid
 
@@ -106,10 +107,11 @@ class Blocks:
         """Where query chunk `qid` may not see key chunk `kid`, by global positions and document ids; None when the
         whole block is visible."""
         c, q0, k0 = self.c, qid * self.c, kid * self.c
-        if self.documents is None and kid < qid and (self.window is None or q0 + c - 1 - self.window < k0):
+        if self.documents is None and (not self.causal or kid < qid and (
+                self.window is None or q0 + c - 1 - self.window < k0)):
             return None
         return visibility(torch.arange(q0, q0 + c, device=device), torch.arange(k0, k0 + c, device=device),
-                          self.window, self.documents)
+                          self.window, self.documents, self.causal)
 
     def _kv(self, kv: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Key chunk b of a packed key/value block, each repeated to the query heads."""

@@ -62,11 +62,12 @@ def whole_documents(documents: torch.Tensor, comm: Communicator, split: Sequence
 
 
 def visibility(queries: torch.Tensor, keys: torch.Tensor, window: int | None,
-               documents: torch.Tensor | None) -> torch.Tensor | None:
+               documents: torch.Tensor | None, causal: bool = True) -> torch.Tensor | None:
     """True where the key at global position ``keys[j]`` is hidden from the query at ``queries[i]``: (len(q),
-    len(k)) by the causal rule and the window (`hidden_keys`), or (b, 1, len(q), len(k)) when `documents` (b, T)
-    also hides keys of other documents. None when every key is visible."""
-    hidden = hidden_keys(queries, keys, window)
+    len(k)) by the causal rule and the window (`hidden_keys`; nothing for bidirectional attention, `causal`
+    False), or (b, 1, len(q), len(k)) when `documents` (b, T) also hides keys of other documents. None when every
+    key is visible."""
+    hidden = hidden_keys(queries, keys, window, causal)
     if documents is not None:
         other = documents[:, queries].unsqueeze(-1) != documents[:, keys].unsqueeze(-2)
         if other.any():

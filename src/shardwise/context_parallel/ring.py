@@ -1,4 +1,4 @@
-"""Ring attention: exact causal attention over a sequence split across a context-parallel group.
+"""Ring attention: exact causal (or bidirectional) attention over a sequence split across a context-parallel group.
 
 Liu, Zaharia and Abbeel (2023), "Ring Attention with Blockwise Transformers for Near-Infinite Context", arXiv
 2310.01889. Each of the cp ranks holds the queries, keys and values of its own tokens (split.py: one chunk, or
@@ -30,6 +30,9 @@ plus cp x |dK|+|dV|.
 
 Zigzag (split.py) gives every rank the same number of computed blocks at every step after the first, so no rank
 waits for another; with the contiguous split rank cp-1 computes cp blocks while rank 0 computes one.
+
+Bidirectional attention (``causal=False``: encoders, vision and diffusion transformers) computes every block in
+full, so the ring runs with every rank busy at every step, whatever the split.
 
 A sliding window (key k visible to query q iff ``q - window < k <= q``) masks each block by the global positions of
 its query and key chunks, and skips the blocks it leaves entirely out of reach; a query row with no visible key
@@ -68,7 +71,8 @@ from .direct import DirectAttention, wait_all
 from .documents import check_documents, whole_documents
 from .split import SequenceSplit
 
-__all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_extras", "check_qkv", "check_window"]
+__all__ = ["ring_attention", "RingAttention", "autocast_inputs", "check_causal", "check_extras", "check_qkv",
+           "check_window"]
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, who: str) -> tuple[int, int]:
@@ -164,6 +168,16 @@ def check_window(window: object, who: str) -> int | None:
     return window
 
 
+def check_causal(causal: object, window: int | None, who: str) -> bool:
+    """ValueError unless `causal` is a bool, and a window comes with causal attention (a window here reaches back)."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"{who}: causal={causal!r} must be a bool")
+    if not causal and window is not None:
+        raise ValueError(f"{who}: window={window} with causal=False: the sliding window reaches back from each query "
+                         f"(causal attention); allowed with bidirectional attention: window=None")
+    return causal
+
+
 def check_extras(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None, who: str) -> float | None:
     """ValueError unless softcap is None or a positive number and sinks None or one logit per query head."""
     if softcap is not None:
@@ -179,8 +193,9 @@ def check_extras(q: torch.Tensor, softcap: float | None, sinks: torch.Tensor | N
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
                    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                   window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of this rank's queries against the whole sequence's keys, by ring attention.
+                   window: int | None = None, documents: torch.Tensor | None = None, causal: bool = True
+                   ) -> torch.Tensor:
+    """Causal (or bidirectional) attention of this rank's queries against the whole sequence's keys, by ring attention.
 
     q: (B, H, L, D) this rank's L = T / cp tokens in the order `split_sequence` gives them (zigzag: chunks r and
     2cp-1-r); k: (B, Hkv, L, D) with H a multiple of Hkv; v: (B, Hkv, L, Dv), Dv = D or not (DeepSeek's latent
@@ -191,9 +206,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     query position q sees keys k with ``q - window < k <= q`` (Mistral, Gemma 2/3, GPT-OSS's sliding layers); blocks
     entirely outside it are skipped. documents: packed sequences, an integer id per token (documents.py); a query
     sees only keys of its own document: (B or 1, L) for this rank's tokens (cut by `split_sequence`; one all-gather
-    reassembles them) or (B or 1, T) for the whole sequence's, the same on every rank. Returns (B, H, L, D), what
-    ``F.scaled_dot_product_attention(..., is_causal=True)`` on the whole sequence gives for these tokens (with the
-    cap and the sinks applied as HuggingFace's eager attention applies them). Under autocast q, k and v are taken in
+    reassembles them) or (B or 1, T) for the whole sequence's, the same on every rank. causal: False for
+    bidirectional attention (an encoder, a vision or diffusion transformer: every query sees every key of its
+    document; no window). Returns (B, H, L, D), what ``F.scaled_dot_product_attention(..., is_causal=causal)`` on
+    the whole sequence gives for these tokens (with the cap and the sinks applied as HuggingFace's eager attention
+    applies them). Under autocast q, k and v are taken in
     the autocast dtype (`autocast_inputs`) and the blocks still accumulate in float32. ValueError if the shapes
     disagree or L is odd under zigzag.
     """
@@ -201,6 +218,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     check_qkv(q, k, v, "ring_attention")
     softcap = check_extras(q, softcap, sinks, "ring_attention")
     window = check_window(window, "ring_attention")
+    causal = check_causal(causal, window, "ring_attention")
     split = SequenceSplit(comm.size, zigzag)
     split.chunk_len(q.shape[2], "ring_attention")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -208,8 +226,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
         documents = whole_documents(check_documents(documents, q, comm.size, "ring_attention"), comm, split,
                                     q.shape[2])
     blocks = Blocks(split, q.shape[2] // split.chunks_per_rank, q.shape[1] // k.shape[1], k.shape[-1], scale,
-                    softcap, window, documents)
-    # Every rank's queries see keys of every other rank (plain causal attention under zigzag): the ring. Some pairs
+                    softcap, window, documents, causal)
+    # Every rank's queries see keys of every other rank (causal attention under zigzag, bidirectional attention):
+    # the ring. Some pairs
     # see nothing of each other (a window, packed documents): each block goes straight to the ranks that need it.
     ring = all(blocks.needs(dst, src) for dst in range(comm.size) for src in range(comm.size))
     with torch.autocast(q.device.type, enabled=False):  # the blocks accumulate in float32 forward and backward

@@ -145,10 +145,14 @@ def sequence_positions(local_len: int, comm: Communicator, *, zigzag: bool = Tru
     return SequenceSplit(comm.size, zigzag).positions(comm.rank, local_len, device)
 
 
-def hidden_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def hidden_keys(queries: torch.Tensor, keys: torch.Tensor, window: int | None = None, causal: bool = True
+                ) -> torch.Tensor:
     """(len(queries), len(keys)) True where the key position is hidden from the query position under causal
     attention: a later key, or under a sliding window one ``window`` or more positions back (a key k is visible to a
-    query q iff ``q - window < k <= q``, HuggingFace's sliding window). The one rule of the ring's blocks, Ulysses'
-    local attention and the HuggingFace stages' masks."""
+    query q iff ``q - window < k <= q``, HuggingFace's sliding window). Bidirectional attention (`causal` False, no
+    window) hides nothing. The one rule of the ring's blocks, Ulysses' local attention and the HuggingFace stages'
+    masks."""
     q, k = queries.unsqueeze(-1), keys.unsqueeze(0)
+    if not causal:
+        return torch.zeros(q.shape[0], k.shape[1], dtype=torch.bool, device=queries.device)
     return (k > q) | (k <= q - window) if window is not None else k > q

@@ -35,10 +35,11 @@ class ContextParallelState:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                softcap: float | None = None, sinks: torch.Tensor | None = None,
-               window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+               window: int | None = None, documents: torch.Tensor | None = None,
+               causal: bool = True) -> torch.Tensor:
         fn = ring_attention if self.method == "ring" else ulysses_attention
         return fn(q, k, v, self.comm, zigzag=self.zigzag, scale=scale, softcap=softcap, sinks=sinks, window=window,
-                  documents=documents)
+                  documents=documents, causal=causal)
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         return self.split.positions(self.comm.rank, local_len, device)

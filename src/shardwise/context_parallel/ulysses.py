@@ -4,7 +4,7 @@ Jacobs et al. (2023), "DeepSpeed Ulysses: System Optimizations for Enabling Trai
 Transformer Models", arXiv 2309.14509. Outside attention every rank holds T/cp tokens of every head. Attention is
 independent per head, so one all-to-all re-partitions q, k and v from *sequence-sharded, all heads* to *all tokens,
 H/cp heads*: rank j sends the tokens it holds of head group i to rank i, and receives every rank's tokens of its own
-head group j. Each rank then runs ordinary full causal attention (``F.scaled_dot_product_attention``, any fused
+head group j. Each rank then runs ordinary full causal (or bidirectional) attention (``F.scaled_dot_product_attention``, any fused
 kernel) on the whole sequence for its heads, and a second all-to-all brings the output back to sequence-sharded.
 Backward is the same two all-to-alls in reverse (each all-to-all's gradient is the inverse all-to-all).
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..comm.base import Communicator
 from ..graph_gradients import refuse_second_order
-from .ring import autocast_inputs, check_extras, check_qkv, check_window
+from .ring import autocast_inputs, check_causal, check_extras, check_qkv, check_window
 from .documents import check_documents, visibility, whole_documents
 from .split import SequenceSplit
 
@@ -65,33 +65,34 @@ def all_to_all(x: torch.Tensor, comm: Communicator, scatter_dim: int, gather_dim
     return AllToAll.apply(x, comm, scatter_dim, gather_dim)
 
 
-def _masked(T: int, window: int | None, documents: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _masked(T: int, window: int | None, documents: torch.Tensor | None, device: torch.device,
+            causal: bool = True) -> torch.Tensor:
     """(T, T), or (b, 1, T, T) with `documents`, True where key k is hidden from query q over the whole sequence
     (documents.py: `visibility`)."""
     positions = torch.arange(T, device=device)
-    hidden = visibility(positions, positions, window, documents)
+    hidden = visibility(positions, positions, window, documents, causal)
     return hidden if hidden is not None else torch.zeros(T, T, dtype=torch.bool, device=device)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                      softcap: float | None, sinks: torch.Tensor | None, window: int | None,
-                      documents: torch.Tensor | None) -> torch.Tensor:
-    """Full causal attention of one head group, fused (``scaled_dot_product_attention``, with a boolean mask under a
-    sliding window or packed documents) unless a soft cap or sinks need the scores themselves: then as
-    HuggingFace's eager attention computes them (autograd differentiates it)."""
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                     softcap: float | None, sinks: torch.Tensor | None, window: int | None,
+                     documents: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Full causal (or bidirectional) attention of one head group, fused (``scaled_dot_product_attention``, with a
+    boolean mask under a sliding window or packed documents) unless a soft cap or sinks need the scores themselves:
+    then as HuggingFace's eager attention computes them (autograd differentiates it)."""
     gqa = q.shape[1] != k.shape[1]
     if softcap is None and sinks is None:
         if window is None and documents is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        visible = ~_masked(q.shape[2], window, documents, q.device)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        visible = ~_masked(q.shape[2], window, documents, q.device, causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     with torch.autocast(q.device.type, enabled=False):  # the scores in float32, as the ring computes them
-        return _eager_causal_attention(q, k, v, scale, softcap, sinks, window, documents)
+        return _eager_attention(q, k, v, scale, softcap, sinks, window, documents, causal)
 
 
-def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                            softcap: float | None, sinks: torch.Tensor | None, window: int | None,
-                            documents: torch.Tensor | None) -> torch.Tensor:
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                     softcap: float | None, sinks: torch.Tensor | None, window: int | None,
+                     documents: torch.Tensor | None, causal: bool) -> torch.Tensor:
     acc = torch.promote_types(q.dtype, torch.float32)
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1).to(acc) for t in (k, v))
@@ -99,7 +100,7 @@ def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     T = s.shape[-1]
-    s = s.masked_fill(_masked(T, window, documents, s.device), float("-inf"))
+    s = s.masked_fill(_masked(T, window, documents, s.device, causal), float("-inf"))
     if sinks is not None:  # a column of per-head logits in the softmax, dropped from the weights
         s = torch.cat([s, sinks.to(acc).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
     p = torch.softmax(s, dim=-1)
@@ -109,11 +110,13 @@ def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *, zigzag: bool = True,
                       scale: float | None = None, softcap: float | None = None,
                       sinks: torch.Tensor | None = None, window: int | None = None,
-                      documents: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of this rank's tokens against the whole sequence, by all-to-all over heads (Ulysses).
+                      documents: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+    """Causal (or bidirectional) attention of this rank's tokens against the whole sequence, by all-to-all over heads
+    (Ulysses).
 
     Same contract as :func:`~shardwise.context_parallel.ring_attention`: q (B, H, L, D), k (B, Hkv, L, D), v
-    (B, Hkv, L, Dv), this rank's tokens in `split_sequence` order, softcap, sinks, window and documents as there;
+    (B, Hkv, L, Dv), this rank's tokens in `split_sequence` order, softcap, sinks, window, documents and causal as
+    there;
     returns (B, H, L, Dv). ValueError unless H is divisible by cp = comm.size. If Hkv is not, k and v are repeated
     to H heads before the exchange. A soft cap or sinks make the local attention the eager one (the fused kernel
     has neither); a window or documents alone are a boolean mask to the fused kernel.
@@ -122,6 +125,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     H, Hkv = check_qkv(q, k, v, "ulysses_attention")
     softcap = check_extras(q, softcap, sinks, "ulysses_attention")
     window = check_window(window, "ulysses_attention")
+    causal = check_causal(causal, window, "ulysses_attention")
     cp = comm.size
     if H % cp:
         raise ValueError(f"ulysses_attention: {H} attention heads are not divisible by the context-parallel size "
@@ -149,6 +153,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
         qf, kf = full.split([hq, hkv], dim=1)
         vf = all_to_all(v.unflatten(1, (cp, -1)), comm, scatter_dim=1, gather_dim=3).squeeze(1).index_select(2, order)
     mine = None if sinks is None else sinks.narrow(0, comm.rank * hq, hq)  # this rank's head group
-    y = _causal_attention(qf, kf, vf, scale, softcap, mine, window, documents)
+    y = _local_attention(qf, kf, vf, scale, softcap, mine, window, documents, causal)
     y = y.index_select(2, where).unflatten(2, (cp, L))  # back to rank order: (B, hq, cp, L, D)
     return all_to_all(y, comm, scatter_dim=2, gather_dim=1).squeeze(2)  # (B, H, L, D)
