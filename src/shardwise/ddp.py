@@ -24,7 +24,7 @@ Mechanism
 * Expert parallel (shardwise.experts): a parameter whose placement is split over ranks of `comm` (experts split over
   an ep group borrowed from dp) is not a replica across `comm`: it is neither broadcast nor averaged over `comm`, but
   bucketed apart and averaged over the replica group it declares inside `comm` (edp), or left alone when it has none
-  (`layout.data_parallel_group`).
+  (`replica_groups.data_parallel_group`).
 * Unused parameters: by default a trainable parameter that got no gradient is an error naming it (it would leave
   its bucket waiting forever on the other ranks). With `find_unused_parameters=True` each forward walks the autograd
   graph to find the parameters it cannot reach and marks them ready at the start of backward (contributing zeros,
@@ -59,6 +59,7 @@ from .compiled import refuse_compiled
 from .placement import to_comm_device
 from .sharded_tensor import local
 from .ddp_reducer import Reducer
+from .replica_groups import data_parallel_group
 
 __all__ = ["DDP", "DDPModule"]
 
@@ -172,7 +173,7 @@ def DDP(
     to_comm_device(module, comm, "DDP")  # NCCL broadcasts and reduces CUDA tensors: the model goes to comm.device
     before = layout.placements(module)
     try:  # experts split over ranks of comm (expert parallel) are averaged over their replicas only
-        groups = {id(pl.param): layout.data_parallel_group(pl, comm) for pl in before.values()}
+        groups = {id(pl.param): data_parallel_group(pl, comm) for pl in before.values()}
     except ValueError as e:
         raise ValueError(f"DDP: {e}") from None
     if compression is not None and any(g is not comm for g in groups.values()):

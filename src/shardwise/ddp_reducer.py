@@ -39,7 +39,7 @@ class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], comm: Communicator | None) -> None:
         self.index = index
         self.params = params
-        self.comm = comm  # the group it is averaged over (None: nothing to average, see layout.data_parallel_group)
+        self.comm = comm  # the group it is averaged over (None: nothing to average, see replica_groups.data_parallel_group)
         pieces = [local(p) for p in params]  # a tensor-parallel slice's own storage (sharded_tensor.py)
         numel = sum(p.numel() for p in pieces)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
@@ -67,7 +67,7 @@ class Reducer:
                  groups: dict[int, Communicator | None] | None = None) -> None:
         self.comm = comm
         # Per parameter, the ranks it is averaged over: comm, or for experts split over ranks of comm their replicas
-        # (layout.data_parallel_group); those with no replica in comm are left alone.
+        # (replica_groups.data_parallel_group); those with no replica in comm are left alone.
         self.groups = {id(p): (groups or {}).get(id(p), comm) for p in module.parameters()}
         self.compressor = compression.fresh() if compression is not None else None  # this rank's own state
         self.find_unused = find_unused_parameters

@@ -8,12 +8,14 @@ what ``push_to_hub`` calls):
   ``model.module`` is the model itself (_mixin.MovesRefused);
 * under tensor parallel (and any layout that splits parameters) it wrote garbage without an error: the state dict
   holds this rank's pieces answering for the whole shapes, and safetensors copied ``shape`` worth of bytes from each
-  piece's ``data_ptr()``, past the end of the piece (a piece's ``data_ptr()`` now raises: sharded_tensor.py).
+  piece's ``data_ptr()``, past the end of the piece (a piece's ``data_ptr()`` now raises: sharded_tensor.py);
+* on the model given to `sw.parallelize` with pp > 1 it wrote this rank's untrained copies of the layers other
+  pipeline ranks train (parallelized_model.py).
 
 `guard_save_pretrained(model)` (called by every strategy through `optimizer_guard.register_wrapped`) swaps the
 class of a HuggingFace model for one whose `save_pretrained` hides ``model.module`` for the duration of the call (so
-``unwrap_model`` stops at the model) and, when the model holds pieces of split parameters and no full
-``state_dict=`` is given, raises a ValueError with the collective recipe instead of writing pieces::
+``unwrap_model`` stops at the model) and, when the model holds pieces of split parameters (or only some layers' trained values) and no
+full ``state_dict=`` is given, raises a ValueError with the collective recipe instead of writing them::
 
     state = sw.full_state_dict(model)                 # every rank (collective)
     if comm.rank == 0:
@@ -71,11 +73,16 @@ class SavePretrainedGuard:
         bound = inspect.signature(save).bind_partial(save_directory, *args, **kwargs).arguments
         given = bound.get("state_dict")
         pieces = _split_pieces(self, given)
+        recipe = ("on every rank: state = sw.full_state_dict(model) (collective), then on one rank: "
+                  "model.save_pretrained(dir, state_dict=state)")
         if pieces:
             applied = " + ".join(s.name for s in layout.strategies(self)) or "a strategy"
             raise ValueError(f"save_pretrained on a model split over ranks ({applied}) would write this rank's pieces "
-                             f"as the whole tensors (e.g. {pieces[0]}); on every rank: state = sw.full_state_dict("
-                             f"model) (collective), then on one rank: model.save_pretrained(dir, state_dict=state)")
+                             f"as the whole tensors (e.g. {pieces[0]}); {recipe}")
+        if given is None and layout.is_partitioned(self):  # sw.parallelize's pipeline: layers on other ranks
+            raise ValueError(f"save_pretrained on a model whose layers are trained on several pipeline ranks (sw."
+                             f"parallelize) would write this rank's untrained copies of the other ranks' layers; "
+                             f"{recipe}")
         object.__setattr__(self, "_sw_saving", True)
         try:
             result = save(save_directory, *args, **kwargs)

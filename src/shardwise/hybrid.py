@@ -47,6 +47,7 @@ from .compression.support import copies_reconciled
 from .ddp import DDP
 from .hybrid_plan import DP_STRATEGIES, Plan, check_plan
 from .mesh import Mesh
+from .parallelized_model import hand_over
 from .models import hf_parallel
 from .models.moe import MoE
 from .placement import to_comm_device
@@ -394,4 +395,5 @@ def parallelize(
                          getattr(loss, "begin_step", None))
     pipe.loss_fn = hybrid.scaled_loss(loss)
     _declare(hybrid, model, mesh)
+    hand_over(model, hybrid)  # the tools given `model` answer for the hybrid; stale reads refuse
     return hybrid

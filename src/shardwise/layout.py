@@ -44,9 +44,10 @@ __all__ = ["Box", "Placement", "Parallelized", "MemoryView", "ExtraState", "extr
            "declare", "base_placements", "held_views", "slice_views", "inverse_perm", "split_flat_range", "box_slices",
            "box_numel", "intersect", "full_box", "reduction_groups", "counts_here", "record_comms", "is_partitioned",
            "merged_memory", "model_world", "is_wrapped", "check_not_data_parallel", "DATA_PARALLEL", "buffers",
-           "data_parallel_group"]
+           "hand_over"]
 
 _ATTR = "_shardwise_layout"  # the one attribute a wrapped model carries; read only by this module
+_TRAINED_BY = "_shardwise_trained_by"  # a model given to sw.parallelize: the HybridModel training its layers
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -194,12 +195,21 @@ class Parallelized:
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    """The module, or the one torch.compile wrapped (OptimizedModule._orig_mod, whose layout tools see); TypeError
+    """The module, or the one torch.compile wrapped (OptimizedModule._orig_mod, whose layout tools see), or the one it
+    was handed over to (`hand_over`); TypeError
     for what is not a module (torch's habit `clip_grad_norm_(model.parameters(), ...)`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected the model (a torch.nn.Module, as the wrapper returned it), got "
                         f"{type(model).__name__}: pass the model itself, e.g. sw.clip_grad_norm_(model, max_norm)")
-    return model._orig_mod if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod") else model
+    model = model._orig_mod if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod") else model
+    return model.__dict__.get(_TRAINED_BY, model)
+
+
+def hand_over(model: nn.Module, trained_by: nn.Module) -> None:
+    """From now on the tools given `model` ask `trained_by`'s layout: the module that trains `model`'s parameters in
+    its place (sw.parallelize's HybridModel, whose stages hold the layers, some on other ranks, some as pieces), so
+    `sw.full_state_dict(model)` and the others answer for the model as trained, not for its stale copy here."""
+    model.__dict__[_TRAINED_BY] = trained_by
 
 
 def strategies(model: nn.Module) -> list[Parallelized]:
@@ -380,21 +390,3 @@ def model_world(model: nn.Module, what: str) -> Communicator:
     raise ValueError(f"{what}: the model spans {ranks} ranks over {len(groups)} groups ({names}) and none of its "
                      f"strategies knows the communicator of all of them; pass comm= (e.g. mesh.world)")
 
-
-def data_parallel_group(pl: Placement, comm: Communicator) -> Communicator | None:
-    """The ranks of `comm` over which a data-parallel strategy on `comm` averages `pl`'s gradient: `comm` itself for a
-    parameter every rank of `comm` holds alike (whole, or split across `comm` as tensor parallel is); for one split
-    over ranks *of* `comm` (MoE experts over an expert-parallel group borrowing dp's ranks), the replica group it
-    declares inside `comm` (expert data parallel), or None when no other rank holds its piece. ValueError when the
-    two groups do not tile `comm` (a copy the average would miss)."""
-    split = pl.box_group
-    inside = set(comm.global_ranks)
-    if split is None or split.size == 1 or len(inside & set(split.global_ranks)) <= 1:
-        return comm
-    replicas = [g for g in pl.replicated_over if g.size > 1 and set(g.global_ranks) <= inside]
-    group = replicas[0] if replicas else None
-    if not set(split.global_ranks) <= inside or split.size * (group.size if group else 1) != comm.size:
-        raise ValueError(f"{pl.name} is split over {split.size} ranks of the data-parallel group ({comm.size} ranks) "
-                         f"and replicated over {group.size if group else 1} of them: the two must tile the group (a "
-                         f"MoE model's expert-parallel dp group must be the one data parallel runs over)")
-    return group

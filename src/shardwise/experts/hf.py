@@ -14,7 +14,7 @@ modules (transformers 5.x):
   declares each expert weight as split over `ep` into one whole box (its owner's) and empty boxes (the others'),
   replicated over `edp`: `sw.full_state_dict` gathers it from its owner, `sw.clip_grad_norm_` counts it once (the
   empty pieces add nothing), checkpoints save and load it on its owner only, and DDP averages it over `edp`
-  (`layout.data_parallel_group`), exactly as for a fused slice. Every rank keeps the same parameter names and shapes
+  (`replica_groups.data_parallel_group`), exactly as for a fused slice. Every rank keeps the same parameter names and shapes
   (`model.parameters()` looks like the model), and memory for the other ranks' experts is not held.
 
 The blocks' routers stay HuggingFace's code (hf_experts.py runs the dispatch). Gradients: x 1 / ep on every expert

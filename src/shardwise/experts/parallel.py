@@ -19,7 +19,7 @@ the contributions of the tokens of every rank of its ep group (the backward all-
 the batch is on the other ep groups, whose copies of this expert sit on the ranks of `edp`. So each expert gradient
 is multiplied by 1 / ep (a gradient hook on the slice), and averaged over `edp` only: DDP over dp sees from the
 placements that these parameters are split over ranks of its own group and reduces them over the replica group
-they declare inside it (`layout.data_parallel_group`), or not at all when ep == dp. `sw.ZeRO` (stages 1-3) and
+they declare inside it (`replica_groups.data_parallel_group`), or not at all when ep == dp. `sw.ZeRO` (stages 1-3) and
 `sw.FSDP` (full_shard, shard_grad_op, no_shard) over dp read the same: dense parameters sharded over dp, expert slices
 in units of their own sharded over edp, optimizer state with them (sharding/expert_units.py); hybrid_shard is refused.
 """

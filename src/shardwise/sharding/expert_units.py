@@ -4,7 +4,7 @@ An expert-parallel model (shardwise.experts) holds, on each rank of the data-par
 of its expert-parallel rank: rank p of ep keeps experts [p E/ep, (p + 1) E/ep) of every MoE layer, and the ranks of
 `comm` holding the same experts form the expert-data-parallel group edp (size |comm| / ep): Megatron-core's expert
 data parallel group, torchtitan's "dp_shard_mod_ep", DeepSpeed-MoE's expert data parallelism (Rajbhandari et al.
-2022, arXiv 2201.05596). The placements say so (`layout.data_parallel_group`): such a parameter is split over ranks
+2022, arXiv 2201.05596). The placements say so (`replica_groups.data_parallel_group`): such a parameter is split over ranks
 of `comm` and replicated over edp inside it.
 
 Flattening those slices into a unit sharded over `comm` would mix different experts in one buffer: the all-gather
@@ -36,6 +36,7 @@ from torch import nn
 
 from .. import layout
 from ..comm.base import Communicator
+from ..replica_groups import data_parallel_group
 from .policy import UnitPlan
 
 __all__ = ["ExpertFamily", "NO_EXPERTS", "expert_family", "split_plan"]
@@ -72,7 +73,7 @@ def expert_family(module: nn.Module, comm: Communicator, shard: Communicator, wh
     groups: dict[nn.Parameter, Communicator | None] = {}
     for pl in layout.placements(module).values():
         try:
-            group = layout.data_parallel_group(pl, comm)
+            group = data_parallel_group(pl, comm)
         except ValueError as e:
             raise ValueError(f"{who}: {e}") from None
         if group is not comm:
