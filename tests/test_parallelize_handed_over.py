@@ -122,3 +122,23 @@ def test_the_shardwise_gpt_under_a_pipeline_refuses_its_state_dict_too():
     for error, names, of_hybrid in sw.launch(body, 2):
         assert "GPT was given to sw.parallelize" in error
         assert names == of_hybrid == set(GPT(config, seed=0).state_dict())
+
+
+def test_the_hybrid_of_a_huggingface_model_saves_pretrained_from_every_rank(tmp_path):
+    """A script that kept only the hybrid (``model = sw.parallelize(model, mesh)``) calls save_pretrained on every
+    rank, as transformers' Trainer and accelerate do; rank 0 writes the trained model. The GPT's hybrid has none."""
+    plain = llama()
+
+    def body(comm):
+        model = trained(comm, copy.deepcopy(plain), {"pp": 2}, {"n_microbatches": 2})
+        model.save_pretrained(tmp_path / "out")
+        gpt = sw.parallelize(GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2), seed=0),
+                             sw.Mesh(comm, pp=2), n_microbatches=2)
+        return sw.full_state_dict(model), hasattr(gpt, "save_pretrained")
+
+    results = sw.launch(body, 2)
+    saved = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").architectures == ["LlamaForCausalLM"]
+    for state, gpt_has_it in results:
+        assert set(saved) == set(state) and all(torch.equal(saved[k], v) for k, v in state.items())
+        assert not gpt_has_it

@@ -19,6 +19,10 @@ Mechanism (`hand_over`):
 * Under pp > 1, `model.state_dict()` and `model(...)` (so `generate` too) raise a ValueError naming
   `sw.full_state_dict(model)` and `hybrid.step` / `hybrid.predict`. With pp = 1 the model holds this rank's
   parameters themselves, and these work as before (collectively, under tensor parallel).
+* The hybrid of a HuggingFace model gets `save_pretrained` (`SavesPretrained`), for the script that kept only it
+  (``model = sw.parallelize(model, mesh)``, as ``model = DDP(model)``): called on every rank, it gathers the full
+  state dict and the main process (world rank 0, or ``is_main_process=``, transformers' own argument) writes it
+  with the model's `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch import nn
 
 from . import layout
 from ._mixin import mix_in, original_class
-from .hf_save import guard_save_pretrained
+from .hf_save import from_transformers, guard_save_pretrained
 
 __all__ = ["hand_over"]
 
@@ -56,8 +60,30 @@ def _refuse_stale(model: nn.Module, what: str, instead: str) -> None:
                          f"the result would be stale; {instead}")
 
 
+class SavesPretrained:
+    """Mixed into the HybridModel of a HuggingFace model: its `save_pretrained` (module docstring)."""
+
+    def save_pretrained(self, save_directory: Any, *args: Any, is_main_process: bool | None = None,
+                        state_dict: dict | None = None, **kwargs: Any) -> None:
+        """Collective: call it on every rank. Writes the trained model as ``model.save_pretrained`` of the model
+        given to `sw.parallelize` writes it, from the main process (world rank 0 unless `is_main_process` says)."""
+        from .whole.state_dict import full_state_dict
+
+        world = self.mesh.world  # type: ignore[attr-defined]  # HybridModel's mesh
+        if state_dict is None:
+            state_dict = full_state_dict(self)
+        if (world.rank == 0) if is_main_process is None else is_main_process:
+            given = self.__dict__["_shardwise_given_model"]
+            # A copy: transformers empties the dict it writes, and the caller may still hold it.
+            given.save_pretrained(save_directory, *args, state_dict=dict(state_dict), **kwargs)
+        world.barrier()  # every rank returns once the files are written
+
+
 def hand_over(model: nn.Module, hybrid: nn.Module) -> None:
     """Make `model` answer for `hybrid`, the HybridModel that `sw.parallelize` built from it (module docstring)."""
     layout.hand_over(model, hybrid)
     guard_save_pretrained(model)
     mix_in(model, GivenToParallelize, "Parallelized")
+    if from_transformers(model) and callable(getattr(model, "save_pretrained", None)):
+        hybrid.__dict__["_shardwise_given_model"] = model  # not a submodule: its layers are the stages'
+        mix_in(hybrid, SavesPretrained, "SavesPretrained")
