@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 from checkpoint_cases import load_and_resave, reference, state_equal, train
@@ -76,3 +78,28 @@ def test_async_save_snapshots_then_writes_in_background(tmp_path):
         return state_equal(sw.full_state_dict(reloaded), before)
 
     assert sw.launch(body, 2) == [[], []]
+
+
+def test_a_rank_whose_index_lands_just_before_rank_0_renames_the_directory_does_not_fail(tmp_path, monkeypatch):
+    """Rank 0 merges the indexes and renames the save's directory as soon as every index is there; a rank used to
+    fsync that directory right after writing its index, and found it gone when rank 0 was quicker (a save that raised
+    FileNotFoundError on that rank, seen once under load). Rank 1's fsync of the directory after its index is slowed
+    down here, which makes the race certain: the index is now the rank's last touch of the directory."""
+    import shardwise.files
+
+    fsync_dir = shardwise.files.fsync_dir
+
+    def slow_fsync_dir(path):
+        if threading.current_thread().name == "shardwise-rank1" and (path / "index-00001.json").exists():
+            time.sleep(0.5)  # rank 0 merges the indexes and renames the directory meanwhile
+        fsync_dir(path)
+
+    monkeypatch.setattr(shardwise.files, "fsync_dir", slow_fsync_dir)
+
+    def body(comm):
+        from checkpoint_cases import build
+
+        sw.save_checkpoint(tmp_path, build(comm, "zero2"), step=1)
+
+    sw.launch(body, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]

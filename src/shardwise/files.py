@@ -25,8 +25,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_durably(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a new temporary file, fsync, rename (see the module docstring)."""
+def write_bytes_durably(path: Path, data: bytes, sync_directory: bool = True) -> None:
+    """Write `data` to `path` via a new temporary file, fsync, rename (see the module docstring), then fsync the
+    directory, unless `sync_directory` is False: for a file whose appearance hands the directory to another writer,
+    who may rename it at once and syncs it itself (a checkpoint rank's index, checkpoint/save.py)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
@@ -40,7 +42,8 @@ def write_bytes_durably(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync_directory:
+        fsync_dir(path.parent)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -260,7 +260,9 @@ def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Mo
 
             index["sha256"] = hashlib.sha256(data).hexdigest()
             index["bytes"] = len(data)
-            write_bytes_durably(tmp / f"index-{comm.rank:05d}.json", json.dumps(index).encode())
+            # The index says this rank is done: rank 0 may then merge it and rename the directory at once, so this
+            # rank does not fsync the directory after it (it would find it gone); rank 0 fsyncs it before the rename.
+            write_bytes_durably(tmp / f"index-{comm.rank:05d}.json", json.dumps(index).encode(), sync_directory=False)
             if comm.rank == 0:
                 _finish(root, tmp, final, header, comm.size, keep_last, timeout)
         except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
