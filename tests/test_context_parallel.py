@@ -266,7 +266,7 @@ def test_ulysses_needs_heads_divisible_by_cp():
     sw.launch(body, 3)
 
 
-def test_hf_labels_and_padding_masks_are_refused():
+def test_hf_labels_and_4d_masks_are_refused():
     pytest.importorskip("transformers")
 
     def body(comm):
@@ -274,8 +274,8 @@ def test_hf_labels_and_padding_masks_are_refused():
         x = cp.split_sequence(IDS[:, :16], comm)
         with pytest.raises(ValueError, match="labels= shifts targets within this rank's chunk"):
             model(input_ids=x, labels=x)
-        with pytest.raises(ValueError, match="attention_mask .* is not supported"):
-            model(input_ids=x, attention_mask=torch.ones_like(x))
+        with pytest.raises(ValueError, match="attention_mask must be a padding mask"):  # 2-D masks pass
+            model(input_ids=x, attention_mask=torch.ones(2, 1, 8, 8))
 
     sw.launch(body, 2)
 

@@ -190,9 +190,6 @@ def test_what_cannot_keep_documents_apart_is_refused():
         with pytest.raises(ValueError, match=r"position_ids must be an integer tensor \(2 or 1, 8\), this rank's "
                                              r"tokens' positions in the whole sequence, got torch.int64 \(2, 16\)"):
             model(input_ids=x, position_ids=PACKED)
-        with pytest.raises(ValueError, match=r"attention_mask \(padding\) is not supported; pass None \(pack "
-                                             r"documents into rows and mark them by position_ids"):
-            model(input_ids=x, attention_mask=torch.ones_like(x))
         positionless = tiny_llama()
         for layer in positionless.model.layers:
             layer.self_attn.__class__ = PositionlessAttention

@@ -32,8 +32,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..comm.base import Communicator
 from .split import SequenceSplit, gather_sequence, hidden_keys
 
-__all__ = ["check_documents", "whole_documents", "packed_documents", "visibility", "chunk_local", "file_documents",
-           "filed_documents", "NOT_FILED"]
+__all__ = ["check_documents", "whole_documents", "packed_documents", "padding_documents", "visibility", "chunk_local",
+           "file_documents", "filed_documents", "NOT_FILED"]
 
 
 def check_documents(documents: object, q: torch.Tensor, cp: int, who: str) -> torch.Tensor:
@@ -82,6 +82,19 @@ def packed_documents(positions: torch.Tensor) -> torch.Tensor | None:
     start = positions[:, :1] - 1
     documents = (torch.diff(positions, prepend=start, dim=-1) != 1).cumsum(-1)
     return None if not documents[:, -1].any() else documents
+
+
+def padding_documents(mask: torch.Tensor, comm: Communicator, split: SequenceSplit, local_len: int
+                      ) -> torch.Tensor | None:
+    """Document ids (B, T) from a padding mask (1 a token, 0 padding): this rank's (B, L) part, gathered from every
+    rank of `comm` (one all-gather), or the whole sequence's (B, T). Real tokens share document 0; each padding token
+    is a document of its own (-1 - its position), so it hides from every real token and sees only itself. None when
+    nothing pads (decided on the whole mask: the same on every rank)."""
+    whole = whole_documents(mask.long(), comm, split, local_len)
+    if bool(whole.all()):
+        return None
+    lone = -1 - torch.arange(whole.shape[1], device=whole.device).expand_as(whole)
+    return torch.where(whole.bool(), torch.zeros_like(lone), lone)
 
 
 def chunk_local(whole: torch.Tensor, split: SequenceSplit) -> bool:

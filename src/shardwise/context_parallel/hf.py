@@ -15,13 +15,21 @@ What the attention function does with each keyword: ``scaling`` scales q k^T; ``
 (from the keyword, or the module or config where a model windows through its mask alone: `_window`). Keywords that do
 not change the result (``position_ids``, ``use_cache``, ...) pass; any other keyword with a value is refused by
 name at the first forward, so a model whose attention does something this function does not implement raises
-instead of training a different model. Refused too: a padding ``attention_mask``, attention dropout, ``labels=``
+instead of training a different model. Refused too: a 4-D ``attention_mask``, attention dropout, ``labels=``
 (HF shifts them within the chunk, wrong at chunk edges), bidirectional attention (``is_causal=False``: an encoder
 such as BERT), attention modules whose class does not dispatch through ``AttentionInterface`` (Falcon's, which
 would compute attention over the chunk alone), and token mixing outside attention (the state-space, convolution,
 recurrent and linear-attention layers of hybrid models: Jamba, Bamba, LFM2, Qwen3-Next, RecurrentGemma; found by
 ``config.layer_types`` and by convolution or recurrent modules), which would run on the chunk alone too. As a last
-guard every attention module checks, each time it runs, that it called this function. The values' head size may
+guard every attention module checks, each time it runs, that it called this function.
+
+A 2-D padding ``attention_mask`` (1 for a token, 0 for padding; this rank's part cut by ``split_sequence`` like the
+tokens, or the whole sequence's) is taken by the model's forward: gathered once, each padding token becomes a document
+of its own (documents.py: `padding_documents`), so no real token attends to padding, and transformers builds no mask.
+As in transformers, a 2-D mask replaces what packed position ids would say. A padding token's own output differs from
+transformers' (it sees only itself here; transformers' eager and SDPA attention disagree there too), so no label may
+be predicted at a padding position: with HuggingFace's labels (shifted inside the loss), -100 on the padding and,
+after left padding, on the first token. The values' head size may
 differ from the keys' (DeepSeek's multi-head latent attention).
 """
 
@@ -36,7 +44,7 @@ import torch
 from torch import nn
 
 from .._mixin import mix_in
-from .documents import NOT_FILED, chunk_local, file_documents, filed_documents, packed_documents
+from .documents import NOT_FILED, chunk_local, file_documents, filed_documents, packed_documents, padding_documents
 from .split import gather_sequence
 from .state import ContextParallelState, get_state, set_state
 
@@ -60,13 +68,14 @@ class _Calls:
 
 
 class _Packing:
-    """Whether the model's forward now running was given packed position ids: shared by the model and its
-    attention modules, so an attention call without ``position_ids`` then raises instead of ignoring the packing."""
+    """Whether the model's forward now running was given packed position ids or a padding mask (`padded`): shared
+    by the model and its attention modules, so an attention call without ``position_ids`` then raises instead of
+    ignoring the packing, and one with position ids the forward did not file raises instead of losing the padding."""
 
-    __slots__ = ("active",)
+    __slots__ = ("active", "padded")
 
     def __init__(self) -> None:
-        self.active = False
+        self.active = self.padded = False
 
 
 _PACKING_MESSAGE = ("pack documents into rows and mark them by position_ids that restart at each document (what "
@@ -84,9 +93,10 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     calls = module.__dict__.get("_shardwise_cp_calls")
     if calls is not None:
         calls.count += 1
-    if attention_mask is not None:
-        raise ValueError(f"context parallel attention is causal over the whole sequence; attention_mask (padding) "
-                         f"is not supported: pass attention_mask=None ({_PACKING_MESSAGE})")
+    if attention_mask is not None:  # the model's forward turns a padding mask into documents and passes none
+        raise ValueError(f"context parallel attention: {who} was given a {type(attention_mask).__name__} "
+                         f"attention mask; the model's forward takes the 2-D padding mask (B, L) and keeps the "
+                         f"padding apart itself; allowed here: None")
     if dropout:  # GPT-2 passes its attn_pdrop here in training mode: the blockwise attention has no dropout
         raise ValueError(f"context parallel attention: attention dropout {dropout} is not implemented by ring / "
                          f"Ulysses attention; allowed: 0.0 (e.g. GPT2Config(attn_pdrop=0.0), or eval())")
@@ -137,6 +147,11 @@ def _attention_documents(module: nn.Module, state: ContextParallelState, positio
         return None
     documents = filed_documents(positions)
     if documents is NOT_FILED:  # a position tensor the model made itself: every rank finds it the same way
+        packing = module.__dict__.get("_shardwise_cp_packing")
+        if packing is not None and packing.padded:
+            raise ValueError(f"context parallel attention: {who} passes position ids its model's forward did not "
+                             f"give it, so the padding of the attention_mask cannot be found for them; allowed for "
+                             f"this model: no attention_mask (pack the rows, {_PACKING_MESSAGE})")
         documents = _documents_of(positions, state)
         file_documents(positions, documents)
     return documents
@@ -186,34 +201,49 @@ class ContextParallelHFMixin:
         if kwargs.get("labels") is not None:
             raise ValueError("context parallel HF model: labels= shifts targets within this rank's chunk, wrong at "
                              "chunk edges; compute the loss from .logits against split_sequence((x, y))'s targets")
-        if kwargs.get("attention_mask") is not None:
-            raise ValueError(f"context parallel HF model: attention_mask (padding) is not supported; pass None "
-                             f"({_PACKING_MESSAGE})")
-        packing, packed = self.__dict__["_shardwise_cp_packing"], False
+        mask = kwargs.pop("attention_mask", None)  # padding: documents of its own (below), never HF's 4-D mask
+        packing, documents = self.__dict__["_shardwise_cp_packing"], None
         ref = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if ref is None and mask is not None:
+            raise ValueError("context parallel HF model: attention_mask needs input_ids or inputs_embeds")
         if ref is not None:
             state = get_state(self)
             state.split.chunk_len(ref.shape[1], "context parallel HF model")
             given = kwargs.get("position_ids")
             if given is None:
-                mine = state.positions(ref.shape[1], ref.device).unsqueeze(0).expand(ref.shape[0], -1)
-                file_documents(mine, None)
-                kwargs["position_ids"] = mine
+                positions = state.positions(ref.shape[1], ref.device).unsqueeze(0).expand(ref.shape[0], -1)
             else:
                 _check_positions(given, ref)
-                documents = _documents_of(given, state)
-                file_documents(given, documents)
-                packed = documents is not None
+                positions, documents = given, _documents_of(given, state)
+            if mask is not None:  # as transformers decides: a 2-D mask, not packed positions, says who sees whom
+                documents = padding_documents(_check_mask(mask, ref, state), state.comm, state.split, ref.shape[1])
+            file_documents(positions, documents)
+            kwargs["position_ids"] = positions
         kwargs.setdefault("use_cache", False)  # no generation cache: a chunk is not a prefix of the sequence
-        packing.active = packed
+        packing.active, packing.padded = documents is not None, mask is not None
         try:
             return super().forward(input_ids, **kwargs)
         finally:
-            packing.active = False
+            packing.active = packing.padded = False
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError("context parallel HF model: generate() extends sequences one token at a time, which chunks "
                          "split over ranks cannot; generate with a plain model holding sw.full_state_dict(model)")
+
+
+def _check_mask(mask: object, ref: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
+    """A padding mask, checked: integer or bool (B, L) for this rank's tokens (cut by split_sequence like them) or
+    (B, T) for the whole sequence, 1 where a token is real and 0 where it pads; ValueError naming what is allowed."""
+    B, L = ref.shape[:2]
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_floating_point() or mask.is_complex() \
+            or mask.shape[0] != B or mask.shape[1] not in (L, L * state.comm.size):
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"context parallel HF model: attention_mask must be a padding mask, an integer or bool "
+                         f"tensor ({B}, {L}) of this rank's tokens cut by split_sequence (or ({B}, "
+                         f"{L * state.comm.size}) for the whole sequence), 1 for a token and 0 for padding; got {got}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("context parallel HF model: attention_mask must hold 1 (a token) and 0 (padding) only")
+    return mask
 
 
 def _check_positions(positions: object, ref: torch.Tensor) -> None:
