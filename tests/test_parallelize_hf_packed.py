@@ -10,7 +10,10 @@ and Ulysses attention find the documents from this rank's chunks of the position
 over ep=2 with Mixtral's load-balancing loss). GPT-OSS (sinks, a window) on pp=2 and on the ring: its own masks ignore
 the positions, so its reference is given the documents' masks. Three AdamW steps (weight decay, eps 1e-5) with a
 binding `sw.clip_grad_norm_`, then `predict` on packed rows. A reference trained on the same rows unpacked differs, so
-the document mask is what is checked."""
+the document mask is what is checked.
+
+Padded rows: ``step({"input_ids": x, "attention_mask": mask}, labels)`` against one process given the mask, on
+pp=2, tp=2 x dp=2, cp=2 x pp=2 (ring), GPT-2 on cp=2 x dp=2 (Ulysses) and Mistral's window on pp=2."""
 
 from __future__ import annotations
 
@@ -186,3 +189,83 @@ def test_an_attention_that_drops_the_positions_is_refused_under_context_parallel
 
     for error in sw.launch(body, 2):
         assert "PositionDroppingAttention does not pass position_ids" in error
+
+
+# ---- padded rows: a 2-D attention_mask (transformers' padding) through every axis ---------------------------------
+def padded(step):
+    """(input_ids, attention_mask, labels): row 0 right-padded, row 1 left-padded, row 2 padded at both ends, row 3
+    whole. -100 on the padding, and on the first token after left padding (its label would be predicted at a padding
+    position, whose output transformers' eager and SDPA attention do not agree on)."""
+    generator = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(0, 64, (B, T), generator=generator)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 11:], mask[1, :3], mask[2, :2], mask[2, 13:] = 0, 0, 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 3], labels[2, 2] = -100, -100
+    return ids, mask, labels
+
+
+def one_process_padded(kind):
+    model = DECODERS[kind]()
+    opt = optimizer(model.parameters())
+    norms, losses = [], []
+    for step in range(STEPS):
+        x, mask, labels = padded(step)
+        loss = model(x, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
+
+
+def train_padded(comm, model, axes, options):
+    mesh = sw.Mesh(comm, **axes)
+    hybrid = sw.parallelize(copy.deepcopy(model), mesh, **options)
+    opt = optimizer(hybrid.parameters())
+    norms, losses = [], []
+    dp, index = mesh.sizes["dp"], mesh.coords.dp
+    rows = slice(index * B // dp, (index + 1) * B // dp)
+    for step in range(STEPS):
+        x, mask, labels = (t[rows] for t in padded(step))
+        losses.append(float(hybrid.step({"input_ids": x, "attention_mask": mask}, labels)))
+        norms.append(float(sw.clip_grad_norm_(hybrid, MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return sw.full_state_dict(hybrid), norms, losses, rows
+
+
+PADDED = {
+    "llama_pp2": ("llama", {"pp": 2}, {"n_microbatches": 2}),
+    "llama_tp2_dp2": ("llama", {"tp": 2, "dp": 2}, {"tp_plan": "llama"}),
+    "llama_cp2_pp2_ring": ("llama", {"cp": 2, "pp": 2}, {"n_microbatches": 2}),
+    "gpt2_cp2_dp2_ulysses": ("gpt2", {"cp": 2, "dp": 2}, {"cp_method": "ulysses"}),
+    "mistral_window_pp2": ("mistral_window", {"pp": 2}, {"n_microbatches": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(PADDED))
+def test_padded_rows_through_parallelize_train_like_one_process(case):
+    kind, axes, options = PADDED[case]
+    want, want_norms, want_losses = one_process_padded(kind)
+    world = axes.get("dp", 1) * axes.get("cp", 1) * axes.get("tp", 1) * axes.get("pp", 1)
+    results = sw.launch(train_padded, world, DECODERS[kind](), axes, options)
+    by_rows = {rows.start: losses for _, _, losses, rows in results}
+    assert [sum(step) / axes.get("dp", 1) for step in zip(*by_rows.values())] == pytest.approx(want_losses, rel=1e-5)
+    for state, norms, _, _ in results:
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        for name in want:
+            torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_mask_that_is_not_padding_is_refused_by_name():
+    model = DECODERS["llama"]()
+    x, mask, labels = padded(0)
+
+    def body(comm):
+        hybrid = sw.parallelize(copy.deepcopy(model), sw.Mesh(comm), n_microbatches=1)
+        return value_error_text(lambda: hybrid.step({"input_ids": x, "attention_mask": mask * 2}, labels))
+
+    (error,) = sw.launch(body, 1)
+    assert "attention_mask must be a padding mask" in error and f"({B}, {T})" in error

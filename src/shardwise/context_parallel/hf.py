@@ -119,19 +119,20 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 
 @contextlib.contextmanager
-def packed_rows(module: nn.Module) -> Iterator[None]:
-    """Run `module` (decoder layers of a model `apply_hf` prepared, called with packed rows' position ids by a caller
-    other than the model's forward: pipeline stages) so that an attention call without ``position_ids`` raises
-    instead of attending across the documents, as under the prepared model's own forward."""
+def packed_rows(module: nn.Module, padded: bool = False) -> Iterator[None]:
+    """Run `module` (decoder layers of a model `apply_hf` prepared, called with packed rows' position ids, or with
+    padded rows' documents filed under its positions (`padded`), by a caller other than the model's forward: pipeline
+    stages) so that an attention call without ``position_ids``, or with position ids nothing filed while padded,
+    raises instead of attending across the documents or to the padding, as under the prepared model's own forward."""
     flags = {id(flag): flag for flag in (m.__dict__.get("_shardwise_cp_packing") for m in module.modules())
              if flag is not None}
     for flag in flags.values():
-        flag.active = True
+        flag.active, flag.padded = True, padded
     try:
         yield
     finally:
         for flag in flags.values():
-            flag.active = False
+            flag.active = flag.padded = False
 
 
 def _attention_documents(module: nn.Module, state: ContextParallelState, positions: torch.Tensor | None,

@@ -21,7 +21,7 @@ import torch
 from ..comm.base import Communicator, is_communicator
 
 __all__ = ["CausalMasks", "StagePositions", "check_hidden", "check_ids", "given_positions", "packed_layer",
-           "passed_on"]
+           "padding_of", "passed_on", "stage_documents"]
 
 
 def check_ids(ids: torch.Tensor, who: str, max_positions: int | None = None) -> None:
@@ -52,20 +52,62 @@ def given_positions(positions: object, ref: torch.Tensor, who: str) -> torch.Ten
     return positions
 
 
-def passed_on(hidden: torch.Tensor, positions: torch.Tensor | None) -> Any:
-    """What a stage gives the next one: the hidden states, and beside them packed rows' positions when given."""
-    return hidden if positions is None else (hidden, positions)
+def passed_on(hidden: torch.Tensor, positions: torch.Tensor | None, documents: torch.Tensor | None = None) -> Any:
+    """What a stage gives the next one: the hidden states, and beside them packed rows' positions when given, and
+    padded rows' documents (a dict then, the next stage's keyword arguments)."""
+    if documents is None:
+        return hidden if positions is None else (hidden, positions)
+    out = {"hidden": hidden, "documents": documents}
+    if positions is not None:
+        out["position_ids"] = positions
+    return out
 
 
-def packed_layer(layer: nn.Module, positions: StagePositions, given: torch.Tensor | None
-                 ) -> contextlib.AbstractContextManager:
-    """Where a stage calls `layer` with packed rows' positions under context parallel: its attention must receive
-    them (context_parallel.hf.packed_rows), or it would attend across the documents."""
-    if given is None or positions.cp is None:
+def padding_of(mask: object, ids: torch.Tensor, positions: StagePositions, who: str) -> torch.Tensor | None:
+    """The first stage's padding mask (B, L) as the whole sequence's documents (B, T): each padding token a document
+    of its own (context_parallel/documents.py, `padding_documents`; under context parallel gathered over the group
+    once per microbatch); None without padding. ValueError naming what is allowed for another mask."""
+    if mask is None:
+        return None
+    B, L = ids.shape[:2]
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex() \
+            or tuple(mask.shape) != (B, L) or bool(((mask != 0) & (mask != 1)).any()):
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{who}: attention_mask must be a padding mask of the tokens' shape ({B}, {L}), 1 for a "
+                         f"token and 0 for padding (integer or bool), got {got}")
+    from ..context_parallel.documents import padding_documents
+    from ..context_parallel.split import SequenceSplit
+
+    split = SequenceSplit(positions.cp.size if positions.cp is not None else 1, positions.zigzag)
+    return padding_documents(mask, positions.cp, split, L)
+
+
+def stage_documents(documents: object, hidden: torch.Tensor, positions: torch.Tensor, stage: StagePositions,
+                    who: str) -> torch.Tensor | None:
+    """Padded rows' documents as a decoder stage receives them (None: none), checked against its hidden states;
+    under context parallel filed under the position tensor its attention receives (documents.py)."""
+    if documents is None:
+        return None
+    B, T = hidden.shape[0], stage.global_length(hidden.shape[1])
+    if not isinstance(documents, torch.Tensor) or documents.is_floating_point() or tuple(documents.shape) != (B, T):
+        raise ValueError(f"{who}: documents must be the integer ids ({B}, {T}) the first stage made of the padding")
+    if stage.cp is not None:
+        from ..context_parallel.documents import file_documents
+
+        file_documents(positions, documents)
+    return documents
+
+
+def packed_layer(layer: nn.Module, positions: StagePositions, given: torch.Tensor | None,
+                 documents: torch.Tensor | None = None) -> contextlib.AbstractContextManager:
+    """Where a stage calls `layer` with packed rows' positions or padded rows' documents under context parallel: its
+    attention must receive the position ids the documents are filed under (context_parallel.hf.packed_rows), or it
+    would attend across the documents or to the padding."""
+    if (given is None and documents is None) or positions.cp is None:
         return contextlib.nullcontext()
     from ..context_parallel.hf import packed_rows
 
-    return packed_rows(layer)
+    return packed_rows(layer, padded=documents is not None)
 
 
 class StagePositions:
@@ -113,12 +155,13 @@ class CausalMasks:
         self.positions = positions
 
     def __call__(self, hidden: torch.Tensor, window: int | None, who: str,
-                 packed: torch.Tensor | None = None) -> torch.Tensor | None:
+                 packed: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor | None:
         B, T = hidden.shape[:2]
         if self.positions.cp is not None:  # ring / Ulysses attention masks causally (and by the window) itself
             return None
-        if packed is not None:
-            mask = self._documents_mask(hidden, window, packed)
+        if documents is not None or packed is not None:  # padding's documents, as transformers, before packing's
+            mask = self._documents_mask(hidden, window, documents if documents is not None else packed,
+                                        documents is None)
             if mask is not None:
                 return mask
         key = (T, hidden.dtype, hidden.device)
@@ -133,23 +176,23 @@ class CausalMasks:
             hit = self._latest[window] = (key, mask)
         return hit[1].expand(B, 1, T, T)
 
-    def _documents_mask(self, hidden: torch.Tensor, window: int | None, positions: torch.Tensor
+    def _documents_mask(self, hidden: torch.Tensor, window: int | None, marks: torch.Tensor, from_positions: bool
                         ) -> torch.Tensor | None:
-        """The additive mask (b, 1, T, T) keeping the documents `positions` mark apart, None for rows of one
-        sequence each; kept for the latest position tensor (by identity: the one every layer of a stage receives for
-        a microbatch, and activation checkpointing's recomputation)."""
+        """The additive mask (b, 1, T, T) keeping apart the documents `marks` gives (packed positions, or padded
+        rows' document ids), None for rows of one sequence each; kept for the latest tensor (by identity: the one
+        every layer of a stage receives for a microbatch, and activation checkpointing's recomputation)."""
         from ..context_parallel.documents import packed_documents, visibility
 
         key = (hidden.dtype, hidden.device)
         hit = self._packed.get(window)
-        if hit is None or hit[0]() is not positions or hit[1] != key:
-            documents = packed_documents(positions)
+        if hit is None or hit[0]() is not marks or hit[1] != key:
+            documents = packed_documents(marks) if from_positions else marks
             mask = None
             if documents is not None:
                 where = torch.arange(hidden.shape[1], device=hidden.device)
                 hidden_keys = visibility(where, where, window, documents.to(hidden.device))
                 zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
                 mask = torch.where(hidden_keys, torch.finfo(hidden.dtype).min, zero)
-            hit = self._packed[window] = (weakref.ref(positions), key, mask)
+            hit = self._packed[window] = (weakref.ref(marks), key, mask)
         mask = hit[2]
         return None if mask is None else mask.expand(hidden.shape[0], *mask.shape[1:])

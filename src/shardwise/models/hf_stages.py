@@ -40,7 +40,9 @@ embeds them) and keep documents apart by transformers' rule (a new document wher
 plus 1, ``find_packed_sequence_indices``): a block-diagonal causal mask (b, 1, T, T), built once per microbatch and
 window; under context parallel the ring / Ulysses attention finds the documents from the positions itself
 (context_parallel/documents.py). transformers' own eager and SDPA masks apply this rule only when no cache is in use
-(``use_cache=False``); the stages apply it always.
+(``use_cache=False``); the stages apply it always. Padded rows: give the first stage ``attention_mask`` (1 a token, 0
+padding) too; it makes the padding documents of their own (each token one) and passes those ids on as ``documents``
+(the stages then take and return a dict), which every decoder stage masks by (`hf_stage_inputs.padding_of`).
 
 ``causal_lm_loss`` is HuggingFace's ``ForCausalLMLoss``: logits at position t predict label t + 1, -100 labels are
 ignored, the mean is over the remaining tokens.
@@ -56,7 +58,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
-                              passed_on)
+                              padding_of, passed_on, stage_documents)
 
 __all__ = [
     "SUPPORTED_ATTENTION",
@@ -98,14 +100,18 @@ def _check_attention(config: object, who: str, positions: StagePositions | None 
 class LlamaEmbeddingStage(nn.Module):
     """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d)."""
 
-    def __init__(self, embed_tokens: nn.Module) -> None:
+    def __init__(self, embed_tokens: nn.Module, positions: StagePositions | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
+        self._positions = positions if positions is not None else StagePositions()
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
-        check_ids(input_ids, "LlamaEmbeddingStage")
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> Any:
+        who = "LlamaEmbeddingStage"
+        check_ids(input_ids, who)
         hidden = self.embed_tokens(input_ids)
-        return passed_on(hidden, given_positions(position_ids, input_ids, "LlamaEmbeddingStage"))
+        return passed_on(hidden, given_positions(position_ids, input_ids, who),
+                         padding_of(attention_mask, input_ids, self._positions, who))
 
 
 class LlamaDecoderStage(nn.Module):
@@ -127,17 +133,20 @@ class LlamaDecoderStage(nn.Module):
         self.window = window
         self._masks = masks
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
-        check_hidden(hidden, "LlamaDecoderStage")
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> Any:
+        who = "LlamaDecoderStage"
+        check_hidden(hidden, who)
         # Read at call time: set_attn_implementation may switch it after the stages were built.
-        _check_attention(self.config, "LlamaDecoderStage", self._masks.positions)
-        given = given_positions(position_ids, hidden, "LlamaDecoderStage")
+        _check_attention(self.config, who, self._masks.positions)
+        given = given_positions(position_ids, hidden, who)
         positions = self._masks.positions(hidden, given)
-        with packed_layer(self.layer, self._masks.positions, given):
-            out = self.layer(hidden, attention_mask=self._masks(hidden, self.window, "LlamaDecoderStage", given),
+        documents = stage_documents(documents, hidden, positions, self._masks.positions, who)
+        with packed_layer(self.layer, self._masks.positions, given, documents):
+            out = self.layer(hidden, attention_mask=self._masks(hidden, self.window, who, given, documents),
                              position_ids=positions, position_embeddings=self.rotary_emb(hidden, positions))
         # Older transformers returned a 1-tuple (hidden,); 5.x returns the tensor.
-        return passed_on(out[0] if isinstance(out, tuple) else out, given)
+        return passed_on(out[0] if isinstance(out, tuple) else out, given, documents)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"
@@ -151,8 +160,9 @@ class HFHeadStage(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # packed rows' positions end here
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # packed rows' positions and padded rows' documents end here
 
 
 def _submodule(model: nn.Module, path: str, who: str, expected: str) -> nn.Module:
@@ -201,7 +211,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
     return [
-        LlamaEmbeddingStage(parts["embed_tokens"]),
+        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions),
         *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks)
           for i, layer in enumerate(layers)),
         HFHeadStage(parts["norm"], parts["lm_head"]),
@@ -219,11 +229,14 @@ class GPT2EmbeddingStage(nn.Module):
         self.drop = drop
         self._positions = positions if positions is not None else StagePositions()
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
-        check_ids(input_ids, "GPT2EmbeddingStage", self.wpe.num_embeddings // self._positions.global_length(1))
-        given = given_positions(position_ids, input_ids, "GPT2EmbeddingStage")
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> Any:
+        who = "GPT2EmbeddingStage"
+        check_ids(input_ids, who, self.wpe.num_embeddings // self._positions.global_length(1))
+        given = given_positions(position_ids, input_ids, who)
         # Same operand order as GPT2Model.forward (token embeddings first), so the sum is bitwise the same.
-        return passed_on(self.drop(self.wte(input_ids) + self.wpe(self._positions(input_ids, given))), given)
+        hidden = self.drop(self.wte(input_ids) + self.wpe(self._positions(input_ids, given)))
+        return passed_on(hidden, given, padding_of(attention_mask, input_ids, self._positions, who))
 
 
 class GPT2BlockStage(nn.Module):
@@ -235,14 +248,18 @@ class GPT2BlockStage(nn.Module):
         self.config = config
         self._masks = masks
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> Any:
-        check_hidden(hidden, "GPT2BlockStage")
-        _check_attention(self.config, "GPT2BlockStage", self._masks.positions)
-        given = given_positions(position_ids, hidden, "GPT2BlockStage")
-        with packed_layer(self.block, self._masks.positions, given):
-            out = self.block(hidden, attention_mask=self._masks(hidden, None, "GPT2BlockStage", given),
-                             position_ids=self._masks.positions(hidden, given))
-        return passed_on(out[0] if isinstance(out, tuple) else out, given)
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> Any:
+        who = "GPT2BlockStage"
+        check_hidden(hidden, who)
+        _check_attention(self.config, who, self._masks.positions)
+        given = given_positions(position_ids, hidden, who)
+        positions = self._masks.positions(hidden, given)
+        documents = stage_documents(documents, hidden, positions, self._masks.positions, who)
+        with packed_layer(self.block, self._masks.positions, given, documents):
+            out = self.block(hidden, attention_mask=self._masks(hidden, None, who, given, documents),
+                             position_ids=positions)
+        return passed_on(out[0] if isinstance(out, tuple) else out, given, documents)
 
 
 def gpt2_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zigzag: bool = True
