@@ -55,9 +55,9 @@ class GivenToParallelize:
 
 def _refuse_stale(model: nn.Module, what: str, instead: str) -> None:
     if layout.is_partitioned(model):  # the hybrid's: its pipeline spans more than one rank
-        raise ValueError(f"{what}: {original_class(model).__name__} was given to sw.parallelize, which trains its layers on "
-                         f"several pipeline ranks; this rank's copies of the other ranks' layers are not trained, so "
-                         f"the result would be stale; {instead}")
+        raise ValueError(f"{what}: {original_class(model).__name__} was given to sw.parallelize, which trains its "
+                         f"layers on several pipeline ranks; this rank's copies of the other ranks' layers are not "
+                         f"trained, so the result would be stale; {instead}")
 
 
 class SavesPretrained:
