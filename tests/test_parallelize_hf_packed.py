@@ -73,13 +73,27 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-5, weight_decay=0.1)
 
 
-def one_process(kind, pack=True):
+def packed_reference(kind, pack=True):
+    """One process's batch of each step: HuggingFace keywords (packed positions, or none) and the labels."""
+    def batch(step):
+        x, positions, labels = packed(step)
+        return {"input_ids": x, "use_cache": False, **one_process_inputs(kind, positions, pack)}, labels
+    return batch
+
+
+def packed_inputs(step):
+    """The hybrid's batch of each step: the first stage's inputs and the labels."""
+    x, positions, labels = packed(step)
+    return {"input_ids": x, "position_ids": positions}, labels
+
+
+def one_process(kind, batch):
     model = DECODERS[kind]()
     opt = optimizer(model.parameters())
     norms, losses = [], []
     for step in range(STEPS):
-        x, positions, labels = packed(step)
-        loss = model(x, labels=labels, use_cache=False, **one_process_inputs(kind, positions, pack)).loss
+        inputs, labels = batch(step)
+        loss = model(**inputs, labels=labels).loss
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         losses.append(float(loss.detach()))
@@ -89,7 +103,8 @@ def one_process(kind, pack=True):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
 
 
-def train(comm, model, axes, options):
+def train(comm, model, axes, options, batch):
+    """Three steps of the hybrid on this dp rank's rows of `batch(step)`, then `predict` on the next step's."""
     mesh = sw.Mesh(comm, **axes)
     hybrid = sw.parallelize(copy.deepcopy(model), mesh, **options)
     opt = optimizer(hybrid.parameters())
@@ -97,15 +112,24 @@ def train(comm, model, axes, options):
     dp, index = mesh.sizes["dp"], mesh.coords.dp
     rows = slice(index * B // dp, (index + 1) * B // dp)
     for step in range(STEPS):
-        x, positions, labels = (t[rows] for t in packed(step))
-        losses.append(float(hybrid.step({"input_ids": x, "position_ids": positions}, labels)))
+        inputs, labels = batch(step)
+        losses.append(float(hybrid.step({k: v[rows] for k, v in inputs.items()}, labels[rows])))
         norms.append(float(sw.clip_grad_norm_(hybrid, MAX_NORM)))
         opt.step()
         opt.zero_grad()
     hybrid.eval()
-    x, positions, _ = (t[rows] for t in packed(STEPS))
-    logits = hybrid.predict({"input_ids": x, "position_ids": positions})
+    logits = hybrid.predict({k: v[rows] for k, v in batch(STEPS)[0].items()})
     return sw.full_state_dict(hybrid), norms, losses, (rows, logits)
+
+
+def assert_trains_like_one_process(results, axes, want, want_norms, want_losses):
+    by_rows = {where[0].start: losses for _, _, losses, where in results}
+    assert [sum(step) / axes.get("dp", 1) for step in zip(*by_rows.values())] == pytest.approx(want_losses, rel=1e-5)
+    for state, norms, _, _ in results:
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        assert set(state) == set(want)
+        for name in want:
+            torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 CASES = {
@@ -128,7 +152,7 @@ _REFERENCES: dict = {}
 
 def reference(kind):
     if kind not in _REFERENCES:
-        _REFERENCES[kind] = one_process(kind)
+        _REFERENCES[kind] = one_process(kind, packed_reference(kind))
     return _REFERENCES[kind]
 
 
@@ -136,24 +160,18 @@ def reference(kind):
 def test_packed_rows_through_parallelize_train_like_one_process(case):
     kind, axes, options = CASES[case]
     want, want_norms, want_losses = reference(kind)
-    unpacked, _, _ = one_process(kind, pack=False)
+    unpacked, _, _ = one_process(kind, packed_reference(kind, pack=False))
     assert max(float((unpacked[k] - w).abs().max()) for k, w in want.items()) > 1e-4  # the documents' mask matters
     world = axes.get("dp", 1) * axes.get("cp", 1) * axes.get("tp", 1) * axes.get("pp", 1)
-    results = sw.launch(train, world, DECODERS[kind](), axes, options)
-    dp = axes.get("dp", 1)
-    by_rows = {where[0].start: losses for _, _, losses, where in results}
-    assert [sum(step) / dp for step in zip(*by_rows.values())] == pytest.approx(want_losses, rel=1e-5)
+    results = sw.launch(train, world, DECODERS[kind](), axes, options, packed_inputs)
+    assert_trains_like_one_process(results, axes, want, want_norms, want_losses)
     trained = DECODERS[kind]().eval()
     trained.load_state_dict(want)
     x, positions, _ = packed(STEPS)
     with torch.no_grad():
         want_logits = trained(x, use_cache=False, **one_process_inputs(kind, positions)).logits
-    for state, norms, _, (rows, logits) in results:
+    for _, _, _, (rows, logits) in results:
         torch.testing.assert_close(logits, want_logits[rows], rtol=1e-5, atol=1e-5)
-        assert norms == pytest.approx(want_norms, rel=1e-5)
-        assert set(state) == set(want)
-        for name in want:
-            torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_position_ids_of_another_shape_are_refused_by_name():
@@ -205,35 +223,10 @@ def padded(step):
     return ids, mask, labels
 
 
-def one_process_padded(kind):
-    model = DECODERS[kind]()
-    opt = optimizer(model.parameters())
-    norms, losses = [], []
-    for step in range(STEPS):
-        x, mask, labels = padded(step)
-        loss = model(x, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
-
-
-def train_padded(comm, model, axes, options):
-    mesh = sw.Mesh(comm, **axes)
-    hybrid = sw.parallelize(copy.deepcopy(model), mesh, **options)
-    opt = optimizer(hybrid.parameters())
-    norms, losses = [], []
-    dp, index = mesh.sizes["dp"], mesh.coords.dp
-    rows = slice(index * B // dp, (index + 1) * B // dp)
-    for step in range(STEPS):
-        x, mask, labels = (t[rows] for t in padded(step))
-        losses.append(float(hybrid.step({"input_ids": x, "attention_mask": mask}, labels)))
-        norms.append(float(sw.clip_grad_norm_(hybrid, MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-    return sw.full_state_dict(hybrid), norms, losses, rows
+def padded_inputs(step):
+    """Both the hybrid's and one process's batch of each step: input ids and the padding mask, and the labels."""
+    x, mask, labels = padded(step)
+    return {"input_ids": x, "attention_mask": mask}, labels
 
 
 PADDED = {
@@ -248,15 +241,10 @@ PADDED = {
 @pytest.mark.parametrize("case", list(PADDED))
 def test_padded_rows_through_parallelize_train_like_one_process(case):
     kind, axes, options = PADDED[case]
-    want, want_norms, want_losses = one_process_padded(kind)
+    want, want_norms, want_losses = one_process(kind, padded_inputs)
     world = axes.get("dp", 1) * axes.get("cp", 1) * axes.get("tp", 1) * axes.get("pp", 1)
-    results = sw.launch(train_padded, world, DECODERS[kind](), axes, options)
-    by_rows = {rows.start: losses for _, _, losses, rows in results}
-    assert [sum(step) / axes.get("dp", 1) for step in zip(*by_rows.values())] == pytest.approx(want_losses, rel=1e-5)
-    for state, norms, _, _ in results:
-        assert norms == pytest.approx(want_norms, rel=1e-5)
-        for name in want:
-            torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    results = sw.launch(train, world, DECODERS[kind](), axes, options, padded_inputs)
+    assert_trains_like_one_process(results, axes, want, want_norms, want_losses)
 
 
 def test_a_mask_that_is_not_padding_is_refused_by_name():
