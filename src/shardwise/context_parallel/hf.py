@@ -21,7 +21,8 @@ such as BERT), attention modules whose class does not dispatch through ``Attenti
 would compute attention over the chunk alone), and token mixing outside attention (the state-space, convolution,
 recurrent and linear-attention layers of hybrid models: Jamba, Bamba, LFM2, Qwen3-Next, RecurrentGemma; found by
 ``config.layer_types`` and by convolution or recurrent modules), which would run on the chunk alone too. As a last
-guard every attention module checks, each time it runs, that it called this function.
+guard every attention module checks, each time it runs, that it called this function. The values' head size may
+differ from the keys' (DeepSeek's multi-head latent attention).
 
 A 2-D padding ``attention_mask`` (1 for a token, 0 for padding; this rank's part cut by ``split_sequence`` like the
 tokens, or the whole sequence's) is taken by the model's forward: gathered once, each padding token becomes a document
@@ -29,8 +30,7 @@ of its own (documents.py: `padding_documents`), so no real token attends to padd
 As in transformers, a 2-D mask replaces what packed position ids would say. A padding token's own output differs from
 transformers' (it sees only itself here; transformers' eager and SDPA attention disagree there too), so no label may
 be predicted at a padding position: with HuggingFace's labels (shifted inside the loss), -100 on the padding and,
-after left padding, on the first token. The values' head size may
-differ from the keys' (DeepSeek's multi-head latent attention).
+after left padding, on the first token.
 """
 
 from __future__ import annotations
