@@ -32,8 +32,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..comm.base import Communicator
 from .split import SequenceSplit, gather_sequence, hidden_keys
 
-__all__ = ["check_documents", "whole_documents", "packed_documents", "padding_documents", "visibility", "chunk_local",
-           "file_documents", "filed_documents", "NOT_FILED"]
+__all__ = ["check_documents", "whole_documents", "packed_documents", "check_padding_mask", "padding_documents",
+           "visibility", "chunk_local", "file_documents", "filed_documents", "NOT_FILED"]
 
 
 def check_documents(documents: object, q: torch.Tensor, cp: int, who: str) -> torch.Tensor:
@@ -82,6 +82,21 @@ def packed_documents(positions: torch.Tensor) -> torch.Tensor | None:
     start = positions[:, :1] - 1
     documents = (torch.diff(positions, prepend=start, dim=-1) != 1).cumsum(-1)
     return None if not documents[:, -1].any() else documents
+
+
+def check_padding_mask(mask: object, batch: int, lengths: tuple[int, ...], where: str, who: str) -> torch.Tensor:
+    """`mask` after checking it is a padding mask: an integer or bool tensor (batch, n), n one of `lengths` (`where`
+    says what each is), holding 1 for a token and 0 for padding; ValueError naming what is allowed otherwise."""
+    shapes = " or ".join(f"({batch}, {n})" for n in dict.fromkeys(lengths))
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_floating_point() or mask.is_complex() \
+            or mask.shape[0] != batch or mask.shape[1] not in lengths:
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{who}: attention_mask must be a padding mask, an integer or bool tensor {shapes} ({where}), "
+                         f"1 for a token and 0 for padding; got {got}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{who}: attention_mask must be a padding mask {shapes} holding 1 (a token) and 0 (padding) "
+                         f"only")
+    return mask
 
 
 def padding_documents(mask: torch.Tensor, comm: Communicator, split: SequenceSplit, local_len: int

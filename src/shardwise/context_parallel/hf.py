@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from .._mixin import mix_in
-from .documents import NOT_FILED, chunk_local, file_documents, filed_documents, packed_documents, padding_documents
+from .documents import (NOT_FILED, check_padding_mask, chunk_local, file_documents, filed_documents,
+                        packed_documents, padding_documents)
 from .split import gather_sequence
 from .state import ContextParallelState, get_state, set_state
 
@@ -217,7 +218,10 @@ class ContextParallelHFMixin:
                 _check_positions(given, ref)
                 positions, documents = given, _documents_of(given, state)
             if mask is not None:  # as transformers decides: a 2-D mask, not packed positions, says who sees whom
-                documents = padding_documents(_check_mask(mask, ref, state), state.comm, state.split, ref.shape[1])
+                B, L = ref.shape[:2]
+                mask = check_padding_mask(mask, B, (L, L * state.comm.size), "this rank's tokens cut by "
+                                          "split_sequence, or the whole sequence's", "context parallel HF model")
+                documents = padding_documents(mask, state.comm, state.split, L)
             file_documents(positions, documents)
             kwargs["position_ids"] = positions
         kwargs.setdefault("use_cache", False)  # no generation cache: a chunk is not a prefix of the sequence
@@ -230,21 +234,6 @@ class ContextParallelHFMixin:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError("context parallel HF model: generate() extends sequences one token at a time, which chunks "
                          "split over ranks cannot; generate with a plain model holding sw.full_state_dict(model)")
-
-
-def _check_mask(mask: object, ref: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
-    """A padding mask, checked: integer or bool (B, L) for this rank's tokens (cut by split_sequence like them) or
-    (B, T) for the whole sequence, 1 where a token is real and 0 where it pads; ValueError naming what is allowed."""
-    B, L = ref.shape[:2]
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_floating_point() or mask.is_complex() \
-            or mask.shape[0] != B or mask.shape[1] not in (L, L * state.comm.size):
-        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"context parallel HF model: attention_mask must be a padding mask, an integer or bool "
-                         f"tensor ({B}, {L}) of this rank's tokens cut by split_sequence (or ({B}, "
-                         f"{L * state.comm.size}) for the whole sequence), 1 for a token and 0 for padding; got {got}")
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("context parallel HF model: attention_mask must hold 1 (a token) and 0 (padding) only")
-    return mask
 
 
 def _check_positions(positions: object, ref: torch.Tensor) -> None:

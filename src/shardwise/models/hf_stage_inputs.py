@@ -69,15 +69,11 @@ def padding_of(mask: object, ids: torch.Tensor, positions: StagePositions, who: 
     once per microbatch); None without padding. ValueError naming what is allowed for another mask."""
     if mask is None:
         return None
-    B, L = ids.shape[:2]
-    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex() \
-            or tuple(mask.shape) != (B, L) or bool(((mask != 0) & (mask != 1)).any()):
-        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"{who}: attention_mask must be a padding mask of the tokens' shape ({B}, {L}), 1 for a "
-                         f"token and 0 for padding (integer or bool), got {got}")
-    from ..context_parallel.documents import padding_documents
+    from ..context_parallel.documents import check_padding_mask, padding_documents
     from ..context_parallel.split import SequenceSplit
 
+    B, L = ids.shape[:2]
+    mask = check_padding_mask(mask, B, (L,), "the tokens' shape", who)
     split = SequenceSplit(positions.cp.size if positions.cp is not None else 1, positions.zigzag)
     return padding_documents(mask, positions.cp, split, L)
 
