@@ -97,6 +97,18 @@ def _check_attention(config: object, who: str, positions: StagePositions | None 
         )
 
 
+def _layer_inputs(config: object, masks: CausalMasks, hidden: torch.Tensor, position_ids: object, documents: object,
+                  who: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """What a decoder-layer stage checks and rebuilds before calling its layer: (packed rows' positions as received,
+    or None; the positions the layer rotates or embeds by; padded rows' documents, or None)."""
+    check_hidden(hidden, who)
+    # Read at call time: set_attn_implementation may switch it after the stages were built.
+    _check_attention(config, who, masks.positions)
+    given = given_positions(position_ids, hidden, who)
+    positions = masks.positions(hidden, given)
+    return given, positions, stage_documents(documents, hidden, positions, masks.positions, who)
+
+
 class LlamaEmbeddingStage(nn.Module):
     """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d)."""
 
@@ -136,12 +148,7 @@ class LlamaDecoderStage(nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> Any:
         who = "LlamaDecoderStage"
-        check_hidden(hidden, who)
-        # Read at call time: set_attn_implementation may switch it after the stages were built.
-        _check_attention(self.config, who, self._masks.positions)
-        given = given_positions(position_ids, hidden, who)
-        positions = self._masks.positions(hidden, given)
-        documents = stage_documents(documents, hidden, positions, self._masks.positions, who)
+        given, positions, documents = _layer_inputs(self.config, self._masks, hidden, position_ids, documents, who)
         with packed_layer(self.layer, self._masks.positions, given, documents):
             out = self.layer(hidden, attention_mask=self._masks(hidden, self.window, who, given, documents),
                              position_ids=positions, position_embeddings=self.rotary_emb(hidden, positions))
@@ -251,11 +258,7 @@ class GPT2BlockStage(nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> Any:
         who = "GPT2BlockStage"
-        check_hidden(hidden, who)
-        _check_attention(self.config, who, self._masks.positions)
-        given = given_positions(position_ids, hidden, who)
-        positions = self._masks.positions(hidden, given)
-        documents = stage_documents(documents, hidden, positions, self._masks.positions, who)
+        given, positions, documents = _layer_inputs(self.config, self._masks, hidden, position_ids, documents, who)
         with packed_layer(self.block, self._masks.positions, given, documents):
             out = self.block(hidden, attention_mask=self._masks(hidden, None, who, given, documents),
                              position_ids=positions)
