@@ -1,5 +1,6 @@
 """Small HuggingFace decoders for the `sw.parallelize` tests: each built from torch.manual_seed(0), so every call
-gives the same weights (build them before launching thread ranks, which share torch's RNG)."""
+gives the same weights (build them before launching thread ranks, which share torch's RNG); and the one-process run
+those tests compare against (`one_process`: AdamW with weight decay, a binding clip, HuggingFace's own loss)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,29 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+STEPS, MAX_NORM = 3, 0.05  # the gradient norm of these models is far above 0.05: the clip binds at every step
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5, weight_decay=0.1)
+
+
+def one_process(model, batch):
+    """(state dict, gradient norms, losses) of STEPS steps of `model` in one process, `batch(step)` giving the
+    keywords of its forward and the labels."""
+    opt = optimizer(model.parameters())
+    norms, losses = [], []
+    for step in range(STEPS):
+        inputs, labels = batch(step)
+        loss = model(**inputs, labels=labels).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > MAX_NORM  # the clip binds at every step
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
 
 
 def llama(**extra):

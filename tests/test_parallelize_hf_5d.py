@@ -25,14 +25,14 @@ import copy
 
 import pytest
 import torch
-from hf_decoders import MODELS, llama, mixtral
+from hf_decoders import MAX_NORM, MODELS, STEPS, llama, mixtral, one_process, optimizer
 from parity import value_error_text
 
 import shardwise as sw
 
 transformers = pytest.importorskip("transformers")
 
-STEPS, MAX_NORM, B, T = 3, 0.05, 4, 16
+B, T = 4, 16
 
 
 def labels_of(step, masked=False):
@@ -45,31 +45,16 @@ def labels_of(step, masked=False):
     return ids, labels
 
 
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5, weight_decay=0.1)
-
-
-def one_process(model, masked=False):
-    opt = optimizer(model.parameters())
-    norms, losses = [], []
-    for step in range(STEPS):
-        x, labels = labels_of(step, masked)
-        loss = model(x, labels=labels).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-    assert min(norms) > MAX_NORM  # the clip binds at every step
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
-
-
 _REFERENCES: dict = {}
 
 
 def reference(kind, masked=False):
     if (kind, masked) not in _REFERENCES:
-        _REFERENCES[kind, masked] = one_process(MODELS[kind](), masked)
+        def batch(step):
+            ids, labels = labels_of(step, masked)
+            return {"input_ids": ids}, labels
+
+        _REFERENCES[kind, masked] = one_process(MODELS[kind](), batch)
     return _REFERENCES[kind, masked]
 
 

@@ -21,14 +21,14 @@ import copy
 
 import pytest
 import torch
-from hf_decoders import MODELS, gpt_oss
+from hf_decoders import MAX_NORM, MODELS, STEPS, gpt_oss, one_process, optimizer
 from parity import value_error_text
 
 import shardwise as sw
 
 transformers = pytest.importorskip("transformers")
 
-STEPS, MAX_NORM, B, T = 3, 0.05, 4, 16
+B, T = 4, 16
 
 
 def packed(step):
@@ -69,10 +69,6 @@ def one_process_inputs(kind, positions, pack=True):
     return {"position_ids": positions}
 
 
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-5, weight_decay=0.1)
-
-
 def packed_reference(kind, pack=True):
     """One process's batch of each step: HuggingFace keywords (packed positions, or none) and the labels."""
     def batch(step):
@@ -85,22 +81,6 @@ def packed_inputs(step):
     """The hybrid's batch of each step: the first stage's inputs and the labels."""
     x, positions, labels = packed(step)
     return {"input_ids": x, "position_ids": positions}, labels
-
-
-def one_process(kind, batch):
-    model = DECODERS[kind]()
-    opt = optimizer(model.parameters())
-    norms, losses = [], []
-    for step in range(STEPS):
-        inputs, labels = batch(step)
-        loss = model(**inputs, labels=labels).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        losses.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad()
-    assert min(norms) > MAX_NORM  # the clip binds at every step
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
 
 
 def train(comm, model, axes, options, batch):
@@ -152,7 +132,7 @@ _REFERENCES: dict = {}
 
 def reference(kind):
     if kind not in _REFERENCES:
-        _REFERENCES[kind] = one_process(kind, packed_reference(kind))
+        _REFERENCES[kind] = one_process(DECODERS[kind](), packed_reference(kind))
     return _REFERENCES[kind]
 
 
@@ -160,7 +140,7 @@ def reference(kind):
 def test_packed_rows_through_parallelize_train_like_one_process(case):
     kind, axes, options = CASES[case]
     want, want_norms, want_losses = reference(kind)
-    unpacked, _, _ = one_process(kind, packed_reference(kind, pack=False))
+    unpacked, _, _ = one_process(DECODERS[kind](), packed_reference(kind, pack=False))
     assert max(float((unpacked[k] - w).abs().max()) for k, w in want.items()) > 1e-4  # the documents' mask matters
     world = axes.get("dp", 1) * axes.get("cp", 1) * axes.get("tp", 1) * axes.get("pp", 1)
     results = sw.launch(train, world, DECODERS[kind](), axes, options, packed_inputs)
@@ -241,7 +221,7 @@ PADDED = {
 @pytest.mark.parametrize("case", list(PADDED))
 def test_padded_rows_through_parallelize_train_like_one_process(case):
     kind, axes, options = PADDED[case]
-    want, want_norms, want_losses = one_process(kind, padded_inputs)
+    want, want_norms, want_losses = one_process(DECODERS[kind](), padded_inputs)
     world = axes.get("dp", 1) * axes.get("cp", 1) * axes.get("tp", 1) * axes.get("pp", 1)
     results = sw.launch(train, world, DECODERS[kind](), axes, options, padded_inputs)
     assert_trains_like_one_process(results, axes, want, want_norms, want_losses)
