@@ -271,7 +271,7 @@ def test_none_strategy_and_a_mesh():
     (dict(batch=torch.randn(7, 8), strategy="ddp"), ["7 rows", "dp=2"]),
     (dict(strategy="zero4"), ["strategy='zero4'", "'zero3'", "'fsdp:hybrid_shard'"]),
     (dict(strategy="fsdp:hybrid_shard"), ["at least 4", "got 2"]),
-    (dict(strategy={"tp": 1, "pp": 2}), ["pp=2", "pipelines are not supported"]),
+    (dict(strategy={"tp": 2, "pp": 2}), ["tp=2 x cp=1 x pp=2", "world_size=2"]),
     (dict(strategy={"tp": 2, "dp_strategy": "zero9"}), ["dp_strategy='zero9'", "'zero3'"]),
     (dict(steps=0), ["steps=0"]),
     (dict(backend="mpi"), ["backend='mpi'", "'gloo'"]),

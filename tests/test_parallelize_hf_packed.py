@@ -210,9 +210,10 @@ def padded_inputs(step):
 
 
 PADDED = {
-    "llama_pp2": ("llama", {"pp": 2}, {"n_microbatches": 2}),
+    # One row per microbatch: the last (row 3) pads nothing, and still hands the next stage the documents.
+    "llama_pp2": ("llama", {"pp": 2}, {"n_microbatches": 4}),
     "llama_tp2_dp2": ("llama", {"tp": 2, "dp": 2}, {"tp_plan": "llama"}),
-    "llama_cp2_pp2_ring": ("llama", {"cp": 2, "pp": 2}, {"n_microbatches": 2}),
+    "llama_cp2_pp2_ring": ("llama", {"cp": 2, "pp": 2}, {"n_microbatches": 4}),
     "gpt2_cp2_dp2_ulysses": ("gpt2", {"cp": 2, "dp": 2}, {"cp_method": "ulysses"}),
     "mistral_window_pp2": ("mistral_window", {"pp": 2}, {"n_microbatches": 2}),
 }

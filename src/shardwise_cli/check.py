@@ -3,6 +3,7 @@
     shardwise check mymodels.py:build --batch mymodels.py:batch --strategy zero3 -n 2 --steps 3
     shardwise check mypkg.models:build --batch mypkg.data:batch --loss mypkg.train:loss --tp 2 --tp-plan llama -n 4
     shardwise check mypkg.models:build --batch mypkg.data:batch --cp 2 --ep 2 -n 4
+    shardwise check --gpt --pp 2 --pp-schedule interleaved_1f1b --virtual-stages 2 -n 4   # pipeline stages too
     shardwise check --gpt --strategy zero3 -n 2          # the library's tiny GPT, a ready example
     shardwise check mymodels.py:build --batch mymodels.py:batch --wrap mytrain.py:wrap -n 2   # your own wrapping
 
@@ -22,7 +23,8 @@ from typing import Any
 
 from .common import fail, int_at_least, max_ranks, positive_float, positive_int
 
-__all__ = ["add_check", "CHECK_STRATEGIES", "CHECK_DP_STRATEGIES", "CHECK_TP_PLANS", "CHECK_BACKENDS"]
+__all__ = ["add_check", "CHECK_STRATEGIES", "CHECK_DP_STRATEGIES", "CHECK_TP_PLANS", "CHECK_BACKENDS",
+           "CHECK_PP_SCHEDULES"]
 
 #: What `--strategy` accepts, torch-free (tests/test_check.py checks them against shardwise.check).
 CHECK_DP_STRATEGIES = ("ddp", "ddp:find_unused", "zero1", "zero2", "zero3", "fsdp", "fsdp:full_shard",
@@ -30,6 +32,7 @@ CHECK_DP_STRATEGIES = ("ddp", "ddp:find_unused", "zero1", "zero2", "zero3", "fsd
 CHECK_TP_PLANS = ("gpt", "gpt2", "llama")
 CHECK_STRATEGIES = ("none", *CHECK_DP_STRATEGIES, "distribute", "tp", *(f"tp:{p}" for p in CHECK_TP_PLANS))
 CHECK_BACKENDS = ("thread", "gloo")
+CHECK_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 
 def _function_ref(text: str) -> str:
@@ -88,6 +91,15 @@ def add_check(subparsers: argparse._SubParsersAction) -> None:
                    help="with --cp: ring or all-to-all (Ulysses) attention (default: %(default)s)")
     p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size: a MoE model's experts split over "
                    "--ep data-parallel ranks (default: %(default)s)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages: the model split into --pp stages and "
+                   "every axis applied by sw.parallelize, the batch a HuggingFace {'input_ids', 'labels'} dict or "
+                   "(x, y) (default: %(default)s)")
+    p.add_argument("--pp-schedule", choices=CHECK_PP_SCHEDULES, default=None,
+                   help="with --pp: the pipeline schedule (default: 1f1b)")
+    p.add_argument("--n-microbatches", type=positive_int, default=None,
+                   help="with --pp: microbatches per step (default: sw.parallelize's, 2 x pp)")
+    p.add_argument("--virtual-stages", type=positive_int, default=None,
+                   help="with --pp: stages per rank (interleaved_1f1b; default 1)")
     p.add_argument("--backend", choices=CHECK_BACKENDS, default="thread",
                    help="thread ranks, or gloo processes on 127.0.0.1 (default: %(default)s)")
     p.add_argument("--max-norm", type=positive_float, default=1.0,
@@ -107,23 +119,28 @@ def _strategy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
     if not args.gpt and (args.build is None or args.batch is None):
         parser.error("give MODULE_OR_FILE:build_fn and --batch MODULE_OR_FILE:batch_fn (or --gpt for the example)")
     if args.wrap is not None:
-        if (args.tp, args.cp, args.ep) != (1, 1, 1) or args.strategy != parser.get_default("strategy"):
-            parser.error("--wrap is the whole strategy: give it without --strategy, --tp, --cp and --ep")
+        if (args.tp, args.cp, args.ep, args.pp) != (1, 1, 1, 1) or args.strategy != parser.get_default("strategy"):
+            parser.error("--wrap is the whole strategy: give it without --strategy, --tp, --cp, --ep and --pp")
         return None  # loaded with the other functions
     if args.tp == 1 and (args.tp_plan is not None or args.sequence_parallel):
         parser.error("--tp-plan and --sequence-parallel need --tp > 1")
     if args.cp == 1 and args.cp_method != parser.get_default("cp_method"):
         parser.error("--cp-method needs --cp > 1")
-    if (args.tp, args.cp, args.ep) == (1, 1, 1):
+    given = (("pp_schedule", args.pp_schedule), ("n_microbatches", args.n_microbatches),
+             ("virtual_stages", args.virtual_stages))
+    schedule = {key: value for key, value in given if value is not None}
+    if args.pp == 1 and schedule:
+        parser.error("--pp-schedule, --n-microbatches and --virtual-stages need --pp > 1")
+    if (args.tp, args.cp, args.ep, args.pp) == (1, 1, 1, 1):
         return args.strategy
     if args.strategy not in ("none", *CHECK_DP_STRATEGIES):
-        parser.error(f"with --tp, --cp or --ep, --strategy is the data-parallel strategy over the dp axis: one of "
-                     f"none, {', '.join(CHECK_DP_STRATEGIES)}; got {args.strategy!r}")
+        parser.error(f"with --tp, --cp, --ep or --pp, --strategy is the data-parallel strategy over the dp axis: one "
+                     f"of none, {', '.join(CHECK_DP_STRATEGIES)}; got {args.strategy!r}")
     if args.tp_plan is not None and args.tp_plan not in CHECK_TP_PLANS:
         parser.error(f"--tp-plan {args.tp_plan!r} is not a built-in plan; allowed {', '.join(CHECK_TP_PLANS)}")
     plan = args.tp_plan or ("gpt" if args.gpt and args.tp > 1 else None)
     return {"tp": args.tp, "tp_plan": plan, "dp_strategy": args.strategy, "sequence_parallel": args.sequence_parallel,
-            "cp": args.cp, "cp_method": args.cp_method, "ep": args.ep}
+            "cp": args.cp, "cp_method": args.cp_method, "ep": args.ep, "pp": args.pp, **schedule}
 
 
 def _load(ref: str) -> Any:

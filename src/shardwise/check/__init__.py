@@ -5,11 +5,12 @@
     report.ok                     # every value within rtol / atol
     report.first_mismatch         # None, or (step, phase, name, index, got, want) of the first difference
 
-At every step the two runs are compared in four phases, in order: forward (the loss), gradient (every parameter's
-dense gradient by original name, None included), clip (the total norm `sw.clip_grad_norm_` returns against torch's)
-and update (every dense parameter and persistent buffer after `optimizer.step()`). Files: spec.py parses the
-strategy, inputs.py the model, batch, loss and optimizer, run.py runs the two sides, grads.py gathers gradients,
-compare.py compares them, report.py is the CheckReport. The command line is `shardwise check` (shardwise_cli).
+At every step the two runs are compared in four phases, in order: forward (the loss), gradient (every parameter's dense
+gradient by original name, None included), clip (the total norm `sw.clip_grad_norm_` returns against torch's) and update
+(every dense parameter and persistent buffer after `optimizer.step()`). Files: spec.py parses the strategy, inputs.py
+the model, batch, loss and optimizer, run.py runs the two sides, grads.py gathers gradients, compare.py compares them,
+report.py is the CheckReport; pipelines.py trains pipeline stages (`model.step`). The command line is `shardwise check`
+(shardwise_cli).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from torch import nn
 from ..launch import LaunchError, launch
 from .compare import compare
 from .inputs import check_divides, check_picklable, resolve_batches
+from .pipelines import check_pipeline_batch, refuse_pipeline_loss_fn
 from .report import PHASES, CheckReport, Mismatch, TensorRow
 from .run import Job, rank_trace, reference_trace
-from .sequences import refuse_loss_fn
+from .sequences import packed_rows_note, refuse_loss_fn
 from .spec import DP_STRATEGIES, MESH_KEYS, STRATEGIES, TP_PLANS, parse_strategy
 
 __all__ = ["check", "CheckReport", "Mismatch", "TensorRow", "PHASES", "STRATEGIES", "DP_STRATEGIES", "MESH_KEYS",
@@ -77,10 +79,13 @@ def check(
         "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:hybrid_shard" (shards over half the ranks: world_size even and
         >= 4), "distribute" (sw.distribute's choice), "tp" / "tp:<plan>" (tensor parallel over every rank); a dict
         for a mesh, {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False}: tensor
-        parallel over mesh.tp then the data-parallel strategy over mesh.dp (pipelines, pp > 1, are refused); "ep"
-        splits a MoE model's experts over ep data-parallel ranks; "cp" (with "cp_method": "ring" / "ulysses")
-        splits every sequence over cp ranks (sequences.py computes their loss); or a callable (model, comm) ->
-        wrapped model.
+        parallel over mesh.tp then the data-parallel strategy over mesh.dp; "ep" splits a MoE model's experts over ep
+        data-parallel ranks; "cp" (with "cp_method": "ring" / "ulysses") splits every sequence over cp ranks
+        (sequences.py computes their loss); "pp" (with "pp_schedule", "n_microbatches", "virtual_stages") splits
+        the model into pipeline stages, every axis then applied by `sw.parallelize`, the ranks training with
+        `model.step(inputs, targets)` (pipelines.py: the batch is a HuggingFace {'input_ids', 'labels'} dict or
+        (x, y), and loss_fn stays None); or a callable (model, comm) -> wrapped model (`sw.parallelize`'s result
+        included).
     optimizer: params -> torch.optim.Optimizer, built over `model.parameters()` after wrapping; default
         AdamW(lr=1e-3, weight_decay=0.1, eps=1e-5) (inputs.default_optimizer says why eps is 1e-5).
     loss_fn: loss_fn(model, batch) -> scalar tensor; default: the model's output on the batch (`model(*batch)`,
@@ -121,9 +126,13 @@ def check(
     if device is not None and device.type != "cpu" and backend != "thread":
         raise ValueError(f"check: device={str(device)!r} needs backend='thread' (gloo processes compute on the cpu)")
     spec = parse_strategy(strategy, world_size)
-    if spec.cp > 1:
+    if spec.pp > 1:
+        refuse_pipeline_loss_fn(loss_fn)
+    elif spec.cp > 1:
         refuse_loss_fn(loss_fn)
     batches = resolve_batches(batch, steps)
+    if spec.pp > 1:
+        check_pipeline_batch(batches[0])
     if spec.dp is not None:
         check_divides(batches, spec.dp)
     if backend == "gloo":
@@ -131,8 +140,12 @@ def check(
     job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed, device)
     reference = _reference(job, batch)
     traces = _launch(job, backend, timeout, device)
-    return compare(reference, traces[0], strategy=spec.label, world_size=spec.world_size, max_norm=max_norm,
-                   rtol=rtol, atol=atol, backend=backend)
+    report = compare(reference, traces[0], strategy=spec.label, world_size=spec.world_size, max_norm=max_norm,
+                     rtol=rtol, atol=atol, backend=backend)
+    packed = packed_rows_note(batches[0]) if report.first_mismatch is not None else None
+    if packed is not None and report.first_mismatch.step == 0 and report.first_mismatch.phase == "forward":
+        report.notes.insert(0, packed)
+    return report
 
 
 _REFERENCES: collections.OrderedDict[tuple, Any] = collections.OrderedDict()

@@ -6,7 +6,10 @@ collective, and a strategy may leave `.grad` None on some ranks and set it on ot
 so the ranks first agree: one all-reduce over the model's groups (`layout.reduction_groups`, the same order on every
 rank) of three counts per placement: pieces with elements and a gradient, pieces with elements and none, and pieces
 with any gradient (an empty ZeRO shard holds no elements either way). Then every rank gathers the same placements,
-substituting zeros for a missing gradient, and names the placements whose ranks disagreed.
+substituting zeros for a missing gradient, and names the placements whose ranks disagreed. Pipeline stages hold
+different parameters: the counts are agreed within a stage (over every group but the pipeline's), and the stages then
+exchange their dense gradients and their lists of disagreeing names (`exchange_partitions`, as `full_state_dict`
+exchanges parameters), so every rank returns the whole model's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from .. import layout
 from ..comm.base import Communicator, ReduceOp
 from ..placement import comm_device
 from ..whole.gather import iter_gathered
+from ..whole.state_dict import exchange_partitions
+from .pipelines import pipeline_groups, whole_names
 
 __all__ = ["full_gradients", "data_parallel_group"]
 
@@ -30,7 +35,10 @@ def full_gradients(model: nn.Module) -> tuple[dict[str, torch.Tensor | None], tu
                float(pl.param.grad is None and pl.param.numel() > 0),
                float(pl.param.grad is not None)] for pl in pls]
     flags = torch.tensor(counts, dtype=torch.float64).reshape(len(pls), 3)
+    stages = pipeline_groups(model)
     for group in layout.reduction_groups(model):
+        if any(group.global_ranks == stage.global_ranks for stage in stages):
+            continue  # the other stages hold other parameters: nothing to agree on
         flags = flags.to(comm_device(group))
         group.all_reduce(flags, ReduceOp.SUM)
     out: dict[str, torch.Tensor | None] = {}
@@ -45,7 +53,10 @@ def full_gradients(model: nn.Module) -> tuple[dict[str, torch.Tensor | None], tu
         wanted.append((pl, pl.param.grad if pl.param.grad is not None else torch.zeros_like(pl.param)))
     for (pl, _), full in zip(wanted, iter_gathered(wanted)):
         out[pl.name] = full.detach().cpu().clone()
-    return out, tuple(split)
+    if not stages:
+        return out, tuple(split)
+    held = exchange_partitions(model, {name: grad for name, grad in out.items() if grad is not None})
+    return {name: held.get(name) for name in whole_names(model, list(out))}, tuple(whole_names(model, split))
 
 
 def data_parallel_group(model: nn.Module) -> Communicator | None:

@@ -7,10 +7,11 @@ Both run the same loop for `steps` steps and record, at every step, what the rep
     clip_grad_norm_(model, max_norm)    clip      the total norm before clipping (ranks: sw.clip_grad_norm_)
     opt.step(); opt.zero_grad()         update    every dense parameter and persistent buffer after the step
 
-The ranks gather what they hold to dense tensors (collectives on every rank); rank 0 keeps the record and returns
-it, so the comparison happens once, in the caller's process, after both runs. That costs host memory of about
-2 x steps x (the model's parameters + gradients), plus every module's output of the first forward in float64
-(forward_outputs.py): the check is for small copies of a model.
+A model `sw.parallelize` split into pipeline stages runs forward and backward in one call instead, `model.step(inputs,
+targets)` (pipelines.py), and its stages exchange what they hold. The ranks gather what they hold to dense tensors
+(collectives on every rank); rank 0 keeps the record and returns it, so the comparison happens once, in the caller's
+process, after both runs. That costs host memory of about 2 x steps x (the model's parameters + gradients), plus every
+module's output of the first forward in float64 (forward_outputs.py): the check is for small copies of a model.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..whole import clip_grad_norm_, full_state_dict
 from .forward_outputs import OutputRecorder
 from .grads import data_parallel_group, full_gradients
 from .inputs import build_seeded, compute_loss, describe_optimizer, make_optimizer, slice_batch
+from .pipelines import pipeline_step, refuse_pipeline_loss_fn, whole_names
 from .sequences import chunked_loss
 from .spec import Spec
 
@@ -85,28 +87,48 @@ def _facts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return batchnorm, dropout
 
 
-def _refuse_pipelines(model: nn.Module) -> None:
+def _hybrid(model: nn.Module) -> Any:
+    """The HybridModel `sw.parallelize` returned (a mesh with pp > 1, or a callable strategy), else None; a pipeline
+    built by hand (`sw.pipeline.Pipeline`) is refused: the check cannot tell its inputs from its targets."""
     from ..hybrid import HybridModel
 
-    if isinstance(model, HybridModel) or layout.is_partitioned(model) or layout.is_wrapped(model, "pipeline"):
-        raise ValueError("check: the strategy built a pipeline; pipelines are not supported by check yet (their "
-                         "loss runs inside the schedule, not through loss_fn); check the tp x dp layout with pp=1")
+    if isinstance(model, HybridModel):
+        return model
+    if layout.is_partitioned(model) or layout.is_wrapped(model, "pipeline"):
+        raise ValueError("check: the strategy built a pipeline by hand; check trains pipelines that sw.parallelize "
+                         "builds (a mesh dict with 'pp', or a callable strategy returning sw.parallelize(...))")
+    return None
 
 
-def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Callable[[torch.Tensor], torch.Tensor],
-           clip: Callable[[], torch.Tensor], keep: bool) -> tuple[list[StepRecord], str, OutputRecorder | None]:
-    """The loop both runs share (see the module docstring); records only when `keep`, with every module's output
-    of the first forward."""
-    opt = make_optimizer(job.optimizer, model)
-    names = [pl.name for pl in layout.placements(model).values()]
-    buffers = list(layout.buffers(model))
-    records = []
-    recorder = OutputRecorder(model) if keep else None
-    for batch in job.batches:
-        loss = compute_loss(job.loss_fn, model, slicer(batch))
+def _forward_backward(loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+                      recorder: OutputRecorder | None) -> Callable[[nn.Module, Any], torch.Tensor]:
+    def run(model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = compute_loss(loss_fn, model, batch)
         if recorder is not None:
             recorder.remove()
         loss.backward()
+        return loss
+
+    return run
+
+
+def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Callable[[torch.Tensor], torch.Tensor],
+           clip: Callable[[], torch.Tensor], keep: bool,
+           pipeline: bool = False) -> tuple[list[StepRecord], str, OutputRecorder | None]:
+    """The loop both runs share (see the module docstring); records only when `keep`, with every module's output
+    of the first forward (of this rank's stages, for a pipeline)."""
+    opt = make_optimizer(job.optimizer, model)
+    names = [pl.name for pl in layout.placements(model).values()]
+    buffers = list(layout.buffers(model))
+    if pipeline:  # a rank holds its stages' names: the record keeps the whole model's
+        names, buffers = whole_names(model, names), whole_names(model, buffers)
+    records = []
+    recorder = OutputRecorder(model) if keep else None
+    train_step = pipeline_step if pipeline else _forward_backward(job.loss_fn, recorder)
+    for batch in job.batches:
+        loss = train_step(model, slicer(batch))
+        if recorder is not None:
+            recorder.remove()
         value = float(average(loss.detach().to(torch.float64).reshape(1))[0])
         grads, split = full_gradients(model)
         norm = float(clip()) if job.max_norm is not None else None
@@ -138,10 +160,14 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     """One rank of the strategy's run (the body `sw.launch` runs); rank 0 returns the Trace, the others None."""
     mesh = job.spec.mesh(comm) if job.spec.kind == "mesh" else None
     model = job.spec.wrap(build_seeded(job.build_model, job.seed), comm, mesh)
-    _refuse_pipelines(model)
+    hybrid = _hybrid(model)
     dp = data_parallel_group(model)  # the ranks averaging the gradients (dp x cp under context parallel)
     index, parts = (dp.rank, dp.size) if dp is not None else (0, 1)
-    if job.spec.cp > 1:  # the cp ranks of a data-parallel rank share its rows and split their sequences
+    if hybrid is not None:  # its step splits sequences over cp itself and returns their mean: average over dp
+        refuse_pipeline_loss_fn(job.loss_fn)
+        dp = hybrid.mesh.dp
+        index, parts = dp.rank, dp.size
+    elif job.spec.cp > 1:  # the cp ranks of a data-parallel rank share its rows and split their sequences
         index, parts = mesh.coords.dp, mesh.sizes["dp"]
         job = dataclasses.replace(job, loss_fn=chunked_loss(mesh.dp, mesh.cp))
     device = comm_device(comm)
@@ -157,9 +183,11 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
         return clip_grad_norm_(model, job.max_norm)
 
     steps, opt, recorder = _train(model, job, lambda b: slice_batch(b, index, parts, device), average, clip,
-                                  comm.rank == 0)
+                                  comm.rank == 0, pipeline=hybrid is not None)
+    aliases = [[pl.name, list(pl.names)] for pl in layout.placements(model).values()]
+    if hybrid is not None:  # collective: before the ranks that keep no record leave
+        aliases = whole_names(model, aliases)
     if recorder is None:
         return None
-    pls = layout.placements(model).values()
-    return Trace(steps, {pl.name: pl.names for pl in pls}, parts, opt, *_facts(model), outputs=recorder.outputs,
-                 kinds=recorder.kinds, dp_index=index)
+    return Trace(steps, {name: tuple(names) for name, names in aliases}, parts, opt, *_facts(model),
+                 outputs=recorder.outputs, kinds=recorder.kinds, dp_index=index)

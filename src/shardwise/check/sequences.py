@@ -27,7 +27,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 
-__all__ = ["chunked_loss", "refuse_loss_fn"]
+__all__ = ["chunked_loss", "packed_rows_note", "refuse_loss_fn"]
 
 
 def refuse_loss_fn(loss_fn: object) -> None:
@@ -75,3 +75,18 @@ def _router_loss(model: nn.Module, out: Any) -> torch.Tensor | float:
                          f"router_aux_loss_coef, so the check cannot tell how it enters the loss; pass "
                          f"output_router_logits=False or check without cp")
     return coef * aux
+
+
+def packed_rows_note(batch: Any) -> str | None:
+    """Why a HuggingFace batch of packed rows (position ids restarting at each document) may differ at step 0: with
+    a cache in use (``use_cache`` not False, the default of most configs), transformers lets one process's documents
+    attend to each other, while context parallel and pipeline stages keep them apart. None for other batches."""
+    if not (isinstance(batch, dict) and isinstance(batch.get("position_ids"), torch.Tensor)):
+        return None
+    positions = batch["position_ids"]
+    restarts = positions.dim() == 2 and bool((torch.diff(positions, dim=-1) != 1).any())
+    if not restarts or batch.get("use_cache") is False:
+        return None
+    return ("the batch packs documents (its position_ids restart) without use_cache=False: transformers then lets one "
+            "process's documents attend to each other (it keeps them apart from the positions only when no cache is "
+            "in use), while the strategy keeps them apart; add 'use_cache': False to the batch")

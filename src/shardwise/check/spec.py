@@ -3,7 +3,8 @@
 Parsing happens before any rank starts, so a typo raises ValueError in the caller's thread naming the value and
 what is allowed. `Spec.wrap(model, comm)` then runs on every rank and applies the strategy the documented way:
 tensor parallel first (`tp.parallelize` over `mesh.tp`), then the data-parallel wrapper over `mesh.dp`, the
-optimizer last. A Spec is plain data (and the user's callable), so it pickles to gloo processes.
+optimizer last; a mesh with pipeline stages (pp > 1) goes through `sw.parallelize`, which applies every axis in
+torchtitan's order. A Spec is plain data (and the user's callable), so it pickles to gloo processes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ DP_STRATEGIES = ("ddp", "ddp:find_unused", "zero1", "zero2", "zero3", "fsdp", "f
 TP_PLANS = ("gpt", "gpt2", "llama")
 #: Every strategy string `check` accepts.
 STRATEGIES = ("none", *DP_STRATEGIES, "distribute", "tp", *(f"tp:{p}" for p in TP_PLANS))
-#: Keys of a mesh dict: {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False, "ep": 2}.
-MESH_KEYS = ("tp", "tp_plan", "dp_strategy", "sequence_parallel", "dp_shard", "pp", "dp", "ep", "cp", "cp_method")
+#: Keys of a mesh dict: {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False, "ep": 2},
+#: {"pp": 2, "pp_schedule": "1f1b", "n_microbatches": 4} (pipelines: through sw.parallelize).
+MESH_KEYS = ("tp", "tp_plan", "dp_strategy", "sequence_parallel", "dp_shard", "pp", "dp", "ep", "cp", "cp_method",
+             "pp_schedule", "n_microbatches", "virtual_stages")
+#: The data-parallel strategies sw.parallelize applies to pipeline stages, as the check names them.
+PIPELINE_DP_STRATEGIES = {"ddp": "ddp", "ddp:find_unused": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+                          "fsdp": "fsdp:full_shard", "fsdp:full_shard": "fsdp:full_shard",
+                          "fsdp:shard_grad_op": "fsdp:shard_grad_op", "fsdp:hybrid_shard": "fsdp:hybrid_shard"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +43,8 @@ class Spec:
     tp_plan: a plan name or dict (None: the model's built-in one). dp_shard: hybrid_shard's shard group size.
     ep: expert-parallel size (experts split over ep ranks of dp, `shardwise.experts.expert_parallel`). cp, cp_method:
     context-parallel size and method (every sequence split over cp ranks, `shardwise.context_parallel.apply`).
-    wrapper: the user's `(model, comm) -> model`."""
+    pp, pp_schedule, n_microbatches, virtual_stages: pipeline stages and their schedule (pp > 1: `sw.parallelize`
+    builds the whole mesh). wrapper: the user's `(model, comm) -> model`."""
 
     label: str
     world_size: int
@@ -49,6 +57,10 @@ class Spec:
     ep: int = 1
     cp: int = 1
     cp_method: str = "ring"
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    n_microbatches: int | None = None
+    virtual_stages: int = 1
     wrapper: Callable[[nn.Module, Communicator], nn.Module] | None = None
 
     @property
@@ -56,13 +68,13 @@ class Spec:
         """The data-parallel size, when the strategy fixes it before wrapping (None: read from the layout)."""
         if self.kind in ("callable", "distribute"):
             return None
-        return self.world_size // (self.tp * self.cp) if self.dp_strategy is not None else 1
+        return self.world_size // (self.tp * self.cp * self.pp) if self.dp_strategy is not None else 1
 
     def mesh(self, comm: Communicator) -> Any:
         """The Mesh a "mesh" strategy runs on (collective over `comm`)."""
         from ..mesh import Mesh
 
-        return Mesh(comm, dp=None, tp=self.tp, ep=self.ep, cp=self.cp)
+        return Mesh(comm, dp=None, tp=self.tp, ep=self.ep, cp=self.cp, pp=self.pp)
 
     def wrap(self, model: nn.Module, comm: Communicator, mesh: Any = None) -> nn.Module:
         """Apply the strategy to this rank's fresh model (collective over `comm`; a "mesh" strategy on `mesh`, made
@@ -84,6 +96,8 @@ class Spec:
         from .. import tensor_parallel as tp
 
         mesh = mesh if mesh is not None else self.mesh(comm)
+        if self.pp > 1:
+            return self._parallelize(model, mesh)
         if self.tp > 1 or self.kind == "tp":
             plan = self.tp_plan if self.tp_plan is not None else _model_plan(model)
             model = tp.parallelize(model, mesh.tp, plan, sequence_parallel=self.sequence_parallel)
@@ -98,6 +112,20 @@ class Spec:
         if self.dp_strategy is None:
             return model
         return _wrap_dp(model, mesh.dp_cp if self.cp > 1 else mesh.dp, self.dp_strategy, self.dp_shard)
+
+
+    def _parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
+        """Every axis of the mesh through `sw.parallelize` (pipelines run their loss inside the schedule: the check
+        trains the result with `step`, check/run.py)."""
+        from ..hybrid import parallelize
+
+        plan = (self.tp_plan if self.tp_plan is not None else _model_plan(model)) if self.tp > 1 else None
+        return parallelize(model, mesh, tp_plan=plan, sequence_parallel=self.sequence_parallel,
+                           pp_schedule=self.pp_schedule, n_microbatches=self.n_microbatches,
+                           virtual_stages=self.virtual_stages,
+                           dp_strategy=PIPELINE_DP_STRATEGIES[self.dp_strategy or "ddp"],
+                           find_unused_parameters=self.dp_strategy == "ddp:find_unused", dp_shard=self.dp_shard,
+                           cp_method=self.cp_method)
 
 
 def _model_plan(model: nn.Module) -> Any:
@@ -148,17 +176,16 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
     unknown = sorted(set(strategy) - set(MESH_KEYS), key=str)
     if unknown:
         raise ValueError(f"check: unknown key(s) {unknown} in the strategy dict; allowed {list(MESH_KEYS)}")
-    pp = strategy.get("pp", 1)
-    if pp != 1:
-        raise ValueError(f"check: pp={pp!r}: pipelines are not supported by check yet (their loss runs inside "
-                         f"the schedule, not through loss_fn); check the tp x dp layout with pp=1")
     tp, cp = _positive_int("tp", strategy.get("tp", 1)), _positive_int("cp", strategy.get("cp", 1))
-    if world_size % (tp * cp):
-        raise ValueError(f"check: tp={tp} x cp={cp} does not divide world_size={world_size}")
-    dp = world_size // (tp * cp)
+    pp = _positive_int("pp", strategy.get("pp", 1))
+    pipeline = _pipeline_options(strategy, pp)
+    sizes, axes = f"tp={tp} x cp={cp}" + (f" x pp={pp}" if pp > 1 else ""), "tp x cp" + (" x pp" if pp > 1 else "")
+    if world_size % (tp * cp * pp):
+        raise ValueError(f"check: {sizes} does not divide world_size={world_size}")
+    dp = world_size // (tp * cp * pp)
     if strategy.get("dp", dp) != dp:
-        raise ValueError(f"check: dp={strategy['dp']!r} but world_size // (tp x cp) = {world_size} // {tp * cp} = "
-                         f"{dp}")
+        raise ValueError(f"check: dp={strategy['dp']!r} but world_size // ({axes}) = {world_size} // {tp * cp * pp} "
+                         f"= {dp}")
     method = strategy.get("cp_method", "ring")
     if method not in ("ring", "ulysses"):
         raise ValueError(f"check: cp_method={method!r} is not supported; allowed ['ring', 'ulysses']")
@@ -170,6 +197,9 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
         dp_strategy = None
     elif dp_strategy not in DP_STRATEGIES:
         raise ValueError(f"check: dp_strategy={dp_strategy!r} is not supported; allowed {list(DP_STRATEGIES)}")
+    elif pp > 1 and dp_strategy not in PIPELINE_DP_STRATEGIES:
+        raise ValueError(f"check: dp_strategy={dp_strategy!r} does not apply to pipeline stages (pp={pp}); allowed "
+                         f"{list(PIPELINE_DP_STRATEGIES)}")
     shard = _hybrid_shard(dp * cp, strategy.get("dp_shard"), "dp_strategy") if dp_strategy == "fsdp:hybrid_shard" \
         else None
     if shard is None and strategy.get("dp_shard") is not None:
@@ -185,7 +215,11 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
     if plan is not None and not isinstance(plan, (str, dict)):
         raise ValueError(f"check: tp_plan={plan!r} must be a plan name {list(TP_PLANS)} or a dict")
     shown = plan if isinstance(plan, str) else "dict" if plan is not None else "the model's"
-    parts = [f"tp={tp} (plan {shown}{', sequence parallel' if sp else ''})"] if tp > 1 or ep == cp == 1 else []
+    parts = [f"tp={tp} (plan {shown}{', sequence parallel' if sp else ''})"] if tp > 1 or ep == cp == pp == 1 else []
+    if pp > 1:
+        parts.append(f"pp={pp} ({pipeline['pp_schedule']}"
+                     + (f", {pipeline['virtual_stages']} stages per rank" if pipeline["virtual_stages"] > 1 else "")
+                     + (f", {pipeline['n_microbatches']} microbatches" if pipeline["n_microbatches"] else "") + ")")
     if cp > 1:
         parts.append(f"cp={cp} ({method} attention)")
     if ep > 1:
@@ -193,7 +227,21 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
     if dp_strategy is not None:
         parts.append(f"{dp_strategy} over dp={dp}" + (f" x cp={cp}" if cp > 1 else ""))
     label = " x ".join(parts)
-    return Spec(label, world_size, "mesh", dp_strategy, tp, plan, sp, shard, ep, cp, method)
+    return Spec(label, world_size, "mesh", dp_strategy, tp, plan, sp, shard, ep, cp, method, pp, **pipeline)
+
+
+def _pipeline_options(strategy: dict[str, Any], pp: int) -> dict[str, Any]:
+    """The schedule keys of a mesh dict (pp > 1 only; sw.parallelize checks their values)."""
+    given = {k: strategy[k] for k in ("pp_schedule", "n_microbatches", "virtual_stages") if k in strategy}
+    if given and pp == 1:
+        raise ValueError(f"check: {sorted(given)} only apply to pipelines (pp > 1), got pp=1")
+    if "n_microbatches" in given:
+        _positive_int("n_microbatches", given["n_microbatches"])
+    if "virtual_stages" in given:
+        _positive_int("virtual_stages", given["virtual_stages"])
+    if not isinstance(given.get("pp_schedule", ""), str):
+        raise ValueError(f"check: pp_schedule={given['pp_schedule']!r} must be a schedule name")
+    return {"pp_schedule": "1f1b", "n_microbatches": None, "virtual_stages": 1, **given}
 
 
 def parse_strategy(strategy: object, world_size: object) -> Spec:

@@ -66,7 +66,9 @@ def passed_on(hidden: torch.Tensor, positions: torch.Tensor | None, documents: t
 def padding_of(mask: object, ids: torch.Tensor, positions: StagePositions, who: str) -> torch.Tensor | None:
     """The first stage's padding mask (B, L) as the whole sequence's documents (B, T): each padding token a document
     of its own (context_parallel/documents.py, `padding_documents`; under context parallel gathered over the group
-    once per microbatch); None without padding. ValueError naming what is allowed for another mask."""
+    once per microbatch); None without a mask. A microbatch the mask does not pad gets one document per row: every
+    microbatch of a step must hand the next stage the same structure (a pipeline refuses one that changes), and a
+    batch may pad some rows only. ValueError naming what is allowed for another mask."""
     if mask is None:
         return None
     from ..context_parallel.documents import check_padding_mask, padding_documents
@@ -75,7 +77,8 @@ def padding_of(mask: object, ids: torch.Tensor, positions: StagePositions, who: 
     B, L = ids.shape[:2]
     mask = check_padding_mask(mask, B, (L,), "the tokens' shape", who)
     split = SequenceSplit(positions.cp.size if positions.cp is not None else 1, positions.zigzag)
-    return padding_documents(mask, positions.cp, split, L)
+    documents = padding_documents(mask, positions.cp, split, L)
+    return documents if documents is not None else torch.zeros(B, L * split.cp, dtype=torch.long, device=ids.device)
 
 
 def stage_documents(documents: object, hidden: torch.Tensor, positions: torch.Tensor, stage: StagePositions,
@@ -189,6 +192,8 @@ class CausalMasks:
                 hidden_keys = visibility(where, where, window, documents.to(hidden.device))
                 zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
                 mask = torch.where(hidden_keys, torch.finfo(hidden.dtype).min, zero)
+                if mask.dim() == 2:  # one document per row (a microbatch nothing pads): the causal rule alone
+                    mask = mask.view(1, 1, *mask.shape)
             hit = self._packed[window] = (weakref.ref(marks), key, mask)
         mask = hit[2]
         return None if mask is None else mask.expand(hidden.shape[0], *mask.shape[1:])

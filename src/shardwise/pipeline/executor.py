@@ -201,12 +201,15 @@ class Pipeline(nn.Module):
         st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False, around=around_action)
         self._buffer_writes.after()
         self.tied.all_reduce_grads()
-        loss = torch.zeros(1, device=self.comm.device)  # broadcast: on the communicator's device
+        # Broadcast in float64 (on the communicator's device), returned in the stages' parameter dtype: a float64
+        # model's loss keeps its digits, a float32 one's is float32 on every rank, whichever holds the last stage.
+        loss = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         if st.losses:
-            loss.copy_(torch.stack(st.losses).sum() / m)
+            loss.copy_(torch.stack([x.double() for x in st.losses]).sum() / m)
         self.comm.broadcast(loss, src=self._last_rank)
         self.grads_answer_for_stages()
-        return loss[0]
+        dtype = next((p.dtype for p in self.stages.parameters() if p.is_floating_point()), torch.float32)
+        return loss[0].to(dtype)
 
     def grads_answer_for_stages(self) -> None:
         """Make this rank's gradients refuse torch's clip and GradScaler when other ranks hold other layers

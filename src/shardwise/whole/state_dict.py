@@ -23,11 +23,12 @@ from ..comm.objects import all_gather_json
 from ..sharded_tensor import as_sharded, local, spec_of
 from .gather import iter_gathered, write_held
 
-__all__ = ["full_state_dict", "load_full_into_pieces", "load_full_state_dict"]
+__all__ = ["exchange_partitions", "full_state_dict", "load_full_into_pieces", "load_full_state_dict"]
 
 
-def _exchange_partitions(model: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Pipeline stages hold different parameters: broadcast each tensor from the first rank holding it."""
+def exchange_partitions(model: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pipeline stages hold different parameters: broadcast each tensor of `local` (name -> dense tensor) from the
+    first rank holding it, so every rank returns every stage's. Collective over the pipeline groups."""
     for record in layout.strategies(model):
         group = record.partitioned_over
         if group is None or group.size == 1:
@@ -62,7 +63,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
             out[name] = full.clone()
     for name, b in layout.buffers(model).items():
         out[name] = b.detach().cpu().clone()
-    out = _exchange_partitions(model, out)
+    out = exchange_partitions(model, out)
     if rank0_only and any(g.rank != 0 for g in layout.reduction_groups(model)):
         return {}
     return out

@@ -1,0 +1,86 @@
+"""A check of a model `sw.parallelize` split into pipeline stages: how its ranks train and what they report.
+
+A pipeline computes its loss inside the schedule (each microbatch's forward, then its backward, interleaved with the
+other stages'), so a rank cannot run `loss_fn(model, batch)` then `loss.backward()`: it runs
+`model.step(inputs, targets)`, which returns the loss of its data-parallel rows with every gradient of its stages
+in place. The batch says what the inputs and targets are:
+
+* a HuggingFace batch ``{"input_ids": ..., "labels": ...}`` (with ``position_ids`` for packed rows, and then
+  ``use_cache=False``, or a 2-D ``attention_mask`` for padded ones): ``step(inputs, labels)``, the stages computing HuggingFace's causal-LM loss
+  over the global batch (labels shifted inside, -100 ignored), what ``model(**batch).loss`` is in one process;
+* ``(x, y)`` for a model whose ``forward(x, y)`` returns the mean loss of its tokens (shardwise's GPT): ``step(x, y)``.
+
+A `loss_fn` of the user's is refused: the stages' loss is the model's own (sw.parallelize's `loss_fn`, which a
+callable strategy may pass). Each stage holds some of the parameters and buffers, so the names a rank records
+(`whole_names`) are every stage's, exchanged over the pipeline groups, as `full_state_dict` exchanges the tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import layout
+from ..comm.base import Communicator
+from ..comm.objects import all_gather_json
+
+__all__ = ["BATCH_FORMS", "check_pipeline_batch", "pipeline_groups", "pipeline_step", "refuse_pipeline_loss_fn",
+           "whole_names"]
+
+BATCH_FORMS = ("a HuggingFace dict with 'input_ids' and 'labels' (and 'position_ids' or 'attention_mask'), or "
+               "(x, y) for a model whose forward(x, y) returns the mean loss of its tokens")
+
+
+def refuse_pipeline_loss_fn(loss_fn: object) -> None:
+    if loss_fn is not None:
+        raise ValueError(f"check: loss_fn cannot be combined with pp > 1: pipeline stages compute the model's own loss "
+                         f"inside the schedule (sw.parallelize's loss_fn; pass it through a callable strategy); pass "
+                         f"loss_fn=None and a batch that is {BATCH_FORMS}")
+
+
+def _inputs_and_targets(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, dict) and "input_ids" in batch and "labels" in batch:
+        # use_cache=False (what one process needs to keep packed documents apart): a pipeline never caches
+        inputs = {k: v for k, v in batch.items() if k != "labels" and not (k == "use_cache" and v is False)}
+        return (inputs["input_ids"] if len(inputs) == 1 else inputs), batch["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(f"check: under a pipeline the batch must be {BATCH_FORMS}; got "
+                     f"{type(batch).__name__}" + (f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""))
+
+
+def check_pipeline_batch(batch: Any) -> None:
+    """ValueError unless `batch` has a form `pipeline_step` takes (before any rank starts)."""
+    _inputs_and_targets(batch)
+
+
+def pipeline_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """One training step of a HybridModel on this rank's rows: the loss, with every gradient of its stages set."""
+    inputs, targets = _inputs_and_targets(batch)
+    return model.step(inputs, targets)
+
+
+def pipeline_groups(model: nn.Module) -> list[Communicator]:
+    """Every group across which ranks hold different parameters (pipeline stages), each once."""
+    groups: dict[tuple[int, ...], Communicator] = {}
+    for record in layout.strategies(model):
+        group = record.partitioned_over
+        if group is not None and group.size > 1:
+            groups.setdefault(tuple(group.global_ranks), group)
+    return list(groups.values())
+
+
+def whole_names(model: nn.Module, names: list[Any]) -> list[Any]:
+    """`names` (JSON values: this rank's parameter or buffer names) merged with every other pipeline stage's, in
+    stage order, each once. Collective over the model's pipeline groups."""
+    merged = list(names)
+    for group in pipeline_groups(model):
+        stages, merged, seen = all_gather_json(group, merged), [], set()
+        for stage in stages:
+            for name in stage:
+                if str(name) not in seen:
+                    seen.add(str(name))
+                    merged.append(name)
+    return merged
