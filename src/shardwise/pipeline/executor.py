@@ -198,7 +198,13 @@ class Pipeline(nn.Module):
         m = self.n_microbatches
         self._batch_norms.check()
         self._buffer_writes.before()
-        st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False, around=around_action)
+        self.tied.begin_step()  # accumulated tied gradients are summed already: this step sums only its own
+        try:
+            st = self._run(self.actions, m, "Pipeline.step", inputs, targets, forward_only=False,
+                           around=around_action)
+        except BaseException:
+            self.tied.abandon_step()
+            raise
         self._buffer_writes.after()
         self.tied.all_reduce_grads()
         # Broadcast in float64 (on the communicator's device), returned in the stages' parameter dtype: a float64

@@ -7,6 +7,12 @@ its own use; the single-process gradient is their sum. As Megatron-LM does for t
 every copy gets the full gradient and, with identical optimizer steps, the copies stay identical. At construction
 the copies are broadcast from the lowest rank holding them so they also start equal.
 
+Gradients accumulated over several steps before one optimizer step (`step()` called k times, as a script
+accumulating over micro-steps does) must sum only what each step added: a copy's gradient after a step is already
+the sum, and summing it again at the next step would count the earlier steps once per holder. So `begin_step` sets
+each copy's gradient aside before the step's backward passes and `all_reduce_grads` sums the step's own gradient,
+then adds it to what was set aside (in that tensor, which stays the one the optimizer and wrappers hold).
+
 Ties are found by identity: the same Parameter object appearing in stages that live on different ranks (which is
 what `partition` of one model built on every rank gives). The ranks of each tie form a sub-communicator (split
 from the pipeline communicator, collectively, in the same order on every rank).
@@ -50,6 +56,7 @@ class TiedParameters:
                 by_ranks.setdefault(ranks, []).append(objects[pid])
                 self.names.append(" <-> ".join(f"stage {s}" for s in used_by) + f": {objects[pid].numel()} elements")
         self.groups: list[tuple[tuple[int, ...], list[nn.Parameter], Communicator]] = []
+        self._carried: list[tuple[nn.Parameter, torch.Tensor]] = []  # gradients set aside by begin_step
         for ranks in sorted(by_ranks):  # the same order on every rank: split is collective
             if ranks == tuple(range(comm.size)):
                 sub = comm
@@ -65,6 +72,16 @@ class TiedParameters:
     def __bool__(self) -> bool:
         return bool(self.names)
 
+    def begin_step(self) -> None:
+        """Set each tied copy's gradient aside (None until this step's backward passes give it one): what earlier
+        steps accumulated is summed already (module docstring)."""
+        self.abandon_step()
+        for _, params, _ in self.groups:
+            for p in params:
+                if p.requires_grad and p.grad is not None:
+                    self._carried.append((p, p.grad))
+                    p.grad = None
+
     def all_reduce_grads(self) -> None:
         """Sum each tied parameter's gradient over the ranks holding it (a missing gradient counts as zero); one
         that no holder used keeps `grad = None`, as in one process (one small all-reduce of flags per group)."""
@@ -77,3 +94,14 @@ class TiedParameters:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 sub.all_reduce(p.grad, ReduceOp.SUM)
+        for p, carried in self._carried:  # what earlier steps accumulated, summed then
+            if p.grad is not None:
+                carried.add_(p.grad)
+            p.grad = carried
+        self._carried = []
+
+    def abandon_step(self) -> None:
+        """A step that failed: give each copy back the gradient `begin_step` set aside, adding nothing."""
+        for p, carried in self._carried:
+            p.grad = carried
+        self._carried = []
