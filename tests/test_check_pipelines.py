@@ -141,9 +141,29 @@ def test_a_pipeline_built_by_hand_is_refused():
         sw.check(build_gpt, gpt_batch, strategy=wrap, world_size=2, steps=1)
 
 
+def test_accumulated_steps_match_one_process_and_a_tie_counted_twice_is_found(monkeypatch):
+    """accumulate=2: two pipeline steps (each microbatch's loss / 2) per optimizer step, float64 to 1e-10 (a loss
+    scale applied in float32 would miss it). Without setting the tie's accumulated gradient aside before a step
+    (pipeline/tied.py), its earlier step is summed twice: the check finds it at the first update."""
+    strategy = {"pp": 2, "dp_strategy": "zero3"}
+    report = sw.check(tied_gpt, tokens, strategy=strategy, world_size=4, steps=2, accumulate=2, rtol=1e-10,
+                      atol=1e-10)
+    assert report.ok, str(report)
+    assert "2 steps of 2 accumulated batches: OK" in str(report)
+    from shardwise.pipeline import tied
+
+    monkeypatch.setattr(tied.TiedParameters, "begin_step", lambda self: None)
+    report = sw.check(tied_gpt, tokens, strategy=strategy, world_size=4, steps=2, accumulate=2)
+    assert not report.ok
+    assert (report.first_mismatch.step, report.first_mismatch.phase) == (0, "gradient")
+    assert report.first_mismatch.name == "tok_emb.weight"
+
+
 def test_cli_pipeline_options(capsys):
-    assert main(["check", "--gpt", "--pp", "2", "--strategy", "zero1", "-n", "4", "--steps", "1"]) == 0
-    assert "pp=2 (1f1b) x zero1 over dp=2" in capsys.readouterr().out
+    assert main(["check", "--gpt", "--pp", "2", "--strategy", "zero1", "-n", "4", "--steps", "1",
+                 "--accumulate", "2"]) == 0
+    assert "pp=2 (1f1b) x zero1 over dp=2 on 4 thread ranks (data parallel 2), 1 step of 2 accumulated batches: OK" \
+        in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
         main(["check", "--gpt", "--n-microbatches", "4", "-n", "2"])
     assert exc.value.code == 2 and "need --pp > 1" in capsys.readouterr().err

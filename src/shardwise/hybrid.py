@@ -163,8 +163,9 @@ class HybridModel(nn.Module):
         """`loss_fn` times the current step's loss scale (what the pipeline backpropagates)."""
         def scaled(output: Any, target: Any) -> torch.Tensor:
             loss = loss_fn(output, target)
-            # In fp32: a float16 loss times a scale of 2**16 would overflow before backward even starts.
-            return loss.float() * self._loss_scale if self._loss_scale != 1.0 else loss
+            # At least fp32 (a float64 loss keeps its digits): a float16 loss times 2**16 would overflow at once.
+            scale = self._loss_scale
+            return loss.to(torch.promote_types(loss.dtype, torch.float32)) * scale if scale != 1.0 else loss
 
         return scaled
 
@@ -175,7 +176,7 @@ class HybridModel(nn.Module):
         ``{"input_ids": ..., "position_ids": ...}`` for packed rows, models/hf_stages.py), rows on dim 0.
 
         loss_scale: multiply every microbatch's loss by this before backward (fp16: `scaler.get_scale()` of a
-        `sw.ShardedGradScaler(model)`, then `scaler.step(opt)`; the returned loss is unscaled).
+        `sw.ShardedGradScaler(model)`, then `scaler.step(opt)`; 1/k to accumulate k steps; the loss returned is not).
         """
         stages = list(self.pipe.stages.values())
         self._loss_scale = float(loss_scale)

@@ -80,6 +80,8 @@ def add_check(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--world-size", type=int_at_least(1, max_ranks("thread")), default=2, dest="world_size",
                    help="ranks (default: %(default)s)")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps compared (default: %(default)s)")
+    p.add_argument("--accumulate", type=positive_int, default=1, help="batches per optimizer step: gradient "
+                   "accumulation, each loss divided by it (default: %(default)s)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size: tensor parallel over groups of "
                    "--tp ranks, then --strategy over the rest (default: %(default)s)")
     p.add_argument("--tp-plan", default=None, metavar="PLAN",
@@ -191,7 +193,8 @@ def _run_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     except Exception as exc:  # noqa: BLE001 - the user's code: one line naming what failed
         return fail("check", f"cannot load a function: {type(exc).__name__}: {exc}")
     try:
-        report = check(build, batch, strategy=strategy, world_size=args.world_size, steps=args.steps, loss_fn=loss,
+        report = check(build, batch, strategy=strategy, world_size=args.world_size, steps=args.steps,
+                       accumulate=args.accumulate, loss_fn=loss,
                        max_norm=None if args.no_clip else args.max_norm, seed=args.seed, rtol=args.rtol,
                        atol=args.atol, backend=args.backend)
     except ValueError as exc:

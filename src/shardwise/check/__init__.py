@@ -55,6 +55,7 @@ def check(
     strategy: str | dict[str, Any] | Callable[[nn.Module, Any], nn.Module] = "zero3",
     world_size: int = 2,
     steps: int = 3,
+    accumulate: int = 1,
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     max_norm: float | None = 1.0,
@@ -70,7 +71,8 @@ def check(
 
     build_model: a zero-argument callable returning a fresh nn.Module; called once for one process and once per
         rank, each under `torch.manual_seed(seed)` and one process-wide lock, so every copy starts identical.
-    batch: the global batch (a tensor, a tuple/list or dict of tensors) or `batch(step)` returning one. Data-parallel
+    batch: the global batch (a tensor, a tuple/list or dict of tensors) or `batch(i)` returning the i-th one (i in
+        range(steps x accumulate)). Data-parallel
         rank d of D takes rows [d*b, (d+1)*b) of every tensor (b = rows / D, which must divide); tensor-parallel
         ranks of one data-parallel group take the same rows; one process takes all of them. With a function, the
         one-process run is computed once and reused by later checks of the same functions and options in this
@@ -86,6 +88,9 @@ def check(
         `model.step(inputs, targets)` (pipelines.py: the batch is a HuggingFace {'input_ids', 'labels'} dict or
         (x, y), and loss_fn stays None); or a callable (model, comm) -> wrapped model (`sw.parallelize`'s result
         included).
+    accumulate: batches per optimizer step (gradient accumulation, as a script with gradient_accumulation_steps
+        runs it): k forward and backward passes (pipeline steps), each loss divided by k, then clip and step; the
+        forward loss compared is the mean of the k.
     optimizer: params -> torch.optim.Optimizer, built over `model.parameters()` after wrapping; default
         AdamW(lr=1e-3, weight_decay=0.1, eps=1e-5) (inputs.default_optimizer says why eps is 1e-5).
     loss_fn: loss_fn(model, batch) -> scalar tensor; default: the model's output on the batch (`model(*batch)`,
@@ -109,8 +114,9 @@ def check(
         raise ValueError(f"check: build_model must be a zero-argument callable returning a fresh torch.nn.Module "
                          f"(e.g. lambda: MyModel(config)), got {got}; a module object cannot give each rank and the "
                          f"reference their own identical copy")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"check: steps={steps!r} must be a positive int")
+    for name, value in (("steps", steps), ("accumulate", accumulate)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"check: {name}={value!r} must be a positive int")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"check: seed={seed!r} must be an int")
     for name, value in (("loss_fn", loss_fn), ("optimizer", optimizer)):
@@ -130,18 +136,18 @@ def check(
         refuse_pipeline_loss_fn(loss_fn)
     elif spec.cp > 1:
         refuse_loss_fn(loss_fn)
-    batches = resolve_batches(batch, steps)
+    batches = resolve_batches(batch, steps * accumulate)
     if spec.pp > 1:
         check_pipeline_batch(batches[0])
     if spec.dp is not None:
         check_divides(batches, spec.dp)
     if backend == "gloo":
         check_picklable(build_model=build_model, loss_fn=loss_fn, optimizer=optimizer, strategy=spec.wrapper)
-    job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed, device)
+    job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed, device, accumulate)
     reference = _reference(job, batch)
     traces = _launch(job, backend, timeout, device)
     report = compare(reference, traces[0], strategy=spec.label, world_size=spec.world_size, max_norm=max_norm,
-                     rtol=rtol, atol=atol, backend=backend)
+                     rtol=rtol, atol=atol, backend=backend, accumulate=accumulate)
     packed = packed_rows_note(batches[0]) if report.first_mismatch is not None else None
     if packed is not None and report.first_mismatch.step == 0 and report.first_mismatch.phase == "forward":
         report.notes.insert(0, packed)
@@ -158,7 +164,8 @@ def _reference(job: Job, batch: Any) -> Any:
     change in place between calls), loss_fn and optimizer, and by steps, seed and max_norm; the last few are kept."""
     if not callable(batch):
         return reference_trace(job)
-    key = (job.build_model, batch, job.loss_fn, job.optimizer, len(job.batches), job.seed, job.max_norm, job.device)
+    key = (job.build_model, batch, job.loss_fn, job.optimizer, len(job.batches), job.seed, job.max_norm, job.device,
+           job.accumulate)
     with _REFERENCES_LOCK:
         if key in _REFERENCES:
             _REFERENCES.move_to_end(key)

@@ -82,7 +82,7 @@ def _scalar(value: float) -> torch.Tensor:
 
 
 def compare(ref: Trace, got: Trace, *, strategy: str, world_size: int, max_norm: float | None, rtol: float,
-            atol: float, backend: str) -> CheckReport:
+            atol: float, backend: str, accumulate: int = 1) -> CheckReport:
     """The report of `got` (the strategy's run) against `ref` (one process)."""
     to_got = {}  # reference canonical name -> the strategy's canonical name (a tie may list its names otherwise)
     for name, aliases in got.aliases.items():
@@ -114,7 +114,7 @@ def compare(ref: Trace, got: Trace, *, strategy: str, world_size: int, max_norm:
                          c.first, [*rows.values(), *buffer_rows.values()],
                          [(g.loss, r.loss) for r, g in zip(ref.steps, got.steps)],
                          [(g.norm, r.norm) for r, g in zip(ref.steps, got.steps) if r.norm is not None
-                          and g.norm is not None])
+                          and g.norm is not None], accumulate=accumulate)
     report.notes = _diagnose(report, ref, got) + list(dict.fromkeys(split_notes))
     return report
 

@@ -56,10 +56,11 @@ def check_pipeline_batch(batch: Any) -> None:
     _inputs_and_targets(batch)
 
 
-def pipeline_step(model: nn.Module, batch: Any) -> torch.Tensor:
-    """One training step of a HybridModel on this rank's rows: the loss, with every gradient of its stages set."""
+def pipeline_step(model: nn.Module, batch: Any, accumulate: int = 1) -> torch.Tensor:
+    """One training step of a HybridModel on this rank's rows: the loss, with every gradient of its stages set
+    (added to what earlier steps left, each microbatch's loss / `accumulate` before backward)."""
     inputs, targets = _inputs_and_targets(batch)
-    return model.step(inputs, targets)
+    return model.step(inputs, targets, loss_scale=1.0 / accumulate)
 
 
 def pipeline_groups(model: nn.Module) -> list[Communicator]:

@@ -85,6 +85,7 @@ class CheckReport:
     losses: list[tuple[float, float]]
     norms: list[tuple[float, float]]
     notes: list[str] = dataclasses.field(default_factory=list)
+    accumulate: int = 1  # batches per optimizer step
 
     @property
     def ok(self) -> bool:
@@ -101,7 +102,9 @@ class CheckReport:
         clip = f"clip max_norm {self.max_norm:g}" if self.max_norm is not None else "no clipping"
         lines = [f"shardwise check: {self.strategy} on {self.world_size} {self.backend} rank"
                  f"{'s' if self.world_size != 1 else ''} (data parallel {self.dp}), {self.steps} step"
-                 f"{'s' if self.steps != 1 else ''}: {'OK' if self.ok else 'DIFFERS'}",
+                 f"{'s' if self.steps != 1 else ''}"
+                 f"{f' of {self.accumulate} accumulated batches' if self.accumulate > 1 else ''}: "
+                 f"{'OK' if self.ok else 'DIFFERS'}",
                  f"  vs one process on the global batch: {self.optimizer}, {clip}, rtol {self.rtol:g}, "
                  f"atol {self.atol:g}"]
         if self.first_mismatch is not None:

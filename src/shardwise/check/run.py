@@ -4,6 +4,7 @@ Both run the same loop for `steps` steps and record, at every step, what the rep
 
     loss = loss_fn(model, batch)        forward   the loss (ranks: the average over the data-parallel group)
     loss.backward()                     gradient  every parameter's dense gradient, or None, by original name
+    (with accumulate=k: the two lines k times, on k batches, each loss / k; the loss is their mean)
     clip_grad_norm_(model, max_norm)    clip      the total norm before clipping (ranks: sw.clip_grad_norm_)
     opt.step(); opt.zero_grad()         update    every dense parameter and persistent buffer after the step
 
@@ -50,6 +51,7 @@ class Job:
     max_norm: float | None
     seed: int
     device: torch.device | None = None  # None: cpu
+    accumulate: int = 1  # batches (backward passes, or pipeline steps) per optimizer step
 
 
 @dataclasses.dataclass
@@ -101,12 +103,12 @@ def _hybrid(model: nn.Module) -> Any:
 
 
 def _forward_backward(loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
-                      recorder: OutputRecorder | None) -> Callable[[nn.Module, Any], torch.Tensor]:
-    def run(model: nn.Module, batch: Any) -> torch.Tensor:
+                      recorder: OutputRecorder | None) -> Callable[[nn.Module, Any, int], torch.Tensor]:
+    def run(model: nn.Module, batch: Any, accumulate: int) -> torch.Tensor:
         loss = compute_loss(loss_fn, model, batch)
         if recorder is not None:
             recorder.remove()
-        loss.backward()
+        (loss / accumulate if accumulate > 1 else loss).backward()
         return loss
 
     return run
@@ -125,11 +127,13 @@ def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Ca
     records = []
     recorder = OutputRecorder(model) if keep else None
     train_step = pipeline_step if pipeline else _forward_backward(job.loss_fn, recorder)
-    for batch in job.batches:
-        loss = train_step(model, slicer(batch))
+    k = job.accumulate
+    for start in range(0, len(job.batches), k):  # one optimizer step per k batches, each loss / k
+        losses = [train_step(model, slicer(batch), k).detach().to(torch.float64)
+                  for batch in job.batches[start:start + k]]
         if recorder is not None:
             recorder.remove()
-        value = float(average(loss.detach().to(torch.float64).reshape(1))[0])
+        value = float(average(torch.stack(losses).mean().reshape(1))[0])
         grads, split = full_gradients(model)
         norm = float(clip()) if job.max_norm is not None else None
         opt.step()
