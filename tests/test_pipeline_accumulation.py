@@ -4,7 +4,7 @@ A script that accumulates (calls `model.step` k times, then `opt.step()`) must g
 gradients. A weight tied across pipeline ranks (the GPT's embedding and head, GPT-2's `wte` and `lm_head`) is summed
 over its holders at every step; summing the accumulated gradient again at the next step counted the earlier steps
 once per holder (the embedding was off by 0.039 after two updates, pipeline/tied.py now sums each step's own part).
-Two AdamW updates (weight decay) of two accumulated steps each, against one process; the gradients are zeroed both
+Three AdamW updates (weight decay) of two accumulated steps each, against one process; the gradients are zeroed both
 ways (set to None, and in place)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig, lm_loss
 
-UPDATES, ACCUMULATE, ROWS, T = 2, 2, 8, 16
+UPDATES, ACCUMULATE, ROWS, T = 3, 2, 8, 16
 
 
 def tied_gpt():
