@@ -166,14 +166,3 @@ def test_data_parallel_wrappers_balance_over_the_global_batch(strategy, world):
     report = sw.check(build, global_batch, strategy=strategy, world_size=world, max_norm=0.3,
                       optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, eps=1e-5))
     assert report.ok, report.text(verbose=True)
-
-
-def test_parallelize_refuses_a_balance_loss_split_into_pipeline_microbatches():
-    import shardwise as sw  # with pp = 1 and one microbatch it trains exactly (tests/test_parallelize_moe.py)
-
-    def body(comm):
-        with pytest.raises(ValueError, match=r"pp=2 with .*moe_aux_loss_coef"):
-            sw.parallelize(GPT(CFG, seed=0), sw.Mesh(comm, dp=1, pp=2))
-        return True
-
-    assert all(sw.launch(body, 2))

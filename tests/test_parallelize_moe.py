@@ -6,7 +6,8 @@ The MoE layers stay whole under the "gpt" plan (expert-tensor-parallel size 1): 
 holds and runs its ep share of the experts; ep groups are made of dp ranks of one tp coordinate. The balance loss
 (`moe_aux_loss_coef` > 0) is a function of the whole batch, so its statistics are summed over the ranks that split
 the batch (dp) and, under sequence parallel, each sequence (tp). A dropped or miscounted balance loss moves the
-clipping norms and the weights by far more than the tolerance (checked in `reference`)."""
+clipping norms and the weights by far more than the tolerance (checked in `reference`). Under pipeline stages or
+several microbatches the balance loss is per microbatch: tests/test_parallelize_moe_microbatches.py."""
 
 from __future__ import annotations
 
@@ -179,11 +180,9 @@ def test_tensor_parallel_gpt_forward_adds_the_balance_loss(sp, reference):
 
 
 @pytest.mark.parametrize("world, axes, options, match", [
-    (2, {"pp": 2}, {}, r"pp=2 with blocks\.0\.mlp, a mixture of experts with a load-balancing loss"),
-    (2, {"ep": 2}, {"n_microbatches": 2}, r"n_microbatches=2 with blocks\.0\.mlp"),
     (2, {"tp": 2}, {"tp_plan": {"blocks.*.attn.qkv": tp.Colwise(fused=3), "blocks.*.attn.proj": "rowwise"},
                     "sequence_parallel": True}, r"'blocks\.0\.mlp' \(MoE\) runs on sequence shards"),
-], ids=["pp2", "microbatches", "sp_plan_without_moe"])
+], ids=["sp_plan_without_moe"])
 def test_what_stays_unsupported_is_refused_by_name(world, axes, options, match):
     def body(comm):
         with pytest.raises(ValueError, match=match):

@@ -41,6 +41,7 @@ from . import context_parallel, experts
 from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
+from .balance_loss import balance_layers, carry_balance_loss, with_balance_loss, without_balance_sum
 from .comm.base import Communicator, ReduceOp
 from .hybrid_copies import average_copies_gradients
 from .compression.support import copies_reconciled
@@ -49,7 +50,6 @@ from .hybrid_plan import DP_STRATEGIES, Plan, check_plan
 from .mesh import Mesh
 from .parallelized_model import hand_over
 from .models import hf_parallel
-from .models.moe import MoE
 from .placement import to_comm_device
 from .sharding import FSDP, MixedPrecision, ZeRO
 from .sharding.offload import offload_level
@@ -92,25 +92,6 @@ def _layers_class(model: nn.Module) -> type | None:
     return None
 
 
-def _balance_layers(model: nn.Module) -> list[MoE]:
-    """The model's MoE layers with a load-balancing loss (moe_aux_loss_coef > 0)."""
-    return [m for m in model.modules() if isinstance(m, MoE) and m.aux_loss_coef > 0]
-
-
-def _with_balance_loss(loss_fn: Callable, layers: list[MoE]) -> Callable:
-    """`loss_fn` plus each MoE layer's balance loss times its coefficient, as `GPT.forward` adds them. check_plan
-    allows it with pp = 1 and one microbatch only, so the one stage's forward has just set every layer's `aux_loss`,
-    over the global batch (the layers sum their statistics over the data-parallel group, and over tp under sequence
-    parallel; models/moe.py)."""
-    if not layers:
-        return loss_fn
-
-    def loss(output: Any, target: Any) -> torch.Tensor:
-        return loss_fn(output, target) + sum(m.aux_loss_coef * m.aux_loss for m in layers)
-
-    return loss
-
-
 def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
     # HybridModel averages the copies of tp-replicated and pipeline-tied parameters after the reduction
     # (_average_copies_gradients), so compression may see them.
@@ -148,7 +129,8 @@ class HybridModel(nn.Module):
     """
 
     def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str],
-                 split_targets: bool = True, begin_step: Callable[[Any, int], None] | None = None) -> None:
+                 split_targets: bool = True, begin_step: Callable[[Any, int], None] | None = None,
+                 balance_carried: bool = False) -> None:
         super().__init__()
         self._split_targets = split_targets  # False: the loss takes whole sequences (HF's labels under cp)
         self.pipe = pipe
@@ -158,6 +140,12 @@ class HybridModel(nn.Module):
         self._stage_layers = names
         self._loss_scale = 1.0
         self._begin_step = begin_step  # the loss's, if it counts the step's global batch first
+        self._balance_carried = balance_carried  # stages pass a MoE balance-loss sum on (balance_loss.py)
+
+    @property
+    def balance_loss_per_microbatch(self) -> bool:
+        """Whether a MoE balance loss is computed per microbatch (pp > 1 or n_microbatches > 1; balance_loss.py)."""
+        return self._balance_carried
 
     def scaled_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """`loss_fn` times the current step's loss scale (what the pipeline backpropagates)."""
@@ -246,6 +234,7 @@ class HybridModel(nn.Module):
         """The model's output (logits) for `inputs`, under no_grad with the forward-only schedule; on every rank
         (to="all") or on pipeline rank `to` only. Call `eval()` first to disable dropout."""
         out = self.pipe.predict(self._split_sequence(inputs), to=to)
+        out = without_balance_sum(out) if self._balance_carried else out
         if out is not None and self._gather_vocab:
             out = gather_from_region(out, self.mesh.tp, -1)
         if out is not None and self.mesh.sizes["cp"] > 1:  # every rank of a cp group holds (or lacks) its chunks
@@ -348,15 +337,16 @@ def parallelize(
     buffer_writes: the data-parallel wrappers' option (None: a buffer a training forward leaves different across
         the dp (x cp) ranks raises; "local": each rank keeps its own; docs/forward_writes.md).
     With ep > 1 the model's MoE layers have their experts split over mesh.ep (shardwise.experts; docs/experts.md).
-    A MoE layer's load-balancing loss (moe_aux_loss_coef > 0; a HuggingFace Mixtral's with output_router_logits and
-    router_aux_loss_coef > 0) is added to the loss, over the global batch as `GPT.forward` (Mixtral's forward)
-    computes it; it is a function of the whole batch, so it needs pp = 1 and n_microbatches = 1.
+    A MoE layer's load-balancing loss (moe_aux_loss_coef > 0) is added to the loss: over the global batch as
+    `GPT.forward` computes it with pp = 1 and one microbatch, else per microbatch (as one process accumulating
+    over the microbatches; balance_loss.py). A HuggingFace MoE's router loss (output_router_logits,
+    router_aux_loss_coef > 0) needs pp = 1 and n_microbatches = 1.
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
         raise ValueError(f"parallelize: mesh must be a shardwise.Mesh, got {type(mesh).__name__}")
     if n_microbatches is None:  # one with a MoE balance loss at pp = 1: it is a function of the whole batch
-        balanced = isinstance(model, nn.Module) and (_balance_layers(model) or hf_parallel.router_loss_coef(model) > 0)
+        balanced = isinstance(model, nn.Module) and (balance_layers(model) or hf_parallel.router_loss_coef(model) > 0)
         n_microbatches = 1 if mesh.sizes["pp"] == 1 and balanced else 2 * mesh.sizes["pp"]
     plan = Plan(tp_plan, bool(sequence_parallel), pp_schedule, n_microbatches, virtual_stages, dp_strategy, dp_shard,
                  check_interval(activation_checkpointing, "parallelize"), mixed_precision,
@@ -371,7 +361,11 @@ def parallelize(
     if mesh.sizes["ep"] > 1:
         experts.expert_parallel(model, mesh)
     layers, loss, gather_vocab, split_targets = _layers_and_loss(model, loss_fn, mesh)
-    loss = _with_balance_loss(loss, _balance_layers(model))
+    carried = bool(balance_layers(model)) and (mesh.sizes["pp"] > 1 or plan.n_microbatches > 1)
+    if carried:  # per microbatch, passed from stage to stage (balance_loss.py)
+        layers, loss = carry_balance_loss(layers, loss)
+    else:
+        loss = with_balance_loss(loss, balance_layers(model))
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
     pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss,
                        buffer_writes=plan.buffer_writes)
@@ -393,7 +387,7 @@ def parallelize(
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
         _wrap_data_parallel(stage, mesh, plan)
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets,
-                         getattr(loss, "begin_step", None))
+                         getattr(loss, "begin_step", None), carried)
     pipe.loss_fn = hybrid.scaled_loss(loss)
     _declare(hybrid, model, mesh)
     hand_over(model, hybrid)  # the tools given `model` answer for the hybrid; stale reads refuse

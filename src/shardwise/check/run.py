@@ -169,6 +169,10 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     index, parts = (dp.rank, dp.size) if dp is not None else (0, 1)
     if hybrid is not None:  # its step splits sequences over cp itself and returns their mean: average over dp
         refuse_pipeline_loss_fn(job.loss_fn)
+        if hybrid.balance_loss_per_microbatch:
+            raise ValueError("check: the model's MoE balance loss is computed per microbatch under a pipeline (or "
+                             "n_microbatches > 1; docs/hybrid.md), which one process on the whole batch does not "
+                             "compute; check it with pp=1 and one microbatch, or with moe_aux_loss_coef=0")
         dp = hybrid.mesh.dp
         index, parts = dp.rank, dp.size
     elif job.spec.cp > 1:  # the cp ranks of a data-parallel rank share its rows and split their sequences

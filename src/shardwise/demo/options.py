@@ -162,8 +162,8 @@ class DemoOptions:
 
     def gpt_config(self) -> GPTConfig:
         """The demo's GPT: the preset, with `experts` MoE experts per block when asked (moe_aux_loss_coef=0: the
-        load-balancing loss is a function of the whole batch, which the demo's microbatches, 2 x pp per step by
-        default, split; sw.parallelize trains it only in one)."""
+        load-balancing loss is a function of the whole batch, which sw.parallelize computes per microbatch when the
+        demo's microbatches, 2 x pp per step by default, split it)."""
         if not self.experts:
             return GPTConfig.preset(self.preset)
         return GPTConfig.preset(self.preset, n_experts=self.experts, experts_per_token=self.experts_per_token,

@@ -15,8 +15,8 @@ load average before and after the run and warns when it exceeds the usable cores
 
 With `experts=E` (default 2 x ep when ep > 1) every block's MLP is a mixture of E experts, `experts_per_token` of them
 per token, built with `moe_aux_loss_coef=0`: the load-balancing loss is a function of the whole batch, which
-sw.parallelize trains only in one microbatch (pp = 1, n_microbatches = 1), and the demo's schedule splits every step
-into microbatches; so the demo's MoE trains on the language-model loss alone.
+sw.parallelize computes per microbatch when a step is split into microbatches (as the demo's schedule splits it),
+another loss than the one process the demo compares with; so the demo's MoE trains on the language-model loss alone.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def announce(options: DemoOptions) -> None:
     if options.experts:
         print(f"mixture of experts: {options.experts} experts per block, {options.experts_per_token} per token, "
               f"{expert_params / 1e6:.2f}M of the parameters in experts; moe_aux_loss_coef=0 (a load-"
-              f"balancing loss needs the whole batch in one microbatch; the demo's steps are split in "
-              f"microbatches)", flush=True)
+              f"balancing loss would be computed per microbatch, and the demo compares with one process on the "
+              f"whole batch)", flush=True)
     if options.planned:
         print(f"--strategy auto: the planner chose {options.strategy}\n{options.planned}", flush=True)
     print(f"shardwise demo: GPT {options.preset!r} ({num_params / 1e6:.2f}M params), {options.strategy} over "
