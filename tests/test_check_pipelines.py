@@ -11,21 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from float64_gpts import tied_gpt, tokens
 
 import shardwise as sw
 from shardwise.check.example import build_gpt, gpt_batch
-from shardwise.models import GPT, GPTConfig
 from shardwise_cli import main
-
-
-def tied_gpt():
-    config = GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_heads=2, n_layers=4, dropout=0.0, tie_weights=True)
-    return GPT(config, seed=0).double()
-
-
-def tokens(step):
-    generator = torch.Generator().manual_seed(step)
-    return torch.randint(0, 64, (8, 16), generator=generator), torch.randint(0, 64, (8, 16), generator=generator)
 
 
 def test_a_float64_gpt_tied_across_stages_matches_one_process_to_1e_10():

@@ -13,26 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from float64_gpts import ROWS, T, VOCAB, moe_gpt
+from float64_gpts import adamw as optimizer
+from float64_gpts import tokens as batch
 
 import shardwise as sw
-from shardwise.models import GPT, GPTConfig
 
-STEPS, ROWS, T, MAX_NORM = 3, 8, 16, 0.1
-
-
-def moe_gpt():
-    config = GPTConfig(vocab_size=64, seq_len=T, n_layers=4, n_heads=2, d_model=16, dropout=0.0, n_experts=4,
-                       experts_per_token=2, moe_aux_loss_coef=0.1, tie_weights=False)
-    return GPT(config, seed=0).double()
-
-
-def batch(step):
-    generator = torch.Generator().manual_seed(step)
-    return torch.randint(0, 64, (ROWS, T), generator=generator), torch.randint(0, 64, (ROWS, T), generator=generator)
-
-
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-5)
+STEPS, MAX_NORM = 3, 0.1
 
 
 def global_microbatch(j, dp, microbatches):
@@ -104,7 +91,7 @@ def test_the_balance_loss_per_microbatch_trains_like_one_process_accumulating(ca
         assert state.keys() == want.keys()
         for name in want:
             torch.testing.assert_close(state[name], want[name], rtol=1e-10, atol=1e-10, msg=name)
-        assert shape == (ROWS // dp, T, 64)
+        assert shape == (ROWS // dp, T, VOCAB)
     mean = torch.tensor([losses for _, losses, _ in results], dtype=torch.float64).mean(0)
     torch.testing.assert_close(mean, torch.tensor(want_losses, dtype=torch.float64), rtol=1e-7, atol=0)
 

@@ -13,25 +13,14 @@ import copy
 
 import pytest
 import torch
+from float64_gpts import ROWS, tied_gpt
+from float64_gpts import adamw as optimizer
+from float64_gpts import tokens as batch
 
 import shardwise as sw
-from shardwise.models import GPT, GPTConfig, lm_loss
+from shardwise.models import lm_loss
 
-UPDATES, ACCUMULATE, ROWS, T = 3, 2, 8, 16
-
-
-def tied_gpt():
-    config = GPTConfig(vocab_size=64, seq_len=T, d_model=16, n_heads=2, n_layers=4, dropout=0.0, tie_weights=True)
-    return GPT(config, seed=0).double()
-
-
-def batch(step):
-    generator = torch.Generator().manual_seed(step)
-    return torch.randint(0, 64, (ROWS, T), generator=generator), torch.randint(0, 64, (ROWS, T), generator=generator)
-
-
-def optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-5)
+UPDATES, ACCUMULATE = 3, 2
 
 
 def one_process(model, loss_of):

@@ -6,8 +6,9 @@ other stages'), so a rank cannot run `loss_fn(model, batch)` then `loss.backward
 in place. The batch says what the inputs and targets are:
 
 * a HuggingFace batch ``{"input_ids": ..., "labels": ...}`` (with ``position_ids`` for packed rows, and then
-  ``use_cache=False``, or a 2-D ``attention_mask`` for padded ones): ``step(inputs, labels)``, the stages computing HuggingFace's causal-LM loss
-  over the global batch (labels shifted inside, -100 ignored), what ``model(**batch).loss`` is in one process;
+  ``use_cache=False``, or a 2-D ``attention_mask`` for padded ones): ``step(inputs, labels)``, the stages computing
+  HuggingFace's causal-LM loss over the global batch (labels shifted inside, -100 ignored), what ``model(**batch).loss``
+  is in one process;
 * ``(x, y)`` for a model whose ``forward(x, y)`` returns the mean loss of its tokens (shardwise's GPT): ``step(x, y)``.
 
 A `loss_fn` of the user's is refused: the stages' loss is the model's own (sw.parallelize's `loss_fn`, which a

@@ -207,15 +207,15 @@ class Pipeline(nn.Module):
             raise
         self._buffer_writes.after()
         self.tied.all_reduce_grads()
-        # Broadcast in float64 (on the communicator's device), returned in the stages' parameter dtype: a float64
-        # model's loss keeps its digits, a float32 one's is float32 on every rank, whichever holds the last stage.
+        # Broadcast in float64 (on the communicator's device), returned in the stages' parameter dtype, at least
+        # fp32: a float64 model's loss keeps its digits, any other's is float32 on every rank.
         loss = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         if st.losses:
             loss.copy_(torch.stack([x.double() for x in st.losses]).sum() / m)
         self.comm.broadcast(loss, src=self._last_rank)
         self.grads_answer_for_stages()
         dtype = next((p.dtype for p in self.stages.parameters() if p.is_floating_point()), torch.float32)
-        return loss[0].to(dtype)
+        return loss[0].to(torch.promote_types(dtype, torch.float32))
 
     def grads_answer_for_stages(self) -> None:
         """Make this rank's gradients refuse torch's clip and GradScaler when other ranks hold other layers
