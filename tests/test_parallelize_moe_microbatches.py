@@ -7,7 +7,8 @@ clip and an AdamW step (weight decay), three times, float64: every parameter to 
 one process's. The one-process run on the whole batch at once differs (the balance loss is a product of batch means),
 so the microbatch semantics is what is checked. Cases: dp2 x pp2 (zero1), four microbatches with activation
 checkpointing (zero3), pp = 1 with two microbatches (ddp), experts over ep2 (zero2), tp2 with sequence parallel x
-pp2, and cp2 x pp2 x dp2 (fsdp); then `predict` returns the logits alone."""
+pp2, and cp2 x pp2 x dp2 (fsdp); then `predict` returns the logits alone. `sw.check` accumulates its one process over
+the same microbatches."""
 
 from __future__ import annotations
 
@@ -103,6 +104,19 @@ def test_the_whole_batch_at_once_is_another_function():
     assert max(float((per_microbatch[k] - whole[k]).abs().max()) for k in whole) > 1e-3
 
 
-def test_check_refuses_a_per_microbatch_balance_loss_by_name():
-    with pytest.raises(ValueError, match="balance loss is computed per microbatch"):
-        sw.check(moe_gpt, batch, strategy={"pp": 2}, world_size=2, steps=1)
+@pytest.mark.parametrize("strategy", [{"pp": 2, "dp_strategy": "zero3", "n_microbatches": 2}, {"pp": 2, "cp": 2}],
+                         ids=["dp2_pp2_zero3", "cp2_pp2"])
+def test_check_accumulates_its_one_process_over_the_same_microbatches(strategy):
+    """sw.check's one process accumulates over the pipeline's global microbatches when the model has a balance loss
+    (the loss's value differs by the rounding of GPT.forward's float32 sum of the layers' losses: default
+    tolerances)."""
+    report = sw.check(moe_gpt, batch, strategy=strategy, world_size=4, steps=2, accumulate=2)
+    assert report.ok, str(report)
+
+
+def test_check_refuses_a_pipeline_whose_microbatches_it_cannot_know():
+    def wrap(model, comm):  # a callable strategy: the check's one process cannot know its microbatches
+        return sw.parallelize(model, sw.Mesh(comm, pp=2))
+
+    with pytest.raises(ValueError, match="balance loss is computed per microbatch under this pipeline"):
+        sw.check(moe_gpt, batch, strategy=wrap, world_size=2, steps=1)

@@ -143,7 +143,9 @@ def check(
         check_divides(batches, spec.dp)
     if backend == "gloo":
         check_picklable(build_model=build_model, loss_fn=loss_fn, optimizer=optimizer, strategy=spec.wrapper)
-    job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed, device, accumulate)
+    # A pipeline's microbatches, which a MoE balance loss is computed over (sw.parallelize's default: 2 x pp).
+    microbatches = (spec.dp, spec.n_microbatches or 2 * spec.pp) if spec.pp > 1 else None
+    job = Job(build_model, batches, spec, loss_fn, optimizer, max_norm, seed, device, accumulate, microbatches)
     reference = _reference(job, batch)
     traces = _launch(job, backend, timeout, device)
     report = compare(reference, traces[0], strategy=spec.label, world_size=spec.world_size, max_norm=max_norm,
@@ -165,7 +167,7 @@ def _reference(job: Job, batch: Any) -> Any:
     if not callable(batch):
         return reference_trace(job)
     key = (job.build_model, batch, job.loss_fn, job.optimizer, len(job.batches), job.seed, job.max_norm, job.device,
-           job.accumulate)
+           job.accumulate, job.microbatches)
     with _REFERENCES_LOCK:
         if key in _REFERENCES:
             _REFERENCES.move_to_end(key)

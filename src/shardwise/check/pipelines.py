@@ -11,6 +11,10 @@ in place. The batch says what the inputs and targets are:
   is in one process;
 * ``(x, y)`` for a model whose ``forward(x, y)`` returns the mean loss of its tokens (shardwise's GPT): ``step(x, y)``.
 
+A MoE balance loss is computed per microbatch under a pipeline (balance_loss.py): the one process then accumulates
+over the same global microbatches (`accumulating_step`: microbatch j is the j-th microbatch of every data-parallel
+rank's rows, each loss / n_microbatches), which is what the ranks compute.
+
 A `loss_fn` of the user's is refused: the stages' loss is the model's own (sw.parallelize's `loss_fn`, which a
 callable strategy may pass). Each stage holds some of the parameters and buffers, so the names a rank records
 (`whole_names`) are every stage's, exchanged over the pipeline groups, as `full_state_dict` exchanges the tensors.
@@ -18,6 +22,7 @@ callable strategy may pass). Each stage holds some of the parameters and buffers
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,8 +32,8 @@ from .. import layout
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json
 
-__all__ = ["BATCH_FORMS", "check_pipeline_batch", "pipeline_groups", "pipeline_step", "refuse_pipeline_loss_fn",
-           "whole_names"]
+__all__ = ["BATCH_FORMS", "accumulating_step", "check_pipeline_batch", "pipeline_groups", "pipeline_step",
+           "refuse_pipeline_loss_fn", "whole_names"]
 
 BATCH_FORMS = ("a HuggingFace dict with 'input_ids' and 'labels' (and 'position_ids' or 'attention_mask'), or "
                "(x, y) for a model whose forward(x, y) returns the mean loss of its tokens")
@@ -62,6 +67,43 @@ def pipeline_step(model: nn.Module, batch: Any, accumulate: int = 1) -> torch.Te
     (added to what earlier steps left, each microbatch's loss / `accumulate` before backward)."""
     inputs, targets = _inputs_and_targets(batch)
     return model.step(inputs, targets, loss_scale=1.0 / accumulate)
+
+
+def _take_rows(b: Any, rows: torch.Tensor) -> Any:
+    if isinstance(b, torch.Tensor):
+        return b[rows.to(b.device)] if b.dim() else b
+    if isinstance(b, (tuple, list)):
+        return type(b)(_take_rows(x, rows) for x in b)
+    if isinstance(b, dict):
+        return {k: _take_rows(v, rows) for k, v in b.items()}
+    return b
+
+
+def accumulating_step(forward_backward: Callable[[nn.Module, Any, int], torch.Tensor], dp: int,
+                      microbatches: int) -> Callable[[nn.Module, Any, int], torch.Tensor]:
+    """One process's step over the global microbatches of a pipeline with `dp` data-parallel ranks and
+    `microbatches` microbatches each: `forward_backward(model, rows, k x microbatches)` on each (each loss divided by
+    both), returning their mean loss."""
+    def step(model: nn.Module, batch: Any, accumulate: int) -> torch.Tensor:
+        n = _rows(batch)
+        if n % (dp * microbatches):
+            raise ValueError(f"check: a batch of {n} rows does not split into {dp} data-parallel ranks x "
+                             f"{microbatches} microbatches")
+        per_rank, size = n // dp, n // (dp * microbatches)
+        losses = []
+        for j in range(microbatches):
+            rows = torch.cat([torch.arange(d * per_rank + j * size, d * per_rank + (j + 1) * size) for d in range(dp)])
+            losses.append(forward_backward(model, _take_rows(batch, rows), accumulate * microbatches).detach())
+        return torch.stack(losses).mean()
+
+    return step
+
+
+def _rows(b: Any) -> int:
+    if isinstance(b, torch.Tensor) and b.dim():
+        return b.shape[0]
+    values = b.values() if isinstance(b, dict) else b if isinstance(b, (tuple, list)) else ()
+    return next((n for n in map(_rows, values) if n), 0)
 
 
 def pipeline_groups(model: nn.Module) -> list[Communicator]:

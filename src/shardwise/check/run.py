@@ -32,7 +32,8 @@ from ..whole import clip_grad_norm_, full_state_dict
 from .forward_outputs import OutputRecorder
 from .grads import data_parallel_group, full_gradients
 from .inputs import build_seeded, compute_loss, describe_optimizer, make_optimizer, slice_batch
-from .pipelines import pipeline_step, refuse_pipeline_loss_fn, whole_names
+from ..balance_loss import balance_layers
+from .pipelines import accumulating_step, pipeline_step, refuse_pipeline_loss_fn, whole_names
 from .sequences import chunked_loss
 from .spec import Spec
 
@@ -52,6 +53,7 @@ class Job:
     seed: int
     device: torch.device | None = None  # None: cpu
     accumulate: int = 1  # batches (backward passes, or pipeline steps) per optimizer step
+    microbatches: tuple[int, int] | None = None  # (dp, n): a pipeline's; one process then accumulates a MoE's
 
 
 @dataclasses.dataclass
@@ -87,6 +89,12 @@ def _facts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     dropout = tuple(n for n, m in model.named_modules()
                     if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0)
     return batchnorm, dropout
+
+
+def keep_whole_batch(model: nn.Module, job: Job) -> bool:
+    """Whether one process trains on each whole batch: unless the strategy is a pipeline (job.microbatches) and the
+    model has a MoE balance loss, which the pipeline computes per microbatch (balance_loss.py)."""
+    return job.microbatches is None or not balance_layers(model)
 
 
 def _hybrid(model: nn.Module) -> Any:
@@ -127,6 +135,8 @@ def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Ca
     records = []
     recorder = OutputRecorder(model) if keep else None
     train_step = pipeline_step if pipeline else _forward_backward(job.loss_fn, recorder)
+    if not keep_whole_batch(model, job) and not pipeline:  # a MoE balance loss per pipeline microbatch
+        train_step = accumulating_step(train_step, *job.microbatches)
     k = job.accumulate
     for start in range(0, len(job.batches), k):  # one optimizer step per k batches, each loss / k
         losses = [train_step(model, slicer(batch), k).detach().to(torch.float64)
@@ -169,10 +179,12 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     index, parts = (dp.rank, dp.size) if dp is not None else (0, 1)
     if hybrid is not None:  # its step splits sequences over cp itself and returns their mean: average over dp
         refuse_pipeline_loss_fn(job.loss_fn)
-        if hybrid.balance_loss_per_microbatch:
-            raise ValueError("check: the model's MoE balance loss is computed per microbatch under a pipeline (or "
-                             "n_microbatches > 1; docs/hybrid.md), which one process on the whole batch does not "
-                             "compute; check it with pp=1 and one microbatch, or with moe_aux_loss_coef=0")
+        if hybrid.balance_loss_per_microbatch and job.microbatches != (hybrid.mesh.dp.size,
+                                                                       hybrid.pipe.n_microbatches):
+            raise ValueError("check: the model's MoE balance loss is computed per microbatch under this pipeline "
+                             "(docs/hybrid.md), and the check's one process knows the microbatches only of a mesh "
+                             "dict ({'pp': ..., 'n_microbatches': ...}); check it that way, or with "
+                             "moe_aux_loss_coef=0")
         dp = hybrid.mesh.dp
         index, parts = dp.rank, dp.size
     elif job.spec.cp > 1:  # the cp ranks of a data-parallel rank share its rows and split their sequences
