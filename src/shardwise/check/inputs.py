@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["build_seeded", "resolve_batches", "slice_batch", "check_divides", "default_loss", "compute_loss",
-           "default_optimizer", "make_optimizer", "describe_optimizer", "check_picklable"]
+__all__ = ["batch_rows", "build_seeded", "resolve_batches", "slice_batch", "check_divides", "default_loss",
+           "compute_loss", "default_optimizer", "make_optimizer", "describe_optimizer", "check_picklable"]
 
 #: Thread ranks share torch's global RNG: every copy of the model is built under this lock and the same seed.
 _BUILD_LOCK = threading.Lock()
@@ -40,7 +40,7 @@ def resolve_batches(batch: Any, steps: int) -> list[Any]:
     """The global batch of every step: `batch(step)` for a callable, else `batch` itself each step."""
     out = [batch(step) if callable(batch) else batch for step in range(steps)]
     for step, b in enumerate(out):
-        rows = _rows(b)
+        rows = batch_rows(b)
         if not rows:
             raise ValueError(f"check: the batch{f' of step {step}' if callable(batch) else ''} holds no tensor with "
                              f"a batch dim; pass a tensor, a tuple/list or dict of tensors, or batch(step) returning "
@@ -48,20 +48,21 @@ def resolve_batches(batch: Any, steps: int) -> list[Any]:
     return out
 
 
-def _rows(b: Any) -> list[int]:
+def batch_rows(b: Any) -> list[int]:
+    """The dim-0 size of every tensor of a batch (nested tuples, lists and dicts), in order."""
     if isinstance(b, torch.Tensor):
         return [b.shape[0]] if b.dim() else []
     if isinstance(b, (tuple, list)):
-        return [n for x in b for n in _rows(x)]
+        return [n for x in b for n in batch_rows(x)]
     if isinstance(b, dict):
-        return [n for x in b.values() for n in _rows(x)]
+        return [n for x in b.values() for n in batch_rows(x)]
     return []
 
 
 def check_divides(batches: list[Any], dp: int) -> None:
     """ValueError naming the batch size and the data-parallel size when a tensor's rows do not split evenly."""
     for step, b in enumerate(batches):
-        bad = sorted({n for n in _rows(b) if n % dp})
+        bad = sorted({n for n in batch_rows(b) if n % dp})
         if bad:
             raise ValueError(f"check: a batch of {bad[0]} rows (step {step}) does not split evenly over the {dp} "
                              f"data-parallel ranks: every tensor's dim 0 must be a multiple of dp={dp}")

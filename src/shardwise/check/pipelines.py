@@ -31,6 +31,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json
+from .inputs import batch_rows
 
 __all__ = ["BATCH_FORMS", "accumulating_step", "check_pipeline_batch", "pipeline_groups", "pipeline_step",
            "refuse_pipeline_loss_fn", "whole_names"]
@@ -85,7 +86,7 @@ def accumulating_step(forward_backward: Callable[[nn.Module, Any, int], torch.Te
     `microbatches` microbatches each: `forward_backward(model, rows, k x microbatches)` on each (each loss divided by
     both), returning their mean loss."""
     def step(model: nn.Module, batch: Any, accumulate: int) -> torch.Tensor:
-        n = _rows(batch)
+        n = batch_rows(batch)[0]
         if n % (dp * microbatches):
             raise ValueError(f"check: a batch of {n} rows does not split into {dp} data-parallel ranks x "
                              f"{microbatches} microbatches")
@@ -97,13 +98,6 @@ def accumulating_step(forward_backward: Callable[[nn.Module, Any, int], torch.Te
         return torch.stack(losses).mean()
 
     return step
-
-
-def _rows(b: Any) -> int:
-    if isinstance(b, torch.Tensor) and b.dim():
-        return b.shape[0]
-    values = b.values() if isinstance(b, dict) else b if isinstance(b, (tuple, list)) else ()
-    return next((n for n in map(_rows, values) if n), 0)
 
 
 def pipeline_groups(model: nn.Module) -> list[Communicator]:
