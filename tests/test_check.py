@@ -18,7 +18,7 @@ import shardwise as sw
 from shardwise.check import STRATEGIES, check
 from shardwise.check.example import build_gpt, gpt_batch
 from shardwise_cli import main
-from shardwise_cli.check import CHECK_STRATEGIES, CHECK_TP_PLANS
+from shardwise_cli.check import CHECK_PP_SCHEDULES, CHECK_STRATEGIES, CHECK_TP_PLANS
 
 GPT_NAMES = [n for n, _ in build_gpt().named_parameters()]
 
@@ -296,8 +296,10 @@ def test_bad_model_and_loss():
 
 def test_cli_vocabulary_matches_the_library():
     from shardwise.check import TP_PLANS
+    from shardwise.pipeline.schedules import SCHEDULES
 
     assert CHECK_STRATEGIES == STRATEGIES and CHECK_TP_PLANS == TP_PLANS
+    assert CHECK_PP_SCHEDULES == SCHEDULES
 
 
 def test_cli_gpt_example(capsys):

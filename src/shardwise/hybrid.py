@@ -361,11 +361,12 @@ def parallelize(
     if mesh.sizes["ep"] > 1:
         experts.expert_parallel(model, mesh)
     layers, loss, gather_vocab, split_targets = _layers_and_loss(model, loss_fn, mesh)
-    carried = bool(balance_layers(model)) and (mesh.sizes["pp"] > 1 or plan.n_microbatches > 1)
+    balanced = balance_layers(model)  # after expert parallel, which may replace the MoE layers
+    carried = bool(balanced) and (mesh.sizes["pp"] > 1 or plan.n_microbatches > 1)
     if carried:  # per microbatch, passed from stage to stage (balance_loss.py)
         layers, loss = carry_balance_loss(layers, loss)
     else:
-        loss = with_balance_loss(loss, balance_layers(model))
+        loss = with_balance_loss(loss, balanced)
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
     pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss,
                        buffer_writes=plan.buffer_writes)

@@ -21,8 +21,8 @@ from .. import layout
 from ..comm.base import Communicator, ReduceOp
 from ..placement import comm_device
 from ..whole.gather import iter_gathered
-from ..whole.state_dict import exchange_partitions
-from .pipelines import pipeline_groups, whole_names
+from ..whole.state_dict import exchange_partitions, partition_groups
+from .pipelines import whole_names
 
 __all__ = ["full_gradients", "data_parallel_group"]
 
@@ -35,7 +35,7 @@ def full_gradients(model: nn.Module) -> tuple[dict[str, torch.Tensor | None], tu
                float(pl.param.grad is None and pl.param.numel() > 0),
                float(pl.param.grad is not None)] for pl in pls]
     flags = torch.tensor(counts, dtype=torch.float64).reshape(len(pls), 3)
-    stages = pipeline_groups(model)
+    stages = partition_groups(model)
     for group in layout.reduction_groups(model):
         if any(group.global_ranks == stage.global_ranks for stage in stages):
             continue  # the other stages hold other parameters: nothing to agree on

@@ -28,13 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import layout
-from ..comm.base import Communicator
 from ..comm.objects import all_gather_json
+from ..whole.state_dict import partition_groups
 from .inputs import batch_rows
 
-__all__ = ["BATCH_FORMS", "accumulating_step", "check_pipeline_batch", "pipeline_groups", "pipeline_step",
-           "refuse_pipeline_loss_fn", "whole_names"]
+__all__ = ["BATCH_FORMS", "accumulating_step", "check_pipeline_batch", "pipeline_step", "refuse_pipeline_loss_fn",
+           "whole_names"]
 
 BATCH_FORMS = ("a HuggingFace dict with 'input_ids' and 'labels' (and 'position_ids' or 'attention_mask'), or "
                "(x, y) for a model whose forward(x, y) returns the mean loss of its tokens")
@@ -100,21 +99,11 @@ def accumulating_step(forward_backward: Callable[[nn.Module, Any, int], torch.Te
     return step
 
 
-def pipeline_groups(model: nn.Module) -> list[Communicator]:
-    """Every group across which ranks hold different parameters (pipeline stages), each once."""
-    groups: dict[tuple[int, ...], Communicator] = {}
-    for record in layout.strategies(model):
-        group = record.partitioned_over
-        if group is not None and group.size > 1:
-            groups.setdefault(tuple(group.global_ranks), group)
-    return list(groups.values())
-
-
 def whole_names(model: nn.Module, names: list[Any]) -> list[Any]:
     """`names` (JSON values: this rank's parameter or buffer names) merged with every other pipeline stage's, in
     stage order, each once. Collective over the model's pipeline groups."""
     merged = list(names)
-    for group in pipeline_groups(model):
+    for group in partition_groups(model):
         stages, merged, seen = all_gather_json(group, merged), [], set()
         for stage in stages:
             for name in stage:

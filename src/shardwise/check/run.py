@@ -91,7 +91,7 @@ def _facts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return batchnorm, dropout
 
 
-def keep_whole_batch(model: nn.Module, job: Job) -> bool:
+def _whole_batches(model: nn.Module, job: Job) -> bool:
     """Whether one process trains on each whole batch: unless the strategy is a pipeline (job.microbatches) and the
     model has a MoE balance loss, which the pipeline computes per microbatch (balance_loss.py)."""
     return job.microbatches is None or not balance_layers(model)
@@ -135,7 +135,7 @@ def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Ca
     records = []
     recorder = OutputRecorder(model) if keep else None
     train_step = pipeline_step if pipeline else _forward_backward(job.loss_fn, recorder)
-    if not keep_whole_batch(model, job) and not pipeline:  # a MoE balance loss per pipeline microbatch
+    if not pipeline and not _whole_batches(model, job):  # a MoE balance loss per pipeline microbatch
         train_step = accumulating_step(train_step, *job.microbatches)
     k = job.accumulate
     for start in range(0, len(job.batches), k):  # one optimizer step per k batches, each loss / k

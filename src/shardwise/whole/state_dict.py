@@ -19,20 +19,29 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..comm.base import Communicator
 from ..comm.objects import all_gather_json
 from ..sharded_tensor import as_sharded, local, spec_of
 from .gather import iter_gathered, write_held
 
-__all__ = ["exchange_partitions", "full_state_dict", "load_full_into_pieces", "load_full_state_dict"]
+__all__ = ["exchange_partitions", "full_state_dict", "load_full_into_pieces", "load_full_state_dict",
+           "partition_groups"]
+
+
+def partition_groups(model: nn.Module) -> list[Communicator]:
+    """Every group across which ranks hold different parameters (pipeline stages), each once, innermost first."""
+    groups: dict[tuple[int, ...], Communicator] = {}
+    for record in layout.strategies(model):
+        group = record.partitioned_over
+        if group is not None and group.size > 1:
+            groups.setdefault(tuple(group.global_ranks), group)
+    return list(groups.values())
 
 
 def exchange_partitions(model: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Pipeline stages hold different parameters: broadcast each tensor of `local` (name -> dense tensor) from the
     first rank holding it, so every rank returns every stage's. Collective over the pipeline groups."""
-    for record in layout.strategies(model):
-        group = record.partitioned_over
-        if group is None or group.size == 1:
-            continue
+    for group in partition_groups(model):
         held = all_gather_json(group, {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
                                        for k, v in local.items()})
         merged: dict[str, torch.Tensor] = {}
