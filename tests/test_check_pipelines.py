@@ -4,8 +4,9 @@ under their one-process names (check/pipelines.py).
 
 Clean: shardwise's GPT in float64 with its embedding tied to the head across the stages (zero3 over dp=2, checked to
 1e-10, which a loss carried in float32 would miss), the schedules (interleaved, zero-bubble), tp x pp, cp x pp, and a
-HuggingFace Llama on packed rows (position ids, use_cache=False) and on padded rows. A planted bug is found: the tied
-embedding's gradient no longer summed over the stages that hold it. Refusals name what is allowed."""
+HuggingFace Llama on packed rows (position ids, use_cache=False) and on padded rows, Mixtral's router loss per
+microbatch on padded rows. Planted bugs are found: the tied embedding's gradient no longer summed over the stages that
+hold it; padding counted in the router loss. Refusals name what is allowed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from float64_gpts import tied_gpt, tokens
 
 import shardwise as sw
 from shardwise.check.example import build_gpt, gpt_batch
+from shardwise.models import hf_router_loss
 from shardwise_cli import main
 
 
@@ -87,6 +89,26 @@ def padded(step):
 def test_a_huggingface_llama_on_pipeline_stages_matches_one_process(batch, strategy):
     report = sw.check(llama, batch, strategy=strategy, world_size=4, steps=2)
     assert report.ok, str(report)
+
+
+def mixtral():
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        router_jitter_noise=0.0, output_router_logits=True, router_aux_loss_coef=0.05, tie_word_embeddings=False,
+        attn_implementation="eager", experts_implementation="eager")
+    return transformers.MixtralForCausalLM(config).double()
+
+
+def test_a_mixtral_router_loss_per_microbatch_matches_one_process_and_padding_counted_is_found(monkeypatch):
+    """The stages compute Mixtral's router loss per microbatch (models/hf_router_loss.py): the one process accumulates
+    over the same global microbatches, padding left out of the counts. Counting the padding is found."""
+    strategy = {"pp": 2, "dp_strategy": "zero3", "n_microbatches": 2}
+    report = sw.check(mixtral, padded, strategy=strategy, world_size=4, steps=2)
+    assert report.ok, str(report)
+    monkeypatch.setattr(hf_router_loss, "_token_weights", lambda *args: None)
+    report = sw.check(mixtral, padded, strategy=strategy, world_size=4, steps=2)
+    assert not report.ok and report.first_mismatch.phase == "gradient"
 
 
 def test_packed_rows_with_a_cache_in_use_are_explained():

@@ -79,6 +79,22 @@ def test_a_moe_module_gives_its_experts():
     assert by_module == by_count
 
 
+def test_a_huggingface_router_loss_is_a_balance_loss_no_pipeline_is_chosen_for():
+    """sw.parallelize computes a HuggingFace MoE's router loss per microbatch under a pipeline (another loss than one
+    process's), so sw.distribute must not choose one for it: model_facts says it has a balance loss."""
+    transformers = pytest.importorskip("transformers")
+
+    def qwen3_moe(router_logits):
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            output_router_logits=router_logits, router_aux_loss_coef=0.05))
+
+    facts = model_facts(qwen3_moe(True))
+    assert facts.pipeline_layers == 4 and facts.moe_balance_loss
+    assert not model_facts(qwen3_moe(False)).moe_balance_loss
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(ep=2), r"ep=2 splits the experts of a mixture of experts; give a module with MoE layers, or expert_params="),
     (dict(ep=2, expert_params=1e8, strategy="fsdp:hybrid_shard"),

@@ -16,7 +16,8 @@ microbatch losses is another function than the loss of the whole batch. `paralle
   pipeline's 1 / n_microbatches and the loss scale), and activation checkpointing recomputes it with its layer.
 
 A HuggingFace MoE's router loss is a function of every layer's router logits at once (transformers concatenates them
-before taking the means), so it is not a sum over stages: `parallelize` keeps it to pp = 1 and one microbatch.
+before taking the means), so it is not a sum over stages: models/hf_router_loss.py carries the per-expert sums it is
+made of instead, the same way.
 """
 
 from __future__ import annotations

@@ -134,7 +134,8 @@ def _workload(model: nn.Module, options: dict[str, Any]) -> tuple[Workload, dict
                     attention, bool(options.get("sequence_parallel", False)), facts.hidden_size, experts)
     tp_plan = options.get("tp_plan", facts.tp_plan)
     # A MoE balance loss is a function of the whole batch: under a pipeline sw.parallelize computes it per microbatch
-    # (balance_loss.py), another loss than the one process the choice must equal, so no pipeline is chosen for it.
+    # (balance_loss.py, models/hf_router_loss.py), another loss than the one process the choice must equal, so no
+    # pipeline is chosen for it.
     allowed = {"tensor_parallel": tp_plan is not None,
                "pipeline": facts.pipeline_layers is not None and not facts.moe_balance_loss,
                "max_pp": facts.pipeline_layers, "offload": options.get("offload", True),

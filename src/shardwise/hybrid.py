@@ -130,7 +130,7 @@ class HybridModel(nn.Module):
 
     def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str],
                  split_targets: bool = True, begin_step: Callable[[Any, int], None] | None = None,
-                 balance_carried: bool = False) -> None:
+                 balance_carried: bool = False, balance_per_microbatch: bool = False) -> None:
         super().__init__()
         self._split_targets = split_targets  # False: the loss takes whole sequences (HF's labels under cp)
         self.pipe = pipe
@@ -140,12 +140,15 @@ class HybridModel(nn.Module):
         self._stage_layers = names
         self._loss_scale = 1.0
         self._begin_step = begin_step  # the loss's, if it counts the step's global batch first
-        self._balance_carried = balance_carried  # stages pass a MoE balance-loss sum on (balance_loss.py)
+        # the stages pass a MoE balance-loss sum (balance_loss.py) or router statistics (hf_router_loss.py) on
+        self._balance_carried = balance_carried
+        self._balance_per_microbatch = balance_per_microbatch
 
     @property
     def balance_loss_per_microbatch(self) -> bool:
-        """Whether a MoE balance loss is computed per microbatch (pp > 1 or n_microbatches > 1; balance_loss.py)."""
-        return self._balance_carried
+        """Whether a MoE balance loss is computed per microbatch (pp > 1 or n_microbatches > 1; balance_loss.py,
+        models/hf_router_loss.py)."""
+        return self._balance_per_microbatch
 
     def scaled_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """`loss_fn` times the current step's loss scale (what the pipeline backpropagates)."""
@@ -339,8 +342,8 @@ def parallelize(
     With ep > 1 the model's MoE layers have their experts split over mesh.ep (shardwise.experts; docs/experts.md).
     A MoE layer's load-balancing loss (moe_aux_loss_coef > 0) is added to the loss: over the global batch as
     `GPT.forward` computes it with pp = 1 and one microbatch, else per microbatch (as one process accumulating
-    over the microbatches; balance_loss.py). A HuggingFace MoE's router loss (output_router_logits,
-    router_aux_loss_coef > 0) needs pp = 1 and n_microbatches = 1.
+    over the microbatches; balance_loss.py), and so is a HuggingFace MoE's router loss (output_router_logits,
+    router_aux_loss_coef > 0; models/hf_router_loss.py).
     Raises ValueError at wrap time for any combination it does not support, naming the argument.
     """
     if not isinstance(mesh, Mesh):
@@ -362,11 +365,12 @@ def parallelize(
         experts.expert_parallel(model, mesh)
     layers, loss, gather_vocab, split_targets = _layers_and_loss(model, loss_fn, mesh)
     balanced = balance_layers(model)  # after expert parallel, which may replace the MoE layers
-    carried = bool(balanced) and (mesh.sizes["pp"] > 1 or plan.n_microbatches > 1)
-    if carried:  # per microbatch, passed from stage to stage (balance_loss.py)
+    per_microbatch = mesh.sizes["pp"] > 1 or plan.n_microbatches > 1
+    if balanced and per_microbatch:  # passed from stage to stage (balance_loss.py)
         layers, loss = carry_balance_loss(layers, loss)
-    else:
-        loss = with_balance_loss(loss, balanced)
+    loss = loss if balanced and per_microbatch else with_balance_loss(loss, balanced)
+    # HF router statistics: hf_pipeline's layers carry them, always (models/hf_router_loss.py)
+    carried = bool(balanced) and per_microbatch or hf_parallel.router_loss_coef(model) > 0
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
     pipe = pp.Pipeline(stages, mesh.pp, schedule=pp_schedule, n_microbatches=plan.n_microbatches, loss_fn=loss,
                        buffer_writes=plan.buffer_writes)
@@ -388,7 +392,7 @@ def parallelize(
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
         _wrap_data_parallel(stage, mesh, plan)
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets,
-                         getattr(loss, "begin_step", None), carried)
+                         getattr(loss, "begin_step", None), carried, carried and per_microbatch)
     pipe.loss_fn = hybrid.scaled_loss(loss)
     _declare(hybrid, model, mesh)
     hand_over(model, hybrid)  # the tools given `model` answer for the hybrid; stale reads refuse

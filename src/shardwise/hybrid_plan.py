@@ -13,7 +13,6 @@ from .context_parallel.compose import attention_dropout, check_method
 from . import layout
 from .buffer_writes import check_buffer_writes_option
 from .mesh import Mesh
-from .models.hf_parallel import router_loss_coef
 from .sharding import MixedPrecision
 
 __all__ = ["Plan", "check_plan", "DP_STRATEGIES"]
@@ -49,20 +48,6 @@ def check_plan(mesh: Mesh, plan: Plan, model: nn.Module) -> None:
     if plan.dp_strategy not in DP_STRATEGIES:
         raise ValueError(f"parallelize: dp_strategy={plan.dp_strategy!r} is not supported; allowed {DP_STRATEGIES}")
     dp = mesh.sizes["dp"] * mesh.sizes["cp"]  # the data group's size (dp x cp: data_group)
-    if router_loss_coef(model) > 0:  # HuggingFace Mixtral with output_router_logits (models/hf_parallel.py)
-        # transformers takes its router loss's means over every layer's router logits at once: neither a sum over
-        # stages nor one over microbatches (a MoE layer of shardwise's own carries its loss per microbatch instead)
-        name, coef = f"{type(model).__name__} (output_router_logits=True)", "router_aux_loss_coef"
-        if mesh.sizes["pp"] > 1:
-            raise ValueError(f"parallelize: pp={mesh.sizes['pp']} with {name}, a mixture of experts with a load-"
-                             f"balancing loss ({coef} > 0), is not supported: that loss is a function of every "
-                             f"layer's router logits over the whole batch, which a pipeline's stages and "
-                             f"microbatches split; use pp=1, or set {coef}=0")
-        if plan.n_microbatches != 1:
-            raise ValueError(f"parallelize: n_microbatches={plan.n_microbatches!r} with {name}, a mixture of "
-                             f"experts with a load-balancing loss ({coef} > 0): that loss is a function of "
-                             f"the whole batch, not a sum over microbatches; use n_microbatches=1 (the default with "
-                             f"pp=1 for such a model), or set {coef}=0")
     if mesh.sizes["cp"] > 1:  # tp first, then cp over each rank's n_heads / tp heads (context_parallel/compose.py)
         check_method(model, mesh.sizes["cp"], plan.cp_method, tp=mesh.sizes["tp"], who="parallelize", arg="cp_method")
         dropout = attention_dropout(model)

@@ -13,7 +13,8 @@ in place. The batch says what the inputs and targets are:
 
 A MoE balance loss is computed per microbatch under a pipeline (balance_loss.py): the one process then accumulates
 over the same global microbatches (`accumulating_step`: microbatch j is the j-th microbatch of every data-parallel
-rank's rows, each loss / n_microbatches), which is what the ranks compute.
+rank's rows, each loss / n_microbatches), which is what the ranks compute. A HuggingFace MoE's router loss is too
+(models/hf_router_loss.py), beside a causal-LM loss that stays the whole batch's (`router_loss_step`).
 
 A `loss_fn` of the user's is refused: the stages' loss is the model's own (sw.parallelize's `loss_fn`, which a
 callable strategy may pass). Each stage holds some of the parameters and buffers, so the names a rank records
@@ -33,7 +34,7 @@ from ..whole.state_dict import partition_groups
 from .inputs import batch_rows
 
 __all__ = ["BATCH_FORMS", "accumulating_step", "check_pipeline_batch", "pipeline_step", "refuse_pipeline_loss_fn",
-           "whole_names"]
+           "router_loss_step", "whole_names"]
 
 BATCH_FORMS = ("a HuggingFace dict with 'input_ids' and 'labels' (and 'position_ids' or 'attention_mask'), or "
                "(x, y) for a model whose forward(x, y) returns the mean loss of its tokens")
@@ -79,22 +80,50 @@ def _take_rows(b: Any, rows: torch.Tensor) -> Any:
     return b
 
 
+def _global_microbatches(batch: Any, dp: int, microbatches: int) -> list[torch.Tensor]:
+    """The rows of each global microbatch j of `batch`: the j-th of `microbatches` microbatches of each of the `dp`
+    data-parallel ranks' equal shares of the rows."""
+    n = batch_rows(batch)[0]
+    if n % (dp * microbatches):
+        raise ValueError(f"check: a batch of {n} rows does not split into {dp} data-parallel ranks x "
+                         f"{microbatches} microbatches")
+    per_rank, size = n // dp, n // (dp * microbatches)
+    return [torch.cat([torch.arange(d * per_rank + j * size, d * per_rank + (j + 1) * size) for d in range(dp)])
+            for j in range(microbatches)]
+
+
 def accumulating_step(forward_backward: Callable[[nn.Module, Any, int], torch.Tensor], dp: int,
                       microbatches: int) -> Callable[[nn.Module, Any, int], torch.Tensor]:
     """One process's step over the global microbatches of a pipeline with `dp` data-parallel ranks and
     `microbatches` microbatches each: `forward_backward(model, rows, k x microbatches)` on each (each loss divided by
     both), returning their mean loss."""
     def step(model: nn.Module, batch: Any, accumulate: int) -> torch.Tensor:
-        n = batch_rows(batch)[0]
-        if n % (dp * microbatches):
-            raise ValueError(f"check: a batch of {n} rows does not split into {dp} data-parallel ranks x "
-                             f"{microbatches} microbatches")
-        per_rank, size = n // dp, n // (dp * microbatches)
-        losses = []
-        for j in range(microbatches):
-            rows = torch.cat([torch.arange(d * per_rank + j * size, d * per_rank + (j + 1) * size) for d in range(dp)])
-            losses.append(forward_backward(model, _take_rows(batch, rows), accumulate * microbatches).detach())
+        losses = [forward_backward(model, _take_rows(batch, rows), accumulate * microbatches).detach()
+                  for rows in _global_microbatches(batch, dp, microbatches)]
         return torch.stack(losses).mean()
+
+    return step
+
+
+def router_loss_step(forward_done: Callable[[], None], dp: int,
+                     microbatches: int) -> Callable[[nn.Module, Any, int], torch.Tensor]:
+    """One process's step of a HuggingFace MoE with a router loss over the global microbatches of a pipeline, as its
+    stages compute it (models/hf_router_loss.py): each microbatch's causal-LM loss summed over its labels and divided
+    by the whole batch's label count (transformers' ``num_items_in_batch``), plus ``router_aux_loss_coef x`` its own
+    router loss / `microbatches`, each backward / k; returns their sum. `forward_done` runs after the first forward."""
+    def step(model: nn.Module, batch: Any, accumulate: int) -> torch.Tensor:
+        inputs, labels = {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+        items = int((labels[..., 1:] != -100).sum())  # the labels HuggingFace's shifted loss counts
+        coef, vocab = model.config.router_aux_loss_coef, model.config.vocab_size
+        total = torch.zeros((), dtype=torch.float64)
+        for rows in _global_microbatches(batch, dp, microbatches):
+            out = model(**_take_rows(inputs, rows))
+            forward_done()
+            loss = model.loss_function(out.logits, _take_rows(labels, rows), vocab_size=vocab,
+                                       num_items_in_batch=items) + coef * out.aux_loss / microbatches
+            (loss / accumulate if accumulate > 1 else loss).backward()
+            total = total + loss.detach().to(total.dtype).cpu()
+        return total
 
     return step
 

@@ -33,7 +33,8 @@ from .forward_outputs import OutputRecorder
 from .grads import data_parallel_group, full_gradients
 from .inputs import build_seeded, compute_loss, describe_optimizer, make_optimizer, slice_batch
 from ..balance_loss import balance_layers
-from .pipelines import accumulating_step, pipeline_step, refuse_pipeline_loss_fn, whole_names
+from ..models.hf_router_loss import router_loss_coef
+from .pipelines import accumulating_step, pipeline_step, refuse_pipeline_loss_fn, router_loss_step, whole_names
 from .sequences import chunked_loss
 from .spec import Spec
 
@@ -93,8 +94,8 @@ def _facts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def _whole_batches(model: nn.Module, job: Job) -> bool:
     """Whether one process trains on each whole batch: unless the strategy is a pipeline (job.microbatches) and the
-    model has a MoE balance loss, which the pipeline computes per microbatch (balance_loss.py)."""
-    return job.microbatches is None or not balance_layers(model)
+    model has a MoE balance loss, which the pipeline computes per microbatch (balance_loss.py, hf_router_loss.py)."""
+    return job.microbatches is None or not (balance_layers(model) or router_loss_coef(model) > 0)
 
 
 def _hybrid(model: nn.Module) -> Any:
@@ -136,7 +137,11 @@ def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Ca
     recorder = OutputRecorder(model) if keep else None
     train_step = pipeline_step if pipeline else _forward_backward(job.loss_fn, recorder)
     if not pipeline and not _whole_batches(model, job):  # a MoE balance loss per pipeline microbatch
-        train_step = accumulating_step(train_step, *job.microbatches)
+        if router_loss_coef(model) > 0:
+            train_step = router_loss_step(recorder.remove if recorder is not None else lambda: None,
+                                          *job.microbatches)
+        else:
+            train_step = accumulating_step(train_step, *job.microbatches)
     k = job.accumulate
     for start in range(0, len(job.batches), k):  # one optimizer step per k batches, each loss / k
         losses = [train_step(model, slicer(batch), k).detach().to(torch.float64)
@@ -184,7 +189,7 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
             raise ValueError("check: the model's MoE balance loss is computed per microbatch under this pipeline "
                              "(docs/hybrid.md), and the check's one process knows the microbatches only of a mesh "
                              "dict ({'pp': ..., 'n_microbatches': ...}); check it that way, or with "
-                             "moe_aux_loss_coef=0")
+                             "moe_aux_loss_coef=0 (router_aux_loss_coef=0 for a HuggingFace MoE)")
         dp = hybrid.mesh.dp
         index, parts = dp.rank, dp.size
     elif job.spec.cp > 1:  # the cp ranks of a data-parallel rank share its rows and split their sequences

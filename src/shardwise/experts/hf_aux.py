@@ -29,8 +29,8 @@ from ..comm.base import Communicator, ReduceOp
 from .hf_kinds import GLOBAL_AUX, ROW_LOCAL_AUX, global_aux_model, is_one_of, model_forward
 from .ops import sum_over_ranks
 
-__all__ = ["GlobalRouterLoss", "LocalRouterLossRefused", "call_arguments", "global_balance_loss",
-           "refuse_local_router_losses", "router_logits_requested", "share_router_losses"]
+__all__ = ["GlobalRouterLoss", "LocalRouterLossRefused", "balance_loss_of", "call_arguments", "global_balance_loss",
+           "refuse_local_router_losses", "router_logits_requested", "router_statistics", "share_router_losses"]
 
 
 def _local_router_loss(module: nn.Module) -> bool:
@@ -101,27 +101,48 @@ def router_logits_requested(config: Any, given: dict[str, Any]) -> bool:
     return bool(config.output_router_logits if requested is None else requested)
 
 
+def router_statistics(gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """What HuggingFace's ``load_balancing_loss_func`` sums over the tokens of `gate_logits` (one (tokens, E) tensor
+    per MoE layer, tokens in row-major (B, T) order): ``[top-k assignments per expert (E), tokens (1), router
+    probabilities per expert (E)]``, each token weighted by `attention_mask` (B, T) when given (0 on padding). Sums
+    over several layers, microbatches or ranks add up; `balance_loss_of` finishes the formula. In the logits' dtype
+    promoted to at least float32; only the probabilities carry a gradient."""
+    device = gate_logits[0].device
+    dtype = torch.promote_types(gate_logits[0].dtype, torch.float32)
+    counts = torch.zeros(num_experts, dtype=dtype, device=device)
+    probs = torch.zeros(num_experts, dtype=dtype, device=device)
+    rows = torch.zeros(1, dtype=dtype, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=dtype)
+    for logits in gate_logits:
+        weights = torch.softmax(logits.to(device), dim=-1)  # in the logits' dtype, as HuggingFace's
+        _, selected = torch.topk(weights, top_k, dim=-1)
+        ones = mask if mask is not None else torch.ones(weights.shape[0], dtype=dtype, device=device)
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, selected.reshape(-1), ones.repeat_interleave(top_k))
+        probs = probs + (weights.to(dtype) if mask is None else weights.to(dtype) * mask.unsqueeze(-1)).sum(dim=0)
+        rows = rows + ones.sum()
+    return torch.cat([counts, rows, probs])
+
+
+def balance_loss_of(statistics: torch.Tensor, num_experts: int, dp: Communicator) -> torch.Tensor:
+    """HuggingFace's load-balancing loss ``E x sum_i f_i x P_i`` of `router_statistics` summed over the ranks of `dp`
+    (the counts and tokens by an all-reduce, the probabilities through `sum_over_ranks`, whose backward sums the
+    gradients too). f is a float32 mean, as HuggingFace's ``tokens_per_expert``. Collective over `dp`."""
+    device = statistics.device
+    totals = statistics[:num_experts + 1].detach().to(dp.device, copy=True)
+    dp.all_reduce(totals, ReduceOp.SUM)
+    totals = totals.to(device)
+    probs = sum_over_ranks(statistics[num_experts + 1:], dp)
+    tokens = totals[-1]
+    assigned = (totals[:-1].float() / tokens.float()).to(probs.dtype)
+    return torch.sum(assigned * (probs / tokens)) * num_experts
+
+
 def global_balance_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
                         attention_mask: torch.Tensor | None, dp: Communicator) -> torch.Tensor:
     """HuggingFace's Mixtral ``load_balancing_loss_func`` over the batch of every rank of `dp` (module docstring).
     Collective over `dp`."""
-    device = gate_logits[0].device
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros(1, dtype=torch.float32, device=device)
-    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
-    for logits in gate_logits:
-        weights = torch.softmax(logits.to(device), dim=-1)
-        _, selected = torch.topk(weights, top_k, dim=-1)
-        ones = mask if mask is not None else torch.ones(weights.shape[0], dtype=torch.float32, device=device)
-        counts = counts + torch.zeros_like(counts).scatter_add_(0, selected.reshape(-1), ones.repeat_interleave(top_k))
-        probs = probs + (weights.float() if mask is None else weights.float() * mask.unsqueeze(-1)).sum(dim=0)
-        rows = rows + ones.sum()
-    totals = torch.cat([counts, rows]).to(dp.device)
-    dp.all_reduce(totals, ReduceOp.SUM)
-    totals = totals.to(device)
-    probs = sum_over_ranks(probs, dp)
-    return torch.sum((totals[:-1] / totals[-1]) * (probs / totals[-1]).unsqueeze(0)) * num_experts
+    return balance_loss_of(router_statistics(gate_logits, num_experts, top_k, attention_mask), num_experts, dp)
 
 
 class GlobalRouterLoss(nn.Module):

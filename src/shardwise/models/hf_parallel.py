@@ -16,10 +16,9 @@ the whole sequence and batch have to be rebuilt for a rank that sees only part o
   parts the pipeline and the gradient average divide by: their means make HuggingFace's mean over the global batch.
 * **Mixtral's load-balancing loss** (``output_router_logits=True``, ``router_aux_loss_coef > 0``): HuggingFace adds
   ``coef x aux`` computed from every MoE layer's router logits in the model's forward, which the stages bypass.
-  `RouterLoss` records those logits with forward hooks on the routers and adds ``coef x aux`` to the loss, with aux
-  over the ranks splitting the batch (``experts.hf_aux.global_balance_loss``: counts, rows and probability sums
-  summed over dp x cp, the gradient summed back), so it is the global batch's. It is a product of two batch means,
-  not a mean over microbatches: `sw.parallelize` allows it with pp = 1 and one microbatch (hybrid_plan.py).
+  hf_router_loss.py carries the sums that loss is made of (assignments, tokens and router probabilities per expert,
+  padding weighted out) from layer to layer and stage to stage, and the last stage adds ``coef x aux`` of their sums
+  over the ranks splitting the batch: the global batch's with one microbatch, each global microbatch's with several.
 """
 
 from __future__ import annotations
@@ -33,8 +32,9 @@ from torch import nn
 
 from ..comm.base import Communicator
 from . import hf_stages
+from .hf_router_loss import carry_router_statistics, router_loss_coef
 
-__all__ = ["BUILDERS", "GlobalCausalLMLoss", "RouterLoss", "hf_pipeline", "router_loss_coef"]
+__all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "router_loss_coef"]
 
 #: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
 BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
@@ -94,74 +94,6 @@ class GlobalCausalLMLoss:
         return total * self.factor.to(device=total.device, dtype=total.dtype).reshape(())
 
 
-def router_loss_coef(model: nn.Module) -> float:
-    """``router_aux_loss_coef`` of a model whose forward adds Mixtral's load-balancing loss (Mixtral, Qwen2/3-MoE:
-    experts.hf_kinds.global_aux_model) with output_router_logits on and a coefficient > 0, else 0.0."""
-    from ..experts.hf_kinds import global_aux_model
-
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False) or not global_aux_model(model):
-        return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-
-
-def _routers(model: nn.Module) -> tuple[list[nn.Module], int]:
-    """The modules whose outputs HuggingFace records as ``router_logits`` (the model's ``_can_record_outputs``:
-    MixtralTopKRouter, Qwen3MoeTopKRouter, ...) and the index of the logits in their output."""
-    recorder = getattr(type(model), "_can_record_outputs", None) or {}
-    recorder = recorder.get("router_logits")
-    target = getattr(recorder, "target_class", None)
-    if target is None:
-        raise ValueError(f"parallelize: {type(model).__name__} does not say which modules' outputs are its router "
-                         f"logits (_can_record_outputs['router_logits']); router_aux_loss_coef=0 trains without the "
-                         f"load-balancing loss")
-    return [m for m in model.modules() if isinstance(m, target)], int(getattr(recorder, "index", 0) or 0)
-
-
-class RouterLoss:
-    """Records the router logits of every MoE layer (Mixtral, Qwen2/3-MoE) in the stages' forward and adds HF's
-    ``router_aux_loss_coef x load_balancing_loss`` of the global batch to `loss_fn` (module docstring).
-
-    The record restarts at each forward of the first layer (the embedding), so logits recomputed in backward by
-    activation checkpointing never mix with the next step's; the loss takes exactly one set per forward."""
-
-    def __init__(self, model: nn.Module, first: nn.Module, batch_group: Communicator) -> None:
-        config = model.config
-        self.coef = router_loss_coef(model)
-        self.experts, self.top_k = model.num_experts, model.num_experts_per_tok
-        self.batch_group = batch_group
-        self.logits: list[torch.Tensor] = []
-        routers, self.index = _routers(model)
-        run = {id(m) for layer in list(model.model.layers)[: config.num_hidden_layers] for m in layer.modules()}
-        routers = [r for r in routers if id(r) in run]  # the MoE layers HuggingFace's forward runs (dense: none)
-        if not routers:
-            raise ValueError(f"parallelize: found no router module in {type(model).__name__}'s decoder layers; "
-                             f"router_aux_loss_coef=0 trains without the load-balancing loss")
-        self.n_routers = len(routers)
-        first.register_forward_pre_hook(lambda module, args: self.logits.clear())
-        for router in routers:
-            router.register_forward_hook(self._record)
-
-    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.logits.append(output[self.index] if isinstance(output, tuple) else output)
-
-    def wrap(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
-        from ..experts.hf_aux import global_balance_loss
-
-        def loss(output: Any, target: Any) -> torch.Tensor:
-            logits, self.logits = self.logits, []
-            if len(logits) != self.n_routers:
-                raise RuntimeError(f"parallelize: {len(logits)} router outputs recorded for {self.n_routers} MoE "
-                                   f"layers in this forward; the load-balancing loss needs the whole batch in one "
-                                   f"forward (pp=1, n_microbatches=1)")
-            aux = global_balance_loss(tuple(logits), self.experts, self.top_k, None, self.batch_group)
-            return loss_fn(output, target) + self.coef * aux.to(output.device)
-
-        if hasattr(loss_fn, "begin_step"):
-            loss.begin_step = loss_fn.begin_step  # type: ignore[attr-defined]
-        return loss
-
-
 def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, dp: Communicator,
                 cp: Communicator, batch_group: Communicator) -> tuple[list[nn.Module], Callable[[Any, Any],
                                                                                               torch.Tensor], bool]:
@@ -171,12 +103,12 @@ def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | 
     (dp x cp). loss_fn None (or hf_stages.causal_lm_loss) is HuggingFace's loss on ``step(input_ids, labels)`` over
     the global batch (`GlobalCausalLMLoss`; the labels stay whole under context parallel). A loss_fn of the user's
     gets this rank's chunks of the output and of the targets, cut alike. Mixtral's router loss is added when its
-    config asks for it.
+    config asks for it (the layers then pass its statistics on: hf_router_loss.py).
     """
     layers = BUILDERS[model.config.model_type](model, cp=cp)
     default = loss_fn is None or loss_fn is hf_stages.causal_lm_loss
     split_targets = cp.size == 1 or not default
     loss = GlobalCausalLMLoss(dp, cp) if default else loss_fn
     if router_loss_coef(model) > 0:
-        loss = RouterLoss(model, layers[0], batch_group).wrap(loss)
+        layers, loss = carry_router_statistics(model, layers, loss, batch_group, cp)
     return layers, loss, split_targets

@@ -39,8 +39,9 @@ class ModelFacts:
     pipeline_layers: how many layers a pipeline could split (None: the model cannot be pipelined).
     expert_params: parameters inside the experts of its MoE layers (`models.moe.MoE`: w_in, b_in, w_out, b_out;
     routers excluded), 0 for a dense model; n_experts / experts_per_token: E and k of those layers (0 when dense);
-    moe_layers: how many there are; moe_balance_loss: whether they add a load-balancing loss (`aux_loss_coef` > 0:
-    a function of the whole batch, which sw.parallelize trains only without a pipeline, pp = 1). The shardwise GPT's
+    moe_layers: how many there are; moe_balance_loss: whether they, or a HuggingFace MoE's routers, add a
+    load-balancing loss (`aux_loss_coef` > 0, `router_aux_loss_coef` > 0: a function of the whole batch, which
+    sw.parallelize computes per microbatch under a pipeline). The shardwise GPT's
     "gpt" plan keeps its MoE layers whole on every tensor-parallel rank (experts replicated over tp, not split)."""
 
     num_params: int
@@ -86,6 +87,7 @@ def _int_attr(config: object, names: tuple[str, ...]) -> int | None:
 
 def model_facts(model: nn.Module) -> ModelFacts:
     from ..models.gpt import GPT
+    from ..models.hf_router_loss import router_loss_coef
 
     config = getattr(model, "config", None)
     geometry = {k: _int_attr(config, names) for k, names in _FIELDS.items()} if config is not None else {}
@@ -96,4 +98,6 @@ def model_facts(model: nn.Module) -> ModelFacts:
         # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers())
         layers = (geometry.get("num_layers") or 0) + 2 if geometry.get("num_layers") else None
     moe = _experts(model)
+    if router_loss_coef(model) > 0:  # a HuggingFace MoE's router loss: a function of the whole batch too
+        moe["moe_balance_loss"] = True
     return ModelFacts(count_parameters(model), tp_plan=tp_plan, pipeline_layers=layers, **geometry, **moe)
