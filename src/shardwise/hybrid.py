@@ -36,8 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import layout
-from . import context_parallel, experts
+from . import context_parallel, experts, layout
 from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
@@ -47,6 +46,7 @@ from .hybrid_copies import average_copies_gradients
 from .compression.support import copies_reconciled
 from .ddp import DDP
 from .hybrid_plan import DP_STRATEGIES, Plan, check_plan
+from .hybrid_state import ModelNamedState, model_state_names
 from .mesh import Mesh
 from .parallelized_model import hand_over
 from .models import hf_parallel
@@ -120,12 +120,13 @@ def _wrap_stage(stage: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
                 cpu_offload=plan.cpu_offload, compression=plan.compression, buffer_writes=plan.buffer_writes)
 
 
-class HybridModel(nn.Module):
+class HybridModel(ModelNamedState):
     """What `parallelize` returns: this rank's pipeline stages, tensor- and data-parallel (see the module docstring).
 
     `step(inputs, targets) -> loss` runs one training step (forward and backward of every microbatch, the
     data-parallel reduction) and returns the mean loss of this dp group's batch; `parameters()` are what this rank
-    trains; `predict(inputs, to="all")` runs inference; `describe()` says which rank holds which layers and slices.
+    trains; `predict(inputs, to="all")` runs inference; `describe()` says which rank holds which layers and slices;
+    `state_dict()` / `load_state_dict()` take the model's own names (hybrid_state.py).
     """
 
     def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str],
@@ -140,8 +141,7 @@ class HybridModel(nn.Module):
         self._stage_layers = names
         self._loss_scale = 1.0
         self._begin_step = begin_step  # the loss's, if it counts the step's global batch first
-        # the stages pass a MoE balance-loss sum (balance_loss.py) or router statistics (hf_router_loss.py) on
-        self._balance_carried = balance_carried
+        self._balance_carried = balance_carried  # stages pass a MoE balance-loss sum or router statistics on
         self._balance_per_microbatch = balance_per_microbatch
 
     @property
@@ -394,6 +394,7 @@ def parallelize(
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets,
                          getattr(loss, "begin_step", None), carried, carried and per_microbatch)
     pipe.loss_fn = hybrid.scaled_loss(loss)
+    hybrid._model_state_names = model_state_names(model)  # its state_dict's names (hybrid_state.py)
     _declare(hybrid, model, mesh)
     hand_over(model, hybrid)  # the tools given `model` answer for the hybrid; stale reads refuse
     return hybrid
