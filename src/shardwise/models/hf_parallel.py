@@ -36,13 +36,15 @@ from .hf_router_loss import carry_router_statistics, router_loss_coef
 
 __all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "router_loss_coef"]
 
+#: The HuggingFace ``config.model_type`` of decoders whose forward is Llama's: the embedding, the decoder layers given
+#: the causal (or sliding-window) mask, positions and rotary embeddings, the final norm and ``lm_head``, nothing
+#: between (no embedding multiplier, logit scale or soft cap: Granite, Cohere and Gemma 2 have them and are not here).
+LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo",
+                "olmo2", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm", "smollm3", "starcoder2")
+
 #: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
 BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
-    "llama": hf_stages.llama_pipeline_layers, "mistral": hf_stages.llama_pipeline_layers,
-    "qwen2": hf_stages.llama_pipeline_layers, "qwen3": hf_stages.llama_pipeline_layers,
-    "gemma": hf_stages.llama_pipeline_layers, "mixtral": hf_stages.llama_pipeline_layers,
-    "qwen2_moe": hf_stages.llama_pipeline_layers, "qwen3_moe": hf_stages.llama_pipeline_layers,
-    "gpt_oss": hf_stages.llama_pipeline_layers,
+    **{model_type: hf_stages.llama_pipeline_layers for model_type in LLAMA_SHAPED},
     "gpt2": hf_stages.gpt2_pipeline_layers,
 }
 

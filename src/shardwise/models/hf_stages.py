@@ -110,18 +110,22 @@ def _layer_inputs(config: object, masks: CausalMasks, hidden: torch.Tensor, posi
 
 
 class LlamaEmbeddingStage(nn.Module):
-    """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d)."""
+    """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d); then dropout with
+    probability `dropout` in training, as StarCoder2's forward drops out the embeddings (``embedding_dropout``)."""
 
-    def __init__(self, embed_tokens: nn.Module, positions: StagePositions | None = None) -> None:
+    def __init__(self, embed_tokens: nn.Module, positions: StagePositions | None = None, dropout: float = 0.0) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self._positions = positions if positions is not None else StagePositions()
+        self.dropout = float(dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> Any:
         who = "LlamaEmbeddingStage"
         check_ids(input_ids, who)
         hidden = self.embed_tokens(input_ids)
+        if self.dropout:
+            hidden = F.dropout(hidden, p=self.dropout, training=self.training)
         return passed_on(hidden, given_positions(position_ids, input_ids, who),
                          padding_of(attention_mask, input_ids, self._positions, who))
 
@@ -197,7 +201,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
                           ) -> list[nn.Module]:
     """``[LlamaEmbeddingStage, LlamaDecoderStage per layer, HFHeadStage]`` for a Llama-style causal LM.
 
-    `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (Mistral, Qwen2, ...):
+    `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (hf_parallel.LLAMA_SHAPED):
     ``model.model.embed_tokens``, ``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head``. The stages hold
     those modules (no copies); applying them in order to input_ids (B, T) gives ``model(input_ids).logits``.
     Raises ValueError naming what is missing for another structure, and for an attention implementation other
@@ -218,7 +222,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
     return [
-        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions),
+        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, getattr(model.model, "embedding_dropout", 0.0)),
         *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks)
           for i, layer in enumerate(layers)),
         HFHeadStage(parts["norm"], parts["lm_head"]),

@@ -1,0 +1,77 @@
+"""The HuggingFace decoder families `sw.parallelize` splits into pipeline stages as it splits Llama (models/hf_parallel.py,
+``LLAMA_SHAPED``: a forward of embedding, decoder layers, norm and head, nothing between), each through `sw.check`
+on pp=2 x dp=2 (ZeRO-3) or pp=2 x cp=2 (ring) with padded rows, against one process with HuggingFace's own loss over
+two AdamW steps: OLMo (clipped qkv), OLMo 2 (q/k norms), OLMoE and Phi-MoE (their router losses, per microbatch), Phi-3
+(a sliding window of 5 on 16 tokens, partial rotary), Helium, EXAONE 4 (sliding layers every other layer), GLM
+(partial rotary), SmolLM3 (layers without rotary) and StarCoder2 (a window; LayerNorm; its embedding dropout is the
+first stage's). Granite, Cohere and Gemma 2 scale or cap outside their layers and stay unknown, refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_check_pipelines import padded
+
+import shardwise as sw
+from shardwise.models import hf_stages
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager")
+MOE_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.05)
+FAMILIES = {
+    "olmo": ("Olmo", {"clip_qkv": 0.5}, "zero3"),
+    "olmo2": ("Olmo2", {}, "cp"),
+    "olmoe": ("Olmoe", {"num_experts": 4, "num_experts_per_tok": 2, **MOE_LOSS}, "zero3"),
+    "phimoe": ("Phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.0,
+                          "sliding_window": None, **MOE_LOSS}, "cp"),
+    "phi3": ("Phi3", {"pad_token_id": 0, "sliding_window": 5, "partial_rotary_factor": 0.5}, "zero3"),
+    "helium": ("Helium", {"head_dim": 8}, "cp"),
+    "exaone4": ("Exaone4", {"num_hidden_layers": 4, "sliding_window": 5, "sliding_window_pattern": 2}, "zero3"),
+    "glm": ("Glm", {"head_dim": 8, "pad_token_id": 0}, "cp"),
+    "smollm3": ("SmolLM3", {"pad_token_id": 0, "no_rope_layer_interval": 2}, "zero3"),
+    "starcoder2": ("Starcoder2", {"sliding_window": 5}, "cp"),
+}
+MESHES = {"zero3": {"pp": 2, "dp": 2, "dp_strategy": "zero3"}, "cp": {"pp": 2, "cp": 2}}
+
+
+def builder(family):
+    name, extra, _ = FAMILIES[family]
+    config, model = getattr(transformers, name + "Config"), getattr(transformers, name + "ForCausalLM")
+    return lambda: model(config(**{**SMALL, **extra}))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_llama_shaped_family_on_pipeline_stages_matches_one_process(family):
+    build = builder(family)
+    assert build().config.model_type == family
+    report = sw.check(build, padded, strategy=MESHES[FAMILIES[family][2]], world_size=4, steps=2)
+    assert report.ok, str(report)
+
+
+def test_starcoder2s_embedding_dropout_is_the_first_stages():
+    torch.manual_seed(0)
+    model = builder("starcoder2")()
+    model.model.embedding_dropout = 0.5
+    first = hf_stages.llama_pipeline_layers(model)[0]
+    ids = torch.randint(0, 64, (2, 16))
+    dropped = first(ids)
+    assert 0.3 < float((dropped == 0).float().mean()) < 0.7  # about half of the embeddings dropped, in training
+    torch.testing.assert_close(dropped[dropped != 0], 2 * model.model.embed_tokens(ids)[dropped != 0])
+    first.eval()
+    torch.testing.assert_close(first(ids), model.model.embed_tokens(ids))
+
+
+@pytest.mark.parametrize("name", ["Granite", "Cohere", "Gemma2"])
+def test_families_that_scale_outside_their_layers_are_refused_by_name(name):
+    config = getattr(transformers, name + "Config")(**SMALL, **({"head_dim": 8} if name == "Gemma2" else {}))
+    model = getattr(transformers, name + "ForCausalLM")(config)
+
+    def body(comm):
+        with pytest.raises(ValueError, match="is not a known HuggingFace decoder") as raised:
+            sw.parallelize(model, sw.Mesh(comm, pp=2))
+        return str(raised.value)
+
+    for error in sw.launch(body, 2):
+        assert type(model).__name__ in error
