@@ -32,15 +32,10 @@ from torch import nn
 
 from ..comm.base import Communicator
 from . import hf_stages
+from .hf_families import LLAMA_SHAPED
 from .hf_router_loss import carry_router_statistics, router_loss_coef
 
 __all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "router_loss_coef"]
-
-#: The HuggingFace ``config.model_type`` of decoders whose forward is Llama's: the embedding, the decoder layers given
-#: the causal (or sliding-window) mask, positions and rotary embeddings, the final norm and ``lm_head``, nothing
-#: between (no embedding multiplier, logit scale or soft cap: Granite, Cohere and Gemma 2 have them and are not here).
-LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo",
-                "olmo2", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm", "smollm3", "starcoder2")
 
 #: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
 BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {

@@ -50,6 +50,7 @@ ignored, the mean is over the remaining tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
+from .hf_families import LogitsOutput, embedding_multiplier, rotary_layer_type
 from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
                               padding_of, passed_on, stage_documents)
 
@@ -110,20 +112,25 @@ def _layer_inputs(config: object, masks: CausalMasks, hidden: torch.Tensor, posi
 
 
 class LlamaEmbeddingStage(nn.Module):
-    """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d); then dropout with
-    probability `dropout` in training, as StarCoder2's forward drops out the embeddings (``embedding_dropout``)."""
+    """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d); times `multiplier`
+    when given (Granite's ``embedding_multiplier``); then dropout with probability `dropout` in training, as
+    StarCoder2's forward drops out the embeddings (``embedding_dropout``)."""
 
-    def __init__(self, embed_tokens: nn.Module, positions: StagePositions | None = None, dropout: float = 0.0) -> None:
+    def __init__(self, embed_tokens: nn.Module, positions: StagePositions | None = None, dropout: float = 0.0,
+                 multiplier: float | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self._positions = positions if positions is not None else StagePositions()
         self.dropout = float(dropout)
+        self.multiplier = multiplier
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> Any:
         who = "LlamaEmbeddingStage"
         check_ids(input_ids, who)
         hidden = self.embed_tokens(input_ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
         if self.dropout:
             hidden = F.dropout(hidden, p=self.dropout, training=self.training)
         return passed_on(hidden, given_positions(position_ids, input_ids, who),
@@ -136,18 +143,19 @@ class LlamaDecoderStage(nn.Module):
     Builds what ``LlamaModel.forward`` builds once for all layers: position ids ``arange(T)`` (under context
     parallel the global positions of this rank's chunks), the rotary
     ``(cos, sin)`` from the model's own ``rotary_emb`` (a module without parameters, shared by every decoder
-    stage), and the additive causal mask (sliding-window when ``window`` is set; none under context parallel); then
-    calls ``layer`` with them.
+    stage; of the layer's type `rotary_type` when given: hf_families.rotary_layer_type), and the additive causal
+    mask (sliding-window when ``window`` is set; none under context parallel); then calls ``layer`` with them.
     """
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: object, window: int | None,
-                 masks: CausalMasks) -> None:
+                 masks: CausalMasks, rotary_type: str | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
         self.config = config
         self.window = window
         self._masks = masks
+        self.rotary_type = rotary_type
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> Any:
@@ -155,25 +163,34 @@ class LlamaDecoderStage(nn.Module):
         given, positions, documents = _layer_inputs(self.config, self._masks, hidden, position_ids, documents, who)
         with packed_layer(self.layer, self._masks.positions, given, documents):
             out = self.layer(hidden, attention_mask=self._masks(hidden, self.window, who, given, documents),
-                             position_ids=positions, position_embeddings=self.rotary_emb(hidden, positions))
+                             position_ids=positions, position_embeddings=self._rotary(hidden, positions))
         # Older transformers returned a 1-tuple (hidden,); 5.x returns the tensor.
         return passed_on(out[0] if isinstance(out, tuple) else out, given, documents)
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+        if self.rotary_type is None:
+            return self.rotary_emb(hidden, positions)
+        return self.rotary_emb(hidden, positions, self.rotary_type)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"
 
 
 class HFHeadStage(nn.Module):
-    """Last stage: ``lm_head(norm(hidden))``, (B, T, d) -> logits (B, T, V) (Llama's RMSNorm, GPT-2's ln_f)."""
+    """Last stage: ``lm_head(norm(hidden))``, (B, T, d) -> logits (B, T, V) (Llama's RMSNorm, GPT-2's ln_f), then
+    `output` of them when given (a family's logit scale or soft cap: hf_families.LogitsOutput)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, output: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.output = output
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # packed rows' positions and padded rows' documents end here
+        logits = self.lm_head(self.norm(hidden))  # packed rows' positions and padded rows' documents end here
+        return logits if self.output is None else self.output(logits)
 
 
 def _submodule(model: nn.Module, path: str, who: str, expected: str) -> nn.Module:
@@ -201,7 +218,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
                           ) -> list[nn.Module]:
     """``[LlamaEmbeddingStage, LlamaDecoderStage per layer, HFHeadStage]`` for a Llama-style causal LM.
 
-    `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (hf_parallel.LLAMA_SHAPED):
+    `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (hf_families.LLAMA_SHAPED):
     ``model.model.embed_tokens``, ``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head``. The stages hold
     those modules (no copies); applying them in order to input_ids (B, T) gives ``model(input_ids).logits``.
     Raises ValueError naming what is missing for another structure, and for an attention implementation other
@@ -222,10 +239,12 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
     return [
-        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, getattr(model.model, "embedding_dropout", 0.0)),
-        *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks)
+        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, getattr(model.model, "embedding_dropout", 0.0),
+                            embedding_multiplier(model)),
+        *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks,
+                            rotary_layer_type(parts["rotary_emb"], config, i))
           for i, layer in enumerate(layers)),
-        HFHeadStage(parts["norm"], parts["lm_head"]),
+        HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model)),
     ]
 
 
