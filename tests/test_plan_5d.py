@@ -95,6 +95,20 @@ def test_a_huggingface_router_loss_is_a_balance_loss_no_pipeline_is_chosen_for()
     assert not model_facts(qwen3_moe(False)).moe_balance_loss
 
 
+@pytest.mark.parametrize("name,tp_plan", [("Gemma2", "llama"), ("Granite", "llama"), ("Phi3", None), ("Olmo2", None),
+                                          ("GraniteMoe", None)])
+def test_huggingface_families_sw_parallelize_splits_are_pipelineable(name, tp_plan):
+    """Pipelines for every family sw.parallelize splits (models/hf_parallel.BUILDERS), the "llama" tensor-parallel plan
+    where it takes the family's modules; Granite-MoE (its own router loss) neither."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, name + "Config")(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    pad_token_id=0)
+    facts = model_facts(getattr(transformers, name + "ForCausalLM")(config))
+    assert facts.tp_plan == tp_plan
+    assert facts.pipeline_layers == (None if name == "GraniteMoe" else 4)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(ep=2), r"ep=2 splits the experts of a mixture of experts; give a module with MoE layers, or expert_params="),
     (dict(ep=2, expert_params=1e8, strategy="fsdp:hybrid_shard"),

@@ -22,10 +22,11 @@ _FIELDS = {  # our name -> config attribute names, first found wins
     "vocab_size": ("vocab_size",),
     "seq_len": ("seq_len", "max_position_embeddings", "n_positions"),
 }
-#: HuggingFace model types with a built-in tensor-parallel plan and pipeline layers (tensor_parallel.plans, hybrid).
-_HF_PLANS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
-             "qwen2_moe": "llama", "qwen3_moe": "llama", "gpt_oss": "llama",
-             "gpt2": "gpt2"}
+#: HuggingFace model types with a built-in tensor-parallel plan (tensor_parallel.plans) that takes their modules (a
+#: plan refuses full-width q/k norms -- OLMo 2 / 3, OLMoE --, a fused qkv -- Phi-3 -- and other MLPs -- StarCoder2).
+_LLAMA_PLAN = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
+               "gpt_oss", "olmo", "helium", "exaone4", "glm", "smollm3", "granite", "cohere")
+_HF_PLANS = {**{model_type: "llama" for model_type in _LLAMA_PLAN}, "gpt2": "gpt2"}
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -87,6 +88,7 @@ def _int_attr(config: object, names: tuple[str, ...]) -> int | None:
 
 def model_facts(model: nn.Module) -> ModelFacts:
     from ..models.gpt import GPT
+    from ..models.hf_parallel import BUILDERS
     from ..models.hf_router_loss import router_loss_coef
 
     config = getattr(model, "config", None)
@@ -94,8 +96,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
     model_type = getattr(config, "model_type", None)
     tp_plan = "gpt" if isinstance(model, GPT) else _HF_PLANS.get(model_type) if isinstance(model_type, str) else None
     layers = None
-    if hasattr(model, "pipeline_layers") or (isinstance(model_type, str) and model_type in _HF_PLANS):
-        # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers())
+    if hasattr(model, "pipeline_layers") or (isinstance(model_type, str) and model_type in BUILDERS):
+        # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers(), hf_parallel's)
         layers = (geometry.get("num_layers") or 0) + 2 if geometry.get("num_layers") else None
     moe = _experts(model)
     if router_loss_coef(model) > 0:  # a HuggingFace MoE's router loss: a function of the whole batch too
