@@ -18,7 +18,8 @@ import copy
 
 import pytest
 import torch
-from hf_decoders import MAX_NORM, MODELS, STEPS, optimizer
+from hf_decoders import MAX_NORM, MODELS, STEPS, mixtral, optimizer
+from test_parallelize_hf_packed import train
 
 import shardwise as sw
 
@@ -73,24 +74,6 @@ def accumulating(model, batch, dp, n):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, losses
 
 
-def train(comm, model, axes, options, batch):
-    mesh = sw.Mesh(comm, **axes)
-    hybrid = sw.parallelize(copy.deepcopy(model), mesh, **options)
-    opt = optimizer(hybrid.parameters())
-    norms, losses = [], []
-    dp, index = mesh.sizes["dp"], mesh.coords.dp
-    rows = slice(index * B // dp, (index + 1) * B // dp)
-    for step in range(STEPS):
-        inputs, labels = batch(step)
-        losses.append(float(hybrid.step({k: v[rows] for k, v in inputs.items()}, labels[rows])))
-        norms.append(float(sw.clip_grad_norm_(hybrid, MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-    hybrid.eval()
-    logits = hybrid.predict({k: v[rows] for k, v in batch(STEPS)[0].items()})
-    return sw.full_state_dict(hybrid), norms, losses, (rows, logits, hybrid.balance_loss_per_microbatch)
-
-
 CASES = {
     "mixtral_pp2": ("mixtral", {"pp": 2}, {"n_microbatches": 2}, plain),
     "mixtral_pp2_interleaved": ("mixtral", {"pp": 2}, {"n_microbatches": 2, "virtual_stages": 2,
@@ -127,10 +110,20 @@ def test_the_router_loss_per_microbatch_trains_like_one_process_accumulating(cas
     with torch.no_grad():
         want_logits = trained(**inputs).logits
     real = inputs.get("attention_mask", torch.ones(B, T)).bool()  # a padding position's output is nobody's
-    for state, norms, _, (rows, logits, per_microbatch) in results:
-        assert per_microbatch == (n > 1)
+    for state, norms, _, (rows, logits) in results:
         torch.testing.assert_close(logits[real[rows]], want_logits[rows][real[rows]], rtol=1e-5, atol=1e-5)
         assert norms == pytest.approx(want_norms, rel=1e-5)
         assert set(state) == set(want)
         for name in want:
             torch.testing.assert_close(state[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_hybrid_says_whether_its_balance_loss_is_per_microbatch():
+    model = mixtral()
+
+    def body(comm):
+        return [sw.parallelize(copy.deepcopy(model), sw.Mesh(comm, **axes)).balance_loss_per_microbatch
+                for axes in ({"pp": 2}, {"dp": 2})]  # 4 microbatches by default, and 1 (the default at pp = 1)
+
+    for flags in sw.launch(body, 2):
+        assert flags == [True, False]
