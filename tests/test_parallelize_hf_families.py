@@ -6,8 +6,10 @@ OLMo (clipped qkv), OLMo 2 (q/k norms), OLMo 3 (sliding layers with their own ro
 losses, per microbatch), Phi-3 (a sliding window of 5 on 16 tokens, partial rotary), Helium, EXAONE 4 (sliding layers
 every other layer), GLM (partial rotary), SmolLM3 (layers without rotary), StarCoder2 (a window; LayerNorm; its
 embedding dropout is the first stage's), Gemma 2 (attention and final soft caps, a window), Gemma 3 (local layers
-rotating by their own base), Granite (embedding, residual, attention multipliers and a logit scale) and Cohere (a logit
-scale). Granite-MoE, which adds its router loss its own way, stays unknown, refused by name."""
+rotating by their own base), Granite (embedding, residual, attention multipliers and a logit scale), Cohere (a logit
+scale) and DeepSeek-V3 (latent attention with a value head of another size, a dense first layer, routed and shared
+experts, split over ep=2 x dp=2). Granite-MoE, which adds its router loss its own way, stays unknown, refused by
+name."""
 
 from __future__ import annotations
 
@@ -43,8 +45,14 @@ FAMILIES = {
     "granite": ("Granite", {"embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier": 0.5,
                             "attention_multiplier": 0.3}, "zero3"),
     "cohere": ("Cohere", {"logit_scale": 0.25}, "cp"),
+    "deepseek_v3": ("DeepseekV3", {"num_hidden_layers": 3, "num_key_value_heads": 4, "n_routed_experts": 4,
+                                   "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16,
+                                   "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                   "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 6, "n_group": 1,
+                                   "topk_group": 1, "pad_token_id": 0}, "ep"),
 }
-MESHES = {"zero3": {"pp": 2, "dp": 2, "dp_strategy": "zero3"}, "cp": {"pp": 2, "cp": 2}}
+MESHES = {"zero3": {"pp": 2, "dp": 2, "dp_strategy": "zero3"}, "cp": {"pp": 2, "cp": 2},
+          "ep": {"pp": 2, "dp": 2, "ep": 2}}
 
 
 def builder(family):

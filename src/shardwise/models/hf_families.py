@@ -30,7 +30,7 @@ __all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_multiplier", "rotary_layer
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
                 "qwen3_moe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm",
-                "smollm3", "starcoder2", "granite", "cohere")
+                "smollm3", "starcoder2", "granite", "cohere", "deepseek_v3")
 
 _SOFTCAPPED = ("gemma2", "gemma3_text")
 
