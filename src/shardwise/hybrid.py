@@ -41,17 +41,16 @@ from . import pipeline as pp
 from . import tensor_parallel as tp
 from .activation_checkpointing import check_interval, checkpoint_every
 from .balance_loss import balance_layers, carry_balance_loss, with_balance_loss, without_balance_sum
-from .comm.base import Communicator, ReduceOp
+from .comm.base import ReduceOp
 from .hybrid_copies import average_copies_gradients
-from .compression.support import copies_reconciled
-from .ddp import DDP
+from .hybrid_data_parallel import data_group, wrap_data_parallel
 from .hybrid_plan import DP_STRATEGIES, Plan, check_plan
 from .hybrid_state import ModelNamedState, model_state_names
 from .mesh import Mesh
 from .parallelized_model import hand_over
 from .models import hf_parallel
 from .placement import to_comm_device
-from .sharding import FSDP, MixedPrecision, ZeRO
+from .sharding import MixedPrecision
 from .sharding.offload import offload_level
 from .skipped_forward import refuse_skipped_forward
 from .tensor_parallel.mappings import gather_from_region
@@ -90,34 +89,6 @@ def _layers_class(model: nn.Module) -> type | None:
     if getattr(getattr(model, "config", None), "model_type", None) in hf_parallel.BUILDERS:
         return next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), None)
     return None
-
-
-def _wrap_data_parallel(stage: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
-    # HybridModel averages the copies of tp-replicated and pipeline-tied parameters after the reduction
-    # (_average_copies_gradients), so compression may see them.
-    with copies_reconciled():
-        return _wrap_stage(stage, mesh, plan)
-
-
-def data_group(mesh: Mesh) -> Communicator:
-    """The ranks dense gradients average over: dp, or dp x cp when the sequence is split too (each cp rank's loss is
-    the mean over an equal share of every sequence's tokens)."""
-    return mesh.dp if mesh.sizes["cp"] == 1 else mesh.dp_cp
-
-
-def _wrap_stage(stage: nn.Module, mesh: Mesh, plan: Plan) -> nn.Module:
-    group = data_group(mesh)
-    if plan.dp_strategy == "ddp":
-        return DDP(stage, group, compression=plan.compression, find_unused_parameters=plan.find_unused_parameters,
-                   buffer_writes=plan.buffer_writes)
-    mp = plan.mixed_precision
-    if plan.dp_strategy.startswith("zero"):
-        return ZeRO(stage, group, stage=int(plan.dp_strategy[-1]), mixed_precision=mp, cpu_offload=plan.cpu_offload,
-                    compression=plan.compression, buffer_writes=plan.buffer_writes)
-    sharding = plan.dp_strategy.split(":", 1)[1]
-    shard_size = plan.dp_shard if sharding == "hybrid_shard" else None
-    return FSDP(stage, group, sharding=sharding, shard_size=shard_size, mixed_precision=mp,
-                cpu_offload=plan.cpu_offload, compression=plan.compression, buffer_writes=plan.buffer_writes)
 
 
 class HybridModel(ModelNamedState):
@@ -229,8 +200,23 @@ class HybridModel(ModelNamedState):
                 yield (f"{prefix}.{name}" if prefix else name), placement.param
 
     def forward(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        """Same as `step`."""
-        return self.step(inputs, targets)
+        """`step`; under ``torch.no_grad()`` -- ``model.eval(); with torch.no_grad(): loss = model(x, y)``, a
+        validation loop -- `evaluate`, which trains nothing."""
+        return self.step(inputs, targets) if torch.is_grad_enabled() else self.evaluate(inputs, targets)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """The loss `step` returns for this batch (this dp group's, on every rank), computed with the forward-only
+        schedule under no_grad: no graph, no gradient touched, no data-parallel reduction. Call `eval()` first to
+        disable dropout. Collective over every rank, as `step`."""
+        self._loss_scale = 1.0
+        if self._begin_step is not None and targets is not None:  # a loss over the batch's labels counts them first
+            self._begin_step(targets, self.pipe.n_microbatches)
+        targets = self._split_sequence(targets) if self._split_targets else targets
+        loss = self.pipe.evaluate(self._split_sequence(inputs), targets)
+        if self.mesh.sizes["cp"] > 1:
+            self.mesh.cp.all_reduce(loss, ReduceOp.AVG)
+        return loss
 
     @torch.no_grad()
     def predict(self, inputs: Any = None, *, to: str | int = "all") -> Any:
@@ -390,7 +376,7 @@ def parallelize(
             pl = dataclasses.replace(model_placements[id(p)], tied_over=tied[id(p)])
             own[pl.name] = pl
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
-        _wrap_data_parallel(stage, mesh, plan)
+        wrap_data_parallel(stage, mesh, plan)
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets,
                          getattr(loss, "begin_step", None), carried, carried and per_microbatch)
     pipe.loss_fn = hybrid.scaled_loss(loss)

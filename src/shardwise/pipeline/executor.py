@@ -179,8 +179,8 @@ class Pipeline(nn.Module):
 
     # ---- public ----------------------------------------------------------------------------------------------------
     def forward(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        """Same as `step`."""
-        return self.step(inputs, targets)
+        """`step`; under ``torch.no_grad()`` (a validation loop), `evaluate`."""
+        return self.step(inputs, targets) if torch.is_grad_enabled() else self.evaluate(inputs, targets)
 
     def step(self, inputs: Any = None, targets: Any = None, *,
              around_action: Callable[[Action], contextlib.AbstractContextManager] | None = None) -> torch.Tensor:
@@ -207,13 +207,27 @@ class Pipeline(nn.Module):
             raise
         self._buffer_writes.after()
         self.tied.all_reduce_grads()
-        # Broadcast in float64 (on the communicator's device), returned in the stages' parameter dtype, at least
-        # fp32: a float64 model's loss keeps its digits, any other's is float32 on every rank.
-        loss = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
-        if st.losses:
-            loss.copy_(torch.stack([x.double() for x in st.losses]).sum() / m)
-        self.comm.broadcast(loss, src=self._last_rank)
+        loss = self._mean_loss(st.losses, m)
         self.grads_answer_for_stages()
+        return loss
+
+    def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """The mean loss `step` would return for this batch, without training: the forward-only schedule under
+        ``torch.no_grad()`` (no graph, no gradient touched), each microbatch's ``loss_fn(output, target)`` at the
+        last stage, on every rank. What a validation loop needs; raises as `step` does."""
+        m = self.n_microbatches
+        with torch.no_grad():
+            st = self._run(self._forward_schedule(m).actions[self.comm.rank], m, "Pipeline.evaluate", inputs, targets,
+                           forward_only=True, losses=True)
+        return self._mean_loss(st.losses, m)
+
+    def _mean_loss(self, losses: list[torch.Tensor], m: int) -> torch.Tensor:
+        """The mean of the last stage's microbatch losses on every rank. Broadcast in float64 (on the communicator's
+        device), returned in the stages' parameter dtype, at least fp32: a float64 model's loss keeps its digits."""
+        loss = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
+        if losses:
+            loss.copy_(torch.stack([x.double() for x in losses]).sum() / m)
+        self.comm.broadcast(loss, src=self._last_rank)
         dtype = next((p.dtype for p in self.stages.parameters() if p.is_floating_point()), torch.float32)
         return loss[0].to(torch.promote_types(dtype, torch.float32))
 
@@ -238,24 +252,30 @@ class Pipeline(nn.Module):
         """
         dst = check_destination(to, self.comm.size)
         m = self.n_microbatches if n_microbatches is None else n_microbatches
-        if m not in self._forward_schedules:
-            p, v = self.comm.size, self.schedule.virtual_stages
-            check_schedule_args("Pipeline.predict", FORWARD_SCHEDULES[0], p, m, v)
-            self._forward_schedules[m] = build_schedule(FORWARD_SCHEDULES[0], p, m, v)
-        schedule = self._forward_schedules[m]
+        schedule = self._forward_schedule(m)
         with torch.no_grad():
             st = self._run(schedule.actions[self.comm.rank], m, "Pipeline.predict", inputs, None, forward_only=True)
             return deliver(self.comm, lambda: concat("the last stage", [st.results[mb] for mb in range(m)]),
                            self._last_rank, dst, lambda kind, leaf: st.messenger.tag(kind, self.n_stages, 0, leaf))
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
+    def _forward_schedule(self, m: int) -> Any:
+        if m not in self._forward_schedules:
+            p, v = self.comm.size, self.schedule.virtual_stages
+            check_schedule_args("Pipeline.predict", FORWARD_SCHEDULES[0], p, m, v)
+            self._forward_schedules[m] = build_schedule(FORWARD_SCHEDULES[0], p, m, v)
+        return self._forward_schedules[m]
+
     def _run(self, actions: Sequence[Action], m: int, where: str, inputs: Any, targets: Any, *,
-             forward_only: bool, around: Callable[[Action], contextlib.AbstractContextManager] | None = None
-             ) -> _StepState:
+             forward_only: bool, around: Callable[[Action], contextlib.AbstractContextManager] | None = None,
+             losses: bool | None = None) -> _StepState:
+        """One run of `actions`; `losses` (default: not forward_only): the last stage computes each microbatch's
+        loss of `targets` (forward-only: without keeping it for a backward pass)."""
+        losses = not forward_only if losses is None else losses
         st = self._st = _StepState(
             forward_only, Messenger(self.comm, self.schedule.rank_of, m),
             self._split(where, "inputs", inputs, 0 in self.local_stages, m),
-            None if forward_only else self._split(where, "targets", targets, self.n_stages - 1 in self.local_stages, m),
+            self._split(where, "targets", targets, self.n_stages - 1 in self.local_stages, m) if losses else None,
         )
         try:
             for step in host_steps(actions):
@@ -340,12 +360,13 @@ class Pipeline(nn.Module):
                 if s not in st.out_spec:
                     st.out_spec[s] = spec_of(out)
                 st.outputs[(s, mb)] = out
-            elif st.forward_only:
+            elif st.y_mb is None:  # forward-only (predict): the output itself
                 st.results[mb] = out
             else:
                 loss = self.loss_fn(out, st.y_mb[mb])
                 st.losses.append(loss.detach())
-                st.outputs[(s, mb)] = loss / self.n_microbatches
+                if not st.forward_only:
+                    st.outputs[(s, mb)] = loss / self.n_microbatches
             return start, time.perf_counter()
         if a.op is Op.WEIGHT:
             start = time.perf_counter()
