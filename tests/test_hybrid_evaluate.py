@@ -84,6 +84,16 @@ def test_a_huggingface_llama_on_pp2_evaluates_huggingfaces_loss_of_the_batch():
         assert loss == pytest.approx(want, rel=1e-6)
 
 
+def test_the_model_called_for_its_logits_under_no_grad_names_predict_on_every_rank():
+    def body(comm):
+        hybrid = sw.parallelize(copy.deepcopy(MOE), sw.Mesh(comm, pp=2)).eval()
+        with torch.no_grad(), pytest.raises(ValueError, match=r"model\.predict\(inputs\)"):
+            hybrid(batch(6))
+        return float(hybrid.predict(batch(6)).abs().sum()) > 0
+
+    assert all(sw.launch(body, 2))
+
+
 def test_a_pipeline_built_by_hand_evaluates_under_no_grad():
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2), seed=0)
     x = batch(5)

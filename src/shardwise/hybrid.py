@@ -202,7 +202,13 @@ class HybridModel(ModelNamedState):
     def forward(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         """`step`; under ``torch.no_grad()`` -- ``model.eval(); with torch.no_grad(): loss = model(x, y)``, a
         validation loop -- `evaluate`, which trains nothing."""
-        return self.step(inputs, targets) if torch.is_grad_enabled() else self.evaluate(inputs, targets)
+        if torch.is_grad_enabled():
+            return self.step(inputs, targets)
+        if targets is None:  # every rank raises alike, before any pipeline rank waits on another
+            raise ValueError("model(inputs) under torch.no_grad(): the model sw.parallelize returns computes the "
+                             "loss of (inputs, targets) (model.evaluate); for its output (the logits) call "
+                             "model.predict(inputs)")
+        return self.evaluate(inputs, targets)
 
     @torch.no_grad()
     def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
