@@ -6,7 +6,8 @@
 * pp = 1 under ZeRO-3 and tensor parallel: the same keys; pickling a piece raises naming `sw.full_state_dict`.
 * pp = 2: `state_dict()` raises naming `sw.full_state_dict` (a rank holds part of the model); `load_state_dict` of a
   one-process state dict loads every stage, under DDP and ZeRO-3, GPT-2 with its head tied to the embedding too.
-* strict: a missing or unknown name raises on every rank (whichever holds the layer); strict=False returns them."""
+* strict: a missing or unknown name raises on every rank (whichever holds the layer) before anything is loaded;
+  strict=False returns them."""
 
 from __future__ import annotations
 
@@ -91,9 +92,11 @@ def test_a_missing_or_unknown_name_raises_on_every_pipeline_rank():
             with pytest.raises(RuntimeError) as raised:
                 model.load_state_dict(state)
             errors.append(str(raised.value))
-        return errors, model.load_state_dict(partial, strict=False)
+        untouched = torch.equal(sw.full_state_dict(model)["blocks.1.mlp.fc.weight"], BASE.blocks[1].mlp.fc.weight)
+        return errors, model.load_state_dict(partial, strict=False), untouched
 
-    for (missing, unexpected), loose in sw.launch(body, 2):
+    for (missing, unexpected), loose, untouched in sw.launch(body, 2):
+        assert untouched  # a refused state dict loads nothing
         assert "Missing key(s) in state_dict: 'blocks.0.attn.qkv.weight'" in missing
         assert "Unexpected key(s) in state_dict: 'blocks.9.mlp.weight'" in unexpected
         assert loose.missing_keys == ["blocks.0.attn.qkv.weight"] and loose.unexpected_keys == []

@@ -87,14 +87,15 @@ class ModelNamedState(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> _IncompatibleKeys:
         held = self._stage_keys()
         known = list(self._model_state_names) + [n for n in held if n not in self._model_state_names]
-        translated = {path: state_dict[name] for name, paths in held.items() if name in state_dict for path in paths}
-        nn.Module.load_state_dict(self, translated, strict=False, assign=assign)
-        # Over the whole model's names, not this rank's layers only: every pipeline rank raises, or none.
-        missing = [name for name in known if name not in state_dict]
-        unexpected = [name for name in state_dict if name not in set(known)]
+        # Over the whole model's names, not this rank's layers only: every pipeline rank raises, or none; and before
+        # anything is copied, so a refused state dict leaves the model as it was.
+        missing, names = [name for name in known if name not in state_dict], set(known)
+        unexpected = [name for name in state_dict if name not in names]
         if strict and (missing or unexpected):
             lines = ([f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}."] if missing else []) + \
                     ([f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}."] if unexpected else [])
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (the names of the model "
                                f"given to sw.parallelize):\n\t" + "\n\t".join(lines))
+        translated = {path: state_dict[name] for name, paths in held.items() if name in state_dict for path in paths}
+        nn.Module.load_state_dict(self, translated, strict=False, assign=assign)
         return _IncompatibleKeys(missing, unexpected)
