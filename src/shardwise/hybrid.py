@@ -102,7 +102,7 @@ class HybridModel(ModelNamedState):
 
     def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str],
                  split_targets: bool = True, begin_step: Callable[[Any, int], None] | None = None,
-                 balance_carried: bool = False, balance_per_microbatch: bool = False) -> None:
+                 balance_carried: bool = False) -> None:
         super().__init__()
         self._split_targets = split_targets  # False: the loss takes whole sequences (HF's labels under cp)
         self.pipe = pipe
@@ -113,13 +113,12 @@ class HybridModel(ModelNamedState):
         self._loss_scale = 1.0
         self._begin_step = begin_step  # the loss's, if it counts the step's global batch first
         self._balance_carried = balance_carried  # stages pass a MoE balance-loss sum or router statistics on
-        self._balance_per_microbatch = balance_per_microbatch
 
     @property
     def balance_loss_per_microbatch(self) -> bool:
         """Whether a MoE balance loss is computed per microbatch (pp > 1 or n_microbatches > 1; balance_loss.py,
         models/hf_router_loss.py)."""
-        return self._balance_per_microbatch
+        return self._balance_carried and (self.mesh.sizes["pp"] > 1 or self.pipe.n_microbatches > 1)
 
     def scaled_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """`loss_fn` times the current step's loss scale (what the pipeline backpropagates)."""
@@ -141,11 +140,7 @@ class HybridModel(ModelNamedState):
         `sw.ShardedGradScaler(model)`, then `scaler.step(opt)`; 1/k to accumulate k steps; the loss returned is not).
         """
         stages = list(self.pipe.stages.values())
-        self._loss_scale = float(loss_scale)
-        if self._begin_step is not None and targets is not None:  # a loss over the step's global batch counts first
-            self._begin_step(targets, self.pipe.n_microbatches)
-        inputs = self._split_sequence(inputs)
-        targets = self._split_sequence(targets) if self._split_targets else targets
+        inputs, targets = self._begin(inputs, targets, loss_scale)
         if self._overlaps_last_microbatch():
             # One stage per rank and no pipeline: gradient accumulation. Every microbatch but the last runs under
             # no_sync(); the last one's backward launches the reduction unit by unit (bucket by bucket for DDP) as
@@ -170,7 +165,20 @@ class HybridModel(ModelNamedState):
         if self.plan.compression is not None:
             average_copies_gradients(self.pipe, self.mesh.tp)
         self.pipe.grads_answer_for_stages()  # after the reduction: torch's clip and GradScaler refuse a stage's part
-        if self.mesh.sizes["cp"] > 1:  # each cp rank's loss is its chunk's mean: the sequence's is their mean
+        return self._sequences_mean(loss)
+
+    def _begin(self, inputs: Any, targets: Any, loss_scale: float) -> tuple[Any, Any]:
+        """What `step` and `evaluate` do first: set the loss scale, let a loss over the batch's labels count them
+        (HF's, over the global batch), and cut the sequences over cp (the targets too unless the loss takes them
+        whole). Returns (inputs, targets) as the pipeline takes them."""
+        self._loss_scale = float(loss_scale)
+        if self._begin_step is not None and targets is not None:  # a loss over the step's global batch counts first
+            self._begin_step(targets, self.pipe.n_microbatches)
+        return self._split_sequence(inputs), self._split_sequence(targets) if self._split_targets else targets
+
+    def _sequences_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """Each cp rank's loss is its chunk's mean: the sequence's is their mean."""
+        if self.mesh.sizes["cp"] > 1:
             loss = loss.detach().clone()
             self.mesh.cp.all_reduce(loss, ReduceOp.AVG)
         return loss
@@ -215,14 +223,7 @@ class HybridModel(ModelNamedState):
         """The loss `step` returns for this batch (this dp group's, on every rank), computed with the forward-only
         schedule under no_grad: no graph, no gradient touched, no data-parallel reduction. Call `eval()` first to
         disable dropout. Collective over every rank, as `step`."""
-        self._loss_scale = 1.0
-        if self._begin_step is not None and targets is not None:  # a loss over the batch's labels counts them first
-            self._begin_step(targets, self.pipe.n_microbatches)
-        targets = self._split_sequence(targets) if self._split_targets else targets
-        loss = self.pipe.evaluate(self._split_sequence(inputs), targets)
-        if self.mesh.sizes["cp"] > 1:
-            self.mesh.cp.all_reduce(loss, ReduceOp.AVG)
-        return loss
+        return self._sequences_mean(self.pipe.evaluate(*self._begin(inputs, targets, 1.0)))
 
     @torch.no_grad()
     def predict(self, inputs: Any = None, *, to: str | int = "all") -> Any:
@@ -360,7 +361,8 @@ def parallelize(
     per_microbatch = mesh.sizes["pp"] > 1 or plan.n_microbatches > 1
     if balanced and per_microbatch:  # passed from stage to stage (balance_loss.py)
         layers, loss = carry_balance_loss(layers, loss)
-    loss = loss if balanced and per_microbatch else with_balance_loss(loss, balanced)
+    else:
+        loss = with_balance_loss(loss, balanced)
     # HF router statistics: hf_pipeline's layers carry them, always (models/hf_router_loss.py)
     carried = bool(balanced) and per_microbatch or hf_parallel.router_loss_coef(model) > 0
     stages = pp.partition(layers, mesh.sizes["pp"], virtual_stages=virtual_stages, balance="params")
@@ -384,7 +386,7 @@ def parallelize(
         layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
         wrap_data_parallel(stage, mesh, plan)
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets,
-                         getattr(loss, "begin_step", None), carried, carried and per_microbatch)
+                         getattr(loss, "begin_step", None), carried)
     pipe.loss_fn = hybrid.scaled_loss(loss)
     hybrid._model_state_names = model_state_names(model)  # its state_dict's names (hybrid_state.py)
     _declare(hybrid, model, mesh)

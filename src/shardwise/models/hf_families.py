@@ -6,7 +6,8 @@ positions and the rotary embeddings), the final norm, ``lm_head``. The families 
 (checked against each family's source in transformers 5.x, and by tests/test_parallelize_hf_families.py against one
 process):
 
-* an embedding multiplier (Granite: ``inputs_embeds * embedding_multiplier``): `embedding_multiplier`;
+* an embedding multiplier (Granite: ``inputs_embeds * embedding_multiplier``): `embedding_multiplier`; dropout of
+  the embeddings in training (StarCoder2's ``embedding_dropout``): `embedding_dropout`;
 * a transform of the logits (Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2 and
   Gemma 3 cap them as ``cap * tanh(logits / cap)`` with ``final_logit_softcapping``): `LogitsOutput`, read at call
   time from the config as the model's forward reads it;
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_multiplier", "rotary_layer_type"]
+__all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_dropout", "embedding_multiplier", "rotary_layer_type"]
 
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
@@ -40,6 +41,13 @@ def embedding_multiplier(model: nn.Module) -> float | None:
     if model.config.model_type == "granite":
         return float(model.model.embedding_multiplier)
     return None
+
+
+def embedding_dropout(model: nn.Module) -> float:
+    """StarCoder2's dropout probability of the token embeddings in training (0.0: the family has none)."""
+    if model.config.model_type == "starcoder2":
+        return float(model.model.embedding_dropout)
+    return 0.0
 
 
 class LogitsOutput:

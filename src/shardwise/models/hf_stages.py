@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .hf_families import LogitsOutput, embedding_multiplier, rotary_layer_type
+from .hf_families import LogitsOutput, embedding_dropout, embedding_multiplier, rotary_layer_type
 from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
                               padding_of, passed_on, stage_documents)
 
@@ -239,7 +239,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
     return [
-        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, getattr(model.model, "embedding_dropout", 0.0),
+        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model),
                             embedding_multiplier(model)),
         *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks,
                             rotary_layer_type(parts["rotary_emb"], config, i))

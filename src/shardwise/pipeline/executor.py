@@ -217,7 +217,8 @@ class Pipeline(nn.Module):
         last stage, on every rank. What a validation loop needs; raises as `step` does."""
         m = self.n_microbatches
         with torch.no_grad():
-            st = self._run(self._forward_schedule(m).actions[self.comm.rank], m, "Pipeline.evaluate", inputs, targets,
+            where = "Pipeline.evaluate"
+            st = self._run(self._forward_schedule(m, where).actions[self.comm.rank], m, where, inputs, targets,
                            forward_only=True, losses=True)
         return self._mean_loss(st.losses, m)
 
@@ -252,17 +253,17 @@ class Pipeline(nn.Module):
         """
         dst = check_destination(to, self.comm.size)
         m = self.n_microbatches if n_microbatches is None else n_microbatches
-        schedule = self._forward_schedule(m)
+        schedule = self._forward_schedule(m, "Pipeline.predict")
         with torch.no_grad():
             st = self._run(schedule.actions[self.comm.rank], m, "Pipeline.predict", inputs, None, forward_only=True)
             return deliver(self.comm, lambda: concat("the last stage", [st.results[mb] for mb in range(m)]),
                            self._last_rank, dst, lambda kind, leaf: st.messenger.tag(kind, self.n_stages, 0, leaf))
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
-    def _forward_schedule(self, m: int) -> Any:
+    def _forward_schedule(self, m: int, where: str) -> Any:
         if m not in self._forward_schedules:
             p, v = self.comm.size, self.schedule.virtual_stages
-            check_schedule_args("Pipeline.predict", FORWARD_SCHEDULES[0], p, m, v)
+            check_schedule_args(where, FORWARD_SCHEDULES[0], p, m, v)
             self._forward_schedules[m] = build_schedule(FORWARD_SCHEDULES[0], p, m, v)
         return self._forward_schedules[m]
 
