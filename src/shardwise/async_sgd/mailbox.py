@@ -16,6 +16,12 @@ Either way a worker that dies or stays silent past the timeout is reported, not 
 receive raises CommError (gloo sees the connection close, or the timeout passes), and `next()` returns it as a
 `Gone` event for that worker. With `irecv_any` the inbox cannot tell which silent worker is the dead one, so the
 caller (the server) names the workers it is owed a message by.
+
+A listener hands a message over as the last thing it does with it: whether it was the worker's last message is
+decided first. The server, once every worker finished or was lost, `join`s the listeners, so that no listener is
+still inside a torch call when the process exits: a daemon thread that comes back from C++ into an interpreter that
+is finalizing is ended by a forced unwind, which a C++ frame that may not throw turns into std::terminate ("terminate
+called without an active exception", SIGABRT after a job that succeeded).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -63,6 +70,7 @@ class Inbox:
         self.tag = tag
         self.buffer = torch.empty(numel, dtype=torch.uint8, device=comm.device)
         self.listeners: queue.Queue | None = None  # set when the fallback is in use
+        self.threads: list[threading.Thread] = []
         self.closed: set[int] = set()
         if getattr(comm, "backend", "thread") != "thread":
             self._start_listeners()
@@ -93,8 +101,19 @@ class Inbox:
     def _start_listeners(self) -> None:
         self.listeners = queue.Queue()
         for source in self.sources:
-            threading.Thread(target=self._listen, args=(source,), daemon=True,
-                             name=f"shardwise-ps-listener-{self.comm.rank}-from-{source}").start()
+            thread = threading.Thread(target=self._listen, args=(source,), daemon=True,
+                                      name=f"shardwise-ps-listener-{self.comm.rank}-from-{source}")
+            thread.start()
+            self.threads.append(thread)
+
+    def join(self, sources: Sequence[int], timeout: float) -> None:
+        """Wait up to `timeout` seconds in all for the listeners of `sources` to end: each ends right after its
+        worker's last message or a failed receive. (A worker lost by silence is not joined: its listener waits out
+        its receive's own timeout.)"""
+        deadline = time.monotonic() + timeout
+        for source, thread in zip(self.sources, self.threads):
+            if source in sources:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _listen(self, source: int) -> None:
         """Receive from `source` until it is closed; a failed receive reports it gone and ends the thread."""
@@ -109,8 +128,9 @@ class Inbox:
             except Exception as exc:  # noqa: BLE001 - a backend error that is not (yet) a CommError: same meaning
                 self.listeners.put(Gone(source, CommError(str(exc), op="recv", rank=self.comm.rank, peers=[source])))
                 return
+            last = self._is_last(buffer)  # before the hand-over: after it, this thread touches no tensor
             self.listeners.put(Message(source, buffer))
-            if self._is_last(buffer):
+            if last:
                 return
 
     @staticmethod

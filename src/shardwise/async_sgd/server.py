@@ -126,6 +126,7 @@ class Server:
         waiting: set[int] = set()  # workers that pushed and wait for their answer
         finished: list[int] = []
         lost: list[int] = []
+        silent: set[int] = set()  # lost by silence: their listeners may still be receiving
         applied: list[Applied] = []
         sends: dict[int, tuple[Work, torch.Tensor]] = {}  # the last answer to each worker, and its buffer
         grads = [torch.empty_like(p) for p in self.params]
@@ -151,6 +152,7 @@ class Server:
             elif isinstance(event, Silence):
                 owing = sorted(active - waiting)
                 for w in owing or sorted(active):  # nobody owes a message: a bug, but never wait forever
+                    silent.add(w)
                     remove(w, f"silent for {self.comm.timeout:g}s")
             else:
                 assert isinstance(event, Message)
@@ -192,6 +194,7 @@ class Server:
                 work.wait()
             except CommError:
                 pass
+        inbox.join([w for w in self.workers if w not in silent], self.comm.timeout)  # no listener left in torch
         return ServerReport(updates, applied, finished, lost, time.monotonic() - start)
 
     @torch.no_grad()
