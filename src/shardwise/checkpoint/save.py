@@ -13,7 +13,8 @@ Steps (see storage.py for the layout):
    and prunes old checkpoints.
 With `async_save=True` steps 3-4 run on a background thread (training goes on: the snapshot of step 3 is taken
 before returning); they use no collectives, only the filesystem, so they never interleave with the training's.
-`handle.wait()` joins; on rank 0 it returns once the checkpoint is in place.
+`handle.wait()` joins; on rank 0 it returns once the checkpoint is in place. A save never waited is finished when
+the process exits (in_flight.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .. import layout
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json, broadcast_json
 from ..whole.replicas import check_replicas
+from . import in_flight
 from .barrier import DEFAULT_IO_TIMEOUT, io_barrier
 from ..whole.optim_state import optimizer_names
 from .pieces import local_pieces
@@ -86,6 +88,7 @@ class SaveHandle:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+        in_flight.untrack(self)
         if self.error is not None:
             raise self.error
         return self.path
@@ -274,6 +277,7 @@ def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Mo
     if async_save:
         handle.thread = threading.Thread(target=write, name=f"shardwise-save-rank{comm.rank}", daemon=True)
         handle.thread.start()
+        in_flight.track(handle)  # finished at exit if never waited (in_flight.py)
         return handle
     write()
     io_barrier(comm, timeout)  # when save_checkpoint returns on any rank, the checkpoint is complete
