@@ -261,20 +261,17 @@ def test_a_fused_qkv_projection_is_refused_by_name():
         tp.parallelize(phi3, sw.init(), "llama")
 
 
-@pytest.mark.parametrize("norm", ["across_heads", "one_per_head", "own_parameter"])
+@pytest.mark.parametrize("norm", ["one_per_head", "own_parameter"])
 def test_an_attention_module_the_plan_cannot_split_by_heads_is_refused(norm):
-    """Inside an attention, a norm over the whole q projection (OLMo2's), a list of one norm per head (StableLM's: a
-    rank would apply the first heads' norms to its own heads) or a parameter of the attention itself that is not one
-    row per head (one per head_dim feature here) cannot run on a rank's heads: refused by name. One row per head is
-    split with the heads (GPT-OSS's sinks: the test below)."""
+    """Inside an attention, a list of one norm per head (StableLM's: a rank would apply the first heads' norms to its
+    own heads) or a parameter of the attention itself that is not one row per head (one per head_dim feature here)
+    cannot run on a rank's heads: refused by name. One row per head is split with the heads (GPT-OSS's sinks: the
+    test below); a norm over the projection's whole width is split with it (OLMo 2's: the tests after)."""
     model = LlamaForCausalLM()
     attn = model.model.layers[0].self_attn
-    if norm == "across_heads":
-        attn.q_norm = RMSNorm(D)  # D = HEADS x head_dim features, normalized together
-        match = r"self_attn.q_norm \(RMSNorm\) has parameters and runs on the heads of .*not a per-head norm"
-    elif norm == "one_per_head":
+    if norm == "one_per_head":
         attn.q_layernorm = nn.ModuleList(nn.LayerNorm(D // HEADS) for _ in range(HEADS))
-        match = r"self_attn.q_layernorm \(ModuleList\) has parameters and runs on the heads of .*not a per-head norm"
+        match = r"self_attn.q_layernorm \(ModuleList\) has parameters and runs on the heads of .*neither a per-head"
     else:
         attn.scales = nn.Parameter(torch.zeros(D // HEADS))
         match = (rf"self_attn.scales \({D // HEADS},\) is a parameter of the attention model.layers.0.self_attn "

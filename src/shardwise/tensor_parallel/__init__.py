@@ -25,13 +25,14 @@ from .mappings import (
     scatter_to_sequence_region,
 )
 from .parallelize import TensorParallelState, full_state_dict, parallelize
-from .plans import BUILTIN_PLANS, Colwise, HeadRows, Heads, Rowwise, Sequence, Vocab
+from .plans import BUILTIN_PLANS, Colwise, HeadRows, Heads, Rowwise, Sequence, SplitNorm, Vocab
 from .sequence_parallel import (
     SavedActivations,
     is_sequence_parallel_param,
     reduce_sequence_parallel_grads,
     saved_activations,
 )
+from .split_norm import SplitRMSNorm
 
 __all__ = [
     "BUILTIN_PLANS",
@@ -43,6 +44,8 @@ __all__ = [
     "RowParallelLinear",
     "SavedActivations",
     "Sequence",
+    "SplitNorm",
+    "SplitRMSNorm",
     "TensorParallelLayer",
     "TensorParallelState",
     "Vocab",

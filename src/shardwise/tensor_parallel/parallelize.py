@@ -52,8 +52,9 @@ from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRo
 from .layer_base import name_slices
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding
 from .head_rows import slice_head_rows
-from .plans import (Colwise, HeadRows, Heads, Rowwise, Sequence, Style, Vocab, builtin_plan, has_own_forward,
-                    match_plan)
+from .plans import (Colwise, HeadRows, Heads, Rowwise, Sequence, SplitNorm, Style, Vocab, builtin_plan,
+                    has_own_forward, match_plan)
+from .split_norm import SplitRMSNorm
 from .sequence_parallel import reduce_sequence_parallel_grads
 
 __all__ = ["parallelize", "full_state_dict", "TensorParallelState"]
@@ -80,6 +81,8 @@ def _layout(style: Style) -> tuple:
         return ("rows",)
     if isinstance(style, Colwise):
         return ("fused rows", style.fused)
+    if isinstance(style, SplitNorm):
+        return ("features",)
     return ("columns",)
 
 
@@ -88,6 +91,8 @@ def _qualified(module: nn.Module) -> str:
 
 
 def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: bool, dim: int) -> TensorParallelLayer:
+    if isinstance(style, SplitNorm):
+        return SplitRMSNorm.from_dense(module, comm, name)
     if isinstance(style, (Colwise, Rowwise)):
         column, row = ColumnParallelLinear, RowParallelLinear
         if is_conv1d(module):  # HuggingFace GPT-2's transposed Linear: split the Linear it equals (hf_gpt2.py)

@@ -18,6 +18,9 @@ is one of the strings ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"sequence"`` 
                                      per-head norm: Qwen3's q_norm / k_norm) or MLP features (an activation's scalars:
                                      Apertus's xIELU): each rank's gradient is its part, so the gradients are
                                      all-reduced over the group, with or without sequence parallel
+``"split_norm"`` / :class:`SplitNorm`  an RMSNorm over the whole output width of a colwise projection (OLMo 2's
+                                     q_norm / k_norm): its weight split like the projection's output, its mean square
+                                     summed over the group (split_norm.py)
 =================================  =====================================================================================
 
 Built-in plans (``plan="gpt"`` / ``plan="llama"`` / ``plan="gpt2"``) are computed from the model by
@@ -34,7 +37,7 @@ from typing import Union
 import torch
 from torch import nn
 
-__all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Heads", "Style", "STYLES", "as_style", "match_plan",
+__all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Heads", "SplitNorm", "Style", "STYLES", "as_style", "match_plan",
            "builtin_plan", "gpt_plan", "llama_plan", "gpt2_plan", "BUILTIN_PLANS", "has_own_forward"]
 
 
@@ -80,18 +83,24 @@ class HeadRows:
     rows of its heads (head_rows.py); their gradients are complete on the rank."""
 
 
-Style = Union[Colwise, Rowwise, Vocab, Sequence, Heads, HeadRows]
+@dataclasses.dataclass(frozen=True)
+class SplitNorm:
+    """An RMSNorm over the whole output width of a column-parallel projection (OLMo 2's q_norm / k_norm): each rank
+    keeps its features' weights and the mean square is summed over the group (split_norm.py)."""
+
+
+Style = Union[Colwise, Rowwise, Vocab, Sequence, Heads, HeadRows, SplitNorm]
 STYLES = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": Vocab(), "sequence": Sequence(), "heads": Heads(),
-          "head_rows": HeadRows()}
+          "head_rows": HeadRows(), "split_norm": SplitNorm()}
 
 
 def as_style(pattern: str, style: object) -> Style:
-    if isinstance(style, (Colwise, Rowwise, Vocab, Sequence, Heads, HeadRows)):
+    if isinstance(style, (Colwise, Rowwise, Vocab, Sequence, Heads, HeadRows, SplitNorm)):
         return style
     if isinstance(style, str) and style in STYLES:
         return STYLES[style]
     raise ValueError(f"parallelize: plan[{pattern!r}]={style!r} is not a style; allowed {sorted(STYLES)} or a "
-                     f"Colwise / Rowwise / Vocab / Sequence / Heads / HeadRows object")
+                     f"Colwise / Rowwise / Vocab / Sequence / Heads / HeadRows / SplitNorm object")
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -202,9 +211,11 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     block without them, Mixtral's, stays whole),
     embed_tokens vocabulary-parallel, lm_head colwise with gathered output (the model computes its own loss over full
     logits); a tied lm_head shares the embedding's shard; per-head norms (Qwen3's q_norm / k_norm) and an MLP
-    activation's scalars (Apertus's xIELU) are "heads" regions (their gradients summed over the group). An embedding with a forward of its own (Gemma's scales its
-    output by sqrt(hidden size)) stays whole on every rank, and so does an lm_head tied to it: the parallel embedding
-    would not run that forward (parallelize refuses to split such a module).
+    activation's scalars (Apertus's xIELU) are "heads" regions (their gradients summed over the group); a q_norm /
+    k_norm over the projection's whole width (OLMo 2 / 3, OLMoE) is split with it ("split_norm"). An embedding with
+    a forward of its own (Gemma's scales its output by sqrt(hidden size)) stays whole on every rank, and so does an
+    lm_head tied to it: the parallel embedding would not run that forward (parallelize refuses to split such a
+    module).
     Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads, and naming the
     module for an attention that fuses q, k and v in one ``qkv_proj`` (Phi-3 slices it by the model's global head
     counts in its forward, which a split projection cannot follow).
@@ -252,7 +263,8 @@ _COUNT_ATTRS = {proj: attrs for proj, attrs, _ in _HEAD_COUNTS}
 
 def _head_regions(model: nn.Module) -> dict[str, Style]:
     """The llama plan's "heads" regions: per-head norms inside an attention (Qwen3's, Gemma3's q_norm / k_norm, a
-    weight of head_dim), which run on this rank's heads (partial gradients); and "head_rows" for an attention whose
+    weight of head_dim), which run on this rank's heads (partial gradients); "split_norm" for a q_norm / k_norm over
+    the projection's whole width (OLMo 2 / 3, OLMoE); and "head_rows" for an attention whose
     own parameters have one row per query head (GPT-OSS's `sinks`). Any other module with parameters inside an
     attention runs on the split heads too, in a way the plan cannot know (StableLM's list of one LayerNorm per head
     would apply the first heads' norms to this rank's heads), and so does any other parameter of the attention
@@ -275,10 +287,14 @@ def _head_regions(model: nn.Module) -> dict[str, Style]:
             proj = _PER_HEAD_NORMS.get(child_name)
             linear, weight = getattr(attn, proj) if proj else None, getattr(child, "weight", None)
             heads = None if linear is None else _heads_of(attn, linear, *_COUNT_ATTRS[proj])
+            if heads is not None and isinstance(weight, torch.Tensor) and weight.numel() == linear.out_features:
+                regions[f"{name}.{child_name}"] = SplitNorm()  # OLMo 2's: over all of the projection's heads
+                continue
             if heads is None or not isinstance(weight, torch.Tensor) or weight.numel() * heads != linear.out_features:
                 raise ValueError(f"tensor parallel plan 'llama': {name}.{child_name} ({type(child).__name__}) has "
                                  f"parameters and runs on the heads of {name}, which tensor parallel splits, but it "
-                                 f"is not a per-head norm of q_proj or k_proj (weight of head_dim); pass a plan dict")
+                                 f"is neither a per-head norm of q_proj or k_proj (weight of head_dim) nor a norm "
+                                 f"over its whole width; pass a plan dict")
             regions[f"{name}.{child_name}"] = Heads()
     return regions
 
