@@ -95,8 +95,8 @@ def test_a_huggingface_router_loss_is_a_balance_loss_no_pipeline_is_chosen_for()
     assert not model_facts(qwen3_moe(False)).moe_balance_loss
 
 
-@pytest.mark.parametrize("name,tp_plan", [("Gemma2", "llama"), ("Granite", "llama"), ("Phi3", None), ("Olmo2", "llama"),
-                                          ("GraniteMoe", None)])
+@pytest.mark.parametrize("name,tp_plan", [("Gemma2", "llama"), ("Granite", "llama"), ("Phi3", "llama"),
+                                          ("Olmo2", "llama"), ("GraniteMoe", None)])
 def test_huggingface_families_sw_parallelize_splits_are_pipelineable(name, tp_plan):
     """Pipelines for every family sw.parallelize splits (models/hf_parallel.BUILDERS), the "llama" tensor-parallel plan
     where it takes the family's modules; Granite-MoE (its own router loss) neither."""

@@ -46,7 +46,10 @@ def reference(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
     return y.detach(), x.grad, {n: p.grad for n, p in module.named_parameters()}
 
 
-def check_column(comm, sp: bool, gather_output: bool, fused: int):
+UNEVEN = (12, 4, 8)  # [q | k | v] under grouped-query attention (Phi-3's qkv_proj): blocks of different sizes
+
+
+def check_column(comm, sp: bool, gather_output: bool, fused: int | tuple[int, ...]):
     dense = dense_linear()
     x, g = rand(3, B, T, D_IN), rand(4, B, T, D_OUT)
     want_y, want_dx, want_dp = reference(dense, x, g)
@@ -54,7 +57,8 @@ def check_column(comm, sp: bool, gather_output: bool, fused: int):
                                                fused=fused)
 
     def local_features(t):  # this rank's output features: its slice of each of the `fused` blocks
-        return torch.cat([shard(block, -1, comm) for block in t.chunk(fused, -1)], -1)
+        blocks = t.split(fused, -1) if isinstance(fused, tuple) else t.chunk(fused, -1)
+        return torch.cat([shard(block, -1, comm) for block in blocks], -1)
 
     xin = (shard(x, 1, comm) if sp else x).clone().requires_grad_()
     y = layer(xin)
@@ -125,7 +129,8 @@ def check_all(comm, quick: bool = False):
     """Every layer configuration on this rank; `quick` (the gloo test, see test_tensor_parallel_gpt.py) keeps one
     configuration per layer and mode."""
     for sp in (False, True):
-        for gather_output, fused in ((True, 3),) if quick else ((False, 1), (True, 1), (False, 3), (True, 3)):
+        for gather_output, fused in ((True, 3),) if quick else ((False, 1), (True, 1), (False, 3), (True, 3),
+                                                                 (False, UNEVEN), (True, UNEVEN)):
             check_column(comm, sp, gather_output, fused)
         for input_is_parallel, bias in ((True, True),) if quick else ((True, True), (True, False), (False, True)):
             check_row(comm, sp, input_is_parallel, bias)
@@ -176,6 +181,12 @@ def test_sizes_not_divisible_by_tp_are_value_errors():
             tp.ColumnParallelLinear(4, 10, comm)
         with pytest.raises(ValueError, match=r"out_features=16 in 3 fused blocks .* divisible by 12"):
             tp.ColumnParallelLinear(4, 16, comm, fused=3, device="meta")  # 16 splits in 4, not as 3 blocks
+        with pytest.raises(ValueError, match=r"output block 1 of \(8, 6, 2\)=6 cannot be split .* size 4"):
+            tp.ColumnParallelLinear(4, 16, comm, fused=(8, 6, 2), device="meta")
+        with pytest.raises(ValueError, match=r"the output blocks \(8, 4\) sum to 12, not out_features=16"):
+            tp.ColumnParallelLinear(4, 16, comm, fused=(8, 4), device="meta")
+        with pytest.raises(ValueError, match=r"fused=\[8, 8\] must be a positive int \(equal blocks\) or a tuple"):
+            tp.ColumnParallelLinear(4, 16, comm, fused=[8, 8], device="meta")
         with pytest.raises(ValueError, match=r"in_features=6 cannot be split across tensor-parallel size 4"):
             tp.RowParallelLinear(6, 4, comm)
         with pytest.raises(ValueError, match=r"vocabulary size\)=250 cannot be split across tensor-parallel size 4"):

@@ -250,17 +250,6 @@ def test_huggingface_decoders_that_once_trained_wrong_under_the_llama_plan_train
     assert report.ok, str(report)
 
 
-def test_a_fused_qkv_projection_is_refused_by_name():
-    """Phi-3 fuses q, k and v in one qkv_proj and slices its output by the model's global head counts: before, the
-    plan failed with "plan pattern 'q_proj' matches no module"."""
-    transformers = pytest.importorskip("transformers")
-    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(
-        vocab_size=VOCAB, hidden_size=D, intermediate_size=FF, num_hidden_layers=1, num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS, max_position_embeddings=T, pad_token_id=0))
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.qkv_proj \(Phi3Attention\) fuses q, k and v"):
-        tp.parallelize(phi3, sw.init(), "llama")
-
-
 @pytest.mark.parametrize("norm", ["one_per_head", "own_parameter"])
 def test_an_attention_module_the_plan_cannot_split_by_heads_is_refused(norm):
     """Inside an attention, a list of one norm per head (StableLM's: a rank would apply the first heads' norms to its

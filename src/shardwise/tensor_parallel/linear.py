@@ -14,7 +14,7 @@ from .layer_base import TensorParallelLayer, as_param, check_split, dense_linear
 from .mappings import all_gather_along, gather_from_region, reduce_scatter_along, scatter_to_region
 from .sequence_parallel import reduce_sequence_parallel_grads
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "output_blocks"]
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
@@ -83,29 +83,47 @@ class _RowParallelLinearFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+def output_blocks(fused: object, out_features: int, tp: int) -> tuple[int, ...]:
+    """The sizes of a column-parallel layer's output blocks, from `fused` (a count of equal blocks, or the sizes);
+    ValueError unless they fill `out_features` and each divides by `tp`."""
+    if isinstance(fused, int) and not isinstance(fused, bool) and fused >= 1:
+        check_split("ColumnParallelLinear", "out_features", out_features, fused, tp)
+        return (out_features // fused,) * fused
+    if (not isinstance(fused, tuple) or not fused
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in fused)):
+        raise ValueError(f"ColumnParallelLinear: fused={fused!r} must be a positive int (equal blocks) or a tuple of "
+                         f"positive block sizes")
+    if sum(fused) != out_features:
+        raise ValueError(f"ColumnParallelLinear: the output blocks {fused} sum to {sum(fused)}, not out_features="
+                         f"{out_features}")
+    for k, b in enumerate(fused):
+        check_split("ColumnParallelLinear", f"output block {k} of {fused}", b, 1, tp)
+    return fused
+
+
 class ColumnParallelLinear(TensorParallelLayer):
     """Linear layer split by output features. Weight (out/tp, in); bias (out/tp,).
 
     Args:
-        in_features, out_features: the dense layer's sizes; out_features must be divisible by ``fused * tp``.
+        in_features, out_features: the dense layer's sizes; every output block must be divisible by tp.
         comm: the tensor-parallel group.
         bias: whether the layer has a bias (split like the output).
         gather_output: all-gather the output features, so the caller gets the full (B, ..., out) output; otherwise
             each rank returns its (B, ..., out/tp) slice (the input of a row-parallel layer).
         sequence_parallel: the input is a sequence shard; all-gather it along ``sequence_dim`` first.
         sequence_dim: the sequence dimension of the input (1 for batch-first (B, T, d)).
-        fused: number of equal blocks laid side by side in the output (3 for a fused [q | k | v]); each is split.
+        fused: the blocks laid side by side in the output, each split on its own: a number of equal blocks (3 for
+            the GPT's fused [q | k | v]), or their sizes (Phi-3's [q | k | v] under grouped-query attention:
+            (heads x head_dim, kv_heads x head_dim, kv_heads x head_dim)).
         seed: seed of the generator the full dense weight is drawn from (None: torch's global RNG).
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
-                 fused: int = 1, seed: int | None = 0, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 fused: int | tuple[int, ...] = 1, seed: int | None = 0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        if isinstance(fused, bool) or not isinstance(fused, int) or fused < 1:
-            raise ValueError(f"ColumnParallelLinear: fused={fused!r} must be a positive int")
-        check_split("ColumnParallelLinear", "out_features", out_features, fused, comm.size)
+        self.blocks = output_blocks(fused, out_features, comm.size)
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.gather_output, self.fused = comm, bool(gather_output), fused
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
@@ -122,7 +140,8 @@ class ColumnParallelLinear(TensorParallelLayer):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, comm: Communicator, *, gather_output: bool = False,
-                   sequence_parallel: bool = False, sequence_dim: int = 1, fused: int = 1) -> ColumnParallelLinear:
+                   sequence_parallel: bool = False, sequence_dim: int = 1,
+                   fused: int | tuple[int, ...] = 1) -> ColumnParallelLinear:
         """This rank's slice of `linear` (same dtype and device; `linear` is left untouched)."""
         layer = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
                     gather_output=gather_output, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
@@ -134,20 +153,20 @@ class ColumnParallelLinear(TensorParallelLayer):
         return layer
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full (out, ...) tensor: its slice of each of the `fused` blocks."""
+        """This rank's rows of a full (out, ...) tensor: its slice of each output block."""
         n, r = self.comm.size, self.comm.rank
-        blocks = local(full).detach().reshape(self.fused, n, self.out_features // (self.fused * n), *full.shape[1:])
-        return blocks[:, r].reshape(self.out_features // n, *full.shape[1:]).clone()
+        pieces = local(full).detach().split(self.blocks, 0)
+        return torch.cat([piece[r * (b // n):(r + 1) * (b // n)] for piece, b in zip(pieces, self.blocks)]).clone()
 
     def _unshard(self, gathered: torch.Tensor, dim: int) -> torch.Tensor:
-        """Undo the block interleaving of tensors gathered in rank order along `dim` (the output-feature dim)."""
-        if self.fused == 1:
+        """Undo the block interleaving of tensors gathered in rank order along `dim` (the output-feature dim): rank
+        r's part holds its slice of every block; the dense layout holds every rank's slice of block 0 first."""
+        if len(self.blocks) == 1:
             return gathered
-        n, k = self.comm.size, self.fused
-        shape = gathered.shape
-        per = shape[dim] // (n * k)
-        x = gathered.unflatten(dim, (n, k, per)).transpose(dim, dim + 1)
-        return x.reshape(shape)
+        n = self.comm.size
+        per = [b // n for b in self.blocks]
+        by_rank = [part.split(per, dim) for part in gathered.split(sum(per), dim)]
+        return torch.cat([by_rank[r][k] for k in range(len(per)) for r in range(n)], dim)
 
     def full_tensor(self, name: str) -> torch.Tensor:
         piece = local(getattr(self, name)).detach()
@@ -161,9 +180,10 @@ class ColumnParallelLinear(TensorParallelLayer):
         return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
 
     def boxes(self, name: str, rank: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-        block, per = self.out_features // self.fused, self.out_features // (self.fused * self.comm.size)
         rest = ((0, self.in_features),) if name == "weight" else ()
-        return tuple(((k * block + rank * per, per), *rest) for k in range(self.fused))
+        starts = [sum(self.blocks[:k]) for k in range(len(self.blocks))]
+        n = self.comm.size
+        return tuple(((start + rank * (b // n), b // n), *rest) for start, b in zip(starts, self.blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = local(self.weight), local(self.bias)  # this rank's slices (layer_base.py)
@@ -179,7 +199,7 @@ class ColumnParallelLinear(TensorParallelLayer):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
                 f"{local(self.weight).shape[0]}), tp={self.comm.size}, bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, fused={self.fused}, sequence_parallel={self.sequence_parallel}")
+                f"gather_output={self.gather_output}, blocks={self.blocks}, sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(TensorParallelLayer):

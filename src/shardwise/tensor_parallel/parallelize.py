@@ -46,6 +46,7 @@ from ..sharded_tensor import spec_of
 from ..whole.gather import gather_full
 from ..whole.state_dict import load_full_into_pieces
 from .declare import tensor_parallel_placements
+from .fused_qkv import use_local_heads
 from .gpt import install_gpt_forward
 from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear,
                       is_conv1d)
@@ -238,6 +239,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
             reduce_sequence_parallel_grads(params, comm)
     if plan_name == "llama":
         _adjust_head_counts(model, comm.size)
+        use_local_heads(model, comm.size)  # Phi-3's fused qkv_proj (fused_qkv.py)
     if plan_name == "gpt2":
         _adjust_head_counts(model, comm.size, "c_attn", GPT2_ATTENTION_SIZES)
     name_slices(model)  # the split parameters answer for the dense ones (layer_base.py), under their model names

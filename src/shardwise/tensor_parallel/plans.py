@@ -7,7 +7,8 @@ is one of the strings ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"sequence"`` 
 
 =================================  =====================================================================================
 ``"colwise"`` / :class:`Colwise`    nn.Linear -> ColumnParallelLinear (split by output features; ``fused=k`` splits k
-                                     side-by-side output blocks separately; ``gather_output=True`` returns full outputs)
+                                     side-by-side output blocks separately, ``fused=(sizes)`` uneven ones;
+                                     ``gather_output=True`` returns full outputs)
 ``"rowwise"`` / :class:`Rowwise`    nn.Linear -> RowParallelLinear (split by input features; output all-reduced, or
                                      reduce-scattered along the sequence under sequence parallel)
 ``"vocab"`` / :class:`Vocab`        nn.Embedding -> VocabParallelEmbedding (split by vocabulary rows)
@@ -46,11 +47,12 @@ class Colwise:
     """Column-parallel Linear.
 
     gather_output: all-gather the output features (full output on every rank), e.g. a head whose logits go to a
-        loss that needs the whole vocabulary. fused: number of equal output blocks side by side (3 for [q|k|v]).
+        loss that needs the whole vocabulary. fused: number of equal output blocks side by side (3 for [q|k|v]), or
+    their sizes (Phi-3's uneven [q|k|v] under grouped-query attention); each block is split on its own.
     """
 
     gather_output: bool = False
-    fused: int = 1
+    fused: int | tuple[int, ...] = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,16 +218,14 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     a forward of its own (Gemma's scales its output by sqrt(hidden size)) stays whole on every rank, and so does an
     lm_head tied to it: the parallel embedding would not run that forward (parallelize refuses to split such a
     module).
-    Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads, and naming the
-    module for an attention that fuses q, k and v in one ``qkv_proj`` (Phi-3 slices it by the model's global head
-    counts in its forward, which a split projection cannot follow).
+    Phi-3's fused ``qkv_proj`` is split block by block ([q | k | v], uneven under grouped-query attention) and its
+    attention reads this rank's head counts (fused_qkv.py); any other fused qkv_proj is refused by name.
+    Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads.
     """
+    fused_qkv: set[tuple[int, ...]] = set()
     for name, module in model.named_modules():
         if isinstance(getattr(module, "qkv_proj", None), nn.Linear) and not hasattr(module, "q_proj"):
-            raise ValueError(f"tensor parallel plan 'llama': {name}.qkv_proj ({type(module).__name__}) fuses q, k and "
-                             f"v in one Linear, which the attention slices by the model's global head counts; the "
-                             f"plan splits separate q_proj / k_proj / v_proj; allowed: such models, or tp=1 for this "
-                             f"one")
+            fused_qkv.add(_fused_qkv_blocks(name, module, tp))
         for proj, attrs, what in _HEAD_COUNTS:
             child = getattr(module, proj, None)
             if isinstance(child, nn.Linear):
@@ -235,10 +235,12 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     modules = [(name.rsplit(".", 1)[-1], module) for name, module in model.named_modules()]
     names = {n for n, _ in modules}
     whole = [m for n, m in modules if n == "embed_tokens" and has_own_forward(m, nn.Embedding)]
-    plan: dict[str, Style] = {
-        **({} if whole else {"embed_tokens": Vocab()}),
-        "q_proj": Colwise(), "k_proj": Colwise(), "v_proj": Colwise(), "o_proj": Rowwise(),
-    }
+    if len(fused_qkv) > 1:
+        raise ValueError(f"tensor parallel plan 'llama': the fused qkv_proj layers have different [q | k | v] blocks "
+                         f"{sorted(fused_qkv)}; pass a plan dict")
+    attention: dict[str, Style] = ({"qkv_proj": Colwise(fused=fused_qkv.pop())} if fused_qkv else
+                                   {"q_proj": Colwise(), "k_proj": Colwise(), "v_proj": Colwise()})
+    plan: dict[str, Style] = {**({} if whole else {"embed_tokens": Vocab()}), **attention, "o_proj": Rowwise()}
     # A mixture-of-experts MLP (Mixtral's fused experts: no gate/up/down_proj modules) stays whole on every rank, as
     # the GPT plan keeps its MoE layers; expert parallel may split it over ep afterwards.
     fused_mlp = any(n == "gate_up_proj" and isinstance(m, nn.Linear) for n, m in modules)  # GLM-4, Phi-3: [gate|up]
@@ -254,6 +256,29 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     if "lm_head" in names and not tied_to_whole:
         plan["lm_head"] = Colwise(gather_output=True)
     return plan
+
+
+def _fused_qkv_blocks(name: str, attn: nn.Module, tp: int) -> tuple[int, ...]:
+    """The [q | k | v] block sizes of a known fused-qkv attention (fused_qkv.py), after checking that tp divides its
+    heads and that it has no parameter outside its projections; ValueError naming it otherwise."""
+    from .fused_qkv import FUSED_QKV_ATTENTIONS, qkv_blocks
+
+    kind = type(attn).__name__
+    if kind not in FUSED_QKV_ATTENTIONS:
+        raise ValueError(f"tensor parallel plan 'llama': {name}.qkv_proj ({kind}) fuses q, k and v in one Linear, "
+                         f"which the attention slices in a way the plan does not know; the plan splits the fused "
+                         f"qkv_proj of {', '.join(FUSED_QKV_ATTENTIONS)} and separate q_proj / k_proj / v_proj; "
+                         f"pass a plan dict, or use tp=1 for this model")
+    blocks = qkv_blocks(attn, name)
+    head_dim = attn.head_dim
+    _check_divides(f"the number of attention heads of {name} (num_attention_heads)", blocks[0] // head_dim, tp)
+    _check_divides(f"the number of key/value heads of {name} (num_key_value_heads)", blocks[1] // head_dim, tp)
+    extra = [n for n, _ in attn.named_parameters() if n.split(".")[0] not in ("qkv_proj", "o_proj")]
+    if extra:
+        raise ValueError(f"tensor parallel plan 'llama': {name}.{extra[0]} is a parameter of the attention {name} "
+                         f"({kind}) besides its projections; the plan does not know how it relates to the heads; "
+                         f"pass a plan dict")
+    return blocks
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
