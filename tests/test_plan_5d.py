@@ -4,6 +4,7 @@ a five-axis Mesh, and the formulas against the bytes and memory a real cp x ep s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 
@@ -15,6 +16,7 @@ from shardwise.data import ByteCorpus
 from shardwise.models import GPT, GPTConfig
 from shardwise.planner import (Activations, Candidate, Links, Workload, costs, estimate, model_facts, parse_strategy,
                                plan)
+from shardwise.sharded_tensor import local
 from shardwise_cli import main
 
 GB = 1e9
@@ -93,6 +95,48 @@ def test_a_huggingface_router_loss_is_a_balance_loss_no_pipeline_is_chosen_for()
     facts = model_facts(qwen3_moe(True))
     assert facts.pipeline_layers == 4 and facts.moe_balance_loss
     assert not model_facts(qwen3_moe(False)).moe_balance_loss
+
+
+@pytest.mark.parametrize("kind", ["Mixtral", "Qwen2Moe", "GptOss"])
+def test_a_huggingface_moe_gives_its_experts(kind):
+    """The experts modules expert parallel splits (Mixtral's fused experts; Qwen2-MoE's shared expert is dense;
+    GPT-OSS's biases are the experts'): before, model_facts counted none, so sw.distribute treated them as dense and
+    refused an ep mesh ("the model has none")."""
+    transformers = pytest.importorskip("transformers")
+    extra = {"Mixtral": dict(num_local_experts=4), "Qwen2Moe": dict(num_experts=4, moe_intermediate_size=16,
+                                                                     shared_expert_intermediate_size=16),
+             "GptOss": dict(num_local_experts=4, head_dim=8)}[kind]
+    config = getattr(transformers, kind + "Config")(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                    num_experts_per_tok=2, **extra)
+    model = getattr(transformers, kind + "ForCausalLM")(config)
+    facts = model_facts(model)
+    in_experts = sum(p.numel() for n, p in model.named_parameters() if re.search(r"\.mlp\.experts\.", n))
+    assert facts.expert_params == in_experts > 0
+    assert (facts.n_experts, facts.experts_per_token, facts.moe_layers, facts.tp_plan) == (4, 2, 3, "llama")
+
+
+def test_distribute_splits_a_huggingface_moes_experts_over_an_ep_mesh():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    dense = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+        output_router_logits=True, router_aux_loss_coef=0.05, pad_token_id=None, bos_token_id=0, eos_token_id=1))
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = float(copy.deepcopy(dense)(input_ids=ids, labels=ids).loss)  # with its router loss
+
+    def body(comm):
+        model = sw.distribute(copy.deepcopy(dense), sw.Mesh(comm, dp=2, ep=2), memory_gb=10)
+        rows = ids[model.plan.data_rank * 2:(model.plan.data_rank + 1) * 2]
+        experts = [p for n, p in model.named_parameters() if n.endswith("layers.0.mlp.experts.gate_up_proj")][0]
+        return model.plan.strategy, float(model.step(rows, rows)), tuple(experts.shape), local(experts).shape[0]
+
+    results = sw.launch(body, 2, backend="thread", timeout=120)
+    assert [r[0] for r in results] == ["5d:dp=2,cp=1,ep=2,tp=1,pp=1"] * 2
+    assert [r[2:] for r in results] == [((4, 64, 32), 2)] * 2  # each rank holds 2 of the 4 experts
+    assert (results[0][1] + results[1][1]) / 2 == pytest.approx(want, rel=1e-6)  # each rank's loss on its rows
 
 
 @pytest.mark.parametrize("name,tp_plan", [("Gemma2", "llama"), ("Granite", "llama"), ("Phi3", "llama"),

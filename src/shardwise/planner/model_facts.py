@@ -1,6 +1,7 @@
 """What the planner reads from a model without wrapping it: its parameter count and, when its config says, the
 transformer geometry (hidden size, layers, heads, vocabulary, sequence length), its mixture-of-experts layers (the
-shardwise MoE: parameters inside experts, experts per layer, experts per token) and what it can be split by.
+shardwise MoE, or a HuggingFace MoE's experts modules: parameters inside experts, experts per layer, experts per
+token) and what it can be split by.
 
 Read from public attributes only: the shardwise GPT's `config` (d_model, n_layers, n_heads, vocab_size, seq_len) or
 a HuggingFace `config` (hidden_size, num_hidden_layers, num_attention_heads, vocab_size, max_position_embeddings;
@@ -25,8 +26,8 @@ _FIELDS = {  # our name -> config attribute names, first found wins
 #: HuggingFace model types with a built-in tensor-parallel plan (tensor_parallel.plans) that takes their modules (a
 #: plan refuses latent attention -- DeepSeek-V3 -- and other MLPs -- StarCoder2).
 _LLAMA_PLAN = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
-               "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "helium", "exaone4", "glm", "smollm3", "granite",
-               "cohere")
+               "mixtral", "phimoe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "helium", "exaone4", "glm",
+               "smollm3", "granite", "cohere")
 _HF_PLANS = {**{model_type: "llama" for model_type in _LLAMA_PLAN}, "gpt2": "gpt2"}
 
 
@@ -40,7 +41,7 @@ class ModelFacts:
     """num_params and, when known, the geometry; tp_plan: the built-in tensor-parallel plan name, or None;
     pipeline_layers: how many layers a pipeline could split (None: the model cannot be pipelined).
     expert_params: parameters inside the experts of its MoE layers (`models.moe.MoE`: w_in, b_in, w_out, b_out;
-    routers excluded), 0 for a dense model; n_experts / experts_per_token: E and k of those layers (0 when dense);
+    a HuggingFace experts module's parameters; routers and shared experts excluded), 0 for a dense model; n_experts / experts_per_token: E and k of those layers (0 when dense);
     moe_layers: how many there are; moe_balance_loss: whether they, or a HuggingFace MoE's routers, add a
     load-balancing loss (`aux_loss_coef` > 0, `router_aux_loss_coef` > 0: a function of the whole batch, which
     sw.parallelize computes per microbatch under a pipeline). The shardwise GPT's
@@ -79,6 +80,32 @@ def _experts(model: nn.Module) -> dict[str, int]:
             "moe_layers": len(layers), "moe_balance_loss": any(layer.aux_loss_coef > 0 for layer in layers)}
 
 
+def _hf_experts(model: nn.Module) -> dict[str, int]:
+    """The experts of a HuggingFace MoE model, as expert parallel finds them (experts.hf.hf_expert_layers: Mixtral's
+    fused experts and every module computing what they do, Switch's per-expert modules): every parameter of those
+    modules (routers and shared experts are outside them: dense), E of the first, k from the config
+    (`num_experts_per_tok`; Switch routes each token to 1). An experts module that expert parallel does not support
+    is counted as dense (ep cannot split it)."""
+    from ..experts.hf import hf_expert_layers  # the experts package imports the planner's neighbours: call time
+
+    try:
+        layers = hf_expert_layers(model)
+    except ValueError:
+        return {}
+    if not layers:
+        return {}
+    seen: set[int] = set()
+    params = 0
+    for _, module in layers:
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params += p.numel()
+    per_token = _int_attr(getattr(model, "config", None), ("num_experts_per_tok",)) or 1
+    return {"expert_params": params, "n_experts": int(layers[0][1].num_experts), "experts_per_token": per_token,
+            "moe_layers": len(layers)}
+
+
 def _int_attr(config: object, names: tuple[str, ...]) -> int | None:
     for name in names:
         value = getattr(config, name, None)
@@ -100,7 +127,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
     if hasattr(model, "pipeline_layers") or (isinstance(model_type, str) and model_type in BUILDERS):
         # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers(), hf_parallel's)
         layers = (geometry.get("num_layers") or 0) + 2 if geometry.get("num_layers") else None
-    moe = _experts(model)
+    moe = _experts(model) or _hf_experts(model)
     if router_loss_coef(model) > 0:  # a HuggingFace MoE's router loss: a function of the whole batch too
         moe["moe_balance_loss"] = True
     return ModelFacts(count_parameters(model), tp_plan=tp_plan, pipeline_layers=layers, **geometry, **moe)
