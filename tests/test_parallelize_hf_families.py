@@ -70,6 +70,12 @@ def test_a_llama_shaped_family_on_pipeline_stages_matches_one_process(family):
     assert report.ok, str(report)
 
 
+def test_starcoder2s_two_layer_mlp_is_split_by_the_llama_plan_on_pipeline_stages():
+    """c_fc colwise, c_proj rowwise (with their biases), beside the attention's heads: tp2 x pp2 with padded rows."""
+    report = sw.check(builder("starcoder2"), padded, strategy={"tp": 2, "pp": 2}, world_size=4, steps=2)
+    assert report.ok, str(report)
+
+
 def test_starcoder2s_embedding_dropout_is_the_first_stages():
     torch.manual_seed(0)
     model = builder("starcoder2")()

@@ -223,7 +223,7 @@ def test_a_plan_that_splits_a_module_with_its_own_forward_is_refused():
     sw.launch(body, 2)
 
 
-@pytest.mark.parametrize("kind", ["Gemma", "Qwen3", "Glm4", "Apertus"])
+@pytest.mark.parametrize("kind", ["Gemma", "Qwen3", "Glm4", "Apertus", "Starcoder2"])
 def test_huggingface_decoders_that_once_trained_wrong_under_the_llama_plan_train_like_one_process(kind):
     """Gemma: its embedding scales its output (kept whole, see above). Qwen3: it normalizes each head of q and k
     (q_norm / k_norm, a weight of head_dim), so a rank holding half the heads computes their part of those norms'
@@ -231,7 +231,8 @@ def test_huggingface_decoders_that_once_trained_wrong_under_the_llama_plan_train
     GLM-4: its MLP is one fused gate_up_proj Linear ([gate | up]), split as two column blocks (before, down_proj was
     split and gate_up_proj not: a shape error at the first forward). Apertus: its MLP activation (xIELU) has two
     learned scalars applied to every hidden feature, of which a rank holds half: their gradients were each rank's
-    part (alpha_p's -0.0006 against -0.0020 in one process); now a "heads" region, summed over the group."""
+    part (alpha_p's -0.0006 against -0.0020 in one process); now a "heads" region, summed over the group.
+    StarCoder2: its MLP is c_fc -> activation -> c_proj with biases (before: refused, no gate/up/down_proj)."""
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, f"{kind}Config")(
         vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
