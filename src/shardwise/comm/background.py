@@ -11,6 +11,10 @@ every other collective; an error in the worker is re-raised by `wait`.
 
 After a job fails, every later job of the same worker fails at once with that error: the peers' workers may have
 stopped at another step of the failed job, so what follows could pair the wrong steps and hang or mix data.
+
+At exit (`stop_workers`, called as a rank leaves its world) every worker finishes the jobs it was given and ends: a
+daemon thread still inside a torch call when the interpreter finalizes is ended by a forced unwind, which a C++ frame
+that may not throw turns into std::terminate (SIGABRT after a job that succeeded).
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable
 
-__all__ = ["SerialWorker", "ThreadWork"]
+__all__ = ["SerialWorker", "ThreadWork", "stop_workers"]
+
+_WORKERS: weakref.WeakSet = weakref.WeakSet()  # every SerialWorker whose thread was started
 
 
 class ThreadWork:
@@ -55,13 +63,27 @@ class SerialWorker:
         if self.thread is None:
             self.thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self.thread.start()
+            _WORKERS.add(self)
         work = ThreadWork()
         self.jobs.put((job, work))
         return work
 
+    def stop(self, timeout: float) -> bool:
+        """Let the thread finish the jobs queued before this call, then end (a later submit starts a new one); True
+        when it ended within `timeout` seconds."""
+        thread, self.thread = self.thread, None
+        if thread is None:
+            return True
+        self.jobs.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
+
     def _serve(self) -> None:
         while True:
-            job, work = self.jobs.get()
+            item = self.jobs.get()
+            if item is None:
+                return
+            job, work = item
             if self.failed is not None:
                 work.error = RuntimeError(f"{self.name}: an earlier operation failed ({self.failed}); this one "
                                           "was not started")
@@ -71,3 +93,10 @@ class SerialWorker:
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises CommError
                     work.error = self.failed = exc
             work.finished.set()
+
+
+def stop_workers(timeout: float) -> list[str]:
+    """Stop every started SerialWorker of this process (module docstring), waiting `timeout` seconds in all; the
+    names of those still running a job then."""
+    deadline = time.monotonic() + timeout
+    return [worker.name for worker in list(_WORKERS) if not worker.stop(max(0.0, deadline - time.monotonic()))]

@@ -135,6 +135,14 @@ class _BoundedStore:
             self._client = box["client"]
             return box["value"]
 
+    def settle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for an abandoned call to return (before the process exits: a daemon thread
+        coming back from C++ into a finalizing interpreter aborts it); True when none is left."""
+        pending = self._pending
+        if pending is not None:
+            pending.join(timeout)
+        return pending is None or not pending.is_alive()
+
 
 class Heartbeat:
     """The rank side: a daemon thread publishing this rank's record every `interval` seconds (module docstring).
@@ -169,6 +177,7 @@ class Heartbeat:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(self.interval + _STORE_TIMEOUT_S)
         self._publish()
+        self.store.settle(2 * self.store.limit)  # no store call left in flight when the process exits
 
     def _publish(self) -> None:
         record = {"t": time.time(), "pid": os.getpid(), "state": self.state, "error": self.error,

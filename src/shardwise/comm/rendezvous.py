@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import ipaddress
+import logging
 import os
 import secrets
 import socket
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .background import stop_workers
 from .base import CommError
 from .heartbeat import RankWatch
 from .torch_backend import TorchCommunicator
@@ -56,6 +58,8 @@ __all__ = [
 ]
 
 JOB_TOKEN_ENV = "SHARDWISE_JOB_TOKEN"
+_WORKER_EXIT_S = 10.0  # leave_world: how long the background collectives may take to finish their last jobs
+log = logging.getLogger("shardwise.comm")
 
 
 def distributed_available() -> bool:
@@ -200,11 +204,18 @@ def join_world(
 
 
 def leave_world(comm: TorchCommunicator | None = None, error: str | None = None) -> None:
-    """Destroy the default process group, if any (a spawned rank does so before it exits, so gloo closes cleanly).
+    """Destroy the default process group, if any (a spawned rank does so before it exits, so gloo closes cleanly),
+    after the background collectives' threads ended (their last jobs done, 10 s at most; none awaited after an
+    error) and the heartbeat's last store call returned.
 
     comm: the world Communicator, whose heartbeat then publishes its final state first: "done", or "failed" with
     `error` (one line), which peers still waiting read as the cause.
     """
+    # The background collectives' threads finish what they were given and end before the groups they use go, so
+    # that no daemon thread is inside a torch call when the interpreter finalizes (background.py).
+    stuck = stop_workers(0.0 if error else _WORKER_EXIT_S)
+    if stuck:
+        log.warning("leaving the world with background collectives still running on %s", ", ".join(stuck))
     watch = getattr(comm, "_watch", None)
     if watch is not None:
         watch.stop("failed" if error else "done", error or "")
