@@ -16,6 +16,7 @@ import torch
 from parity import ATOL, RTOL
 from test_check_pipelines import padded
 from test_parallelize_hf_families import builder
+from test_tensor_parallel_plans import RMSNorm
 from torch import nn
 
 import shardwise as sw
@@ -91,15 +92,6 @@ def test_a_split_norm_keeps_its_ranks_features_and_gathers_whole():
                                   ("SplitRMSNorm", (D,), [float(i) for i in range(half, D)], True)]
 
 
-class _NoEpsilonRMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
 class _OnePlusWeightRMSNorm(nn.Module):  # Gemma's form
     def __init__(self, d):
         super().__init__()
@@ -111,7 +103,7 @@ class _OnePlusWeightRMSNorm(nn.Module):  # Gemma's form
 
 
 @pytest.mark.parametrize("norm, match", [
-    (_NoEpsilonRMSNorm, r"q_norm \(_NoEpsilonRMSNorm\) has parameters \['weight'\] and epsilon None"),
+    (RMSNorm, r"q_norm \(RMSNorm\) has parameters \['weight'\] and epsilon None"),  # its epsilon is a literal
     (_OnePlusWeightRMSNorm, r"q_norm \(_OnePlusWeightRMSNorm\) normalizes the whole width .* none of the RMSNorm "
                             r"forms"),
 ], ids=["no_epsilon", "one_plus_weight"])
