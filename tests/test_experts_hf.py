@@ -255,31 +255,49 @@ def test_mixtral_load_balancing_loss_reads_the_call_s_own_arguments(strategy, pe
     assert report.ok, str(report)
 
 
-def test_a_load_balancing_loss_that_cannot_be_made_global_is_refused_under_data_parallel():
-    """Granite-MoE adds its load-balancing loss in its own way: with output_router_logits on, each data-parallel
-    rank would compute it on its own rows (silently, before); refused by name before the wrapper changes the model.
-    With the logits off (its config's default) it wraps and trains, and a call that turns them on raises."""
-    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+def own_loss_granite_moe(config):
+    """A causal LM whose forward is its own around Granite-MoE's: its load-balancing loss is computed in code
+    experts.hf_kinds cannot read (a subclass's), so it cannot be made the global batch's."""
+    from transformers import GraniteMoeForCausalLM
 
-    def granite(logits):
+    class OwnLossGraniteMoe(GraniteMoeForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, output_router_logits=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                                   output_router_logits=output_router_logits, **kwargs)
+
+    return OwnLossGraniteMoe(config)
+
+
+def _granite_config(logits: bool):
+    from transformers import GraniteMoeConfig
+
+    return GraniteMoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                            router_aux_loss_coef=0.01, output_router_logits=logits)
+
+
+def test_a_load_balancing_loss_that_cannot_be_made_global_is_refused_under_data_parallel():
+    """A model that adds its load-balancing loss in a way of its own: with output_router_logits on, each
+    data-parallel rank would compute it on its own rows (silently, before); refused by name before the wrapper
+    changes the model. With the logits off (its config's default) it wraps and trains, and a call that turns them on
+    raises."""
+
+    def own(logits):
         with _BUILD:
             torch.manual_seed(0)
-            return GraniteMoeForCausalLM(GraniteMoeConfig(
-                vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01,
-                output_router_logits=logits))
+            return own_loss_granite_moe(_granite_config(logits))
 
     def body(comm):
-        model = granite(True)
+        model = own(True)
         for wrap in (lambda m: sw.DDP(m, comm), lambda m: sw.ZeRO(m, comm, stage=3), lambda m: sw.FSDP(m, comm)):
-            with pytest.raises(ValueError, match=r"over 2 ranks: GraniteMoeForCausalLM has router_aux_loss_coef=0.01 "
+            with pytest.raises(ValueError, match=r"over 2 ranks: OwnLossGraniteMoe has router_aux_loss_coef=0.01 "
                                                  r"with output_router_logits on"):
                 wrap(model)
-            assert type(model) is GraniteMoeForCausalLM  # refused before anything changed
-        quiet = sw.DDP(granite(False), comm)
+            assert type(model).__name__ == "OwnLossGraniteMoe"  # refused before anything changed
+        quiet = sw.DDP(own(False), comm)
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(comm.rank))
         quiet(ids, labels=ids).loss.backward()  # logits off: no load-balancing loss, one process's gradients
-        with pytest.raises(ValueError, match=r"DDP over 2 ranks: .*GraniteMoeForCausalLM has router_aux_loss_coef=0.01 "
+        with pytest.raises(ValueError, match=r"DDP over 2 ranks: .*OwnLossGraniteMoe has router_aux_loss_coef=0.01 "
                                              r"and this call turns output_router_logits on"):
             quiet(ids, labels=ids, output_router_logits=True)  # turned on per call: refused before computing
         quiet.config.output_router_logits = True
@@ -288,6 +306,20 @@ def test_a_load_balancing_loss_that_cannot_be_made_global_is_refused_under_data_
         return [s.name for s in sw.layout.strategies(quiet)]
 
     assert sw.launch(body, 2) == [["ddp"]] * 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_granite_moes_load_balancing_loss_is_the_global_batchs_under_data_parallel(strategy):
+    """Granite-MoE's forward adds Mixtral's load-balancing loss to a loss of scaled logits (experts.hf_kinds): made the
+    global batch's as Mixtral's is (before: refused, as the model above)."""
+    from transformers import GraniteMoeForCausalLM
+
+    config = _granite_config(True)
+    batch = lambda step: padded_mixtral_batch(step, False)  # noqa: E731
+    report = sw.check(lambda: GraniteMoeForCausalLM(config), batch, strategy=strategy, world_size=2, steps=2,
+                      rtol=1e-4, atol=1e-5,
+                      optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-5))
+    assert report.ok, str(report)
 
 
 def test_ddp_without_find_unused_parameters_names_the_unused_experts():

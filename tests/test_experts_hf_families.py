@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 from parity import value_error_text
+from test_experts_hf import own_loss_granite_moe
 
 import shardwise as sw
 from shardwise.experts import expert_parallel
@@ -112,7 +113,7 @@ def test_what_computes_something_else_is_refused():
     doubled = build("qwen3_moe", router_aux_loss_coef=0.0)
     for layer in doubled.model.layers:
         layer.mlp.experts.__class__ = DoubledExperts
-    granite = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(
+    granite = own_loss_granite_moe(transformers.GraniteMoeConfig(  # a router loss of its own code
         **{**COMMON, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
            "output_router_logits": True, "router_aux_loss_coef": 0.05}))
 
@@ -123,4 +124,4 @@ def test_what_computes_something_else_is_refused():
     for bias, dbl, gran in sw.launch(body, 4):
         assert "Qwen3MoeExperts" in bias and "has_bias=True (the mixtral template's: has_bias=False)" in bias
         assert "DoubledExperts" in dbl and "its eager forward is neither Mixtral's nor GPT-OSS's" in dbl
-        assert "GraniteMoeForCausalLM" in gran and "router_aux_loss_coef=0.05" in gran
+        assert "OwnLossGraniteMoe" in gran and "router_aux_loss_coef=0.05" in gran

@@ -6,10 +6,10 @@ OLMo (clipped qkv), OLMo 2 (q/k norms), OLMo 3 (sliding layers with their own ro
 losses, per microbatch), Phi-3 (a sliding window of 5 on 16 tokens, partial rotary), Helium, EXAONE 4 (sliding layers
 every other layer), GLM (partial rotary), SmolLM3 (layers without rotary), StarCoder2 (a window; LayerNorm; its
 embedding dropout is the first stage's), Gemma 2 (attention and final soft caps, a window), Gemma 3 (local layers
-rotating by their own base), Granite (embedding, residual, attention multipliers and a logit scale), Cohere (a logit
-scale) and DeepSeek-V3 (latent attention with a value head of another size, a dense first layer, routed and shared
-experts, split over ep=2 x dp=2). Granite-MoE, which adds its router loss its own way, stays unknown, refused by
-name."""
+rotating by their own base), Granite (embedding, residual, attention multipliers and a logit scale), Granite-MoE
+(Granite's with Mixtral's router loss, per microbatch), Cohere (a logit scale) and DeepSeek-V3 (latent attention with
+a value head of another size, a dense first layer, routed and shared experts, split over ep=2 x dp=2). JetMoE, not
+known to be Llama-shaped, is refused by name."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ FAMILIES = {
                                    "sliding_window": 5, "rope_local_base_freq": 100.0}, "cp"),
     "granite": ("Granite", {"embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier": 0.5,
                             "attention_multiplier": 0.3}, "zero3"),
+    "granitemoe": ("GraniteMoe", {"embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.3, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  **MOE_LOSS}, "zero3"),
     "cohere": ("Cohere", {"logit_scale": 0.25}, "cp"),
     "deepseek_v3": ("DeepseekV3", {"num_hidden_layers": 3, "num_key_value_heads": 4, "n_routed_experts": 4,
                                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16,
@@ -90,8 +93,9 @@ def test_starcoder2s_embedding_dropout_is_the_first_stages():
 
 
 def test_a_family_not_known_to_be_llama_shaped_is_refused_by_name():
-    model = transformers.GraniteMoeForCausalLM(transformers.GraniteMoeConfig(**SMALL, num_local_experts=4,
-                                                                             num_experts_per_tok=2))
+    model = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_local_experts=4,
+        num_experts_per_tok=2, kv_channels=8, intermediate_size=32))
 
     def body(comm):
         with pytest.raises(ValueError, match="is not a known HuggingFace decoder") as raised:

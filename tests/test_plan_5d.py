@@ -140,17 +140,17 @@ def test_distribute_splits_a_huggingface_moes_experts_over_an_ep_mesh():
 
 
 @pytest.mark.parametrize("name,tp_plan", [("Gemma2", "llama"), ("Granite", "llama"), ("Phi3", "llama"),
-                                          ("Olmo2", "llama"), ("GraniteMoe", None)])
+                                          ("Olmo2", "llama"), ("GraniteMoe", "llama"), ("JetMoe", None)])
 def test_huggingface_families_sw_parallelize_splits_are_pipelineable(name, tp_plan):
     """Pipelines for every family sw.parallelize splits (models/hf_parallel.BUILDERS), the "llama" tensor-parallel plan
-    where it takes the family's modules; Granite-MoE (its own router loss) neither."""
+    where it takes the family's modules; JetMoE (not known to be Llama-shaped) neither."""
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, name + "Config")(vocab_size=64, hidden_size=32, intermediate_size=64,
                                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                     pad_token_id=0)
     facts = model_facts(getattr(transformers, name + "ForCausalLM")(config))
     assert facts.tp_plan == tp_plan
-    assert facts.pipeline_layers == (None if name == "GraniteMoe" else 4)
+    assert facts.pipeline_layers == (None if name == "JetMoe" else 4)
 
 
 @pytest.mark.parametrize("kwargs, match", [

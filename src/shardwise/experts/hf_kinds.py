@@ -14,10 +14,10 @@ property that differs. The router and everything outside the experts module stay
 that differ (DeepSeek-V3's grouped top-k, Qwen2-MoE's shared expert) need nothing here.
 
 The load-balancing loss (``router_aux_loss_coef > 0``) is a product of batch means (hf_aux.py). `global_aux_model`
-accepts a top-level model whose forward is Mixtral's forward (byte code, docstrings aside) and whose
-``load_balancing_loss_func`` is Mixtral's: then hf_aux.GlobalRouterLoss makes the loss the global batch's, as for
-Mixtral. Byte-code equality is exact for the installed transformers and needs no list to keep up to date; a model
-whose code differs is refused, never guessed.
+accepts a top-level model whose forward is Mixtral's forward or Granite-MoE's (byte code, docstrings aside; the
+latter adds the same loss to a loss of scaled logits) and whose ``load_balancing_loss_func`` is Mixtral's: then
+hf_aux.GlobalRouterLoss makes the loss the global batch's, as for Mixtral. Byte-code equality is exact for the
+installed transformers and needs no list to keep up to date; a model whose code differs is refused, never guessed.
 """
 
 from __future__ import annotations
@@ -151,7 +151,19 @@ def global_aux_model(module: nn.Module) -> bool:
     from transformers.models.mixtral import modeling_mixtral
 
     forward = model_forward(module)
-    if not _same_code(forward, vars(modeling_mixtral.MixtralForCausalLM)["forward"]):
+    if not any(_same_code(forward, template) for template in _loss_forwards(modeling_mixtral)):
         return False
     here = sys.modules.get(forward.__module__)
     return _same_code(getattr(here, "load_balancing_loss_func", None), modeling_mixtral.load_balancing_loss_func)
+
+
+def _loss_forwards(modeling_mixtral: Any) -> list[Any]:
+    """The causal-LM forwards that add ``router_aux_loss_coef x load_balancing_loss_func(router_logits, num_experts,
+    num_experts_per_tok, attention_mask)`` to the loss exactly as Mixtral's does: Mixtral's, and Granite-MoE's (the
+    same, on logits divided by ``config.logits_scaling``; read for transformers 5)."""
+    forwards = [vars(modeling_mixtral.MixtralForCausalLM)["forward"]]
+    try:
+        from transformers.models.granitemoe import modeling_granitemoe
+    except ImportError:  # a transformers without Granite-MoE
+        return forwards
+    return forwards + [vars(modeling_granitemoe.GraniteMoeForCausalLM)["forward"]]

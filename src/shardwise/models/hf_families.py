@@ -6,16 +6,17 @@ positions and the rotary embeddings), the final norm, ``lm_head``. The families 
 (checked against each family's source in transformers 5.x, and by tests/test_parallelize_hf_families.py against one
 process):
 
-* an embedding multiplier (Granite: ``inputs_embeds * embedding_multiplier``): `embedding_multiplier`; dropout of
-  the embeddings in training (StarCoder2's ``embedding_dropout``): `embedding_dropout`;
+* an embedding multiplier (Granite, Granite-MoE: ``inputs_embeds * embedding_multiplier``): `embedding_multiplier`;
+  dropout of the embeddings in training (StarCoder2's ``embedding_dropout``): `embedding_dropout`;
 * a transform of the logits (Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2 and
   Gemma 3 cap them as ``cap * tanh(logits / cap)`` with ``final_logit_softcapping``): `LogitsOutput`, read at call
   time from the config as the model's forward reads it;
 * rotary embeddings per layer type (Gemma 3's local layers rotate by another base, OLMo 3's too:
   ``rotary_emb(x, positions, layer_type)``): `rotary_layer_type`.
 
-A family that does anything else outside its layers is not listed, and `sw.parallelize` refuses it by name (Granite-MoE
-adds its router loss its own way; Cohere 2 and others are untested).
+Granite-MoE is Granite's forward plus Mixtral's router loss (experts.hf_kinds.global_aux_model), which
+hf_router_loss.py carries through the stages. A family that does anything else outside its layers is not listed, and
+`sw.parallelize` refuses it by name (Cohere 2 and others are untested).
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ __all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_dropout", "embedding_multi
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
                 "qwen3_moe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm",
-                "smollm3", "starcoder2", "granite", "cohere", "deepseek_v3")
+                "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3")
+_GRANITE = ("granite", "granitemoe")  # an embedding multiplier and a logit scale
 
 _SOFTCAPPED = ("gemma2", "gemma3_text")
 
 
 def embedding_multiplier(model: nn.Module) -> float | None:
     """Granite's multiplier of the token embeddings (None: the family has none)."""
-    if model.config.model_type == "granite":
+    if model.config.model_type in _GRANITE:
         return float(model.model.embedding_multiplier)
     return None
 
@@ -63,7 +65,7 @@ class LogitsOutput:
         if self.kind in _SOFTCAPPED and self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             return torch.tanh(logits / cap) * cap  # transformers' order: / cap, tanh, * cap
-        if self.kind == "granite":
+        if self.kind in _GRANITE:
             return logits / self.config.logits_scaling
         if self.kind == "cohere":
             return logits * self.logit_scale
