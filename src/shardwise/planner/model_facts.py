@@ -41,11 +41,12 @@ class ModelFacts:
     """num_params and, when known, the geometry; tp_plan: the built-in tensor-parallel plan name, or None;
     pipeline_layers: how many layers a pipeline could split (None: the model cannot be pipelined).
     expert_params: parameters inside the experts of its MoE layers (`models.moe.MoE`: w_in, b_in, w_out, b_out;
-    a HuggingFace experts module's parameters; routers and shared experts excluded), 0 for a dense model; n_experts / experts_per_token: E and k of those layers (0 when dense);
-    moe_layers: how many there are; moe_balance_loss: whether they, or a HuggingFace MoE's routers, add a
-    load-balancing loss (`aux_loss_coef` > 0, `router_aux_loss_coef` > 0: a function of the whole batch, which
-    sw.parallelize computes per microbatch under a pipeline). The shardwise GPT's
-    "gpt" plan keeps its MoE layers whole on every tensor-parallel rank (experts replicated over tp, not split)."""
+    a HuggingFace experts module's parameters; routers and shared experts excluded), 0 for a dense model;
+    n_experts / experts_per_token: E and k of those layers (0 when dense); moe_layers: how many there are;
+    moe_balance_loss: whether they, or a HuggingFace MoE's routers, add a load-balancing loss (`aux_loss_coef` > 0,
+    `router_aux_loss_coef` > 0: a function of the whole batch, which sw.parallelize computes per microbatch under a
+    pipeline). The "gpt" and "llama" plans keep MoE layers whole on every tensor-parallel rank (experts replicated
+    over tp, not split)."""
 
     num_params: int
     hidden_size: int | None = None
