@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .latent_attention import is_latent_attention, latent_attention_plan
 from .styles import Colwise, HeadRows, Heads, Rowwise, SplitNorm, Style, Vocab, check_divides, has_own_forward
 
 __all__ = ["llama_plan"]
@@ -48,13 +49,19 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     lm_head tied to it: the parallel embedding would not run that forward (parallelize refuses to split such a
     module).
     Phi-3's fused ``qkv_proj`` is split block by block ([q | k | v], uneven under grouped-query attention) and its
-    attention reads this rank's head counts (fused_qkv.py); any other fused qkv_proj is refused by name.
+    attention reads this rank's head counts (fused_qkv.py); any other fused qkv_proj is refused by name. DeepSeek-V3's
+    latent attention splits its up projections (q_b_proj, kv_b_proj) and keeps the down projections whole
+    (latent_attention.py).
     Raises ValueError naming the numbers when `tp` does not divide the attention or key/value heads.
     """
     fused_qkv: set[tuple[int, ...]] = set()
+    latent: dict[str, Style] = {}
     for name, module in model.named_modules():
         if isinstance(getattr(module, "qkv_proj", None), nn.Linear) and not hasattr(module, "q_proj"):
             fused_qkv.add(_fused_qkv_blocks(name, module, tp))
+        if is_latent_attention(module):
+            latent.update(latent_attention_plan(name, module, tp))  # DeepSeek-V3 (latent_attention.py)
+            continue
         for proj, attrs, what in _HEAD_COUNTS:
             child = getattr(module, proj, None)
             if isinstance(child, nn.Linear):
@@ -67,7 +74,7 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     if len(fused_qkv) > 1:
         raise ValueError(f"tensor parallel plan 'llama': the fused qkv_proj layers have different [q | k | v] blocks "
                          f"{sorted(fused_qkv)}; pass a plan dict")
-    attention: dict[str, Style] = ({"qkv_proj": Colwise(fused=fused_qkv.pop())} if fused_qkv else
+    attention: dict[str, Style] = ({"qkv_proj": Colwise(fused=fused_qkv.pop())} if fused_qkv else latent or
                                    {"q_proj": Colwise(), "k_proj": Colwise(), "v_proj": Colwise()})
     plan: dict[str, Style] = {**({} if whole else {"embed_tokens": Vocab()}), **attention, "o_proj": Rowwise()}
     # A mixture-of-experts MLP (Mixtral's fused experts: no gate/up/down_proj modules) stays whole on every rank, as

@@ -50,6 +50,7 @@ from .fused_qkv import use_local_heads
 from .gpt import install_gpt_forward
 from .hf_gpt2 import (GPT2_ATTENTION_SIZES, Conv1DColumnParallelLinear, Conv1DRowParallelLinear, conv1d_as_linear,
                       is_conv1d)
+from .latent_attention import share_rope_key
 from .layer_base import name_slices
 from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding
 from .head_rows import slice_head_rows
@@ -240,6 +241,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     if plan_name == "llama":
         _adjust_head_counts(model, comm.size)
         use_local_heads(model, comm.size)  # Phi-3's fused qkv_proj (fused_qkv.py)
+        share_rope_key(model, comm)  # DeepSeek-V3's latent attention (latent_attention.py)
     if plan_name == "gpt2":
         _adjust_head_counts(model, comm.size, "c_attn", GPT2_ATTENTION_SIZES)
     name_slices(model)  # the split parameters answer for the dense ones (layer_base.py), under their model names
