@@ -91,3 +91,15 @@ def test_a_fused_qkv_projection_of_another_attention_is_refused_by_name():
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.qkv_proj \(_OtherFusedAttention\) fuses q, k "
                                          r"and v in one Linear.* splits the fused qkv_proj of Phi3Attention"):
         tp.parallelize(model, sw.init(), "llama")
+
+
+def test_a_plan_dict_splitting_phi3s_qkv_in_equal_blocks_is_refused():
+    """Under grouped-query attention [q | k | v] is (32, 8, 8): three equal blocks of 16 would mix queries and keys."""
+    model = transformers.Phi3ForCausalLM(_phi3(8, 2))
+
+    def body(comm):
+        with pytest.raises(ValueError, match=r"model.layers.0.self_attn.qkv_proj is split in blocks \(16, 16, 16\), "
+                                             r"but its output is \[q \| k \| v\] = \(32, 8, 8\)"):
+            tp.parallelize(copy.deepcopy(model), comm, {"qkv_proj": tp.Colwise(fused=3), "o_proj": "rowwise"})
+
+    sw.launch(body, 2)

@@ -50,3 +50,11 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused():
     with pytest.raises(ValueError, match=r"tp size 3 does not divide the number of attention heads of "
                                          r"model.layers.0.self_attn \(num_heads\)=4"):
         llama_plan(_deepseek()(), 3)
+
+
+def test_a_plan_dict_splitting_the_latent_attention_gets_the_rope_keys_sum_too():
+    """The rope key's reduction follows the split, not the plan's name: a dict naming the up projections trains like
+    one process (before it, such a plan trained kv_a_proj_with_mqa on each rank's heads' part of the gradient)."""
+    plan = {"q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"}
+    report = sw.check(builder("deepseek_v3"), padded, strategy={"tp": 2, "tp_plan": plan}, world_size=2, steps=2)
+    assert report.ok, str(report)

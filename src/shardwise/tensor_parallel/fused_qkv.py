@@ -82,10 +82,19 @@ class LocalHeadsForward:
 
 
 def use_local_heads(model: nn.Module, tp: int) -> None:
-    """After the plan split the fused qkv_proj of `model`'s attentions over `tp` ranks: divide each one's own kv-head
-    count and swap in the local view of its config."""
-    for attn in model.modules():
-        if isinstance(getattr(attn, "qkv_proj", None), ColumnParallelLinear) and not hasattr(attn, "q_proj"):
+    """After a plan split the fused qkv_proj of `model`'s known attentions over `tp` ranks: divide each one's own
+    kv-head count and swap in the local view of its config. ValueError when the split's blocks are not the
+    attention's [q | k | v] (a plan dict's ``Colwise(fused=3)`` under grouped-query attention would mix q and k)."""
+    if tp == 1:
+        return
+    for name, attn in model.named_modules():
+        qkv = getattr(attn, "qkv_proj", None)
+        if isinstance(qkv, ColumnParallelLinear) and type(attn).__name__ in FUSED_QKV_ATTENTIONS:
+            blocks = qkv_blocks(attn, name)
+            if tuple(qkv.blocks) != blocks:
+                raise ValueError(f"parallelize: {name}.qkv_proj is split in blocks {tuple(qkv.blocks)}, but its "
+                                 f"output is [q | k | v] = {blocks}; split it with Colwise(fused={blocks}) (plan "
+                                 f"'llama' does)")
             attn.num_key_value_heads //= tp
             object.__setattr__(attn, "_sw_tp", tp)
             mix_in(attn, LocalHeadsForward, "LocalHeads")

@@ -72,7 +72,8 @@ class RopeKeyGradientSummed:
 
 
 def share_rope_key(model: nn.Module, comm: Communicator) -> None:
-    """After the plan split `model`'s latent attentions over `comm`: sum the rope key's gradient over it."""
+    """After a plan (the llama plan, or a dict naming the same splits) split `model`'s latent attentions over `comm`:
+    sum the rope key's gradient over it."""
     if comm.size == 1:
         return
     for attn in model.modules():

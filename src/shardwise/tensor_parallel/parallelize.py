@@ -240,8 +240,10 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
             reduce_sequence_parallel_grads(params, comm)
     if plan_name == "llama":
         _adjust_head_counts(model, comm.size)
-        use_local_heads(model, comm.size)  # Phi-3's fused qkv_proj (fused_qkv.py)
-        share_rope_key(model, comm)  # DeepSeek-V3's latent attention (latent_attention.py)
+    # What a split attention needs besides its projections, whichever plan split them: Phi-3's local head counts
+    # (fused_qkv.py), DeepSeek-V3's rope key summed over the group (latent_attention.py)
+    use_local_heads(model, comm.size)
+    share_rope_key(model, comm)
     if plan_name == "gpt2":
         _adjust_head_counts(model, comm.size, "c_attn", GPT2_ATTENTION_SIZES)
     name_slices(model)  # the split parameters answer for the dense ones (layer_base.py), under their model names
