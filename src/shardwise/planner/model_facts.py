@@ -11,7 +11,9 @@ GPT-2's n_embd, n_layer, n_head, n_positions).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 __all__ = ["ModelFacts", "model_facts", "count_parameters"]
@@ -62,20 +64,20 @@ class ModelFacts:
     moe_balance_loss: bool = False
 
 
+def _numel_once(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Elements of `tensors`, each tensor counted once (a weight shared by two layers); None counts nothing."""
+    unique = {id(t): t for t in tensors if t is not None}
+    return sum(t.numel() for t in unique.values())
+
+
 def _experts(model: nn.Module) -> dict[str, int]:
     from ..models.moe import MoE
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         return {}
-    seen: set[int] = set()
-    params = 0
-    for layer in layers:
-        for name in ("w_in", "b_in", "w_out", "b_out"):  # experts.EXPERT_TENSORS (not imported: no cycle)
-            p = getattr(layer, name, None)
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                params += p.numel()
+    names = ("w_in", "b_in", "w_out", "b_out")  # experts.EXPERT_TENSORS (not imported: no cycle)
+    params = _numel_once(getattr(layer, name, None) for layer in layers for name in names)
     return {"expert_params": params, "n_experts": layers[0].n_experts, "experts_per_token": layers[0].top_k,
             "moe_layers": len(layers), "moe_balance_loss": any(layer.aux_loss_coef > 0 for layer in layers)}
 
@@ -94,13 +96,7 @@ def _hf_experts(model: nn.Module) -> dict[str, int]:
         return {}
     if not layers:
         return {}
-    seen: set[int] = set()
-    params = 0
-    for _, module in layers:
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                params += p.numel()
+    params = _numel_once(p for _, module in layers for p in module.parameters())
     per_token = _int_attr(getattr(model, "config", None), ("num_experts_per_tok",)) or 1
     return {"expert_params": params, "n_experts": int(layers[0][1].num_experts), "experts_per_token": per_token,
             "moe_layers": len(layers)}

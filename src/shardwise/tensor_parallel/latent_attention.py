@@ -39,8 +39,10 @@ _KNOWN = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa
           "o_proj")
 
 
-def is_latent_attention(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "kv_b_proj", None), nn.Linear) and hasattr(module, "kv_a_proj_with_mqa")
+def is_latent_attention(module: nn.Module, up: type[nn.Module] = nn.Linear) -> bool:
+    """Whether `module` is a latent attention whose ``kv_b_proj`` is an `up` (nn.Linear before the split,
+    ColumnParallelLinear after it)."""
+    return isinstance(getattr(module, "kv_b_proj", None), up) and hasattr(module, "kv_a_proj_with_mqa")
 
 
 def latent_attention_plan(name: str, attn: nn.Module, tp: int) -> dict[str, Style]:
@@ -77,7 +79,7 @@ def share_rope_key(model: nn.Module, comm: Communicator) -> None:
     if comm.size == 1:
         return
     for attn in model.modules():
-        if isinstance(getattr(attn, "kv_b_proj", None), ColumnParallelLinear) and hasattr(attn, "kv_a_proj_with_mqa"):
+        if is_latent_attention(attn, ColumnParallelLinear):
             down = attn.kv_a_proj_with_mqa
             object.__setattr__(down, "_sw_rope", int(attn.qk_rope_head_dim))
             object.__setattr__(down, "_sw_comm", comm)
