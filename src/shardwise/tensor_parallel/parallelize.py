@@ -24,6 +24,11 @@ causal mask and positions from the embedding output, which would be a sequence s
 GPT-2) splits its ``Conv1D`` layers as the Linears they equal and divides its attention's per-rank sizes (see
 `hf_gpt2.py`); no sequence parallel either, for the same reason.
 
+Dropout. A model split over more than one rank draws its dropout masks from a stream the group shares
+(`dropout_stream.py`): the replicated regions drop the same activations on every rank, whatever each rank seeded
+torch with, and an activation-checkpointing recompute draws the masks its forward drew; under sequence parallel,
+where every region is a shard, each rank's stream is its own.
+
 Order with other strategies (torchtitan's): pipeline split first, then tensor parallel, then data parallel or
 sharding over the dp axis of the Mesh; build the optimizer after the last wrap.
 """
@@ -39,6 +44,8 @@ from .. import layout
 from ..agreement import check_agreement, describe_parameters, fingerprints
 from ..comm.base import Communicator, is_communicator
 from ..compiled import refuse_compiled
+from ..dropout_functions import install as install_dropout_stream
+from ..dropout_stream import group_seed
 from ..optimizer_guard import register_wrapped
 from ..param_hooks import carry_grad_hooks
 from ..placement import to_comm_device
@@ -247,6 +254,8 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     if plan_name == "gpt2":
         _adjust_head_counts(model, comm.size, "c_attn", GPT2_ATTENTION_SIZES)
     name_slices(model)  # the split parameters answer for the dense ones (layer_base.py), under their model names
+    if comm.size > 1:  # replicated activations need the same dropout masks on every rank (dropout_stream.py)
+        install_dropout_stream(model, group_seed(comm, distinct=sp))
     object.__setattr__(model, "_shardwise_tp", TensorParallelState(comm, sp, sequence_dim, plan_name, styles))
     layout.declare(model, layout.Parallelized(
         "tensor_parallel", (comm,), tensor_parallel_placements(model, comm, head_rows), world=comm,

@@ -1,0 +1,219 @@
+"""Dropout masks drawn from a stream the ranks of a tensor-parallel group share, not from torch's global generator.
+
+Why. Between a row-parallel layer (its output all-reduced) and the next column-parallel one, every rank of a
+tensor-parallel group holds the same activations and must compute the same thing on them: the embedding dropout, the
+residual dropout after each block's output projection. A rank that draws another mask there trains its copy of the
+replicated parameters (the norms, the position embedding) on other numbers, and the copies drift apart with no error:
+thread ranks share torch's one generator, a script that seeds torch with its rank (nanoGPT's ``1337 + rank``) seeds
+them apart, and a split that draws different amounts per rank desynchronises them. Megatron-LM asks every script to
+seed torch's generator alike on the tp ranks and forks a separate tracked generator for the parallel regions
+(Shoeybi et al. 2019, "Megatron-LM", section 3; Korthikanti et al. 2022 for the sequence-parallel regions).
+
+Mechanism. `attach` (called by dropout_functions.install) gives a model a `DropoutStream` (a base seed the group
+agreed, and a counter) and hooks its modules: while the outermost module call of the model runs in training (the
+model, a pipeline stage, a layer), the stream is this thread's. Every dropout call with 0 < p < 1 made meanwhile
+(dropout_functions.py: ``F.dropout`` and so ``nn.Dropout``, ``dropout1d/2d/3d``, ``torch.dropout``,
+``scaled_dot_product_attention``'s ``dropout_p``) takes the stream's next seed, the same number on every rank since
+every rank runs the same forward, and draws its mask from a generator seeded with it. Without a stream (any other
+model, or eval) torch's own function runs.
+
+Activation checkpointing. A checkpointed module runs its forward again in backward (torch.utils.checkpoint, whoever
+calls it: shardwise, HuggingFace's gradient checkpointing, the model itself) and must draw the masks it drew the
+first time. Each draw in forward records its seed under a fingerprint of its input (its bits, summed row by row with
+position weights) with its shape and dtype; a draw in backward is a recompute, which reproduces its input bit for bit,
+and takes the seed recorded for that fingerprint (once: the record is used up; an optimizer step forgets the rest,
+whose backward has run or never will). A recompute inside the model whose fingerprint has no record, or two records
+(two forwards since the last step dropped out the same numbers), is a RuntimeError, never another mask.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+__all__ = ["DropoutStream", "attach", "generator_for", "group_seed", "stream_of"]
+
+_ATTR = "_shardwise_dropout_stream"
+_RECORDS = 1 << 16  # forward draws remembered for a recompute (pipelines keep many microbatches in flight)
+_MASK64 = (1 << 64) - 1
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _mix(a: int, b: int) -> int:
+    """splitmix64 of a combined with b: neighbouring counters give unrelated seeds (Steele et al. 2014)."""
+    z = (a + 0x9E3779B97F4A7C15 * ((b & _MASK64) + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class DropoutStream:
+    """A base seed and a counter: the n-th dropout draw of the model's forwards gets seed mix(base, n).
+
+    `records` maps a draw's input (fingerprint, shape, dtype, kind) to the seeds forwards drew for it and have not
+    yet replayed, the most recent `_RECORDS` of them."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed) & _MASK64
+        self.counter = 0
+        self.records: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
+        self.size = 0
+        self.thread = 0  # the thread that drew last: an optimizer step on it ends what it may recompute
+
+    def draw(self, key: tuple) -> int:
+        self.counter += 1
+        self.thread = threading.get_ident()
+        seed = _mix(self.seed, self.counter)
+        self.records.setdefault(key, []).append(seed)
+        self.records.move_to_end(key)
+        self.size += 1
+        while self.size > _RECORDS:
+            _, dropped = self.records.popitem(last=False)
+            self.size -= len(dropped)
+        return seed
+
+    def replay(self, key: tuple) -> int | None:
+        """The seed a forward drew for this input, used up; None if none did. Two is a RuntimeError."""
+        seeds = self.records.get(key)
+        if not seeds:
+            return None
+        if len(seeds) > 1:
+            raise RuntimeError(f"a dropout recomputed in backward (activation checkpointing) under the tensor-parallel "
+                               f"dropout stream matches {len(seeds)} forwards still awaiting their backward (equal "
+                               f"inputs of shape {list(key[1])}), so which masks it drew is unknown; give those "
+                               f"microbatches different data, or run each backward before the next forward")
+        self.size -= 1
+        del self.records[key]
+        return seeds[0]
+
+    def forget(self) -> None:
+        self.records.clear()
+        self.size = 0
+
+
+_live: weakref.WeakSet[DropoutStream] = weakref.WeakSet()
+_step_hook: list = []
+_install_lock = threading.Lock()
+
+
+def _forget_drawn_on_this_thread(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """After an optimizer step no recompute of an earlier forward can come (its backward ran, or never will: a
+    forward without backward, one whose backward failed), so their records would only make later ones ambiguous.
+    Only this thread's: thread ranks step their own optimizers while the others may still be in backward."""
+    thread = threading.get_ident()
+    for stream in list(_live):
+        if stream.thread == thread:
+            stream.forget()
+
+
+def stream_of(module: nn.Module) -> DropoutStream | None:
+    return module.__dict__.get(_ATTR)
+
+
+def attach(model: nn.Module, seed: int) -> DropoutStream:
+    """Give `model` a stream seeded with `seed` (equal on every rank that must draw the same masks) and hook all its
+    modules so their forwards' dropout draws from it (a second call reseeds the stream). The draws reach the stream
+    through the functions dropout_functions.py puts in torch's place: call its `install`, which calls this."""
+    with _install_lock:  # thread ranks parallelise at once: one hook
+        if not _step_hook:
+            _step_hook.append(register_optimizer_step_post_hook(_forget_drawn_on_this_thread))
+    stream = stream_of(model)
+    if stream is not None:
+        stream.seed, stream.counter = int(seed) & _MASK64, 0
+        return stream
+    stream = DropoutStream(seed)
+    _live.add(stream)
+    for module in model.modules():
+        object.__setattr__(module, _ATTR, stream)
+        module.register_forward_pre_hook(_enter, prepend=True)
+        module.register_forward_hook(_leave, always_call=True)
+    return stream
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stream: DropoutStream | None = None
+        self.depth = 0  # hooked calls of the same model nested inside the outermost one
+
+
+_local = _Local()
+
+
+def _enter(module: nn.Module, args: tuple) -> None:
+    stream = stream_of(module)
+    if stream is None:
+        return
+    if _local.stream is None:
+        if module.training:
+            _local.stream, _local.depth = stream, 0
+    elif _local.stream is stream:
+        _local.depth += 1
+
+
+def _leave(module: nn.Module, args: tuple, output: Any) -> None:
+    if _local.stream is None or stream_of(module) is not _local.stream:
+        return
+    if _local.depth > 0:
+        _local.depth -= 1
+    else:
+        _local.stream = None
+
+
+def _fingerprint(t: torch.Tensor) -> int:
+    """A hash of `t`'s bits that a recompute reproduces: row sums of the integer view, weighted by row position
+    (so reordered rows differ). One pass over `t`; a host sync on an accelerator."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    bits = t.detach().contiguous().view(_INTS[t.element_size()])
+    rows = bits.reshape(-1, bits.shape[-1] if bits.dim() else 1).sum(1, dtype=torch.int64)
+    weights = torch.arange(rows.numel(), dtype=torch.int64, device=rows.device) * 0x9E3779B1 + 0x632BE5AB
+    return int((rows * weights).sum())
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def generator_for(input: torch.Tensor, kind: str, device: torch.device) -> torch.Generator | None:
+    """The generator one dropout draw on `input` takes its mask from, or None where torch's own draw is right (no
+    stream on this thread, or a recompute of a draw no stream made)."""
+    stream = _local.stream
+    if stream is None and not _in_backward():
+        return None
+    if not _in_backward():
+        seed = stream.draw(_key(input, kind))
+    else:
+        key = _key(input, kind)
+        found = [s for s in ([stream] if stream is not None else list(_live)) if key in s.records]
+        if not found:
+            if stream is None:
+                return None  # a draw of some other model's recompute
+            raise RuntimeError(f"a {kind} in a model under the tensor-parallel dropout stream ran in backward (an "
+                               f"activation-checkpointing recompute) on an input no forward dropped out (shape "
+                               f"{list(input.shape)}), so its masks cannot be the forward's; recompute only what the "
+                               f"forward computed, and within {_RECORDS} dropout calls of it")
+        seed = found[0].replay(key)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _key(input: torch.Tensor, kind: str) -> tuple:
+    return _fingerprint(input), tuple(input.shape), input.dtype, kind
+
+
+def group_seed(comm: Any, distinct: bool = False) -> int:
+    """The base seed of a group's stream: rank 0's ``torch.initial_seed()`` (the script's seed; nothing is drawn from
+    its generator), mixed with the group's first world rank (each pipeline stage's group gets its own stream) and,
+    when `distinct`, with this rank's place in the group (sequence parallelism: every region a rank drops out is its
+    own shard, so its masks should be its own, as Megatron's tracker gives). Collective over `comm` (one broadcast)."""
+    seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=comm.device)
+    comm.broadcast(seed, 0)
+    base = _mix(int(seed.item()), comm.global_ranks[0])
+    return _mix(base, comm.rank + 1) if distinct else base

@@ -1,0 +1,229 @@
+"""Dropout under tensor parallelism: the replicated regions draw the same masks on every rank of the group, from the
+stream the group shares (shardwise/dropout_stream.py), and a recompute under activation checkpointing draws the
+masks its forward drew.
+
+Without the stream, thread ranks (one shared torch generator) and process ranks seeded with their rank (nanoGPT's
+``torch.manual_seed(1337 + rank)``) drop out different activations in the regions every rank must compute alike:
+the copies of the replicated parameters (norms, position embeddings) train on different numbers and drift apart.
+The references are computed: one process that draws its masks from the same stream (possible where every dropout
+is in a replicated region, HuggingFace GPT-2 with attention dropout 0), and the same model without checkpointing.
+Float64, AdamW with weight decay.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from parity import CONFIG, batch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import shardwise as sw
+from shardwise import tensor_parallel as tp
+from shardwise.activation_checkpointing import checkpoint_module
+from shardwise.dropout_functions import install
+from shardwise.dropout_stream import stream_of
+from shardwise.models import GPT
+
+DROPPING = dataclasses.replace(CONFIG, dropout=0.1)
+VOCAB, T, BATCH = 256, 16, 4
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+def train_gpt_tp(comm, sp, seed_by_rank):
+    if seed_by_rank:
+        torch.manual_seed(1337 + comm.rank)  # nanoGPT's per-rank seed (thread ranks: one shared generator)
+    model = tp.parallelize(GPT(DROPPING, seed=0).double(), comm, "gpt", sequence_parallel=sp)
+    opt = adamw(model)
+    for step in range(3):
+        x, y = batch(step)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return tp.full_state_dict(model), stream_of(model).seed
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_replicated_parameters_stay_equal_on_every_tp_rank(sp):
+    (first, seed0), (second, seed1) = sw.launch(train_gpt_tp, 2, sp, False)
+    dense = GPT(DROPPING, seed=0).state_dict()
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), f"{name} differs between the tp ranks"
+    assert not torch.equal(first["blocks.0.ln1.weight"], dense["blocks.0.ln1.weight"].double())  # it trained
+    assert (seed0 != seed1) == sp  # under sequence parallel every region is a shard: each rank its own masks
+
+
+def test_process_ranks_seeded_by_rank_keep_replicas_equal():
+    (first, _), (second, _) = sw.launch(train_gpt_tp, 2, False, True, backend="gloo", timeout=120)
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), f"{name} differs between the tp ranks"
+
+
+def gpt2_config(**overrides) -> transformers.GPT2Config:
+    sizes = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.1, embd_pdrop=0.1,
+                 attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2Config(**{**sizes, **overrides})
+
+
+def gpt2(**overrides) -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(gpt2_config(**overrides)).double()
+
+
+def ids(step):
+    return torch.randint(0, VOCAB, (BATCH, T), generator=torch.Generator().manual_seed(step))
+
+
+def train_hf(model, steps=3):
+    opt = adamw(model)
+    for step in range(steps):
+        model(ids(step), labels=ids(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def test_hf_gpt2_residual_and_embedding_dropout_match_one_process_drawing_the_same_masks():
+    dense = gpt2()
+    copies = [copy.deepcopy(dense) for _ in range(2)]
+
+    def body(comm):
+        model = tp.parallelize(copies[comm.rank], comm, "gpt2")
+        train_hf(model)
+        return tp.full_state_dict(model), stream_of(model).seed
+
+    (state, seed), _ = sw.launch(body, 2)
+    reference = copy.deepcopy(dense)
+    install(reference, seed)  # one process drawing from the stream the group drew from
+    want = train_hf(reference).state_dict()
+    without_dropout = train_hf(copy.deepcopy(dense).eval()).state_dict()
+    for name, value in want.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    assert not torch.allclose(want["transformer.h.0.ln_1.weight"], without_dropout["transformer.h.0.ln_1.weight"])
+
+
+def gradients(model, loss):
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_checkpointed_blocks_recompute_the_masks_their_forward_drew():
+    dense = GPT(DROPPING, seed=0).double()
+    copies = [[copy.deepcopy(dense) for _ in range(2)] for _ in range(2)]
+
+    def body(comm):
+        plain = tp.parallelize(copies[0][comm.rank], comm, "gpt")
+        checkpointed = tp.parallelize(copies[1][comm.rank], comm, "gpt")
+        for block in checkpointed.blocks:
+            checkpoint_module(block)
+        x, y = batch(0)
+        return gradients(plain, plain(x, y)), gradients(checkpointed, checkpointed(x, y))
+
+    for want, got in sw.launch(body, 2):
+        assert list(got) == list(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hf_gradient_checkpointing_recomputes_the_masks_its_forward_drew(reentrant):
+    dense = gpt2(attn_pdrop=0.1)
+    copies = [[copy.deepcopy(dense) for _ in range(2)] for _ in range(2)]
+
+    def body(comm):
+        plain = tp.parallelize(copies[0][comm.rank], comm, "gpt2")
+        checkpointed = copies[1][comm.rank]
+        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        checkpointed = tp.parallelize(checkpointed, comm, "gpt2")
+        plain.train(), checkpointed.train()
+        got = gradients(checkpointed, checkpointed(ids(0), labels=ids(0)).loss)
+        return gradients(plain, plain(ids(0), labels=ids(0)).loss), got
+
+    for want, got in sw.launch(body, 2):
+        assert list(got) == list(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
+class Dropping(nn.Module):
+    """A layer that drops out its input, for the recompute that cannot be replayed."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.dropout(self.linear(x), 0.5, self.training)
+
+
+def test_a_recompute_that_cannot_replay_its_masks_is_an_error():
+    dense = nn.Sequential(nn.Linear(8, 8), Dropping())
+    copies = [copy.deepcopy(dense) for _ in range(2)]
+
+    def body(comm):
+        model = tp.parallelize(copies[comm.rank], comm, {"0": "colwise", "1.linear": "rowwise"})
+        outer = model[0](torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+        scale = [1.0]
+        out = checkpoint(lambda h: model[1](h * scale[0]), outer, use_reentrant=False)
+        scale[0] = 2.0  # the recompute computes something else than the forward did
+        with pytest.raises(RuntimeError, match="no forward dropped out"):
+            out.sum().backward()
+        again = outer * 3
+        twice = [checkpoint(model[1], again, use_reentrant=False) for _ in range(2)]  # equal inputs, both in flight
+        with pytest.raises(RuntimeError, match="matches 2 forwards"):
+            sum(t.sum() for t in twice).backward()
+        return True
+
+    assert all(sw.launch(body, 2))
+
+
+class Functional(nn.Module):
+    """Every dropout the stream serves, on one input."""
+
+    def forward(self, x):
+        q, on = x.reshape(2, 4, 8, 4), self.training
+        kv = q[:, :2]
+        return (F.dropout(x, 0.3, on).sum() + torch.dropout(x, 0.3, on).sum()
+                + F.dropout1d(x[0], 0.3, on).sum() + F.dropout2d(x.reshape(2, 4, 4, 8), 0.3, on).sum()
+                + F.scaled_dot_product_attention(q, kv, kv, dropout_p=0.3 if on else 0.0, is_causal=True,
+                                                 enable_gqa=True).sum())
+
+
+def test_every_dropout_kind_draws_from_the_stream():
+    x = torch.randn(2, 4, 32, dtype=torch.float64)
+    same = [Functional() for _ in range(2)]
+    other = Functional()
+    for module, seed in ((same[0], 7), (same[1], 7), (other, 8)):
+        install(module, seed)
+    torch.manual_seed(0)
+    first = same[0](x)
+    torch.manual_seed(1)  # torch's generator is not where the masks come from
+    assert torch.equal(same[1](x), first)
+    assert not torch.equal(other(x), first)
+    assert torch.equal(same[0].eval()(x), same[1].eval()(x))  # eval: no dropout, no stream
+
+
+def test_feature_dropout_keeps_or_drops_whole_channels_scaled_like_torch():
+    module = nn.Dropout2d(0.5)
+    install(module, 3)
+    x = torch.ones(3, 5, 4, 4)
+    out = module(x)
+    per_channel = out.flatten(2)
+    assert torch.all((per_channel == 0).all(-1) | (per_channel == 2.0).all(-1))
+    assert 0 < (per_channel == 0).all(-1).sum() < 15
+
+
+def test_alpha_dropout_in_training_is_refused():
+    module = nn.AlphaDropout(0.2)
+    install(module, 3)
+    with pytest.raises(ValueError, match="alpha_dropout"):
+        module(torch.randn(4, 4))
+    assert torch.equal(module.eval()(torch.ones(2)), torch.ones(2))
