@@ -18,6 +18,7 @@ ValueError (its affine correction is not reproduced).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -28,9 +29,9 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from .dropout_stream import DropoutStream, attach, generator_for
+from .dropout_stream import DropoutStream, attach, generator_for, use_own_stream
 
-__all__ = ["install", "patch_torch", "ORIGINALS"]
+__all__ = ["install", "patch_torch", "rank_thread_stream", "ORIGINALS"]
 
 ORIGINALS: dict[str, Callable] = {}
 
@@ -145,6 +146,13 @@ def install(model: nn.Module, seed: int) -> DropoutStream:
     must draw the same masks: torch's functions replaced (once), the model's modules hooked."""
     patch_torch()
     return attach(model, seed)
+
+
+def rank_thread_stream(rank: int) -> contextlib.AbstractContextManager[DropoutStream]:
+    """For the length of thread rank `rank`: its dropout masks from a stream of its own (dropout_stream.py's
+    `use_own_stream`), torch's functions replaced (once)."""
+    patch_torch()
+    return use_own_stream(rank)
 
 
 def patch_torch() -> None:

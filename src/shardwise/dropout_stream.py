@@ -29,15 +29,16 @@ whose backward has run or never will). A recompute inside the model whose finger
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["DropoutStream", "attach", "generator_for", "group_seed", "stream_of"]
+__all__ = ["DropoutStream", "attach", "generator_for", "group_seed", "stream_of", "use_own_stream"]
 
 _ATTR = "_shardwise_dropout_stream"
 _RECORDS = 1 << 16  # forward draws remembered for a recompute (pipelines keep many microbatches in flight)
@@ -65,6 +66,7 @@ class DropoutStream:
         self.records: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
         self.size = 0
         self.thread = 0  # the thread that drew last: an optimizer step on it ends what it may recompute
+        _live.add(self)
 
     def draw(self, key: tuple) -> int:
         self.counter += 1
@@ -95,6 +97,10 @@ class DropoutStream:
     def forget(self) -> None:
         self.records.clear()
         self.size = 0
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a deep copy of a model: its copy's stream is live too
+        self.__dict__.update(state)
+        _live.add(self)
 
 
 _live: weakref.WeakSet[DropoutStream] = weakref.WeakSet()
@@ -128,7 +134,6 @@ def attach(model: nn.Module, seed: int) -> DropoutStream:
         stream.seed, stream.counter = int(seed) & _MASK64, 0
         return stream
     stream = DropoutStream(seed)
-    _live.add(stream)
     for module in model.modules():
         object.__setattr__(module, _ATTR, stream)
         module.register_forward_pre_hook(_enter, prepend=True)
@@ -140,6 +145,7 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.stream: DropoutStream | None = None
         self.depth = 0  # hooked calls of the same model nested inside the outermost one
+        self.own: DropoutStream | None = None  # a thread rank's stream for every other draw (use_own_stream)
 
 
 _local = _Local()
@@ -183,25 +189,59 @@ def _in_backward() -> bool:
 def generator_for(input: torch.Tensor, kind: str, device: torch.device) -> torch.Generator | None:
     """The generator one dropout draw on `input` takes its mask from, or None where torch's own draw is right (no
     stream on this thread, or a recompute of a draw no stream made)."""
-    stream = _local.stream
-    if stream is None and not _in_backward():
+    stream = _local.stream or _local.own
+    backward = _in_backward()
+    if stream is None and not backward:
         return None
-    if not _in_backward():
-        seed = stream.draw(_key(input, kind))
+    key = _key(input, kind)
+    if not backward:
+        seed = stream.draw(key)
     else:
-        key = _key(input, kind)
-        found = [s for s in ([stream] if stream is not None else list(_live)) if key in s.records]
-        if not found:
-            if stream is None:
-                return None  # a draw of some other model's recompute
-            raise RuntimeError(f"a {kind} in a model under the tensor-parallel dropout stream ran in backward (an "
-                               f"activation-checkpointing recompute) on an input no forward dropped out (shape "
-                               f"{list(input.shape)}), so its masks cannot be the forward's; recompute only what the "
-                               f"forward computed, and within {_RECORDS} dropout calls of it")
-        seed = found[0].replay(key)
+        found = _recorded(key)
+        if found is not None:
+            seed = found.replay(key)
+        elif stream is not None:
+            whose = "the tensor-parallel group's" if _local.stream is not None else "this thread rank's"
+            raise RuntimeError(f"a {kind} drawn from {whose} dropout stream ran in backward (an activation-"
+                               f"checkpointing recompute) on an input no forward dropped out since the last "
+                               f"optimizer step (shape {list(input.shape)}), so its masks cannot be the forward's; "
+                               f"recompute only what the forward computed, before the next optimizer step and within "
+                               f"{_RECORDS} dropout calls of it")
+        else:
+            return None  # a draw of some other model's recompute
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def _recorded(key: tuple) -> DropoutStream | None:
+    """The stream that recorded `key`: the model's whose module runs, else one this thread drew from (thread ranks
+    share the process, and a replicated activation has the same fingerprint on every tp rank), else any (on an
+    accelerator, backward runs on autograd's device thread)."""
+    if _local.stream is not None:
+        return _local.stream if key in _local.stream.records else None
+    streams = list(_live)
+    thread = threading.get_ident()
+    for candidates in ([s for s in streams if s.thread == thread], streams):
+        for stream in candidates:
+            if key in stream.records:
+                return stream
+    return None
+
+
+@contextlib.contextmanager
+def use_own_stream(rank: int) -> Iterator[DropoutStream]:
+    """Thread rank `rank` draws every dropout mask outside a tensor-parallel model from a stream of its own, as a
+    process draws from its own generator: thread ranks share torch's one generator, so a recompute under activation
+    checkpointing (torch.utils.checkpoint restores that generator's state, which the other ranks keep drawing from)
+    drew other masks than its forward, and the gradients were another model's. Seeded from ``torch.initial_seed()``
+    and the rank: a script seeded before the launch is reproducible."""
+    stream = DropoutStream(_mix(_mix(torch.initial_seed() & _MASK64, 0x5EED0F7), rank))
+    _local.own = stream
+    try:
+        yield stream
+    finally:
+        _local.own = None
 
 
 def _key(input: torch.Tensor, kind: str) -> tuple:
@@ -217,3 +257,44 @@ def group_seed(comm: Any, distinct: bool = False) -> int:
     comm.broadcast(seed, 0)
     base = _mix(int(seed.item()), comm.global_ranks[0])
     return _mix(base, comm.rank + 1) if distinct else base
+
+
+def _streams(model: nn.Module) -> list[DropoutStream]:
+    """The distinct streams attached to `model`'s modules, in module order."""
+    found: list[DropoutStream] = []
+    for module in model.modules():
+        stream = stream_of(module)
+        if stream is not None and all(stream is not s for s in found):
+            found.append(stream)
+    return found
+
+
+def stream_positions(model: nn.Module) -> dict[str, Any]:
+    """Where `model`'s streams and this thread rank's own stand, for a checkpoint's RNG entry: a resumed run then
+    draws the masks the uninterrupted one would have (torch's generator states are saved beside them)."""
+    return {"models": [s.counter for s in _streams(model)], "own": _local.own.counter if _local.own else None}
+
+
+def check_positions(saved: Any) -> dict[str, Any]:
+    """A checkpoint's stream positions, checked (ValueError naming what is wrong); {} for a checkpoint without."""
+    if saved is None:
+        return {}
+    models, own = saved.get("models") if isinstance(saved, dict) else None, saved.get("own", None)
+    if (not isinstance(models, list) or not all(isinstance(c, int) and c >= 0 for c in models)
+            or not (own is None or (isinstance(own, int) and own >= 0))):
+        raise ValueError(f"dropout stream positions must be {{'models': [counters >= 0], 'own': counter or None}}, "
+                         f"got {saved!r}")
+    return saved
+
+
+def restore_positions(model: nn.Module, saved: dict[str, Any]) -> None:
+    """Put `model`'s streams (matched in module order, when the counts agree) and this thread rank's own back where
+    `check_positions`' result says."""
+    streams = _streams(model)
+    if len(streams) == len(saved.get("models", ())):
+        for stream, counter in zip(streams, saved["models"]):
+            stream.counter = counter
+            stream.forget()
+    if _local.own is not None and saved.get("own") is not None:
+        _local.own.counter = saved["own"]
+        _local.own.forget()

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..dropout_stream import check_positions
 from ..sharded_tensor import local
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json
@@ -96,7 +97,11 @@ def _stage_rng(staged: Staged, reader: Reader, saved: Any, rank: int) -> None:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{where}: the RNG entry of rank {rank} is malformed ({exc})") from None
         states[name] = state
-    staged.rng = (python, numpy_state, states)
+    try:
+        positions = check_positions(saved["json"].get("dropout"))
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: the RNG entry of rank {rank} is malformed ({exc})") from None
+    staged.rng = (python, numpy_state, states, positions)
 
 
 def _unexpected_here(staged: Staged, partitioned: bool) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from torch import nn
 from .. import layout
 from ..comm.base import Communicator
 from ..comm.objects import all_gather_json, broadcast_json
+from ..dropout_stream import stream_positions
 from ..whole.replicas import check_replicas
 from . import in_flight
 from .barrier import DEFAULT_IO_TIMEOUT, io_barrier
@@ -94,7 +95,7 @@ class SaveHandle:
         return self.path
 
 
-def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _rng_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors = {"rng/torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
@@ -102,7 +103,8 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     as_json = {"python": [version, list(internal), gauss],
-               "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+               "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+               "dropout": stream_positions(model)}
     return tensors, as_json
 
 
@@ -234,7 +236,7 @@ def _save(root: Path, ident: str, step: int, lock: SaveLock | None, model: nn.Mo
         shard_file_name(comm.rank, comm.size))
     # The snapshot: host copies, taken now, so training may change the live tensors right after we return.
     tensors = {p.key: p.tensor.detach().to("cpu", copy=True).contiguous() for p in mine}
-    rng_tensors, rng_json = _rng_state()
+    rng_tensors, rng_json = _rng_state(model)
     tensors.update({f"{k}@{comm.rank}": v.clone() for k, v in rng_tensors.items()})
     tensors.update(state_tensors)
     file_name = shard_file_name(comm.rank, comm.size)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..dropout_stream import restore_positions
 from .validate import tensor_dtype
 
 __all__ = ["Staged"]
@@ -68,7 +69,7 @@ class Staged:
         for state, values in self.strategy_loads:  # checked at staging (strategy_state.py): nothing left to refuse
             state.load_state_dict(values)
         if self.rng is not None:
-            python, numpy_state, states = self.rng
+            python, numpy_state, states, positions = self.rng
             for name, state in states.items():
                 if name == "rng/torch":
                     torch.set_rng_state(state)
@@ -76,3 +77,4 @@ class Staged:
                     torch.cuda.set_rng_state(state, int(name[len("rng/cuda"):]))
             random.setstate(python)
             np.random.set_state(numpy_state)
+            restore_positions(self.model, positions)  # the dropout streams' (dropout_stream.py)

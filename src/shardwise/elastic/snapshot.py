@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..dropout_stream import restore_positions, stream_positions
 from ..sharded_tensor import local
 from ..whole.optim_state import follows_param, local_state_dict
 
@@ -44,7 +45,7 @@ class Snapshot:
     owner_of_index: dict[int, int]  # optimizer param index -> position in `placements`
     scheduler: dict[str, Any] | None
     sampler: dict[str, Any] | None
-    rng: tuple[torch.Tensor, Any, Any]
+    rng: tuple[torch.Tensor, Any, Any, dict[str, Any]]  # torch's, Python's, NumPy's, the dropout streams' positions
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def nbytes(self) -> int:
@@ -75,8 +76,8 @@ class Snapshot:
         return out
 
 
-def _rng() -> tuple[torch.Tensor, Any, Any]:
-    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+def _rng(model: nn.Module) -> tuple[torch.Tensor, Any, Any, dict[str, Any]]:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state(), stream_positions(model)
 
 
 def optimizer_owners(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -118,7 +119,7 @@ def capture(step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None
     return Snapshot(step=step, placements=placements, params=params, buffers=buffers, optimizer=opt_state,
                     owner_of_index=optimizer_owners(model, optimizer, live),
                     scheduler=None if scheduler is None else copy.deepcopy(scheduler.state_dict()),
-                    sampler=None if sampler is None else sampler.state_dict(), rng=_rng(),
+                    sampler=None if sampler is None else sampler.state_dict(), rng=_rng(model),
                     extra=copy.deepcopy(extra or {}))
 
 
@@ -142,7 +143,8 @@ def restore(snap: Snapshot, model: nn.Module, optimizer: torch.optim.Optimizer |
         scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
     if sampler is not None and snap.sampler is not None:
         sampler.load_state_dict(snap.sampler)
-    torch_rng, py_rng, np_rng = snap.rng
+    torch_rng, py_rng, np_rng, positions = snap.rng
     torch.set_rng_state(torch_rng)
     random.setstate(py_rng)
     np.random.set_state(np_rng)
+    restore_positions(model, positions)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..comm.thread_backend import ThreadWorld
+from ..dropout_functions import rank_thread_stream
 from .detector import FailureDetector, error_report
 from .errors import LaunchError
 from .logs import rank_logging_installed, set_log_rank, start_rank_logging
@@ -114,7 +115,8 @@ def _launch_threads(fn: Callable[..., Any], n: int, args: tuple, timeout: float,
                 # rank 0's backward would block in a collective while rank 1's waits in the queue behind it. Each
                 # rank runs its own backward instead (thread-local).
                 torch.autograd.set_multithreading_enabled(False)
-            results[rank] = fn(comms[rank], *args)
+            with rank_thread_stream(rank):  # a rank's own dropout masks, as a process's (dropout_stream.py)
+                results[rank] = fn(comms[rank], *args)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller, named by rank
             raised[rank] = exc
             detector.report_error(rank, error_report(exc))
