@@ -12,6 +12,7 @@ the multi-rank logic of tensor and pipeline parallelism on a single GPU. The thr
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from parity import CONFIG, batch
 
 import shardwise as sw
+from shardwise.activation_checkpointing import checkpoint_module
 from shardwise.sharded_tensor import local
 from shardwise import pipeline as pp
 from shardwise import tensor_parallel as tp
@@ -211,6 +213,35 @@ def test_tensor_parallel_on_thread_ranks_with_cuda_tensors_matches_one_gpu(cuda0
         assert list(got) == list(want)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_tensor_parallel_dropout_keeps_replicas_equal_and_checkpointing_replays_it_on_cuda(cuda0):
+    """The dropout stream on CUDA (tests/test_tp_dropout.py on CPU): generators on the device, the fingerprint's
+    host sync, attention dropout in the math form."""
+    config = dataclasses.replace(CONFIG, dropout=0.1)
+    bases = [[GPT(config, seed=0) for _ in range(2)] for _ in range(2)]  # built here: thread ranks share the RNG
+
+    def body(comm):
+        plain = tp.parallelize(bases[0][comm.rank].cuda(), comm, "gpt")
+        checkpointed = tp.parallelize(bases[1][comm.rank].cuda(), comm, "gpt")
+        for block in checkpointed.blocks:
+            checkpoint_module(block)
+        x, y = (t.cuda() for t in batch(0))
+        grads = []
+        for model in (plain, checkpointed):
+            model(x, y).backward()
+            grads.append({n: local(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.1)
+        opt.step()
+        return grads, tp.full_state_dict(plain)
+
+    ranks = _thread_ranks_on_cuda(2, body)
+    for (want, got), _ in ranks:
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    first, second = ranks[0][1], ranks[1][1]
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} differs between the tp ranks"
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
