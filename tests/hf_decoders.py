@@ -43,12 +43,12 @@ def llama(**extra):
 
 def mixtral(**extra):
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(
+    config = transformers.MixtralConfig(**{**dict(
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
         router_jitter_noise=0.0, output_router_logits=True, router_aux_loss_coef=0.05, attention_dropout=0.0,
         sliding_window=None, tie_word_embeddings=False, pad_token_id=None, bos_token_id=0, eos_token_id=1,
-        attn_implementation="eager", experts_implementation="eager", **extra)
+        attn_implementation="eager", experts_implementation="eager"), **extra})
     return transformers.MixtralForCausalLM(config)
 
 

@@ -111,6 +111,14 @@ def test_hf_gpt2_residual_and_embedding_dropout_match_one_process_drawing_the_sa
     assert not torch.allclose(want["transformer.h.0.ln_1.weight"], without_dropout["transformer.h.0.ln_1.weight"])
 
 
+def checkpoint_layers(model, reentrant):
+    """HuggingFace's activation checkpointing of every layer (named gradient checkpointing before transformers 5)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
 def gradients(model, loss):
     loss.backward()
     return {name: local(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -142,7 +150,7 @@ def test_hf_gradient_checkpointing_recomputes_the_masks_its_forward_drew(reentra
     def body(comm):
         plain = tp.parallelize(copies[0][comm.rank], comm, "gpt2")
         checkpointed = copies[1][comm.rank]
-        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        checkpoint_layers(checkpointed, reentrant)
         checkpointed = tp.parallelize(checkpointed, comm, "gpt2")
         plain.train(), checkpointed.train()
         got = gradients(checkpointed, checkpointed(ids(0), labels=ids(0)).loss)
@@ -275,3 +283,43 @@ def test_tp_by_pp_with_checkpointed_stages_trains_as_without_checkpointing(sched
     got = sw.launch(train_hybrid, 4, dict(pp_schedule=schedule, activation_checkpointing=True))[0]
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def mixtral_tp(comm, model, steps=3):
+    model = tp.parallelize(model, comm, "llama")
+    opt = adamw(model)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return tp.full_state_dict(model)
+
+
+def test_a_routers_jitter_noise_is_the_same_on_every_tp_rank():
+    """Mixtral's router jitter (``hidden *= torch.empty_like(hidden).uniform_(...)``) in the region every rank
+    computes alike: the numbers come from the group's stream (random_functions.py)."""
+    from hf_decoders import mixtral
+
+    dense = mixtral(router_jitter_noise=0.2, attention_dropout=0.1).double()
+    copies = [copy.deepcopy(dense) for _ in range(2)]
+    first, second = sw.launch(lambda comm: mixtral_tp(comm, copies[comm.rank]), 2)
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), f"{name} differs between the tp ranks"
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.equal(first[router], dense.state_dict()[router])  # it trained
+
+
+def test_a_random_op_other_than_dropout_in_a_recompute_is_refused():
+    from hf_decoders import mixtral
+
+    dense = mixtral(router_jitter_noise=0.2).double()
+    checkpoint_layers(dense, False)
+    copies = [copy.deepcopy(dense) for _ in range(2)]
+
+    def body(comm):
+        with pytest.raises(RuntimeError, match="only dropout's masks can be replayed"):
+            mixtral_tp(comm, copies[comm.rank], steps=1)
+        return True
+
+    assert all(sw.launch(body, 2))

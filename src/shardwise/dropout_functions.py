@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dropout_stream import DropoutStream, attach, generator_for, use_own_stream
+from .random_functions import patch_random
 
 __all__ = ["install", "patch_torch", "rank_thread_stream", "ORIGINALS"]
 
@@ -142,9 +143,11 @@ _lock = threading.Lock()
 
 
 def install(model: nn.Module, seed: int) -> DropoutStream:
-    """Make `model`'s dropout draw from a stream seeded with `seed` (dropout_stream.py), equal on every rank that
-    must draw the same masks: torch's functions replaced (once), the model's modules hooked."""
+    """Make `model`'s dropout, and its other random ops, draw from a stream seeded with `seed` (dropout_stream.py),
+    equal on every rank that must draw the same numbers: torch's functions replaced (once; random_functions.py for
+    the others), the model's modules hooked."""
     patch_torch()
+    patch_random()
     return attach(model, seed)
 
 

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["DropoutStream", "attach", "generator_for", "group_seed", "stream_of", "use_own_stream"]
+__all__ = ["DropoutStream", "attach", "generator_for", "generator_for_random", "group_seed", "stream_of",
+           "use_own_stream"]
 
 _ATTR = "_shardwise_dropout_stream"
 _RECORDS = 1 << 16  # forward draws remembered for a recompute (pipelines keep many microbatches in flight)
@@ -174,6 +175,8 @@ def _leave(module: nn.Module, args: tuple, output: Any) -> None:
 def _fingerprint(t: torch.Tensor) -> int:
     """A hash of `t`'s bits that a recompute reproduces: row sums of the integer view, weighted by row position
     (so reordered rows differ). One pass over `t`; a host sync on an accelerator."""
+    if t.numel() == 0:
+        return 0
     if t.is_complex():
         t = torch.view_as_real(t)
     bits = t.detach().contiguous().view(_INTS[t.element_size()])
@@ -211,6 +214,25 @@ def generator_for(input: torch.Tensor, kind: str, device: torch.device) -> torch
             return None  # a draw of some other model's recompute
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
+    return generator
+
+
+def generator_for_random(device: torch.device | str | None, kind: str) -> torch.Generator | None:
+    """The generator a random op other than dropout (``torch.rand``, ``Tensor.uniform_``: a MoE router's jitter
+    noise, stochastic depth) takes inside a tensor-parallel model's forward, from the group's stream so that every
+    rank draws the same numbers; None elsewhere (torch's own generator). Such a draw cannot be replayed in a recompute
+    (its output is all there is to recognise it by): one in backward is a RuntimeError."""
+    stream = _local.stream
+    if stream is None:
+        return None
+    if _in_backward():
+        raise RuntimeError(f"{kind} in a model under the tensor-parallel dropout stream ran in backward (an activation-"
+                           f"checkpointing recompute): only dropout's masks can be replayed, so the recompute would "
+                           f"draw other numbers than its forward; pass it a generator= of your own seeded alike on "
+                           f"every rank, or leave the module it runs in out of activation checkpointing")
+    stream.counter += 1
+    generator = torch.Generator(device=device if device is not None else "cpu")
+    generator.manual_seed(_mix(stream.seed, stream.counter))
     return generator
 
 
