@@ -101,3 +101,20 @@ def recompute_something_else(comm):
 def test_a_thread_rank_recompute_that_cannot_replay_its_masks_is_an_error():
     for message in sw.launch(recompute_something_else, 2):
         assert "this thread rank's dropout stream" in message and "no forward dropped out" in message
+
+
+def rolled_back(comm):
+    from shardwise.elastic.snapshot import capture, restore
+
+    model = sw.DDP(GPT(dataclasses.replace(CONFIG, dropout=0.1), seed=0).double(), comm)
+    x, y = batch(0, comm.rank, comm.size)
+    snap = capture(0, model, None, None, None)
+    first = model(x, y).detach()
+    restore(snap, model, None, None, None)
+    return first, model(x, y).detach(), model(x, y).detach()
+
+
+def test_an_elastic_rollback_puts_the_dropout_stream_back():
+    for first, again, next_one in sw.launch(rolled_back, 2):
+        assert torch.equal(again, first)  # the masks of the forward after the commit, drawn again
+        assert not torch.equal(next_one, first)  # and a later forward draws new ones
