@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 from parity import CONFIG, batch
+from resume_phases import assert_resumed_run_is_exact
 from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
@@ -62,28 +63,10 @@ def test_zero3_with_activation_checkpointing_trains_as_without_it_under_dropout(
         assert torch.equal(got[name], want[name]), name
 
 
-def train_ddp_resumed(comm, path, phase):
-    """phase "straight": steps 0-3; "first": steps 0-1, then a checkpoint; "second": load it, steps 2-3."""
-    model = sw.DDP(GPT(dataclasses.replace(CONFIG, dropout=0.1), seed=0).double(), comm)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
-    if phase == "second":
-        sw.load_checkpoint(path, model, opt)
-    for step in {"straight": range(4), "first": range(2), "second": range(2, 4)}[phase]:
-        x, y = batch(step, comm.rank, comm.size)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    if phase == "first":
-        sw.save_checkpoint(path, model, opt, step=2)
-    return sw.full_state_dict(model)
-
-
 def test_a_resumed_thread_rank_run_draws_the_masks_the_uninterrupted_one_draws(tmp_path):
-    want = sw.launch(train_ddp_resumed, 2, tmp_path, "straight")[0]
-    sw.launch(train_ddp_resumed, 2, tmp_path, "first")
-    got = sw.launch(train_ddp_resumed, 2, tmp_path, "second")[0]
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    config = dataclasses.replace(CONFIG, dropout=0.1)
+    assert_resumed_run_is_exact(2, tmp_path, lambda comm: sw.DDP(GPT(config, seed=0).double(), comm),
+                                lambda step, comm: batch(step, comm.rank, comm.size))
 
 
 def recompute_something_else(comm):

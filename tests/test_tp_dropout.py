@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from parity import CONFIG, batch
+from resume_phases import assert_resumed_run_is_exact
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -238,29 +239,9 @@ def test_alpha_dropout_in_training_is_refused():
     assert torch.equal(module.eval()(torch.ones(2)), torch.ones(2))
 
 
-def train_resumed(comm, path, phase):
-    """phase "straight": steps 0-3; "first": steps 0-1, then a checkpoint; "second": load it, steps 2-3."""
-    model = tp.parallelize(GPT(DROPPING, seed=0).double(), comm, "gpt")
-    opt = adamw(model)
-    steps = {"straight": range(4), "first": range(2), "second": range(2, 4)}[phase]
-    if phase == "second":
-        sw.load_checkpoint(path, model, opt)
-    for step in steps:
-        x, y = batch(step)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    if phase == "first":
-        sw.save_checkpoint(path, model, opt, step=2)
-    return tp.full_state_dict(model)
-
-
 def test_a_resumed_run_draws_the_masks_the_uninterrupted_one_draws(tmp_path):
-    want = sw.launch(train_resumed, 2, tmp_path, "straight")[0]
-    sw.launch(train_resumed, 2, tmp_path, "first")
-    got = sw.launch(train_resumed, 2, tmp_path, "second")[0]
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_resumed_run_is_exact(2, tmp_path, lambda comm: tp.parallelize(GPT(DROPPING, seed=0).double(), comm, "gpt"),
+                                lambda step, comm: batch(step))
 
 
 def train_hybrid(comm, options):
