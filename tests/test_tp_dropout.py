@@ -304,3 +304,30 @@ def test_a_random_op_other_than_dropout_in_a_recompute_is_refused():
         return True
 
     assert all(sw.launch(body, 2))
+
+
+class Noisy(nn.Module):
+    """Random ops other than dropout, as models call them."""
+
+    def forward(self, x):
+        g = torch.Generator().manual_seed(5)  # a generator of the model's own is left alone
+        return (torch.rand(4).sum() + torch.randn_like(x).sum() + x.clone().uniform_(0.9, 1.1).sum()
+                + torch.randint(0, 10, (3,)).sum() + torch.randperm(5)[0] + torch.normal(x, 1.0).sum()
+                + x.clone().bernoulli_(0.5).sum() + torch.multinomial(x.abs().flatten(), 2).sum()
+                + torch.poisson(x.abs(), g).sum())
+
+
+def test_random_ops_in_a_split_models_forward_draw_from_its_stream():
+    x = torch.randn(3, 4)
+    same, other = [Noisy(), Noisy()], Noisy()
+    for module, seed in ((same[0], 7), (same[1], 7), (other, 8)):
+        install(module, seed)
+    torch.manual_seed(0)
+    first = same[0](x)
+    torch.manual_seed(1)
+    assert torch.equal(same[1](x), first)
+    assert not torch.equal(other(x), first)
+    torch.manual_seed(0)
+    outside = torch.rand(4)  # outside a stream's forward: torch's generator, as before
+    torch.manual_seed(0)
+    assert torch.equal(outside, torch.rand(4))

@@ -39,7 +39,7 @@ def _device(args: tuple, kwargs: dict) -> Any:
 
 
 def _factory(name: str, original: Callable, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get("generator") is None:
+    if kwargs.get("generator") is None and not any(isinstance(a, torch.Generator) for a in args):
         generator = generator_for_random(_device(args, kwargs), f"torch.{name}")
         if generator is not None:
             kwargs["generator"] = generator
