@@ -42,24 +42,41 @@ def _drawing(p: Any, training: Any) -> bool:
     return bool(training) and isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p < 1
 
 
-def _noise(like: torch.Tensor, p: float, generator: torch.Generator, shape: tuple | None = None) -> torch.Tensor:
-    noise = torch.empty_like(like) if shape is None else like.new_empty(shape)
+def _eager(function: Callable) -> Callable:
+    """`function` as it is, or under torch.compile as a graph break (it runs eagerly): a generator object cannot
+    enter a graph, and the stream's bookkeeping is Python."""
+    compiled = torch.compiler.disable(function)
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return (compiled if torch.compiler.is_compiling() else function)(*args, **kwargs)
+
+    return run
+
+
+@_eager
+def _stream_noise(input: torch.Tensor, kind: str, p: float, shape: tuple | None = None) -> torch.Tensor | None:
+    """torch's dropout noise, drawn from this thread's stream: bernoulli(1 - p) divided by 1 - p, shaped like
+    `input` (or `shape`); None where no stream serves the draw (torch's own function then runs)."""
+    generator = generator_for(input, kind, input.device)
+    if generator is None:
+        return None
+    noise = torch.empty_like(input) if shape is None else input.new_empty(shape)
     return noise.bernoulli_(1 - p, generator=generator).div_(1 - p)
 
 
 def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-    generator = generator_for(input, "dropout", input.device) if _drawing(p, training) else None
-    if generator is None:
+    noise = _stream_noise(input, "dropout", p) if _drawing(p, training) else None
+    if noise is None:
         return ORIGINALS["dropout"](input, p, training, inplace)
-    noise = _noise(input, p, generator)
     return input.mul_(noise) if inplace else input * noise
 
 
 def torch_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
-    generator = generator_for(input, "dropout", input.device) if _drawing(p, train) else None
-    if generator is None:
+    noise = _stream_noise(input, "dropout", p) if _drawing(p, train) else None
+    if noise is None:
         return ORIGINALS["torch.dropout"](input, p, train)
-    return input * _noise(input, p, generator)
+    return input * noise
 
 
 def _feature(name: str, one_d: bool, input: torch.Tensor, p: float = 0.5, training: bool = True,
@@ -67,36 +84,49 @@ def _feature(name: str, one_d: bool, input: torch.Tensor, p: float = 0.5, traini
     """dropout1d/2d/3d: torch's make_feature_noise, one draw per (sample, channel); dropout1d takes an unbatched
     (C, L) input as a batch of one, dropout2d/3d take the first two dimensions as they come (as torch does)."""
     shaped = input.dim() >= 2 and (not one_d or input.dim() in (2, 3))
-    generator = generator_for(input, name, input.device) if shaped and _drawing(p, training) else None
-    if generator is None:
-        return ORIGINALS[name](input, p, training, inplace)  # torch's own checks and messages for the shape
     batched = input.unsqueeze(0) if one_d and input.dim() == 2 else input
-    noise = _noise(batched, p, generator, (*batched.shape[:2], *([1] * (batched.dim() - 2))))
+    noise = (_stream_noise(batched, name, p, (*batched.shape[:2], *([1] * (batched.dim() - 2))))
+             if shaped and _drawing(p, training) else None)
+    if noise is None:
+        return ORIGINALS[name](input, p, training, inplace)  # torch's own checks and messages for the shape
     if batched is not input:
         noise = noise.squeeze(0)
     return input.mul_(noise) if inplace else input * noise
 
 
+@_eager
+def _served(input: torch.Tensor, kind: str) -> bool:
+    return generator_for(input, kind, input.device) is not None
+
+
 def _alpha(name: str, input: torch.Tensor, p: float = 0.5, training: bool = False,
            inplace: bool = False) -> torch.Tensor:
-    if _drawing(p, training) and generator_for(input, name, input.device) is not None:
+    if _drawing(p, training) and _served(input, name):
         raise ValueError(f"{name}(p={p}) in training under tensor parallelism: its mask would come from torch's "
                          f"generator, which the ranks of the group do not share; allowed: dropout, dropout1d/2d/3d "
                          f"and attention dropout, or {name} with p=0")
     return ORIGINALS[name](input, p, training, inplace)
 
 
+@_eager
+def _stream_keep(query: torch.Tensor, key: torch.Tensor, p: float, enable_gqa: bool) -> torch.Tensor | None:
+    """Which attention probabilities are kept (True), drawn from this thread's stream; None where none serves."""
+    generator = generator_for(query, "attention", query.device)
+    if generator is None:
+        return None
+    lead_k = (*key.shape[:-3], query.shape[-3]) if enable_gqa else key.shape[:-2]
+    shape = (*torch.broadcast_shapes(query.shape[:-2], lead_k), query.shape[-2], key.shape[-2])
+    return torch.empty(shape, device=query.device).bernoulli_(1 - p, generator=generator).bool()
+
+
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
-    generator = generator_for(query, "attention", query.device) if _drawing(dropout_p, True) else None
-    if generator is None:
+    keep = _stream_keep(query, key, dropout_p, enable_gqa) if _drawing(dropout_p, True) else None
+    if keep is None:
         return ORIGINALS["scaled_dot_product_attention"](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    lead_k = (*key.shape[:-3], query.shape[-3]) if enable_gqa else key.shape[:-2]
-    shape = (*torch.broadcast_shapes(query.shape[:-2], lead_k), query.shape[-2], key.shape[-2])
-    keep = torch.empty(shape, device=query.device).bernoulli_(1 - dropout_p, generator=generator).bool()
     return _attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, keep)
 
 
@@ -122,8 +152,8 @@ def _attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
-    if hasattr(torch, "_safe_softmax"):  # torch >= 2.5: what the math kernel uses
-        return torch._safe_softmax(scores, -1)
+    if hasattr(torch.ops.aten, "_safe_softmax"):  # torch >= 2.5: what the math kernel uses (an op torch.compile traces)
+        return torch.ops.aten._safe_softmax(scores, -1)
     probs = torch.softmax(scores, -1)
     return probs.masked_fill(torch.isneginf(scores).all(-1, keepdim=True), 0.0)
 

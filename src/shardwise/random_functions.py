@@ -38,30 +38,44 @@ def _device(args: tuple, kwargs: dict) -> Any:
     return tensor.device if tensor is not None else torch.get_default_device()
 
 
+def _unseeded(args: tuple, kwargs: dict) -> bool:
+    return kwargs.get("generator") is None and not any(isinstance(a, torch.Generator) for a in args)
+
+
+def _eager_from_stream(original: Callable, kind: str, device: Any, args: tuple, kwargs: dict) -> Any:
+    generator = generator_for_random(device, kind)
+    return original(*args, **kwargs) if generator is None else original(*args, **kwargs, generator=generator)
+
+
+_compiled_from_stream = torch.compiler.disable(_eager_from_stream)  # a graph break: no generator enters a graph
+
+
+def _from_stream(original: Callable, kind: str, device: Any, args: tuple, kwargs: dict) -> Any:
+    """`original` with a generator from the group's stream where one serves (dropout_stream.generator_for_random).
+    Under torch.compile the call is a graph break (it runs eagerly): a generator object cannot enter a graph."""
+    run = _compiled_from_stream if torch.compiler.is_compiling() else _eager_from_stream
+    return run(original, kind, device, args, kwargs)
+
+
 def _factory(name: str, original: Callable, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get("generator") is None and not any(isinstance(a, torch.Generator) for a in args):
-        generator = generator_for_random(_device(args, kwargs), f"torch.{name}")
-        if generator is not None:
-            kwargs["generator"] = generator
+    if _unseeded(args, kwargs):
+        return _from_stream(original, f"torch.{name}", _device(args, kwargs), args, kwargs)
     return original(*args, **kwargs)
 
 
 def _like(name: str, base: Callable, original: Callable, input: torch.Tensor, *, dtype: Any = None,
           layout: Any = None, device: Any = None, requires_grad: bool = False, **kwargs: Any) -> torch.Tensor:
     """rand_like / randn_like through their base factory, which takes a generator on every torch since 2.4."""
-    if kwargs.get("generator") is None and layout is None:
-        generator = generator_for_random(device if device is not None else input.device, f"torch.{name}")
-        if generator is not None:
-            return base(input.shape, generator=generator, dtype=dtype or input.dtype,
-                        device=device if device is not None else input.device, requires_grad=requires_grad)
+    if _unseeded((), kwargs) and layout is None and set(kwargs) <= {"generator", "memory_format"}:
+        return _from_stream(base, f"torch.{name}", device if device is not None else input.device, (input.shape,),
+                            dict(dtype=dtype or input.dtype, device=device if device is not None else input.device,
+                                 requires_grad=requires_grad))
     return original(input, dtype=dtype, layout=layout, device=device, requires_grad=requires_grad, **kwargs)
 
 
 def _method(name: str, original: Callable, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get("generator") is None and not any(isinstance(a, torch.Generator) for a in args):
-        generator = generator_for_random(self.device, f"Tensor.{name}")
-        if generator is not None:
-            kwargs["generator"] = generator
+    if _unseeded(args, kwargs):
+        return _from_stream(original, f"Tensor.{name}", self.device, (self, *args), kwargs)
     return original(self, *args, **kwargs)
 
 
