@@ -134,10 +134,10 @@ def _one_rank_fails(comm, root, base, how):
         for p in model.parameters():
             p.add_(1.0)
     opt.param_groups[0]["lr"] = 0.25
-    if how == "rng" and comm.rank == 0:
+    if how in ("rng", "rng_dropout") and comm.rank == 0:
         path = root / "step-00000001" / "metadata.json"
         metadata = json.loads(path.read_text())
-        metadata["rng"]["1"]["json"]["python"] = "garbage"
+        metadata["rng"]["1"]["json"]["python" if how == "rng" else "dropout"] = "garbage"
         path.write_text(json.dumps(metadata))
     if how == "corrupt" and comm.rank == 0:
         shard = root / "step-00000001" / "shard-00001-of-00002.safetensors"
@@ -165,6 +165,7 @@ def _one_rank_fails(comm, root, base, how):
 @pytest.mark.parametrize("how, cause", [
     ("sgd", r"CheckpointMismatch: .*optimizer is AdamW, this one is SGD"),
     ("rng", r"the RNG entry of rank 1 is malformed"),
+    ("rng_dropout", r"the RNG entry of rank 1 is malformed \(dropout stream positions must be"),
     ("corrupt", r"shard-00001-of-00002\.safetensors does not match its sha256"),
 ])
 def test_a_failure_on_one_rank_leaves_every_rank_unchanged(tmp_path, how, cause):

@@ -301,7 +301,7 @@ def check_positions(saved: Any) -> dict[str, Any]:
     """A checkpoint's stream positions, checked (ValueError naming what is wrong); {} for a checkpoint without."""
     if saved is None:
         return {}
-    models, own = saved.get("models") if isinstance(saved, dict) else None, saved.get("own", None)
+    models, own = (saved.get("models"), saved.get("own")) if isinstance(saved, dict) else (None, None)
     if (not isinstance(models, list) or not all(isinstance(c, int) and c >= 0 for c in models)
             or not (own is None or (isinstance(own, int) and own >= 0))):
         raise ValueError(f"dropout stream positions must be {{'models': [counters >= 0], 'own': counter or None}}, "
