@@ -42,6 +42,7 @@ __all__ = ["DropoutStream", "attach", "generator_for", "generator_for_random", "
            "use_own_stream"]
 
 _ATTR = "_shardwise_dropout_stream"
+_ROOT = "_shardwise_dropout_root"  # on the module `attach` was given
 _RECORDS = 1 << 16  # forward draws remembered for a recompute (pipelines keep many microbatches in flight)
 _MASK64 = (1 << 64) - 1
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -135,6 +136,7 @@ def attach(model: nn.Module, seed: int) -> DropoutStream:
         stream.seed, stream.counter = int(seed) & _MASK64, 0
         return stream
     stream = DropoutStream(seed)
+    object.__setattr__(model, _ROOT, True)
     for module in model.modules():
         object.__setattr__(module, _ATTR, stream)
         module.register_forward_pre_hook(_enter, prepend=True)
@@ -152,7 +154,7 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def _enter(module: nn.Module, args: tuple) -> None:
+def _enter_now(module: nn.Module) -> None:
     stream = stream_of(module)
     if stream is None:
         return
@@ -163,13 +165,34 @@ def _enter(module: nn.Module, args: tuple) -> None:
         _local.depth += 1
 
 
-def _leave(module: nn.Module, args: tuple, output: Any) -> None:
+def _leave_now(module: nn.Module) -> None:
     if _local.stream is None or stream_of(module) is not _local.stream:
         return
     if _local.depth > 0:
         _local.depth -= 1
     else:
         _local.stream = None
+
+
+# Under torch.compile the hooks are traced, and the thread-local state must not enter a graph: only the model's
+# root (the module `attach` was given) acts, through a graph break that runs eagerly; a module compiled on its own
+# inside an eager model finds the stream its eager parent set. (Inductor then fails on the module handed to the
+# break, "While executing %_opaque_obj0"; aot_eager compiles: docs/tensor_parallel.md, torch.compile.)
+_enter_eagerly, _leave_eagerly = torch.compiler.disable(_enter_now), torch.compiler.disable(_leave_now)
+
+
+def _enter(module: nn.Module, args: tuple) -> None:
+    if not torch.compiler.is_compiling():
+        _enter_now(module)
+    elif module.__dict__.get(_ROOT, False):
+        _enter_eagerly(module)
+
+
+def _leave(module: nn.Module, args: tuple, output: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _leave_now(module)
+    elif module.__dict__.get(_ROOT, False):
+        _leave_eagerly(module)
 
 
 def _fingerprint(t: torch.Tensor) -> int:
