@@ -49,7 +49,7 @@ def _eager(function: Callable) -> Callable:
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return (compiled if torch.compiler.is_compiling() else function)(*args, **kwargs)
+        return (compiled if torch.compiler.is_dynamo_compiling() else function)(*args, **kwargs)
 
     return run
 

@@ -182,14 +182,14 @@ _enter_eagerly, _leave_eagerly = torch.compiler.disable(_enter_now), torch.compi
 
 
 def _enter(module: nn.Module, args: tuple) -> None:
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         _enter_now(module)
     elif module.__dict__.get(_ROOT, False):
         _enter_eagerly(module)
 
 
 def _leave(module: nn.Module, args: tuple, output: Any) -> None:
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         _leave_now(module)
     elif module.__dict__.get(_ROOT, False):
         _leave_eagerly(module)

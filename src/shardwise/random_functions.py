@@ -53,7 +53,7 @@ _compiled_from_stream = torch.compiler.disable(_eager_from_stream)  # a graph br
 def _from_stream(original: Callable, kind: str, device: Any, args: tuple, kwargs: dict) -> Any:
     """`original` with a generator from the group's stream where one serves (dropout_stream.generator_for_random).
     Under torch.compile the call is a graph break (it runs eagerly): a generator object cannot enter a graph."""
-    run = _compiled_from_stream if torch.compiler.is_compiling() else _eager_from_stream
+    run = _compiled_from_stream if torch.compiler.is_dynamo_compiling() else _eager_from_stream
     return run(original, kind, device, args, kwargs)
 
 

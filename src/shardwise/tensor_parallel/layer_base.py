@@ -63,7 +63,7 @@ def _eager_under_compile(forward: Callable) -> Callable:
 
     @functools.wraps(forward)
     def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return (compiled if torch.compiler.is_compiling() else forward)(self, *args, **kwargs)
+        return (compiled if torch.compiler.is_dynamo_compiling() else forward)(self, *args, **kwargs)
 
     return run
 
