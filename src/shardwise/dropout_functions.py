@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from .dropout_stream import DropoutStream, attach, generator_for, use_own_stream
+from .dropout_stream import DropoutStream, attach, eager_while_traced, generator_for, use_own_stream
 from .random_functions import patch_random
 
 __all__ = ["install", "patch_torch", "rank_thread_stream", "ORIGINALS"]
@@ -42,19 +42,7 @@ def _drawing(p: Any, training: Any) -> bool:
     return bool(training) and isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p < 1
 
 
-def _eager(function: Callable) -> Callable:
-    """`function` as it is, or under torch.compile as a graph break (it runs eagerly): a generator object cannot
-    enter a graph, and the stream's bookkeeping is Python."""
-    compiled = torch.compiler.disable(function)
-
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return (compiled if torch.compiler.is_dynamo_compiling() else function)(*args, **kwargs)
-
-    return run
-
-
-@_eager
+@eager_while_traced
 def _stream_noise(input: torch.Tensor, kind: str, p: float, shape: tuple | None = None) -> torch.Tensor | None:
     """torch's dropout noise, drawn from this thread's stream: bernoulli(1 - p) divided by 1 - p, shaped like
     `input` (or `shape`); None where no stream serves the draw (torch's own function then runs)."""
@@ -94,7 +82,7 @@ def _feature(name: str, one_d: bool, input: torch.Tensor, p: float = 0.5, traini
     return input.mul_(noise) if inplace else input * noise
 
 
-@_eager
+@eager_while_traced
 def _served(input: torch.Tensor, kind: str) -> bool:
     return generator_for(input, kind, input.device) is not None
 
@@ -108,7 +96,7 @@ def _alpha(name: str, input: torch.Tensor, p: float = 0.5, training: bool = Fals
     return ORIGINALS[name](input, p, training, inplace)
 
 
-@_eager
+@eager_while_traced
 def _stream_keep(query: torch.Tensor, key: torch.Tensor, p: float, enable_gqa: bool) -> torch.Tensor | None:
     """Which attention probabilities are kept (True), drawn from this thread's stream; None where none serves."""
     generator = generator_for(query, "attention", query.device)

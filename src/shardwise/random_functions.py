@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .dropout_stream import generator_for_random
+from .dropout_stream import eager_while_traced, generator_for_random
 
 __all__ = ["patch_random", "RANDOM_ORIGINALS"]
 
@@ -42,19 +42,11 @@ def _unseeded(args: tuple, kwargs: dict) -> bool:
     return kwargs.get("generator") is None and not any(isinstance(a, torch.Generator) for a in args)
 
 
-def _eager_from_stream(original: Callable, kind: str, device: Any, args: tuple, kwargs: dict) -> Any:
+@eager_while_traced  # under torch.compile a graph break: a generator object cannot enter a graph
+def _from_stream(original: Callable, kind: str, device: Any, args: tuple, kwargs: dict) -> Any:
+    """`original` with a generator from the group's stream where one serves (dropout_stream.generator_for_random)."""
     generator = generator_for_random(device, kind)
     return original(*args, **kwargs) if generator is None else original(*args, **kwargs, generator=generator)
-
-
-_compiled_from_stream = torch.compiler.disable(_eager_from_stream)  # a graph break: no generator enters a graph
-
-
-def _from_stream(original: Callable, kind: str, device: Any, args: tuple, kwargs: dict) -> Any:
-    """`original` with a generator from the group's stream where one serves (dropout_stream.generator_for_random).
-    Under torch.compile the call is a graph break (it runs eagerly): a generator object cannot enter a graph."""
-    run = _compiled_from_stream if torch.compiler.is_dynamo_compiling() else _eager_from_stream
-    return run(original, kind, device, args, kwargs)
 
 
 def _factory(name: str, original: Callable, *args: Any, **kwargs: Any) -> Any:

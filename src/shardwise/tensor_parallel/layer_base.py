@@ -15,14 +15,14 @@ row-parallel bias) stay plain `nn.Parameter`s, as does everything in a group of 
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..comm.base import Communicator
+from ..dropout_stream import eager_while_traced
 from ..param_hooks import hook_even_if_frozen, internal_hook
 from ..sharded_tensor import ShardSpec, as_sharded, is_sharded, local, set_spec, spec_of
 
@@ -54,20 +54,6 @@ def dense_linear_init(out_features: int, in_features: int, bias: bool, seed: int
     return w, b
 
 
-def _eager_under_compile(forward: Callable) -> Callable:
-    """A layer's forward as it is, or under torch.compile a graph break that runs it eagerly: the layer computes on
-    this rank's slice of a parameter whose shape says the dense one (sharded_tensor.py), which dynamo's guards do not
-    follow (compiling a split model failed with "Guard failed on the same frame it was created ... size mismatch");
-    the code between the layers (norms, attention, activations) still compiles."""
-    compiled = torch.compiler.disable(forward)
-
-    @functools.wraps(forward)
-    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return (compiled if torch.compiler.is_dynamo_compiling() else forward)(self, *args, **kwargs)
-
-    return run
-
-
 class TensorParallelLayer(nn.Module):
     """Base of the tensor-parallel layers: the group, the sequence-parallel settings, gathering full tensors."""
 
@@ -77,8 +63,12 @@ class TensorParallelLayer(nn.Module):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # Under torch.compile the forward is a graph break that runs eagerly: the layer computes on this rank's slice
+        # of a parameter whose shape says the dense one (sharded_tensor.py), which dynamo's guards do not follow
+        # (compiling a split model failed with "Guard failed on the same frame it was created ... size mismatch");
+        # the code between the layers (norms, attention, activations) still compiles.
         if "forward" in cls.__dict__:
-            cls.forward = _eager_under_compile(cls.forward)
+            cls.forward = eager_while_traced(cls.forward)
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
         # The layer holds this rank's slices and its group's communicator, which cannot be copied (the copy failed
