@@ -26,7 +26,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-
 from torch import nn
 
 from .dropout_stream import DropoutStream, attach, eager_while_traced, generator_for, use_own_stream
