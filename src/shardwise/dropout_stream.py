@@ -71,10 +71,15 @@ class DropoutStream:
         self.thread = 0  # the thread that drew last: an optimizer step on it ends what it may recompute
         _live.add(self)
 
-    def draw(self, key: tuple) -> int:
+    def next_seed(self) -> int:
+        """The stream's next seed, mix(base, n), the same on every rank that makes the same draws in order."""
         self.counter += 1
+        return _mix(self.seed, self.counter)
+
+    def draw(self, key: tuple) -> int:
+        """The next seed, recorded under `key` (a dropout input's) for a recompute to replay."""
         self.thread = threading.get_ident()
-        seed = _mix(self.seed, self.counter)
+        seed = self.next_seed()
         self.records.setdefault(key, []).append(seed)
         self.records.move_to_end(key)
         self.size += 1
@@ -252,6 +257,10 @@ def generator_for(input: torch.Tensor, kind: str, device: torch.device) -> torch
                                f"{_RECORDS} dropout calls of it")
         else:
             return None  # a draw of some other model's recompute
+    return _seeded(device, seed)
+
+
+def _seeded(device: torch.device | str, seed: int) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
@@ -270,10 +279,7 @@ def generator_for_random(device: torch.device | str | None, kind: str) -> torch.
                            f"checkpointing recompute): only dropout's masks can be replayed, so the recompute would "
                            f"draw other numbers than its forward; pass it a generator= of your own seeded alike on "
                            f"every rank, or leave the module it runs in out of activation checkpointing")
-    stream.counter += 1
-    generator = torch.Generator(device=device if device is not None else "cpu")
-    generator.manual_seed(_mix(stream.seed, stream.counter))
-    return generator
+    return _seeded(device if device is not None else "cpu", stream.next_seed())
 
 
 def _recorded(key: tuple) -> DropoutStream | None:
