@@ -54,6 +54,7 @@ from .sharding import MixedPrecision
 from .sharding.offload import offload_level
 from .skipped_forward import refuse_skipped_forward
 from .tensor_parallel.mappings import gather_from_region
+from .tensor_parallel.replica_grads import stages_check
 
 __all__ = ["parallelize", "HybridModel", "DP_STRATEGIES"]
 
@@ -375,6 +376,7 @@ def parallelize(
                          f"False)) or use pp=1")
     checkpoint_every(layers[1:-1], plan.activation_checkpointing)
     model_placements = {id(pl.param): pl for pl in layout.placements(model).values()}
+    tp_check = stages_check(pipe.stages.values(), mesh.tp)  # the replicated gradients agree (replica_grads.py)
     for stage in pipe.stages.values():
         # The stage's parameters under their original names (and tensor-parallel boxes), with the ties the
         # pipeline declared (a tied weight stays whole under ZeRO), before data parallel.
@@ -383,7 +385,8 @@ def parallelize(
         for p in stage.parameters():
             pl = dataclasses.replace(model_placements[id(p)], tied_over=tied[id(p)])
             own[pl.name] = pl
-        layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own))
+        layout.declare(stage, layout.Parallelized("stage", (mesh.tp,) if mesh.sizes["tp"] > 1 else (), own,
+                                                  before_step=tp_check))
         wrap_data_parallel(stage, mesh, plan)
     hybrid = HybridModel(pipe, mesh, plan, gather_vocab, _stage_names(model, stages), split_targets,
                          getattr(loss, "begin_step", None), carried)

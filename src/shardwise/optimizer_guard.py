@@ -64,14 +64,20 @@ def register_wrapped(model: nn.Module) -> None:
     global _installed
     guard_save_pretrained(model)
     models = getattr(_local, "models", None)
-    if models is None:
-        models = _local.models = weakref.WeakSet()
-    models.add(model)
+    if models is None:  # in wrapping order, the same on every rank: the checks' collectives run in one order
+        models = _local.models = weakref.WeakValueDictionary()
+    models.setdefault(id(model), model)
     with _lock:
         if not _installed:
             register_optimizer_step_pre_hook(check_step)
             register_optimizer_step_post_hook(mark_updated)
             _installed = True
+
+
+def _models() -> list[nn.Module]:
+    """The models wrapped in this thread and still alive, in the order they were first wrapped."""
+    models = getattr(_local, "models", None)
+    return list(models.values()) if models is not None else []
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -81,7 +87,7 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _sharded_model(params: list[torch.Tensor]) -> nn.Module | None:
     """The model wrapped in this thread that holds one of `params` as a piece of a larger tensor, if any."""
     ids = {id(p) for p in params}
-    for model in list(getattr(_local, "models", ())):
+    for model in _models():
         for pl in layout.placements(model).values():
             if id(pl.param) in ids and pl.sharded_over:
                 return model
@@ -93,7 +99,7 @@ def _refuse_added(params: list[torch.Tensor]) -> None:
     adapter such as PEFT's LoRA attached to the wrapped model): no bucket or unit holds it, so its gradient would
     stay this rank's. ValueError naming it. Runs when the optimizer's parameter list changes."""
     ids = {id(p) for p in params}
-    models = list(getattr(_local, "models", ()))
+    models = _models()
     # Placed by any of them: a later strategy on a containing module (ZeRO over tensor-parallel stages) replaces
     # the parameters an earlier one placed.
     placed = {id(pl.param) for model in models for pl in layout.placements(model).values()}
@@ -146,7 +152,7 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     _before_step(optimizer, params)
     if any(p.grad is not None for p in params):
         return
-    for model in list(getattr(_local, "models", ())):
+    for model in _models():
         if any(pl.param.grad is not None for pl in layout.placements(model).values()):
             names = " + ".join(r.name for r in layout.strategies(model))
             raise ValueError(f"optimizer.step(): none of the optimizer's {len(params)} parameters has a gradient, "
@@ -158,22 +164,25 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 def _before_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """Each strategy of a model wrapped in this thread that declared a `before_step` check, over the parameters
     this optimizer holds (DDP: every gradient is one it averaged), and the hyperparameter agreement over each
-    data-parallel group among them (optimizer_agreement.py). Which models the optimizer holds parameters of is
-    cached with the parameter count, as the first check is."""
+    data-parallel group among them (optimizer_agreement.py). The checks run in the order the models were wrapped,
+    the same on every rank (a check's collectives must match its peers'), each once with the union of the
+    parameters it was found for (a check several pipeline stages declare). Which models the optimizer holds
+    parameters of is cached with the parameter count, as the first check is."""
     cached = _checks.get(optimizer)
     if cached is None or cached[0] != len(params):
         ids = {id(p) for p in params}
-        checks, groups = [], {}
-        for model in list(getattr(_local, "models", ())):
+        checks: dict[int, tuple[Any, set[int]]] = {}
+        groups = {}
+        for model in _models():
             held = {id(pl.param) for pl in layout.placements(model).values()} & ids
             if not held:
                 continue
             for s in layout.strategies(model):
                 if s.before_step is not None:
-                    checks.append((s.before_step, held))
+                    checks.setdefault(id(s.before_step), (s.before_step, set()))[1].update(held)
                 if s.world is not None and s.world.size > 1 and s.name.startswith(_DATA_PARALLEL):
                     groups[id(s.world)] = s.world
-        cached = _checks[optimizer] = (len(params), checks, list(groups.values()))
+        cached = _checks[optimizer] = (len(params), list(checks.values()), list(groups.values()))
     for check, held in cached[1]:
         check(held)
     if cached[2]:

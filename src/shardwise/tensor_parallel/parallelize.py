@@ -63,6 +63,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, TensorParallelLayer
 from .head_rows import slice_head_rows
 from .plans import (Colwise, HeadRows, Heads, Rowwise, Sequence, SplitNorm, Style, Vocab, builtin_plan,
                     has_own_forward, match_plan)
+from .replica_grads import ReplicatedGradCheck
 from .split_norm import SplitRMSNorm
 from .sequence_parallel import reduce_sequence_parallel_grads
 
@@ -259,7 +260,8 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     object.__setattr__(model, "_shardwise_tp", TensorParallelState(comm, sp, sequence_dim, plan_name, styles))
     layout.declare(model, layout.Parallelized(
         "tensor_parallel", (comm,), tensor_parallel_placements(model, comm, head_rows), world=comm,
-        options={"plan": plan_name, "sequence_parallel": sp, "tp": comm.size}))
+        options={"plan": plan_name, "sequence_parallel": sp, "tp": comm.size},
+        before_step=ReplicatedGradCheck(lambda: layout.placements(model), comm) if comm.size > 1 else None))
     if plan_name == "gpt":
         install_gpt_forward(model)
     register_wrapped(model)  # the optimizer guard: its state dicts hold slices (optimizer_guard.py)
