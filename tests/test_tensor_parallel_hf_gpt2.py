@@ -137,7 +137,7 @@ def test_errors_are_value_errors_naming_the_numbers():
             tp.parallelize(gpt2, comm, plan="gpt2", sequence_parallel=True)
         with pytest.raises(ValueError, match=r"plan='gpt2' does not support cross-attention"):
             tp.parallelize(odd["cross"], comm, plan="gpt2")
-        with pytest.raises(ValueError, match=r"plan='gpt-2' is not a built-in plan; allowed \['gpt', 'gpt2', 'llama'\]"):
+        with pytest.raises(ValueError, match=r"plan='gpt-2' is not a built-in plan; allowed \['gpt', 'gpt2', 'hf', 'llama'\]"):
             tp.parallelize(gpt2, comm, plan="gpt-2")
         assert getattr(gpt2, "_shardwise_tp", None) is None  # nothing was replaced
 

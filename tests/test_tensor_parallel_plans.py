@@ -395,7 +395,7 @@ def test_plan_errors_are_value_errors_naming_the_problem():
         with pytest.raises(ValueError, match=r"head.weight is tied to tok_emb.weight, but the plan splits them "
                                              r"differently \(columns vs rows\)"):
             tp.parallelize(gpt(), comm, {"tok_emb": "vocab", "head": "rowwise"})
-        with pytest.raises(ValueError, match="plan='mixtral' is not a built-in plan; allowed \\['gpt', 'gpt2', 'llama'\\]"):
+        with pytest.raises(ValueError, match="plan='mixtral' is not a built-in plan; allowed \\['gpt', 'gpt2', 'hf', 'llama'\\]"):
             tp.parallelize(gpt(), comm, "mixtral")
 
     sw.launch(body, 2)

@@ -4,9 +4,9 @@
 Measured before the check: HuggingFace Phi with ``qk_layernorm=True`` under tensor parallel with the plan HuggingFace
 ships for it (``PhiConfig.base_model_tp_plan``: the projections only), and Gemma 3 with Llama's (the same projections),
 differed from one process in the gradient of every ``q_layernorm`` / ``q_norm`` at the first step (7.2e-4 against
-6.5e-5), and the copies of those norms drifted apart from there on. Each case below is checked against one process through `sw.check` once the norm
-is declared "heads", and refused, naming the norm, while it is not: tensor parallel alone, with ZeRO-3 over dp, and
-on pipeline stages (`sw.parallelize`).
+6.5e-5), and the copies of those norms drifted apart from there on. Each case below is checked against one process
+through `sw.check` once the norm is declared "heads", and refused, naming the norm, while it is not: tensor parallel
+alone, with ZeRO-3 over dp, and on pipeline stages (`sw.parallelize`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def _hf_batch(step):
 
 
 FAMILIES = {  # the per-head norms of each, and the HuggingFace plan of the projections only: Phi's own, Llama's
-    "phi": (_hf("Phi", "PhiForCausalLM", partial_rotary_factor=0.5, qk_layernorm=True), ("q_layernorm", "k_layernorm"), "Phi"),
+    "phi": (_hf("Phi", "PhiForCausalLM", partial_rotary_factor=0.5, qk_layernorm=True), ("q_layernorm", "k_layernorm"),
+            "Phi"),
     "gemma3": (_hf("Gemma3Text", "Gemma3ForCausalLM", head_dim=8), ("q_norm", "k_norm"), "Llama"),
 }
 MESHES = {"tp2": ({"tp": 2}, 2), "tp2-zero3": ({"tp": 2, "dp": 2, "dp_strategy": "zero3"}, 4),

@@ -304,7 +304,7 @@ def parallelize(
 
     model: the plain model, identical on every rank (same seed or state dict).
     mesh: `Mesh(comm, dp=None, tp, pp)` (dp=None: the remaining ranks).
-    tp_plan: a tensor-parallel plan ("gpt", "llama", "gpt2" or a dict); needed when tp > 1.
+    tp_plan: a tensor-parallel plan ("gpt", "llama", "gpt2", "hf" or a dict); needed when tp > 1.
     sequence_parallel: shard the LayerNorm / dropout regions along the sequence too (Korthikanti et al. 2022).
     pp_schedule: "gpipe", "1f1b", "interleaved_1f1b" (with virtual_stages > 1) or "zb_h1" (DDP only).
     n_microbatches: microbatches per step (default 2 x pp, at least 1; 1 with pp = 1 for a model whose MoE layers have

@@ -29,7 +29,7 @@ __all__ = ["add_check", "CHECK_STRATEGIES", "CHECK_DP_STRATEGIES", "CHECK_TP_PLA
 #: What `--strategy` accepts, torch-free (tests/test_check.py checks them against shardwise.check).
 CHECK_DP_STRATEGIES = ("ddp", "ddp:find_unused", "zero1", "zero2", "zero3", "fsdp", "fsdp:full_shard",
                        "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:hybrid_shard")
-CHECK_TP_PLANS = ("gpt", "gpt2", "llama")
+CHECK_TP_PLANS = ("gpt", "gpt2", "llama", "hf")
 CHECK_STRATEGIES = ("none", *CHECK_DP_STRATEGIES, "distribute", "tp", *(f"tp:{p}" for p in CHECK_TP_PLANS))
 CHECK_BACKENDS = ("thread", "gloo")
 CHECK_PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")

@@ -23,7 +23,7 @@ __all__ = ["Spec", "parse_strategy", "STRATEGIES", "DP_STRATEGIES", "MESH_KEYS",
 DP_STRATEGIES = ("ddp", "ddp:find_unused", "zero1", "zero2", "zero3", "fsdp", "fsdp:full_shard",
                  "fsdp:shard_grad_op", "fsdp:no_shard", "fsdp:hybrid_shard")
 #: Built-in tensor-parallel plans ("tp:<plan>"; "tp" alone takes the model's own, as sw.distribute does).
-TP_PLANS = ("gpt", "gpt2", "llama")
+TP_PLANS = ("gpt", "gpt2", "llama", "hf")
 #: Every strategy string `check` accepts.
 STRATEGIES = ("none", *DP_STRATEGIES, "distribute", "tp", *(f"tp:{p}" for p in TP_PLANS))
 #: Keys of a mesh dict: {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False, "ep": 2},

@@ -119,6 +119,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
     geometry = {k: _int_attr(config, names) for k, names in _FIELDS.items()} if config is not None else {}
     model_type = getattr(config, "model_type", None)
     tp_plan = "gpt" if isinstance(model, GPT) else _HF_PLANS.get(model_type) if isinstance(model_type, str) else None
+    if tp_plan is None and getattr(config, "base_model_tp_plan", None):
+        tp_plan = "hf"  # the plan the model's config ships (tensor_parallel/hf_plan.py)
     layers = None
     if hasattr(model, "pipeline_layers") or (isinstance(model_type, str) and model_type in BUILDERS):
         # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers(), hf_parallel's)

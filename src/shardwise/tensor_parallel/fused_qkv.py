@@ -89,7 +89,8 @@ def use_local_heads(model: nn.Module, tp: int) -> None:
         return
     for name, attn in model.named_modules():
         qkv = getattr(attn, "qkv_proj", None)
-        if isinstance(qkv, ColumnParallelLinear) and type(attn).__name__ in FUSED_QKV_ATTENTIONS:
+        if (isinstance(qkv, ColumnParallelLinear) and not qkv.gather_output  # gathered: the attention sees all heads
+                and type(attn).__name__ in FUSED_QKV_ATTENTIONS):
             blocks = qkv_blocks(attn, name)
             if tuple(qkv.blocks) != blocks:
                 raise ValueError(f"parallelize: {name}.qkv_proj is split in blocks {tuple(qkv.blocks)}, but its "

@@ -151,8 +151,9 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     model: the dense model, identical on every rank of `comm`.
     comm: the tensor-parallel Communicator (e.g. ``mesh.tp``); a group of one leaves the math unchanged.
     plan: "gpt" (the shardwise GPT), "llama" (HuggingFace Llama module names), "gpt2" (HuggingFace GPT-2, its
-        Conv1D layers split as Linears), or a dict of module-name pattern -> style ("colwise", "rowwise", "vocab",
-        "sequence" or a Colwise / Rowwise / Vocab / Sequence object).
+        Conv1D layers split as Linears), "hf" (the plan a HuggingFace model's config carries, hf_plan.py), or a
+        dict of module-name pattern -> style ("colwise", "rowwise", "vocab", "sequence" or a Colwise / Rowwise /
+        Vocab / Sequence object).
     sequence_parallel: run the LayerNorm / dropout / residual regions on sequence shards (Korthikanti et al.
         2022): colwise layers all-gather their input along `sequence_dim`, rowwise and vocab layers reduce-scatter
         their output, and "sequence" modules' parameters get their gradients all-reduced.
@@ -189,7 +190,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
                              "GPT2Model adds the position embeddings of the whole sequence to the embedding output "
                              "and builds its causal mask from it, which would be a shard)")
         plan = builtin_plan(plan, model, comm.size)
-    elif sequence_parallel and type(model).__module__.startswith("transformers."):
+    if sequence_parallel and plan_name in ("custom", "hf") and type(model).__module__.startswith("transformers."):
         raise ValueError(f"parallelize: sequence_parallel=True with a HuggingFace {type(model).__name__}: its forward "
                          f"builds positions and attention masks from the whole sequence between the layers, which "
                          f"would be a shard (a shape error at the first forward, or wrong masks); use "

@@ -5,27 +5,24 @@ included) over the dotted module names of ``model.named_modules()``; it matches 
 or whose name ends with ``"." + pattern`` (so ``"q_proj"`` matches ``"model.layers.3.self_attn.q_proj"``). A style
 is one of the strings of `styles.STYLES` or a style object carrying options (styles.py lists them).
 
-Built-in plans (``plan="gpt"`` / ``plan="llama"`` / ``plan="gpt2"``) are computed from the model by
+Built-in plans (``plan="gpt"`` / ``plan="llama"`` / ``plan="gpt2"`` / ``plan="hf"``) are computed from the model by
 :func:`builtin_plan`, which also validates the head counts: a tensor-parallel size that does not divide them is a
-ValueError naming both numbers. The llama plan is in llama_plan.py.
+ValueError naming both numbers. The llama plan is in llama_plan.py; plan "hf" (hf_plan.py) reads the plan a
+HuggingFace model ships in its config.
 """
 
 from __future__ import annotations
 
-import fnmatch
-
 from torch import nn
 
+from .hf_plan import hf_plan
 from .llama_plan import llama_plan
 from .styles import (STYLES, Colwise, HeadRows, Heads, Rowwise, Sequence, SplitNorm, Style, Vocab, as_style,
-                     check_divides, has_own_forward)
+                     check_divides, has_own_forward, pattern_matches)
 
 __all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Heads", "HeadRows", "SplitNorm", "Style", "STYLES", "as_style",
-           "match_plan", "builtin_plan", "gpt_plan", "llama_plan", "gpt2_plan", "BUILTIN_PLANS", "has_own_forward"]
-
-
-def _matches(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+           "match_plan", "builtin_plan", "gpt_plan", "llama_plan", "gpt2_plan", "hf_plan", "BUILTIN_PLANS",
+           "has_own_forward"]
 
 
 def match_plan(model: nn.Module, plan: dict[str, object]) -> dict[str, Style]:
@@ -42,7 +39,7 @@ def match_plan(model: nn.Module, plan: dict[str, object]) -> dict[str, Style]:
     resolved: dict[str, Style] = {}
     by: dict[str, str] = {}
     for pattern, style in styles.items():
-        hits = [name for name in names if _matches(name, pattern)]
+        hits = [name for name in names if pattern_matches(name, pattern)]
         if not hits:
             raise ValueError(f"parallelize: plan pattern {pattern!r} matches no module of {type(model).__name__}; "
                              f"module names look like {names[:6]}")
@@ -129,7 +126,7 @@ def gpt2_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     return plan
 
 
-BUILTIN_PLANS = {"gpt": gpt_plan, "llama": llama_plan, "gpt2": gpt2_plan}
+BUILTIN_PLANS = {"gpt": gpt_plan, "llama": llama_plan, "gpt2": gpt2_plan, "hf": hf_plan}
 
 
 def builtin_plan(name: str, model: nn.Module, tp: int) -> dict[str, Style]:

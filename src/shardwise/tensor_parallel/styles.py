@@ -25,12 +25,13 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import Union
 
 from torch import nn
 
 __all__ = ["Colwise", "Rowwise", "Vocab", "Sequence", "Heads", "HeadRows", "SplitNorm", "Style", "STYLES", "as_style",
-           "check_divides", "has_own_forward"]
+           "check_divides", "has_own_forward", "pattern_matches"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,13 @@ def as_style(pattern: str, style: object) -> Style:
     if isinstance(style, str) and style in STYLES:
         return STYLES[style]
     raise ValueError(f"parallelize: plan[{pattern!r}]={style!r} is not a style; allowed {sorted(STYLES)} or a "
-                     f"Colwise / Rowwise / Vocab / Sequence / Heads / HeadRows / SplitNorm object")
+                     f"Colwise / Rowwise / Vocab / Sequence / Heads / HeadRows / SplitNorm object (plan='hf' reads "
+                     f"a HuggingFace model's own plan, in HuggingFace's style names)")
+
+
+def pattern_matches(name: str, pattern: str) -> bool:
+    """Whether a plan pattern (fnmatch, `*` crossing dots) matches a dotted module name whole or as a suffix."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
 
 
 def check_divides(what: str, value: int, tp: int, hint: str = "") -> None:

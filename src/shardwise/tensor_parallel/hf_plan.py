@@ -1,0 +1,129 @@
+"""The tensor-parallel plan a HuggingFace model ships (``plan="hf"``), read in shardwise's styles.
+
+transformers gives most decoder families a plan, ``config.base_model_tp_plan`` (module-name patterns relative to
+the base model -> style names), and its causal-LM classes one for their head (``_tp_plan``, ``{"lm_head":
+"colwise_gather_output"}``); its own ``tp_plan="auto"`` applies them with DTensor. 146 configs of transformers 5.23
+carry one, GPT-NeoX's, Phi's and Nemotron's among them, which plan "llama" does not know. Their forwards already
+compute on local shards (every attention reshapes by ``-1`` heads), so each style is one of shardwise's:
+
+==================================================  =============================================================
+``colwise``                                          ``Colwise()``
+``rowwise``                                          ``Rowwise()``
+``colwise_gather_output``, ``colwise_rep``           ``Colwise(gather_output=True)`` (OLMo 2's q/k/v, Phi-3's
+                                                     fused qkv_proj: every rank then runs the whole attention)
+``rowwise_split_input``, ``rowwise_rep``             ``Rowwise(input_is_parallel=False)``
+``packed_colwise`` on a Linear                       ``Colwise(fused=2)`` (a [gate | up] projection)
+``embedding_rowwise``                                ``Vocab()``
+``replicated_with_grad_allreduce``                   ``Heads()`` (Qwen 3's, Gemma 3's per-head q_norm / k_norm)
+``sequence_parallel``                                ``Sequence()``
+``replicate``                                        left whole
+``moe_tp_experts`` (and the ``packed_colwise`` /     the experts stay whole on every rank, as under plan "llama":
+``rowwise`` / ``packed_rowwise`` of their            split them over the ``ep`` axis
+parameters)
+==================================================  =============================================================
+
+Any other style (``mla_kv_a_proj``: use plan "llama", which splits DeepSeek-V3's latent attention; ``local_params``,
+``all_reduce``, ``moe_identity_expert``, ``embedding_colwise``) is a ValueError naming it, as is a model without a plan.
+A pattern that matches nothing in this model is skipped (a family's plan covers its variants, as HuggingFace's own
+loader skips it); a head tied to an embedding the plan leaves whole stays whole with it. Anything the plan leaves whole
+that runs on split activations is refused at the first optimizer step (replica_grads.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .styles import Colwise, Heads, Rowwise, Sequence, Style, Vocab, check_divides, pattern_matches
+
+__all__ = ["hf_plan", "HF_STYLES"]
+
+#: HuggingFace's style names and what they are here (None: the module stays whole on every rank).
+HF_STYLES: dict[str, Style | None] = {
+    "colwise": Colwise(), "rowwise": Rowwise(),
+    "colwise_gather_output": Colwise(gather_output=True), "colwise_rep": Colwise(gather_output=True),
+    "rowwise_split_input": Rowwise(input_is_parallel=False), "rowwise_rep": Rowwise(input_is_parallel=False),
+    "packed_colwise": Colwise(fused=2), "embedding_rowwise": Vocab(), "replicated_with_grad_allreduce": Heads(),
+    "sequence_parallel": Sequence(), "replicate": None,
+}
+_EXPERTS = "moe_tp_experts"
+_EXPERT_PARAMS = ("packed_colwise", "rowwise", "colwise", "packed_rowwise")  # styles of the experts' parameters
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
+
+
+def _config_plan(model: nn.Module) -> tuple[dict[str, str], str]:
+    """The base model's plan with each pattern prefixed by where the base model lives, and that prefix."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError(f"parallelize: plan='hf' needs a HuggingFace model whose config carries a tensor-parallel "
+                         f"plan (config.base_model_tp_plan), got {type(model).__name__} without one; use plan "
+                         f"'llama', or pass a dict of module-name pattern -> style")
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    return {prefix + pattern: style for pattern, style in plan.items()}, prefix
+
+
+def _head_plan(model: nn.Module) -> dict[str, str]:
+    """The causal-LM class's plan for its head, unless the head is tied to an embedding the plan leaves whole."""
+    head_plan = dict(getattr(type(model), "_tp_plan", None) or {})
+    embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    for name in list(head_plan):
+        weight = getattr(dict(model.named_modules()).get(name), "weight", None)
+        if weight is not None and any(weight is e for e in embeddings):
+            del head_plan[name]  # tied: the embedding is whole here, so the head stays whole with it
+    return head_plan
+
+
+def _refuse(pattern: str, style: str) -> ValueError:
+    known = sorted([*HF_STYLES, _EXPERTS])
+    hint = "; plan 'llama' splits DeepSeek-V3's latent attention" if style == "mla_kv_a_proj" else ""
+    return ValueError(f"parallelize: plan='hf': the model's plan gives {pattern!r} the style {style!r}, which "
+                      f"shardwise does not map{hint}; known styles {known}; pass a plan dict instead")
+
+
+def hf_plan(model: nn.Module, tp: int) -> dict[str, Style]:
+    """The plan dict of `model`'s own HuggingFace plan (see the module docstring), ready for `match_plan`."""
+    plan, _ = _config_plan(model)
+    plan.update(_head_plan(model))
+    modules = dict(model.named_modules())
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    experts = [p for p, s in plan.items() if s == _EXPERTS]
+    out: dict[str, Style] = {}
+    for pattern, style in plan.items():
+        if style == _EXPERTS:
+            continue
+        hits = [name for name in modules if name and pattern_matches(name, pattern)]
+        param_hits = not hits and any(pattern_matches(name, pattern) for name in params)
+        if not hits and not param_hits:
+            continue  # a family's plan covers its variants: Qwen 3 MoE's dense MLPs, in a model of MoE layers only
+        if param_hits:  # a parameter of a module
+            owner = pattern.rpartition(".")[0]
+            if style in _EXPERT_PARAMS and owner in experts:
+                continue  # the experts' own parameters: they stay whole with their module
+            raise ValueError(f"parallelize: plan='hf': the model's plan splits the parameter pattern {pattern!r} "
+                             f"({style!r}) outside a mixture-of-experts block; shardwise splits modules; pass a "
+                             f"plan dict instead")
+        if style not in HF_STYLES:
+            raise _refuse(pattern, style)
+        if HF_STYLES[style] is None:
+            continue
+        if style == "packed_colwise" and not all(isinstance(modules[n], nn.Linear) for n in hits):
+            raise _refuse(pattern, style)
+        out[pattern] = HF_STYLES[style]
+    _check_heads(model, out, tp)
+    return out
+
+
+def _check_heads(model: nn.Module, plan: dict[str, Style], tp: int) -> None:
+    """A plan splitting attention projections by their output features needs whole heads on every rank."""
+    splits_heads = any(isinstance(s, Colwise) and not s.gather_output and p.rsplit(".", 1)[-1] in _ATTENTION
+                       for p, s in plan.items())
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    for attr, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads")):
+        value = getattr(text, attr, None)
+        if splits_heads and isinstance(value, int):
+            check_divides(f"the number of {what} ({attr})", value, tp)
