@@ -27,10 +27,10 @@ into another key space and is never seen. Every key below lives under `elastic/`
   keeps waiting its whole timeout, and neither `ProcessGroupGloo.abort()` nor `shutdown()` interrupts that wait.
   `destroy_process_group()` then `init_process_group` over the next prefix works in the same process. In a
   standalone script, freeing the failed group (`destroy_process_group()` once nothing holds its works,
-  `gc.collect()`) closes its sockets and the waiting peers fail within 0.4 s ("connection closed by peer"); inside
-  a training job something still holds the group (not found yet), so a rank whose wait did not fail at once leaves
-  it at the collective `timeout`, as does a wait on a peer that froze without dying (its heartbeat's silence names
-  it): keep that timeout short for elastic jobs.
+  `gc.collect()`) closes its sockets and the waiting peers fail within 0.4 s ("connection closed by peer"). In a
+  training job torch.distributed.nn.functional's default arguments and the split communicators held it; leaving
+  the world drops them (group_release.py). A wait on a peer that froze without dying still ends at the collective
+  `timeout` (its heartbeat's silence names it): keep that timeout short for elastic jobs.
 
 Anchors: torchelastic's dynamic rendezvous (c10d store, rounds, last call, min/max nodes; every worker restarts),
 torchft's per-step quorum (healthy replicas keep going), Horovod elastic's host discovery.
@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from .base import CommError
+from .group_release import release_process_groups
 from .heartbeat import Activity, Board, Heartbeat, RankWatch
 from .torch_backend import TorchCommunicator
 
@@ -341,4 +342,4 @@ class Membership:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a group broken by the failure is discarded all the same
                 pass
-        gc.collect()
+        release_process_groups()  # what else held the old world's groups (group_release.py); collects too

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .background import stop_workers
 from .base import CommError
+from .group_release import release_process_groups
 from .heartbeat import RankWatch
 from .torch_backend import TorchCommunicator
 
@@ -221,6 +222,7 @@ def leave_world(comm: TorchCommunicator | None = None, error: str | None = None)
         watch.stop("failed" if error else "done", error or "")
     if world_initialized():
         dist.destroy_process_group()
+    release_process_groups()  # the sub-groups the communicators still hold: destroyed now, their threads joined
 
 
 def _leave_at_exit(comm: TorchCommunicator) -> None:

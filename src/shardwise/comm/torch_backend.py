@@ -42,22 +42,22 @@ from .base import (
     Work,
     check_color,
     check_contiguous,
-    check_reduce_op,
     tensor_bytes,
 )
 from .collective_check import CollectiveCheck, checks_enabled
 from .gloo_ring import GlooRing
+from .group_release import track
 from .heartbeat import RankWatch
 from .shm_channel import SharedMemoryChannel, eligible
 from .streams import CommStreams, PendingWork
 from .thread_backend import ThreadCommunicator, ThreadWorld
 from .torch_compat import abort_group, all_gather_flat, reduce_scatter_flat
+from .torch_reduce_ops import combine_name, native_op
 from .torch_work import AnySourceTorchWork, TorchWork, wait_error
 
 __all__ = ["TorchCommunicator"]
 
-
-_NATIVE_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
+_RELEASED = "released at leave_world"  # a released communicator's group: any later use fails at once
 
 
 class TorchCommunicator(Communicator):
@@ -104,6 +104,13 @@ class TorchCommunicator(Communicator):
         # measures the check beside an unchecked communicator on the same group).
         checked = checks_enabled(self.backend) if check_collectives is None else check_collectives
         self._check = CollectiveCheck(self.size, self.rank, self.global_ranks, self._exchange) if checked else None
+        track(self)  # its groups are dropped at exit (group_release.py)
+
+    def release_groups(self) -> None:
+        """Drop this communicator's process groups: its own, its splits' cache, the ring's and the shared-memory
+        barrier's (group_release.py). The communicator cannot communicate afterwards."""
+        self.group, self._ring, self._shm = _RELEASED, None, False
+        self._cache.clear()
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _error(self, what: str, limit: float, exc: BaseException | None, peers: Sequence[int] | None = None,
@@ -167,16 +174,6 @@ class TorchCommunicator(Communicator):
             raise self._error(what, self.timeout, exc, peers) from exc
         return self._work(work, what, None, peers).wait
 
-    def _native(self, op: ReduceOp, tensor: torch.Tensor, name: str) -> tuple[dist.ReduceOp, Callable[[], None] | None]:
-        """The torch op to issue, and the finishing step (AVG as SUM then divide on backends without AVG)."""
-        op = check_reduce_op(name, op, tensor)
-        if op is not ReduceOp.AVG:
-            return _NATIVE_OPS[op], None
-        if self.backend == "nccl":
-            return dist.ReduceOp.AVG, None
-        n = self.size
-        return dist.ReduceOp.SUM, lambda: tensor.div_(n)
-
     @property
     def shared_memory(self) -> bool | None:
         """Whether this group's large CPU collectives go through same-host shared memory (shm_channel.py): True or
@@ -198,14 +195,14 @@ class TorchCommunicator(Communicator):
 
     # ---- collectives ------------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work | None:
-        native, then = self._native(op, tensor, "all_reduce")
+        native, then = native_op(op, tensor, "all_reduce", self.backend, self.size)
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         if self._alone:
             return group_of_one.unchanged(self, "all_reduce", async_op, tensor)
         what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
         shm = self._shared_memory(what, tensor)
         if shm is not None:
-            return self._issue(what, lambda: shm.all_reduce(tensor, _combine_name(op), what), then, async_op,
+            return self._issue(what, lambda: shm.all_reduce(tensor, combine_name(op), what), then, async_op,
                                checked_in_band=True)
         return self._issue(what, lambda: dist.all_reduce(tensor, native, group=self.group, async_op=True), then, async_op,
                            tensors=(tensor,))
@@ -231,7 +228,7 @@ class TorchCommunicator(Communicator):
     ) -> Work | None:
         self._check_gather_shapes("reduce_scatter", input, output)
         check_contiguous("reduce_scatter", "output", output)
-        native, then = self._native(op, output, "reduce_scatter")
+        native, then = native_op(op, output, "reduce_scatter", self.backend, self.size)
         if self._alone:
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
             return group_of_one.copy(self, "reduce_scatter", output, input, async_op)
@@ -239,7 +236,7 @@ class TorchCommunicator(Communicator):
         shm = self._shared_memory(what, output, input)
         if shm is not None:  # reduces from the input as it is (never clones it): the ring formula's bytes
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
-            return self._issue(what, lambda: shm.reduce_scatter(output, input, _combine_name(op), what), then,
+            return self._issue(what, lambda: shm.reduce_scatter(output, input, combine_name(op), what), then,
                                async_op, checked_in_band=True)
         if self.backend == "gloo":
             # gloo has no reduce-scatter: reduce_scatter_tensor clones the input and all-reduces the clone, moving
@@ -394,7 +391,3 @@ class TorchCommunicator(Communicator):
         return TorchCommunicator(pg, timeout=self.timeout, _cache=self._cache, _watch=self._watch,
                                  backend_timeout=self.backend_timeout, shared_memory=self._shm_allowed)
 
-
-def _combine_name(op: ReduceOp) -> str:
-    """How the shared-memory channel combines for `op` (AVG: a SUM, divided when the Work completes)."""
-    return "SUM" if op is ReduceOp.AVG else op.name
