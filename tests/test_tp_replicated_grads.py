@@ -202,3 +202,19 @@ def test_a_norm_left_out_of_the_sequence_regions_under_sequence_parallel_is_refu
     for message in sw.launch(body, 2, mlp):
         assert "norm1.weight" in message and "norm2.bias" in message and "'sequence'" in message
     assert sw.launch(body, 2, {**mlp, "norm1": "sequence", "norm2": "sequence"}) == ["stepped", "stepped"]
+
+
+def test_a_replicated_module_declared_heads_is_refused_at_the_first_backward():
+    """The other direction: "heads" on a LayerNorm that runs on the whole, replicated activations would sum tp equal
+    gradients (twice the gradient at tp=2, equal on every rank: the check above cannot see it); refused by name at
+    the first backward, before anything is accumulated."""
+    base = _tiny()
+
+    def body(comm):
+        model = tp.parallelize(copy.deepcopy(base), comm, {**PROJECTIONS, "q_norm": "heads", "k_norm": "heads",
+                                                           "out_norm": "heads"})
+        with pytest.raises(ValueError, match="every rank computed the same gradient") as raised:
+            model(*_tiny_batch(0)).backward()
+        return str(raised.value)
+
+    assert all(message.startswith("tensor parallel: out_norm is declared") for message in sw.launch(body, 2))

@@ -2,8 +2,9 @@
 
 `comm.stats` (CommStats) is what a strategy moves, and the demo and the benchmarks compare it to each strategy's
 formula to the byte. The checks that keep a run honest (the ranks' optimizer hyperparameters every 20th step,
-optimizer_agreement.py; the buffers a training forward wrote, buffer_writes.py) are control traffic of a few bytes:
-they run inside `uncounted(comm)`, which restores the counts afterwards.
+optimizer_agreement.py; the buffers a training forward wrote, buffer_writes.py; a tensor-parallel model's first
+replicated gradients, tensor_parallel/replica_grads.py) are control traffic, few bytes or once: they run inside
+`uncounted(comm)`, which restores the counts afterwards.
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     for name, style in styles.items():
         if isinstance(style, Heads) or (sp and isinstance(style, Sequence)):
             params = [p for p in model.get_submodule(name).parameters() if id(p) not in tp_params]
-            reduce_sequence_parallel_grads(params, comm)
+            reduce_sequence_parallel_grads(params, comm, name)
     if plan_name == "llama":
         _adjust_head_counts(model, comm.size)
     # What a split attention needs besides its projections, whichever plan split them: Phi-3's local head counts

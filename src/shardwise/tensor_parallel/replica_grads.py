@@ -21,7 +21,8 @@ less; 4 x the epsilon of bfloat16 / float16), or whose gradient exists on some r
 it and the styles that would place it. A parameter with a non-finite spread (a GradScaler's overflow step) or no
 gradient anywhere waits for a later step; the check stops once every parameter was compared, or after
 `MAX_STEPS` steps. Cost: one pass over the replicated gradients and one all-reduce of twice their size, on the
-first step only (on CPU, a few ms for a small model).
+first step only (on CPU, a few ms for a small model), not counted in ``comm.stats`` (control traffic, as the other
+consistency checks: comm/uncounted.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from torch import nn
 
 from .. import layout
 from ..comm.base import Communicator, ReduceOp
+from ..comm.uncounted import uncounted
 from ..placement import comm_device
 from ..sharded_tensor import local
 
-__all__ = ["ReplicatedGradCheck", "stages_check", "MAX_STEPS"]
+__all__ = ["ReplicatedGradCheck", "stages_check", "check_partial", "MAX_STEPS"]
 
 #: Steps after which the check gives up on parameters it could not compare yet (no gradient, or non-finite ones).
 MAX_STEPS = 8
@@ -100,7 +102,8 @@ class ReplicatedGradCheck:
         flags = torch.tensor([g is not None for g in grads], dtype=torch.float32, device=device)
         flat = torch.cat(values) if values else torch.zeros(0, device=device)
         buffer = torch.cat([flat, -flat, flags, -flags])
-        self._comm.all_reduce(buffer, ReduceOp.MAX)
+        with uncounted(self._comm):  # control traffic: comm.stats stays the strategy's own (comm/uncounted.py)
+            self._comm.all_reduce(buffer, ReduceOp.MAX)
         n, k = flat.numel(), len(chunk)
         high, low = buffer[:n], -buffer[n:2 * n]
         has_any, has_all = buffer[2 * n:2 * n + k].cpu(), -buffer[2 * n + k:].cpu()
@@ -131,3 +134,27 @@ def stages_check(stages: Iterable[nn.Module], comm: Communicator) -> ReplicatedG
     stages = list(stages)
     return None if comm.size == 1 else ReplicatedGradCheck(
         lambda: {name: pl for stage in stages for name, pl in layout.placements(stage).items()}, comm)
+
+
+def check_partial(grad: torch.Tensor, comm: Communicator, where: str) -> bool:
+    """The other direction, at the first backward of a parameter whose gradient a hook sums over `comm` (a "heads" or
+    "sequence" region, sequence_parallel.py): its contributions must differ across the ranks, each a part. Equal
+    ones mean the module runs on the whole, replicated activations (a replicated LayerNorm declared "heads"), and the
+    sum would count its gradient tp times, silently: a ValueError naming `where`. One MAX all-reduce of ``[g, -g]``.
+    Returns whether the contribution was compared (False while it is zero or non-finite everywhere: the next one is)."""
+    flat = local(grad).detach().reshape(-1).float()  # an expert-parallel piece: this rank's experts
+    buffer = torch.cat([flat, -flat])
+    with uncounted(comm):
+        comm.all_reduce(buffer, ReduceOp.MAX)
+    high, low = buffer[:flat.numel()], -buffer[flat.numel():]
+    scale = float(torch.maximum(high.abs(), low.abs()).max()) if flat.numel() else 0.0
+    spread = float((high - low).max()) if flat.numel() else 0.0
+    if scale == 0.0 or not (spread == spread and abs(scale) != float("inf")):
+        return False
+    if spread <= _tolerance(grad.dtype) * scale:
+        raise ValueError(f"tensor parallel: {where or 'a parameter'} is declared a region of this rank's part of "
+                         f"the activations ('heads', or 'sequence' under sequence parallel), so its gradient is "
+                         f"summed over the {comm.size} ranks of the group, but every rank computed the same "
+                         f"gradient: it runs on the whole, replicated activations, and the sum would count it "
+                         f"{comm.size} times. Leave it out of the plan (a replicated module needs no style)")
+    return True

@@ -15,10 +15,12 @@ tensor-parallel group before it is accumulated into ``.grad``; Megatron-LM does 
 ``sequence_parallel`` (it all-reduces them after backward). Reducing the incoming gradient, not ``.grad``, keeps
 gradient accumulation correct: each micro-batch's contribution is summed once.
 
-Dropout: inside a sequence-parallel region each rank draws masks for its own tokens. Without sequence parallelism
-the regions are replicated and every tensor-parallel rank must draw the *same* masks (seed them alike); Megatron's
-CUDA RNG tracker, which gives the tensor-parallel region its own per-rank stream, is not reproduced here, and the
-parity tests run with dropout 0.
+The same hook serves the "heads" regions (a per-head norm running on this rank's heads). Its first call checks that
+the ranks' contributions differ (replica_grads.check_partial): a module declared so that in fact runs on the whole,
+replicated activations gives every rank the same gradient, which the sum would count tp times, silently.
+
+Dropout: inside a sequence-parallel region each rank draws masks for its own tokens; in the replicated regions every
+rank draws the same ones (dropout_stream.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 
 from ..comm.base import Communicator, ReduceOp
 from ..param_hooks import hook_even_if_frozen
+from .replica_grads import check_partial
 
 __all__ = ["reduce_sequence_parallel_grads", "register_partial_grad_sum", "is_sequence_parallel_param",
            "SavedActivations", "saved_activations"]
@@ -39,21 +42,28 @@ __all__ = ["reduce_sequence_parallel_grads", "register_partial_grad_sum", "is_se
 _MARK = "_shardwise_sequence_parallel"
 
 
-def register_partial_grad_sum(param: torch.Tensor, comm: Communicator) -> None:
+def register_partial_grad_sum(param: torch.Tensor, comm: Communicator, where: str = "") -> None:
     """Sum `param`'s incoming gradient over `comm` before it is accumulated (sequence-parallel weights).
 
     A hook on the incoming gradient rather than on .grad keeps accumulation right: each backward's contribution is
-    summed once. Strategies that replace parameter objects (the sharding engine) re-register it on their own.
+    summed once. Strategies that replace parameter objects (the sharding engine) re-register it on their own. Until
+    a nonzero contribution was seen, the hook first checks it is a partial one (`check_partial`; `where` names the
+    module in its error).
     """
+    checked = [False]
+
     def hook(grad: torch.Tensor) -> torch.Tensor:
         out = grad.contiguous().clone()  # autograd may hold the incoming gradient elsewhere
+        if not checked[0]:
+            checked[0] = check_partial(out, comm, where)
         comm.all_reduce(out, ReduceOp.SUM)
         return out
 
     hook_even_if_frozen(param, "register_hook", hook)
 
 
-def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], comm: Communicator) -> list[nn.Parameter]:
+def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], comm: Communicator,
+                                   where: str = "") -> list[nn.Parameter]:
     """Make every parameter in `params` all-reduce (sum) its incoming gradient over `comm` in backward.
 
     Use it for replicated parameters that act on sequence shards. Each parameter is marked (see
@@ -65,7 +75,7 @@ def reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], comm: Communi
     for p in params:
         if not (p.is_floating_point() or p.is_complex()) or getattr(p, _MARK, False):
             continue  # a frozen one too: a script may unfreeze it after wrapping
-        register_partial_grad_sum(p, comm)
+        register_partial_grad_sum(p, comm, where)
         setattr(p, _MARK, True)
         hooked.append(p)
     return hooked
