@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dropout_stream import DropoutStream, attach, eager_while_traced, generator_for, use_own_stream
+from .compiled import eager_while_traced
+from .dropout_stream import DropoutStream, attach, generator_for, use_own_stream
 from .random_functions import patch_random
 
 __all__ = ["install", "patch_torch", "rank_thread_stream", "ORIGINALS"]

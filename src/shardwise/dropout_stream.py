@@ -30,16 +30,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["DropoutStream", "attach", "eager_while_traced", "generator_for", "generator_for_random", "group_seed",
+from .compiled import eager_while_traced
+
+__all__ = ["DropoutStream", "attach", "generator_for", "generator_for_random", "group_seed",
            "stream_of", "use_own_stream"]
 
 _ATTR = "_shardwise_dropout_stream"
@@ -178,22 +179,6 @@ def _leave_now(module: nn.Module) -> None:
         _local.depth -= 1
     else:
         _local.stream = None
-
-
-def eager_while_traced(function: Callable) -> Callable:
-    """`function` as it is; while dynamo traces it, a graph break that runs it eagerly (a generator object, the
-    thread-local state, Python bookkeeping cannot enter a graph). torch._dynamo is touched only then, when it is
-    loaded anyway: disabling at definition would import it with shardwise (seconds of CPU per process; see
-    sharding/hook_tools.py). `is_dynamo_compiling`, not `is_compiling`: the latter is a process-wide flag, and one
-    thread rank tracing would divert another running eagerly."""
-
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():
-            return torch._dynamo.disable(function, recursive=True)(*args, **kwargs)
-        return function(*args, **kwargs)
-
-    return run
 
 
 # Under torch.compile the hooks are traced, and the thread-local state must not enter a graph: only the model's

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from .dropout_stream import eager_while_traced, generator_for_random
+from .compiled import eager_while_traced
+from .dropout_stream import generator_for_random
 
 __all__ = ["patch_random", "RANDOM_ORIGINALS"]
 

@@ -51,8 +51,8 @@ from ..graph_gradients import KeptGraph, refuse_graph_accumulation
 from ..placement import map_buffers
 from ..profiler_ranges import profiler_range
 from .expert_units import NO_EXPERTS, ExpertFamily, split_plan
-from .hook_tools import (MarkBackwardDone, cast_floating, eager_under_compile, inside_backward,
-                         register_outermost, tensors_in)
+from ..compiled import eager_while_traced
+from .hook_tools import MarkBackwardDone, cast_floating, inside_backward, register_outermost, tensors_in
 from .inner_calls import InnerCalls
 from .policy import ShardingConfig, auto_group_mb, plan_units
 from .outside_reads import OutsideReads
@@ -133,7 +133,7 @@ class ShardingEngine:
         # The forward hooks gather, free and swap parameters and issue collectives: under torch.compile they run
         # eagerly (a graph break at each unit's edges, the layers between them compiled), as inductor cannot lower
         # what they do (record_stream, attribute swaps) and must not try.
-        eager = eager_under_compile
+        eager = eager_while_traced
         # A unit's hooks go first (prepend): a pre-hook the model had before wrapping (torch.nn.utils.weight_norm's,
         # which computes `weight` from `weight_g` and `weight_v`) then sees whole parameters, as in one process, and
         # every forward hook runs outside the unit, where what it saves is watched (outside_reads.py).

@@ -7,13 +7,11 @@
   checkpointing recomputes forwards there, which must not count as a new iteration).
 * `tensors_in(obj)` / `cast_floating(obj, dtype)`: the tensors of a module's inputs or outputs (nested lists,
   tuples and dicts), and the same structure with its floating tensors cast (mixed precision's compute dtype).
-* `eager_under_compile(hook)`: the hook, run eagerly (a graph break) when torch.compile traces it.
 * `register_outermost(model, pre, post, handles)`: the model's root hooks, run for the outermost call only.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +19,7 @@ import torch
 
 from ..forward_methods import count_calls
 
-__all__ = ["MarkBackwardDone", "inside_backward", "tensors_in", "cast_floating", "eager_under_compile",
-           "register_outermost"]
+__all__ = ["MarkBackwardDone", "inside_backward", "tensors_in", "cast_floating", "register_outermost"]
 
 
 class MarkBackwardDone(torch.autograd.Function):
@@ -64,26 +61,6 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(cast_floating(v, dtype) for v in obj)
     return obj
-
-
-def eager_under_compile(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """`hook`, which torch.compile must never trace: under compilation the call goes through
-    `torch._dynamo.disable` (a graph break; the hook runs eagerly, as PyTorch FSDP2's hooks do), otherwise
-    straight to the hook.
-
-    Why not `torch.compiler.disable(hook)` at registration: that imports torch._dynamo on the spot, ~2.7 s of CPU
-    per process on a 2-core machine (every rank that wraps a model paid it, compiled or not), and every eager call
-    then went through dynamo's disable context. Here dynamo is only touched while it traces, when it is loaded
-    anyway (`torch.compiler.is_compiling()` is a flag read otherwise, and dynamo folds it to True while tracing).
-    """
-
-    @functools.wraps(hook)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return torch._dynamo.disable(hook, recursive=True)(*args, **kwargs)
-        return hook(*args, **kwargs)
-
-    return run
 
 
 def register_outermost(model: torch.nn.Module, pre: Callable[..., Any], post: Callable[..., Any],

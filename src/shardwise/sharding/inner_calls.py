@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from .hook_tools import eager_under_compile
+from ..compiled import eager_while_traced
 from .unit import Unit
 
 __all__ = ["InnerCalls"]
@@ -58,8 +58,8 @@ class InnerCalls:
                 self.hooks[module] = [
                     module.register_forward_pre_hook(self._make_pre(unit), with_kwargs=True, prepend=True),
                     module.register_forward_hook(self._make_post(unit), prepend=True)]
-        self.settling = model.register_forward_hook(eager_under_compile(self._settle)) if self.hooks else None
-        self.enter, self.leave = eager_under_compile(self._enter), eager_under_compile(self._leave)
+        self.settling = model.register_forward_hook(eager_while_traced(self._settle)) if self.hooks else None
+        self.enter, self.leave = eager_while_traced(self._enter), eager_while_traced(self._leave)
         handles += [h for hooks in self.hooks.values() for h in hooks] + ([self.settling] if self.settling else [])
 
     def _make_pre(self, unit: Unit) -> Any:

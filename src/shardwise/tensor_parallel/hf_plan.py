@@ -52,11 +52,16 @@ _EXPERT_PARAMS = ("packed_colwise", "rowwise", "colwise", "packed_rowwise")  # s
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
 
 
+def _text_config(model: nn.Module) -> Any:
+    """The model's config, or its text part for a multimodal one (which holds the decoder's plan and head counts)."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+
+
 def _config_plan(model: nn.Module) -> tuple[dict[str, str], str]:
     """The base model's plan with each pattern prefixed by where the base model lives, and that prefix."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    plan = (getattr(_text_config(model), "base_model_tp_plan", None)
+            or getattr(getattr(model, "config", None), "base_model_tp_plan", None))
     if not plan:
         raise ValueError(f"parallelize: plan='hf' needs a HuggingFace model whose config carries a tensor-parallel "
                          f"plan (config.base_model_tp_plan), got {type(model).__name__} without one; use plan "
@@ -121,8 +126,7 @@ def _check_heads(model: nn.Module, plan: dict[str, Style], tp: int) -> None:
     """A plan splitting attention projections by their output features needs whole heads on every rank."""
     splits_heads = any(isinstance(s, Colwise) and not s.gather_output and p.rsplit(".", 1)[-1] in _ATTENTION
                        for p, s in plan.items())
-    config: Any = getattr(model, "config", None)
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = _text_config(model)
     for attr, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads")):
         value = getattr(text, attr, None)
         if splits_heads and isinstance(value, int):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
-from ..dropout_stream import eager_while_traced
+from ..compiled import eager_while_traced
 from ..param_hooks import hook_even_if_frozen, internal_hook
 from ..sharded_tensor import ShardSpec, as_sharded, is_sharded, local, set_spec, spec_of
 

@@ -27,6 +27,7 @@ consistency checks: comm/uncounted.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -43,6 +44,22 @@ __all__ = ["ReplicatedGradCheck", "stages_check", "check_partial", "MAX_STEPS"]
 #: Steps after which the check gives up on parameters it could not compare yet (no gradient, or non-finite ones).
 MAX_STEPS = 8
 _CHUNK = 1 << 24  # elements of gradient per all-reduce (the buffer holds twice that, plus flags)
+
+
+def _group_max_min(flat: torch.Tensor, comm: Communicator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise maximum and minimum of `flat` (float32) over `comm`: one MAX all-reduce of ``[x, -x]``,
+    control traffic that comm.stats does not count (comm/uncounted.py)."""
+    buffer = torch.cat([flat, -flat])
+    with uncounted(comm):
+        comm.all_reduce(buffer, ReduceOp.MAX)
+    return buffer[:flat.numel()], -buffer[flat.numel():]
+
+
+def _spread_and_scale(high: torch.Tensor, low: torch.Tensor) -> tuple[float, float]:
+    """max(high - low), the largest difference between ranks, and max |value|, the scale it is judged against."""
+    if not high.numel():
+        return 0.0, 0.0
+    return float((high - low).max()), float(torch.maximum(high.abs(), low.abs()).max())
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -63,9 +80,13 @@ class ReplicatedGradCheck:
     def __call__(self, held: set[int]) -> None:
         if self._steps >= MAX_STEPS:
             return
-        pending = [pl for pl in self._placements().values()
-                   if pl.name not in self._done and id(pl.param) in held and pl.param.is_floating_point()
-                   and any(g is self._comm for g in pl.replicated_over)]
+        left = [pl for pl in self._placements().values()
+                if pl.name not in self._done and pl.param.is_floating_point()
+                and any(g is self._comm for g in pl.replicated_over)]
+        if not left:  # every replicated parameter compared: later steps pay one comparison, not a placements walk
+            self._steps = MAX_STEPS
+            return
+        pending = [pl for pl in left if id(pl.param) in held]
         if not pending:
             return
         self._steps += 1
@@ -100,16 +121,12 @@ class ReplicatedGradCheck:
         values = [torch.zeros(local(pl.param).numel(), dtype=torch.float32, device=device) if g is None
                   else g.detach().reshape(-1).to(device=device, dtype=torch.float32) for pl, g in zip(chunk, grads)]
         flags = torch.tensor([g is not None for g in grads], dtype=torch.float32, device=device)
-        flat = torch.cat(values) if values else torch.zeros(0, device=device)
-        buffer = torch.cat([flat, -flat, flags, -flags])
-        with uncounted(self._comm):  # control traffic: comm.stats stays the strategy's own (comm/uncounted.py)
-            self._comm.all_reduce(buffer, ReduceOp.MAX)
-        n, k = flat.numel(), len(chunk)
-        high, low = buffer[:n], -buffer[n:2 * n]
-        has_any, has_all = buffer[2 * n:2 * n + k].cpu(), -buffer[2 * n + k:].cpu()
+        high, low = _group_max_min(torch.cat([*values, flags]), self._comm)
+        n = high.numel() - len(chunk)
+        has_any, has_all = high[n:].cpu(), low[n:].cpu()
         problems, start = [], 0
         for i, (pl, v) in enumerate(zip(chunk, values)):
-            hi, lo = high[start:start + v.numel()], low[start:start + v.numel()]
+            spread, scale = _spread_and_scale(high[start:start + v.numel()], low[start:start + v.numel()])
             start += v.numel()
             if has_any[i] != has_all[i]:
                 self._done.add(pl.name)
@@ -117,14 +134,11 @@ class ReplicatedGradCheck:
                 continue
             if not has_any[i]:
                 continue  # no gradient anywhere yet (frozen, or unused this step): a later step compares it
-            spread = (hi - lo).max() if v.numel() else torch.zeros((), device=device)
-            scale = torch.maximum(hi.abs(), lo.abs()).max() if v.numel() else spread
-            if not bool(torch.isfinite(spread)):
+            if not math.isfinite(spread):
                 continue  # an overflow step (GradScaler): a later, finite step compares it
             self._done.add(pl.name)
-            if float(spread) > _tolerance(pl.param.grad.dtype) * float(scale):
-                problems.append(f"{pl.name} {tuple(pl.shape)} (max spread {float(spread):.3g} of max |grad| "
-                                f"{float(scale):.3g})")
+            if spread > _tolerance(pl.param.grad.dtype) * scale:
+                problems.append(f"{pl.name} {tuple(pl.shape)} (max spread {spread:.3g} of max |grad| {scale:.3g})")
         return problems
 
 
@@ -143,13 +157,8 @@ def check_partial(grad: torch.Tensor, comm: Communicator, where: str) -> bool:
     sum would count its gradient tp times, silently: a ValueError naming `where`. One MAX all-reduce of ``[g, -g]``.
     Returns whether the contribution was compared (False while it is zero or non-finite everywhere: the next one is)."""
     flat = local(grad).detach().reshape(-1).float()  # an expert-parallel piece: this rank's experts
-    buffer = torch.cat([flat, -flat])
-    with uncounted(comm):
-        comm.all_reduce(buffer, ReduceOp.MAX)
-    high, low = buffer[:flat.numel()], -buffer[flat.numel():]
-    scale = float(torch.maximum(high.abs(), low.abs()).max()) if flat.numel() else 0.0
-    spread = float((high - low).max()) if flat.numel() else 0.0
-    if scale == 0.0 or not (spread == spread and abs(scale) != float("inf")):
+    spread, scale = _spread_and_scale(*_group_max_min(flat, comm))
+    if scale == 0.0 or not math.isfinite(spread):
         return False
     if spread <= _tolerance(grad.dtype) * scale:
         raise ValueError(f"tensor parallel: {where or 'a parameter'} is declared a region of this rank's part of "
