@@ -244,6 +244,34 @@ def test_tensor_parallel_dropout_keeps_replicas_equal_and_checkpointing_replays_
         assert torch.equal(first[name], second[name]), f"{name} differs between the tp ranks"
 
 
+def test_inductor_compiles_a_tensor_parallel_model_with_dropout_and_it_trains_as_the_eager_one(cuda0):
+    """torch.compile's default backend on a split model with dropout (tests/test_compile.py on CPU): the dropout
+    stream's draws run eagerly between the compiled graphs, so both runs draw the same masks."""
+    import copy
+
+    bases = [GPT(dataclasses.replace(CONFIG, dropout=0.1), seed=0) for _ in range(2)]  # thread ranks share the RNG
+
+    def body(comm, compiled):
+        model = tp.parallelize(copy.deepcopy(bases[comm.rank]).cuda(), comm, "gpt")
+        forward = torch.compile(model) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        losses = []
+        for step in range(3):
+            x, y = (t.cuda() for t in batch(step))
+            loss = forward(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        return losses
+
+    eager = _thread_ranks_on_cuda(2, body, False)
+    compiled = _thread_ranks_on_cuda(2, body, True)
+    assert eager[0] == eager[1] and compiled[0] == compiled[1]
+    # inductor fuses elementwise ops (another rounding order); a mask not the eager one moves the loss by ~1e-2
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_a_pipeline_on_thread_ranks_with_cuda_tensors_matches_one_gpu(cuda0, schedule):
     config = CONFIG.__class__(**{**CONFIG.__dict__, "n_layers": 4})

@@ -38,13 +38,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .compiled import eager_while_traced
+from .compiled import break_graph_here, eager_while_traced, graph_tracing
 
 __all__ = ["DropoutStream", "attach", "generator_for", "generator_for_random", "group_seed",
            "stream_of", "use_own_stream"]
 
 _ATTR = "_shardwise_dropout_stream"
-_ROOT = "_shardwise_dropout_root"  # on the module `attach` was given
 _RECORDS = 1 << 16  # forward draws remembered for a recompute (pipelines keep many microbatches in flight)
 _MASK64 = (1 << 64) - 1
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -143,7 +142,6 @@ def attach(model: nn.Module, seed: int) -> DropoutStream:
         stream.seed, stream.counter = int(seed) & _MASK64, 0
         return stream
     stream = DropoutStream(seed)
-    object.__setattr__(model, _ROOT, True)
     for module in model.modules():
         object.__setattr__(module, _ATTR, stream)
         module.register_forward_pre_hook(_enter, prepend=True)
@@ -153,8 +151,9 @@ def attach(model: nn.Module, seed: int) -> DropoutStream:
 
 class _Local(threading.local):
     def __init__(self) -> None:
-        self.stream: DropoutStream | None = None
-        self.depth = 0  # hooked calls of the same model nested inside the outermost one
+        self.stream: DropoutStream | None = None  # draws come from it: the model whose module runs in training
+        self.calls: list[nn.Module] = []  # hooked module calls of one model running on this thread, outermost first
+        self.since = 0  # len(calls) when `stream` was set (a module in training inside an evaluated model)
         self.own: DropoutStream | None = None  # a thread rank's stream for every other draw (use_own_stream)
 
 
@@ -163,42 +162,43 @@ _local = _Local()
 
 def _enter_now(module: nn.Module) -> None:
     stream = stream_of(module)
-    if stream is None:
-        return
-    if _local.stream is None:
-        if module.training:
-            _local.stream, _local.depth = stream, 0
-    elif _local.stream is stream:
-        _local.depth += 1
+    calls = _local.calls
+    if stream is None or (calls and stream_of(calls[0]) is not stream):
+        return  # not a hooked module, or another model's called inside this one: this one's state stands
+    calls.append(module)
+    if _local.stream is None and module.training:
+        _local.stream, _local.since = stream, len(calls)
 
 
 def _leave_now(module: nn.Module) -> None:
-    if _local.stream is None or stream_of(module) is not _local.stream:
-        return
-    if _local.depth > 0:
-        _local.depth -= 1
-    else:
+    calls = _local.calls
+    if not calls or calls[-1] is not module:
+        return  # a call this thread did not enter eagerly (dynamo traced its hook), or another model's
+    if _local.stream is not None and _local.since == len(calls):
         _local.stream = None
+    calls.pop()
 
 
-# Under torch.compile the hooks are traced, and the thread-local state must not enter a graph: only the model's
-# root (the module `attach` was given) acts, through a graph break that runs eagerly; a module compiled on its own
-# inside an eager model finds the stream its eager parent set. (Inductor then fails on the module handed to the
-# break, "While executing %_opaque_obj0"; aot_eager compiles: docs/tensor_parallel.md, torch.compile.)
+# Under torch.compile the hooks are traced, and the thread-local state must not enter a graph: only the outermost
+# hooked module a compiled region enters acts (the model given to torch.compile, or a block compiled in place with
+# `block.compile()` inside an eager model, as torchtitan compiles its blocks), through a graph break that runs its
+# hook eagerly; the modules inside it do nothing. Which one is outermost is read from `_local.calls`, which dynamo
+# guards (empty, or the one module that entered). An eager leave undoes only the call it finds last entered: a hook
+# dynamo ran eagerly (past its recompile limit) whose enter was traced changes nothing.
 _enter_eagerly, _leave_eagerly = eager_while_traced(_enter_now), eager_while_traced(_leave_now)
 
 
 def _enter(module: nn.Module, args: tuple) -> None:
     if not torch.compiler.is_dynamo_compiling():
         _enter_now(module)
-    elif module.__dict__.get(_ROOT, False):
+    elif not _local.calls:
         _enter_eagerly(module)
 
 
 def _leave(module: nn.Module, args: tuple, output: Any) -> None:
     if not torch.compiler.is_dynamo_compiling():
         _leave_now(module)
-    elif module.__dict__.get(_ROOT, False):
+    elif len(_local.calls) == 1 and _local.calls[0] is module:
         _leave_eagerly(module)
 
 
@@ -226,6 +226,11 @@ def generator_for(input: torch.Tensor, kind: str, device: torch.device) -> torch
     backward = _in_backward()
     if stream is None and not backward:
         return None
+    traced = graph_tracing()  # under torch.compile: compiled.graph_tracing says why neither may trace a draw
+    if traced == "graph":
+        return None  # torch's own op traced: inductor's patterns; a call dynamo kept, found with no stream serving
+    if traced == "example":
+        break_graph_here()  # dynamo keeps this call out of its graph and runs it eagerly, drawing from the stream
     key = _key(input, kind)
     if not backward:
         seed = stream.draw(key)
@@ -257,8 +262,10 @@ def generator_for_random(device: torch.device | str | None, kind: str) -> torch.
     rank draws the same numbers; None elsewhere (torch's own generator). Such a draw cannot be replayed in a recompute
     (its output is all there is to recognise it by): one in backward is a RuntimeError."""
     stream = _local.stream
-    if stream is None:
+    if stream is None or graph_tracing() == "graph":
         return None
+    if graph_tracing() == "example":
+        break_graph_here()
     if _in_backward():
         raise RuntimeError(f"{kind} in a model under the tensor-parallel dropout stream ran in backward (an activation-"
                            f"checkpointing recompute): only dropout's masks can be replayed, so the recompute would "
