@@ -74,6 +74,10 @@ CASES = {
     "pp2-dp2-hybrid_shard1": ((2, 1, 2), dict(dp_strategy="fsdp:hybrid_shard", dp_shard=1)),
     "gpipe-ddp-ac": ((2, 2, 2), dict(dp_strategy="ddp", pp_schedule="gpipe", activation_checkpointing=True)),
     "1f1b-zero3-offload": ((2, 2, 2), dict(dp_strategy="zero3", cpu_offload="optimizer")),
+    # the weight pass's torch.autograd.grad on tensor-parallel slices (refused as user code; its post-accumulate-grad
+    # hooks, which it runs itself) and sequence parallel's gradient hooks in both passes
+    "zb_h1-ddp-sp-ac": ((2, 2, 2), dict(dp_strategy="ddp", pp_schedule="zb_h1", sequence_parallel=True,
+                                         activation_checkpointing=True)),
 }
 
 

@@ -256,10 +256,11 @@ def train_hybrid(comm, options):
     return sw.full_state_dict(model)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb_h1"])
 def test_tp_by_pp_with_checkpointed_stages_trains_as_without_checkpointing(schedule):
     """Microbatches in flight (several forwards before their backwards): each recompute finds its own forward's
-    masks among them."""
+    masks among them. zb_h1 recomputes each checkpointed forward twice, in its input pass and again in its weight
+    pass: the second takes the masks the first replayed."""
     want = sw.launch(train_hybrid, 4, dict(pp_schedule=schedule))[0]
     got = sw.launch(train_hybrid, 4, dict(pp_schedule=schedule, activation_checkpointing=True))[0]
     for name in want:

@@ -21,9 +21,11 @@ Activation checkpointing. A checkpointed module runs its forward again in backwa
 calls it: shardwise, HuggingFace's gradient checkpointing, the model itself) and must draw the masks it drew the
 first time. Each draw in forward records its seed under a fingerprint of its input (its bits, summed row by row with
 position weights) with its shape and dtype; a draw in backward is a recompute, which reproduces its input bit for bit,
-and takes the seed recorded for that fingerprint (once: the record is used up; an optimizer step forgets the rest,
-whose backward has run or never will). A recompute inside the model whose fingerprint has no record, or two records
-(two forwards since the last step dropped out the same numbers), is a RuntimeError, never another mask.
+and takes the seed recorded for that fingerprint (once: the record is used up, but for a second recompute of the same
+forward before the next one draws on that input -- a zero-bubble pipeline's weight pass recomputes what its input
+pass did; an optimizer step forgets the rest, whose backward has run or never will). A recompute inside the model
+whose fingerprint has no record, or two records (two forwards since the last step dropped out the same numbers), is
+a RuntimeError, never another mask.
 """
 
 from __future__ import annotations
@@ -61,12 +63,13 @@ class DropoutStream:
     """A base seed and a counter: the n-th dropout draw of the model's forwards gets seed mix(base, n).
 
     `records` maps a draw's input (fingerprint, shape, dtype, kind) to the seeds forwards drew for it and have not
-    yet replayed, the most recent `_RECORDS` of them."""
+    yet replayed, the most recent `_RECORDS` of them; `replayed` the seeds replayed since, for a recompute again."""
 
     def __init__(self, seed: int) -> None:
         self.seed = int(seed) & _MASK64
         self.counter = 0
         self.records: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
+        self.replayed: dict[tuple, int] = {}
         self.size = 0
         self.thread = 0  # the thread that drew last: an optimizer step on it ends what it may recompute
         _live.add(self)
@@ -80,6 +83,7 @@ class DropoutStream:
         """The next seed, recorded under `key` (a dropout input's) for a recompute to replay."""
         self.thread = threading.get_ident()
         seed = self.next_seed()
+        self.replayed.pop(key, None)  # a new forward on this input: a recompute is of it now
         self.records.setdefault(key, []).append(seed)
         self.records.move_to_end(key)
         self.size += 1
@@ -89,10 +93,11 @@ class DropoutStream:
         return seed
 
     def replay(self, key: tuple) -> int | None:
-        """The seed a forward drew for this input, used up; None if none did. Two is a RuntimeError."""
+        """The seed a forward drew for this input, used up (kept in `replayed` for a recompute of the same forward
+        again); None if none did. Two is a RuntimeError."""
         seeds = self.records.get(key)
         if not seeds:
-            return None
+            return self.replayed.get(key)
         if len(seeds) > 1:
             raise RuntimeError(f"a dropout recomputed in backward (activation checkpointing) under the tensor-parallel "
                                f"dropout stream matches {len(seeds)} forwards still awaiting their backward (equal "
@@ -100,14 +105,20 @@ class DropoutStream:
                                f"microbatches different data, or run each backward before the next forward")
         self.size -= 1
         del self.records[key]
+        self.replayed[key] = seeds[0]
         return seeds[0]
+
+    def knows(self, key: tuple) -> bool:
+        return key in self.records or key in self.replayed
 
     def forget(self) -> None:
         self.records.clear()
+        self.replayed.clear()
         self.size = 0
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # a deep copy of a model: its copy's stream is live too
         self.__dict__.update(state)
+        self.__dict__.setdefault("replayed", {})
         _live.add(self)
 
 
@@ -279,12 +290,12 @@ def _recorded(key: tuple) -> DropoutStream | None:
     share the process, and a replicated activation has the same fingerprint on every tp rank), else any (on an
     accelerator, backward runs on autograd's device thread)."""
     if _local.stream is not None:
-        return _local.stream if key in _local.stream.records else None
+        return _local.stream if _local.stream.knows(key) else None
     streams = list(_live)
     thread = threading.get_ident()
     for candidates in ([s for s in streams if s.thread == thread], streams):
         for stream in candidates:
-            if key in stream.records:
+            if stream.knows(key):
                 return stream
     return None
 

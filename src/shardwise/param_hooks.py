@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["carry_grad_hooks", "internal_hook", "hook_even_if_frozen", "run_gradient_hooks", "has_gradient_hooks",
-           "hold_back_hooks", "HeldBack"]
+           "hold_back_hooks", "HeldBack", "run_post_accumulate_hooks"]
 
 _INTERNAL = "_shardwise_internal_hook"
 
@@ -93,6 +93,17 @@ def run_gradient_hooks(param: torch.Tensor, grad: torch.Tensor, add: Callable[[t
         grad = grad if out is None else out
     add(grad)
     for hook in _users(param, "_post_accumulate_grad_hooks"):
+        hook(param)
+
+
+def run_post_accumulate_hooks(param: torch.Tensor) -> None:
+    """Run every post-accumulate-grad hook of `param`, shardwise's own and a user's, as autograd's AccumulateGrad
+    does once it added a gradient into `.grad`: for code that adds a gradient `torch.autograd.grad` computed itself
+    (a zero-bubble pipeline's weight pass, pipeline/split_backward.py), where autograd runs none (a tensor-parallel
+    slice's gradient then stayed a plain tensor; DDP's own hooks and a user's optimizer-in-backward never ran)."""
+    with torch._C.DisableTorchFunctionSubclass():  # a sharded piece's table: a plain attribute read
+        hooks = list(param._post_accumulate_grad_hooks.values()) if param._post_accumulate_grad_hooks else []
+    for hook in hooks:
         hook(param)
 
 

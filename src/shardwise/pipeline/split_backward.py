@@ -36,18 +36,23 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from ..param_hooks import run_post_accumulate_hooks
+
 __all__ = ["WeightGrad", "backward_input", "backward_inputs"]
 
 
 def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    with torch.no_grad():
-        for p, g in zip(params, grads):
-            if g is None:
-                continue
+    """Add each gradient into its parameter's `.grad`, then run the parameter's post-accumulate-grad hooks, as
+    autograd's AccumulateGrad does (torch.autograd.grad, which computed them, runs none)."""
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        with torch.no_grad():  # autograd runs the hooks with grad mode as the backward's create_graph: off
             if p.grad is None:
                 p.grad = g.detach()
             else:
                 p.grad.add_(g)
+            run_post_accumulate_hooks(p)
 
 
 class WeightGrad:
@@ -66,13 +71,20 @@ class WeightGrad:
             output, grad_output, params = self._full
             self._full = None
             if params:
-                grads = torch.autograd.grad(output, params, grad_output, allow_unused=True)
-                _accumulate(params, grads)
+                _accumulate(params, _grad(output, params, grad_output))
             return
         groups, self._groups = self._groups or [], None
         for edges, grads, params in groups:
-            got = torch.autograd.grad(edges, params, grads, allow_unused=True)
-            _accumulate(params, got)
+            _accumulate(params, _grad(edges, params, grads))
+
+
+def _grad(outputs: Sequence, params: Sequence[torch.Tensor], grad_outputs: Sequence | None) -> tuple:
+    """torch.autograd.grad of `outputs` with respect to the stage's parameters. A tensor-parallel slice refuses
+    that as user code (under ZeRO the piece is not what the forward used; zb_h1 is refused with ZeRO / FSDP), but
+    the slice is what its layer computes with, so its gradient is the slice's part of the whole one: here the
+    subclass's checks are off (the post-accumulate-grad hooks describe it as the piece again)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.autograd.grad(outputs, params, grad_outputs, allow_unused=True)
 
 
 def _graph(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
@@ -122,6 +134,14 @@ def backward_input(
     return (grads[0] if grads else None), weight
 
 
+def _node(t: torch.Tensor) -> Node:
+    """The autograd node `t`'s gradient flows into (its AccumulateGrad for a leaf). torch finds a leaf's through
+    ``t.view_as(t)``, which a tensor-parallel or ZeRO piece refuses as user code (it would see one rank's part):
+    here it is bookkeeping on the piece itself, so it runs with the subclass's checks off."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return get_gradient_edge(t).node
+
+
 def backward_inputs(
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor] | None,
@@ -142,8 +162,8 @@ def backward_inputs(
         return [], WeightGrad(None, (outputs, grad_outputs, params))
     # An output that is an input passed through unchanged is a leaf without grad_fn: no node of its own.
     roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    input_nodes = {get_gradient_edge(x).node for x in inputs}
-    param_nodes = {get_gradient_edge(p).node: p for p in params}
+    input_nodes = {_node(x) for x in inputs}
+    param_nodes = {_node(p): p for p in params}
     order, children = _graph(roots)
     on_input_path = _reaching(order, children, input_nodes)
     to_params = _reaching(order, children, set(param_nodes))
