@@ -24,7 +24,8 @@ ALTERNATE: after warm-up, `--rounds` rounds of `--steps` steps of each (order ro
 machine hit all of them alike. Parity: after training, every row's parameters (gathered to full tensors with the
 original names; DTensor's qkv un-permuted) are compared with shardwise_gpt's, and every row's loss at a few steps is
 printed (all rows train the same model on the same batches). ``--memory`` adds one line of
-activation bytes saved for backward per rank (tp 1 / 2 / 4, with and without sequence parallel; thread ranks).
+activation bytes saved for backward per rank (tp 1 / 2 / 4, with and without sequence parallel; thread ranks), of
+the GPT preset and of a small HuggingFace Llama (plan "llama").
 
 stdout carries JSON lines only (one per row, a parity line, optionally a memory line, then the ratio line); the
 human-readable summary goes to stderr.
@@ -36,6 +37,7 @@ human-readable summary goes to stderr.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
 import time
@@ -167,13 +169,35 @@ def _memory_rank(comm: shardwise.Communicator, preset: str, batch: int, sp: bool
     return saved.total
 
 
+def _hf_llama() -> torch.nn.Module:
+    """A small HuggingFace Llama (d=256, 4 layers, 8 query / 4 key-value heads, vocabulary 1024, T=128)."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=256, attn_implementation="sdpa"))
+
+
+def _memory_rank_hf(comm: shardwise.Communicator, base: torch.nn.Module, batch: int, sp: bool) -> int:
+    model = copy.deepcopy(base)
+    if comm.size > 1:
+        model = tp.parallelize(model, comm, "llama", sequence_parallel=sp)
+    x = torch.randint(0, 1024, (batch, 128), generator=torch.Generator().manual_seed(0))
+    with tp.saved_activations(model) as saved:
+        model(input_ids=x, labels=x)
+    return saved.total
+
+
 def _memory(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {"what": "activation bytes saved for backward per rank, one forward (thread ranks)",
                            "preset": cfg.preset, "batch_size": cfg.batch_size}
+    llama = _hf_llama()
     for n in (1, 2, 4):
         for sp in (False, True) if n > 1 else (False,):
             key = f"tp{n}" + ("_sp" if sp else "")
             out[key] = shardwise.launch(_memory_rank, n, cfg.preset, cfg.batch_size, sp)[0]
+            out[f"hf_llama_{key}"] = shardwise.launch(_memory_rank_hf, n, llama, cfg.batch_size, sp)[0]
     return out
 
 

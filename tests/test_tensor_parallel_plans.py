@@ -148,8 +148,6 @@ def test_llama_plan_errors():
     def body(comm):
         with pytest.raises(ValueError, match=r"tp size 4 does not divide the number of key/value heads .*=2"):
             tp.parallelize(LlamaForCausalLM(), comm, "llama")
-        with pytest.raises(ValueError, match="plan='llama' does not support sequence_parallel=True"):
-            tp.parallelize(LlamaForCausalLM(), comm, "llama", sequence_parallel=True)
 
     sw.launch(body, 4)
 

@@ -25,10 +25,11 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, sequence_parallel, dim):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, bias, comm, sequence_parallel, dim, input_gathered):  # noqa: ANN001, ANN205
         total = all_gather_along(x, dim, comm) if sequence_parallel else x
         ctx.save_for_backward(total, weight)
         ctx.comm, ctx.sequence_parallel, ctx.dim, ctx.has_bias = comm, sequence_parallel, dim, bias is not None
+        ctx.input_gathered = input_gathered
         return F.linear(total, weight, bias)
 
     @staticmethod
@@ -45,6 +46,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
                 chunked = grad_total.unflatten(dim, (n, grad_total.shape[dim] // n)).movedim(dim, 0).contiguous()
                 grad_x = torch.empty(chunked.shape[1:], dtype=grad.dtype, device=grad.device)
                 work = comm.reduce_scatter(grad_x, chunked, ReduceOp.SUM, async_op=True)
+            elif ctx.input_gathered:  # partial: the region that gathered the input reduce-scatters it (hf_sequence.py)
+                grad_x = grad_total
             else:
                 grad_x = grad_total
                 work = comm.all_reduce(grad_x, ReduceOp.SUM, async_op=True)
@@ -53,7 +56,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         grad_b = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if work is not None:
             work.wait()
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
@@ -111,6 +114,8 @@ class ColumnParallelLinear(TensorParallelLayer):
         gather_output: all-gather the output features, so the caller gets the full (B, ..., out) output; otherwise
             each rank returns its (B, ..., out/tp) slice (the input of a row-parallel layer).
         sequence_parallel: the input is a sequence shard; all-gather it along ``sequence_dim`` first.
+        input_gathered (attribute, default False): the input was all-gathered by the module around the layer, whose
+            reduce-scatter sums the input gradient, so the layer leaves it partial (hf_sequence.py).
         sequence_dim: the sequence dimension of the input (1 for batch-first (B, T, d)).
         fused: the blocks laid side by side in the output, each split on its own: a number of equal blocks (3 for
             the GPT's fused [q | k | v]), or their sizes (Phi-3's [q | k | v] under grouped-query attention:
@@ -127,6 +132,7 @@ class ColumnParallelLinear(TensorParallelLayer):
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.gather_output, self.fused = comm, bool(gather_output), fused
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
+        self.input_gathered = False
         local = out_features // comm.size
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
@@ -191,7 +197,7 @@ class ColumnParallelLinear(TensorParallelLayer):
             y = F.linear(x, weight, bias)
         else:
             y = _ColumnParallelLinearFn.apply(x, weight, bias, self.comm, self.sequence_parallel,
-                                              self.sequence_dim % x.dim())
+                                              self.sequence_dim % x.dim(), self.input_gathered)
         if self.gather_output:
             y = self._unshard(gather_from_region(y, self.comm, -1), y.dim() - 1)
         return y
@@ -199,7 +205,8 @@ class ColumnParallelLinear(TensorParallelLayer):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
                 f"{local(self.weight).shape[0]}), tp={self.comm.size}, bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, blocks={self.blocks}, sequence_parallel={self.sequence_parallel}")
+                f"gather_output={self.gather_output}, blocks={self.blocks}, sequence_parallel={self.sequence_parallel}"
+                + (", input_gathered=True" if self.input_gathered else ""))
 
 
 class RowParallelLinear(TensorParallelLayer):

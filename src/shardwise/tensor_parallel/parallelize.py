@@ -65,6 +65,7 @@ from .plans import (Colwise, HeadRows, Heads, Rowwise, Sequence, SplitNorm, Styl
                     has_own_forward, match_plan)
 from .replica_grads import ReplicatedGradCheck
 from .split_norm import SplitRMSNorm
+from .hf_sequence import HFSequence, install_hf_sequence, plan_hf_sequence
 from .sequence_parallel import reduce_sequence_parallel_grads
 
 __all__ = ["parallelize", "full_state_dict", "TensorParallelState"]
@@ -100,7 +101,8 @@ def _qualified(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
-def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: bool, dim: int) -> TensorParallelLayer:
+def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: bool, dim: int,
+           hf_seq: HFSequence | None = None) -> TensorParallelLayer:
     if isinstance(style, SplitNorm):
         return SplitRMSNorm.from_dense(module, comm, name)
     if isinstance(style, (Colwise, Rowwise)):
@@ -113,15 +115,18 @@ def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: b
                              f"split: train adapters under data parallel (sw.DDP, sw.ZeRO, sw.FSDP)")
         _refuse_own_forward(name, module, nn.Linear)
         if isinstance(style, Colwise):
-            return column.from_dense(module, comm, gather_output=style.gather_output,
-                                     sequence_parallel=sp, sequence_dim=dim, fused=style.fused)
+            # a HuggingFace decoder's split attention / MLP gathers their input, its final norm its output
+            layer = column.from_dense(module, comm, gather_output=style.gather_output,
+                                      sequence_parallel=sp and hf_seq is None, sequence_dim=dim, fused=style.fused)
+            layer.input_gathered = hf_seq is not None and name in hf_seq.gathered_inputs
+            return layer
         return row.from_dense(module, comm, input_is_parallel=style.input_is_parallel,
                               sequence_parallel=sp, sequence_dim=dim)
     if not isinstance(module, nn.Embedding):
         raise ValueError(f"parallelize: module {name!r} is a {_qualified(module)}, not the torch.nn.Embedding style "
                          f"{style} needs")
-    _refuse_own_forward(name, module, nn.Embedding)
-    return VocabParallelEmbedding.from_dense(module, comm, sequence_parallel=sp, sequence_dim=dim)
+    _refuse_own_forward(name, module, nn.Embedding)  # a HuggingFace decoder's embedding output stays whole
+    return VocabParallelEmbedding.from_dense(module, comm, sequence_parallel=sp and hf_seq is None, sequence_dim=dim)
 
 
 def _refuse_own_forward(name: str, module: nn.Module, base: type[nn.Module]) -> None:
@@ -156,7 +161,8 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         Vocab / Sequence object).
     sequence_parallel: run the LayerNorm / dropout / residual regions on sequence shards (Korthikanti et al.
         2022): colwise layers all-gather their input along `sequence_dim`, rowwise and vocab layers reduce-scatter
-        their output, and "sequence" modules' parameters get their gradients all-reduced.
+        their output, and "sequence" modules' parameters get their gradients all-reduced. Under plan "llama" the
+        shards run from the first decoder layer to the head and each split attention / MLP gathers (hf_sequence.py).
     sequence_dim: the sequence dimension of the activations (1 for batch-first (B, T, d)).
 
     Train the result with a plain loop and an optimizer built over ``model.parameters()`` afterwards; every rank
@@ -182,9 +188,6 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         if plan == "gpt" and not isinstance(model, GPT):
             raise ValueError(f"parallelize: plan='gpt' needs a shardwise GPT, got {type(model).__name__}; pass a dict "
                              f"plan for other models")
-        if plan == "llama" and sequence_parallel:
-            raise ValueError("parallelize: plan='llama' does not support sequence_parallel=True (HuggingFace's "
-                             "LlamaModel builds its causal mask from the embedding output, which would be a shard)")
         if plan == "gpt2" and sequence_parallel:
             raise ValueError("parallelize: plan='gpt2' does not support sequence_parallel=True (HuggingFace's "
                              "GPT2Model adds the position embeddings of the whole sequence to the embedding output "
@@ -193,10 +196,11 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     if sequence_parallel and plan_name in ("custom", "hf") and type(model).__module__.startswith("transformers."):
         raise ValueError(f"parallelize: sequence_parallel=True with a HuggingFace {type(model).__name__}: its forward "
                          f"builds positions and attention masks from the whole sequence between the layers, which "
-                         f"would be a shard (a shape error at the first forward, or wrong masks); use "
-                         f"sequence_parallel=False, or a model written for sequence shards (shardwise's GPT)")
+                         f"would be a shard (a shape error at the first forward, or wrong masks); use plan "
+                         f"'llama' (sequence parallel from the first decoder layer on) or sequence_parallel=False")
     styles = match_plan(model, plan)
     sp = bool(sequence_parallel)
+    hf_seq = plan_hf_sequence(model, styles) if sp and plan_name == "llama" else None  # adds "sequence" regions
     if sp:
         _share_sequence_split(model, styles, comm)
     # Every rank slices its own copy of the dense model: the copies must be equal (values too), or the slices are
@@ -214,7 +218,7 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
         if isinstance(style, (Sequence, Heads, HeadRows)):
             continue
         dense = model.get_submodule(name)
-        layer = _build(name, dense, style, comm, sp, sequence_dim)
+        layer = _build(name, dense, style, comm, sp, sequence_dim, hf_seq)
         source, split = dense.weight, _layout(style)
         if id(source) in originals:
             shard, other, other_layout = originals[id(source)]
@@ -249,6 +253,8 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
             reduce_sequence_parallel_grads(params, comm, name)
     if plan_name == "llama":
         _adjust_head_counts(model, comm.size)
+    if hf_seq is not None and comm.size > 1:
+        install_hf_sequence(model, hf_seq, comm, sequence_dim)
     # What a split attention needs besides its projections, whichever plan split them: Phi-3's local head counts
     # (fused_qkv.py), DeepSeek-V3's rope key summed over the group (latent_attention.py)
     use_local_heads(model, comm.size)

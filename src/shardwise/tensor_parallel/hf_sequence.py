@@ -1,0 +1,154 @@
+"""Sequence parallelism for HuggingFace decoders under plan "llama" (Korthikanti et al. 2022, section 4.2.2).
+
+Why not as for shardwise's GPT. Between its embedding and its first layer, HuggingFace's LlamaModel computes what
+every layer takes besides the hidden states -- the causal mask and the rotary angles, from positions
+``arange(T)`` with T read off the embedding output -- and each attention reads the sequence length off its own
+input (``hidden_states.shape[:-1]``). A sequence shard in either place gives wrong masks and positions, or a shape
+error; so the shards begin and end elsewhere than in the GPT (tensor_parallel/gpt.py).
+
+What. The embedding output stays whole (the vocabulary-parallel embedding all-reduces it, as without sequence
+parallel), so the model computes its mask and positions from the whole sequence. The first decoder layer's input is
+cut to this rank's sequence shard (no traffic forward; the gradient all-gathered backward). Inside every layer the
+norms and residual adds run on the shard ("sequence" regions: their replicated weights' gradients are summed over
+the group); each split attention and MLP all-gathers its input along the sequence as it enters (Korthikanti's
+f-bar: a reduce-scatter of the gradient backward), so it sees the whole sequence the mask and positions describe,
+and its row-parallel output projection reduce-scatters (g-bar). The final norm runs on the shard and all-gathers
+its output (its gradient split backward: the head after it, split or whole, gives every rank the whole one), so the
+model's output is whole, as without sequence parallel. The projections inside a gathered module take that
+input as it is and leave their input gradient partial (`ColumnParallelLinear.input_gathered`): the gather's one
+reduce-scatter sums q's, k's and v's at once. The traffic is Megatron's sequence parallel's, with an all-reduce of
+the embedding output in place of a reduce-scatter, and of the head's input gradient.
+
+Limits (ValueError at wrap time, naming the module): a module with parameters in a decoder layer, outside its
+split attention and MLP, that is not a norm (a mixture-of-experts block kept whole: its balance loss would count
+this rank's tokens only); a split projection that does not take the layer's hidden states (DeepSeek-V3's latent
+attention); dropout between the embedding and the first layer (its mask would differ on the ranks, which share that
+activation). Pipeline and context parallel with it are refused by sw.parallelize (their stages rebuild masks and
+positions from the hidden states they receive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..comm.base import Communicator
+from .mappings import gather_from_region, gather_from_sequence_region, scatter_to_sequence_region
+from .styles import Colwise, Sequence, Style
+
+__all__ = ["HFSequence", "plan_hf_sequence", "install_hf_sequence"]
+
+#: Projections that take a decoder layer's hidden states directly: their module's input is what the region gathers.
+_INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "c_fc")
+
+
+@dataclasses.dataclass
+class HFSequence:
+    """Where the shards begin and end and the gathers happen: `first_layer` cuts its input to the shard, each of
+    `gathered` (a layer's split attention or MLP) all-gathers its input, the projections in `gathered_inputs` take
+    it so, and `final_norm` all-gathers its output."""
+
+    first_layer: str
+    gathered: list[str]
+    gathered_inputs: set[str]
+    final_norm: str
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def _holds_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
+    """Add the "sequence" regions of a Llama-style decoder to `styles` (every norm of its layers, and the norms beside
+    them: the final one) and find where its shards begin and its gathers happen (module docstring). ValueError for
+    what the module docstring's limits name."""
+    modules = dict(model.named_modules())
+    inputs = [name for name, style in styles.items() if isinstance(style, Colwise) and not style.gather_output]
+    regions: dict[str, None] = {}
+    lists: dict[str, None] = {}
+    for name in inputs:
+        region, _, leaf = name.rpartition(".")
+        layer, _, _ = region.rpartition(".")
+        parent = layer.rpartition(".")[0]
+        if not isinstance(modules.get(parent), nn.ModuleList) or leaf not in _INPUT_PROJECTIONS:
+            raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama' gathers the input of each split "
+                             f"attention and MLP of a decoder layer, whose projections "
+                             f"({', '.join(_INPUT_PROJECTIONS)}) take it directly; {name!r} is split and takes "
+                             f"something else (latent attention?); use sequence_parallel=False")
+        regions[region] = None
+        lists[parent] = None
+    if len(lists) != 1:
+        raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama' needs one list of decoder layers "
+                         f"holding the split projections, found {sorted(lists) or 'none'}; use "
+                         f"sequence_parallel=False")
+    (layers,) = lists
+    base = layers.rpartition(".")[0]
+    for index, layer in enumerate(modules[layers]):
+        prefix = f"{layers}.{index}"
+        for child, module in layer.named_children():
+            name = f"{prefix}.{child}"
+            if name in regions or not _holds_params(module):
+                continue
+            if not _is_norm(module):
+                raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': {name!r} "
+                                 f"({type(module).__name__}) holds parameters and would run on this rank's sequence "
+                                 f"shard outside the split attention and MLP; only norms can (a mixture-of-experts "
+                                 f"block's balance loss would count this rank's tokens only); use "
+                                 f"sequence_parallel=False")
+            styles[name] = Sequence()
+    finals = []
+    for child, module in (modules[base].named_children() if base in modules else ()):
+        name = f"{base}.{child}" if base else child
+        if _is_norm(module):
+            finals.append(name)
+            if _holds_params(module):  # OLMo's norms have none
+                styles[name] = Sequence()  # the final norm, after the last layer: on the shard
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            _refuse_dropout(name)
+    # StarCoder2 drops out its embedding output functionally, by a float of the base model's (`embedding_dropout`)
+    for attr, value in vars(modules.get(base, model)).items():
+        if ("dropout" in attr or "pdrop" in attr) and isinstance(value, float) and value > 0:
+            _refuse_dropout(f"{base}.{attr}" if base else attr)
+    if len(finals) != 1:
+        raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama' ends the shards at the final norm "
+                         f"beside the decoder layers {layers!r}; found {finals or 'none'}; use sequence_parallel=False")
+    return HFSequence(f"{layers}.0", list(regions), set(inputs), finals[0])
+
+
+def _refuse_dropout(what: str) -> None:
+    raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': {what!r} drops out the activations every "
+                     f"rank holds whole before the first layer, with masks of its own on each rank under sequence "
+                     f"parallel (the gradients would go through other ranks' masks); set it to 0 or use "
+                     f"sequence_parallel=False")
+
+
+def _replacing_hidden(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A forward pre-hook (with kwargs) that passes `change(hidden_states)` on in its place, positional or named."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+        if args and isinstance(args[0], torch.Tensor):
+            return (change(args[0]), *args[1:]), kwargs
+        raise ValueError(f"sequence parallel: {type(module).__name__} was called without its hidden states (first "
+                         f"argument or hidden_states=)")
+
+    return hook
+
+
+def install_hf_sequence(model: nn.Module, where: HFSequence, comm: Communicator, dim: int) -> None:
+    """Hook the first layer (cut its input to this rank's shard) and every gathered module (all-gather its input)."""
+    model.get_submodule(where.first_layer).register_forward_pre_hook(
+        _replacing_hidden(lambda h: scatter_to_sequence_region(h, comm, dim)), with_kwargs=True)
+    for name in where.gathered:
+        model.get_submodule(name).register_forward_pre_hook(
+            _replacing_hidden(lambda h: gather_from_sequence_region(h, comm, dim)), with_kwargs=True)
+    model.get_submodule(where.final_norm).register_forward_hook(
+        lambda module, args, out: gather_from_region(out, comm, dim))

@@ -1,0 +1,93 @@
+"""Sequence parallelism for HuggingFace decoders under plan "llama" (tensor_parallel/hf_sequence.py): each family
+through `sw.check` against one process (AdamW with weight decay, a binding clip), where the shards run, and what is
+refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_decoders import gemma, llama, mixtral, qwen3
+from test_parallelize_hf_families import SMALL, builder
+
+import shardwise as sw
+from shardwise import tensor_parallel as tp
+
+transformers = pytest.importorskip("transformers")
+
+SP = {"tp": 2, "tp_plan": "llama", "sequence_parallel": True}
+
+
+def batch(step):
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+    return {"input_ids": ids, "labels": ids}
+
+
+FAMILIES = {
+    "llama": llama,
+    "qwen3": qwen3,  # per-head q_norm / k_norm ("heads") inside the gathered attention
+    "gemma": gemma,  # its embedding scales its output: kept whole, and the head tied to it
+    "olmo": builder("olmo"),  # norms without parameters
+    "phi3": builder("phi3"),  # fused qkv_proj and gate_up_proj
+    "cohere": builder("cohere"),  # attention and MLP in parallel on one norm's output
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_under_tensor_and_sequence_parallel_matches_one_process(family):
+    report = sw.check(FAMILIES[family], batch, strategy=SP, world_size=2, steps=2)
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("axis", [{"dp": 2, "dp_strategy": "zero3"}, {"cp": 2}], ids=["dp2-zero3", "cp2-ring"])
+def test_with_another_axis(axis):
+    report = sw.check(llama, batch, strategy={**SP, **axis}, world_size=4, steps=2)
+    assert report.ok, str(report)
+
+
+def test_the_norms_run_on_shards_and_the_attention_and_model_output_on_the_whole_sequence():
+    base = llama()
+    ids = batch(0)["input_ids"]
+
+    def body(comm, model):
+        import copy
+
+        model = tp.parallelize(copy.deepcopy(model), comm, "llama", sequence_parallel=True)
+        seen = {}
+
+        def record(name):
+            def hook(module, args, out):
+                seen[name] = (args[0].shape[1], out.shape[1])  # (tokens in, tokens out)
+
+            return hook
+
+        for name in ("model.layers.0.input_layernorm", "model.layers.1.post_attention_layernorm",
+                     "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj", "model.norm"):
+            model.get_submodule(name).register_forward_hook(record(name))
+        out = model.model(input_ids=ids).last_hidden_state
+        return seen, tuple(out.shape)
+
+    for seen, out in sw.launch(body, 2, base):
+        assert seen["model.layers.0.input_layernorm"] == (8, 8)  # 16 tokens, this rank's 8
+        assert seen["model.layers.1.post_attention_layernorm"] == (8, 8)
+        assert seen["model.layers.0.self_attn.q_proj"][0] == 16  # gathered as the attention entered
+        assert seen["model.layers.1.mlp.up_proj"][0] == 16
+        assert seen["model.norm"] == (8, 16)  # its output gathered
+        assert out == (4, 16, 32)
+
+
+def _refusal(build, **options):
+    def body(comm):
+        with pytest.raises(ValueError) as raised:
+            sw.parallelize(build(), sw.Mesh(comm, tp=2, **options), tp_plan="llama", sequence_parallel=True)
+        return str(raised.value)
+
+    return sw.launch(body, 2 * options.get("pp", 1))[0]
+
+
+def test_what_cannot_run_on_shards_is_refused_by_name():
+    assert "'model.layers.0.mlp' (MixtralSparseMoeBlock)" in _refusal(mixtral)
+    assert "'model.layers.0.self_attn.q_b_proj'" in _refusal(builder("deepseek_v3"))
+    starcoder2 = transformers.Starcoder2ForCausalLM
+    dropping = lambda: starcoder2(transformers.Starcoder2Config(**{**SMALL, "embedding_dropout": 0.1}))  # noqa: E731
+    assert "'model.embedding_dropout' drops out" in _refusal(dropping)
+    assert "pp > 1" in _refusal(llama, pp=2)
