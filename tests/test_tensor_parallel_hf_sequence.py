@@ -38,9 +38,20 @@ def test_a_family_under_tensor_and_sequence_parallel_matches_one_process(family)
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("axis", [{"dp": 2, "dp_strategy": "zero3"}, {"cp": 2}], ids=["dp2-zero3", "cp2-ring"])
+@pytest.mark.parametrize("axis", [{"dp": 2, "dp_strategy": "zero3"}, {"cp": 2}, {"pp": 2}, {"pp": 2, "cp": 2}],
+                         ids=["dp2-zero3", "cp2-ring", "pp2", "pp2-cp2"])
 def test_with_another_axis(axis):
-    report = sw.check(llama, batch, strategy={**SP, **axis}, world_size=4, steps=2)
+    """With pp (sw.parallelize's stages) every decoder stage after the first receives shards and builds the mask and
+    positions of the whole sequence (hf_stages.LlamaDecoderStage.sequence_split)."""
+    world = 2 * axis.get("dp", 1) * axis.get("cp", 1) * axis.get("pp", 1)
+    report = sw.check(llama, batch, strategy={**SP, **axis}, world_size=world, steps=2)
+    assert report.ok, str(report)
+
+
+def test_padded_rows_on_pipeline_stages():
+    from test_check_pipelines import padded
+
+    report = sw.check(llama, padded, strategy={**SP, "pp": 2}, world_size=4, steps=2)
     assert report.ok, str(report)
 
 
@@ -75,13 +86,13 @@ def test_the_norms_run_on_shards_and_the_attention_and_model_output_on_the_whole
         assert out == (4, 16, 32)
 
 
-def _refusal(build, **options):
+def _refusal(build):
     def body(comm):
         with pytest.raises(ValueError) as raised:
-            sw.parallelize(build(), sw.Mesh(comm, tp=2, **options), tp_plan="llama", sequence_parallel=True)
+            sw.parallelize(build(), sw.Mesh(comm, tp=2), tp_plan="llama", sequence_parallel=True)
         return str(raised.value)
 
-    return sw.launch(body, 2 * options.get("pp", 1))[0]
+    return sw.launch(body, 2)[0]
 
 
 def test_what_cannot_run_on_shards_is_refused_by_name():
@@ -90,4 +101,3 @@ def test_what_cannot_run_on_shards_is_refused_by_name():
     starcoder2 = transformers.Starcoder2ForCausalLM
     dropping = lambda: starcoder2(transformers.Starcoder2Config(**{**SMALL, "embedding_dropout": 0.1}))  # noqa: E731
     assert "'model.embedding_dropout' drops out" in _refusal(dropping)
-    assert "pp > 1" in _refusal(llama, pp=2)

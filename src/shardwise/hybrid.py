@@ -59,8 +59,8 @@ from .tensor_parallel.replica_grads import stages_check
 __all__ = ["parallelize", "HybridModel", "DP_STRATEGIES"]
 
 
-def _layers_and_loss(model: nn.Module, loss_fn: Callable | None,
-                     mesh: Mesh) -> tuple[list[nn.Module], Callable, bool, bool]:
+def _layers_and_loss(model: nn.Module, loss_fn: Callable | None, mesh: Mesh,
+                     sequence_parallel: bool) -> tuple[list[nn.Module], Callable, bool, bool]:
     """The model's pipeline layers, the loss over the last stage's output, whether that output is a vocabulary slice
     (a tensor-parallel GPT's head) that predict() must gather, and whether `step` cuts the targets over cp like the
     inputs (HuggingFace's loss takes whole labels: models/hf_parallel.py)."""
@@ -74,8 +74,9 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None,
     if hasattr(model, "pipeline_layers"):
         return model.pipeline_layers(), loss_fn or lm_loss, False, True
     if model_type in hf_parallel.BUILDERS:  # stages, HF's loss (whole labels under cp), Mixtral's router loss
-        layers, loss, split_targets = hf_parallel.hf_pipeline(model, loss_fn, dp=mesh.dp, cp=mesh.cp,
-                                                              batch_group=data_group(mesh))
+        layers, loss, split_targets = hf_parallel.hf_pipeline(
+            model, loss_fn, dp=mesh.dp, cp=mesh.cp, batch_group=data_group(mesh),
+            sequence_split=mesh.sizes["tp"] if sequence_parallel else 1)
         return layers, loss, False, split_targets
     raise ValueError(f"parallelize: {type(model).__name__} has no pipeline_layers() and is not a known HuggingFace "
                      f"decoder ({sorted(hf_parallel.BUILDERS)}); give the model a pipeline_layers() method returning "
@@ -357,7 +358,7 @@ def parallelize(
         context_parallel.apply(model, mesh.cp, method=cp_method)
     if mesh.sizes["ep"] > 1:
         experts.expert_parallel(model, mesh)
-    layers, loss, gather_vocab, split_targets = _layers_and_loss(model, loss_fn, mesh)
+    layers, loss, gather_vocab, split_targets = _layers_and_loss(model, loss_fn, mesh, plan.sequence_parallel)
     balanced = balance_layers(model)  # after expert parallel, which may replace the MoE layers
     per_microbatch = mesh.sizes["pp"] > 1 or plan.n_microbatches > 1
     if balanced and per_microbatch:  # passed from stage to stage (balance_loss.py)

@@ -92,10 +92,6 @@ def check_plan(mesh: Mesh, plan: Plan, model: nn.Module) -> None:
                     shard_size=plan.dp_shard or 1, replicas=dp // plan.dp_shard if plan.dp_shard else None)
     if plan.sequence_parallel and mesh.sizes["tp"] == 1:
         raise ValueError("parallelize: sequence_parallel=True needs tp > 1")
-    if plan.sequence_parallel and plan.tp_plan == "llama" and mesh.sizes["pp"] > 1:
-        raise ValueError("parallelize: sequence_parallel=True with tp_plan='llama' and pp > 1: a HuggingFace "
-                         "decoder's pipeline stages rebuild the mask and positions from the hidden states they "
-                         "receive, which would be sequence shards; use sequence_parallel=False with pp > 1")
     if plan.pp_schedule == "zb_h1" and plan.dp_strategy != "ddp":
         raise ValueError("parallelize: pp_schedule='zb_h1' splits each backward into input and weight passes over "
                          "the stage's own parameters, which ZeRO / FSDP swap for gathered copies; use 'ddp' with "

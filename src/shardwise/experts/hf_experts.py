@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compiled import eager_while_traced
 from ..comm.base import ReduceOp
 from ..sharded_tensor import local
 from .layer import ExpertGroups, dispatch
@@ -83,6 +84,7 @@ class FusedExpertsParallel(_ExpertsParallel):
     module's template: Mixtral's ``gate, up = (x @ gate_up[e].T).chunk(2)``, ``act(gate) * up @ down[e].T``;
     GPT-OSS's ``_apply_gate(x @ gate_up[e] + b_gu[e]) @ down[e] + b_d[e]``; weighted by the router."""
 
+    @eager_while_traced  # a host sync and an all-to-all; its slices' shapes say the whole (E, ...): not traceable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         n, k = top_k_index.shape
@@ -117,6 +119,7 @@ class ModuleExpertsParallel(_ExpertsParallel):
     are whole modules, the others' weights empty pieces (hf.py). Runs an expert exactly when some rank of the
     data-parallel group routed a token to it (module docstring)."""
 
+    @eager_while_traced  # as FusedExpertsParallel's
     def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         n, E = hidden_states.shape[0], self.num_experts

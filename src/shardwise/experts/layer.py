@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from ..comm.base import Communicator, ReduceOp
+from ..compiled import eager_while_traced
 from ..models.moe import MoE, expert_mlp
 from ..sharded_tensor import local
 from .ops import all_to_all_rows, exchange_counts, sum_over_ranks
@@ -77,6 +78,10 @@ class ExpertParallelLayer(MoE):
     """Mixed into a MoE layer by `expert_parallel`: the forward above. `_ep` holds its ExpertGroups."""
 
     _ep: ExpertGroups
+
+    # Under torch.compile the layer runs eagerly between the graphs (compiled.py): its all-to-alls, its host reads of
+    # the counts, and its slices, whose shapes say the whole (E, ...) to dynamo's guards
+    forward = eager_while_traced(MoE.forward)
 
     def _expert_outputs(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         def compute(x: torch.Tensor, local_counts: list[int]) -> torch.Tensor:

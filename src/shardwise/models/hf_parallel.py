@@ -92,7 +92,8 @@ class GlobalCausalLMLoss:
 
 
 def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, dp: Communicator,
-                cp: Communicator, batch_group: Communicator) -> tuple[list[nn.Module], Callable[[Any, Any],
+                cp: Communicator, batch_group: Communicator, sequence_split: int = 1
+                ) -> tuple[list[nn.Module], Callable[[Any, Any],
                                                                                               torch.Tensor], bool]:
     """(pipeline layers, loss, whether `step` cuts the targets like the inputs) of a known HuggingFace decoder.
 
@@ -100,9 +101,14 @@ def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | 
     (dp x cp). loss_fn None (or hf_stages.causal_lm_loss) is HuggingFace's loss on ``step(input_ids, labels)`` over
     the global batch (`GlobalCausalLMLoss`; the labels stay whole under context parallel). A loss_fn of the user's
     gets this rank's chunks of the output and of the targets, cut alike. Mixtral's router loss is added when its
-    config asks for it (the layers then pass its statistics on: hf_router_loss.py).
+    config asks for it (the layers then pass its statistics on: hf_router_loss.py). sequence_split: the tp size
+    under sequence parallel (tensor_parallel/hf_sequence.py), whose shards every decoder layer after the first
+    receives.
     """
     layers = BUILDERS[model.config.model_type](model, cp=cp)
+    decoders = [layer for layer in layers if isinstance(layer, hf_stages.LlamaDecoderStage)]
+    for decoder in decoders[1:]:
+        decoder.sequence_split = sequence_split
     default = loss_fn is None or loss_fn is hf_stages.causal_lm_loss
     split_targets = cp.size == 1 or not default
     loss = GlobalCausalLMLoss(dp, cp) if default else loss_fn

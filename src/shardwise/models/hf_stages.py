@@ -156,14 +156,21 @@ class LlamaDecoderStage(nn.Module):
         self.window = window
         self._masks = masks
         self.rotary_type = rotary_type
+        # > 1: the hidden states come as sequence shards of that many ranks (tensor_parallel/hf_sequence.py: every
+        # layer after the first), and the mask and positions are those of the whole sequence the attention gathers
+        self.sequence_split = 1
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> Any:
         who = "LlamaDecoderStage"
-        given, positions, documents = _layer_inputs(self.config, self._masks, hidden, position_ids, documents, who)
+        whole = hidden
+        if self.sequence_split > 1:  # what the mask and positions read of it: its shape, dtype and device
+            B, T, d = hidden.shape
+            whole = hidden.new_empty(1, 1, 1).expand(B, T * self.sequence_split, d)
+        given, positions, documents = _layer_inputs(self.config, self._masks, whole, position_ids, documents, who)
         with packed_layer(self.layer, self._masks.positions, given, documents):
-            out = self.layer(hidden, attention_mask=self._masks(hidden, self.window, who, given, documents),
-                             position_ids=positions, position_embeddings=self._rotary(hidden, positions))
+            out = self.layer(hidden, attention_mask=self._masks(whole, self.window, who, given, documents),
+                             position_ids=positions, position_embeddings=self._rotary(whole, positions))
         # Older transformers returned a 1-tuple (hidden,); 5.x returns the tensor.
         return passed_on(out[0] if isinstance(out, tuple) else out, given, documents)
 

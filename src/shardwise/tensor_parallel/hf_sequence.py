@@ -23,8 +23,8 @@ Limits (ValueError at wrap time, naming the module): a module with parameters in
 split attention and MLP, that is not a norm (a mixture-of-experts block kept whole: its balance loss would count
 this rank's tokens only); a split projection that does not take the layer's hidden states (DeepSeek-V3's latent
 attention); dropout between the embedding and the first layer (its mask would differ on the ranks, which share that
-activation). Pipeline and context parallel with it are refused by sw.parallelize (their stages rebuild masks and
-positions from the hidden states they receive).
+activation). sw.parallelize's pipeline stages (models/hf_stages.py) rebuild the mask and positions from the hidden
+states they receive: every decoder stage after the first is told it receives shards (`sequence_split`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator
+from ..compiled import eager_while_traced
 from .mappings import gather_from_region, gather_from_sequence_region, scatter_to_sequence_region
 from .styles import Colwise, Sequence, Style
 
@@ -143,12 +144,17 @@ def _replacing_hidden(change: Callable[[torch.Tensor], torch.Tensor]) -> Callabl
     return hook
 
 
+# Under torch.compile (a block compiled in place) the collectives run eagerly between the graphs, as the
+# tensor-parallel layers do (compiled.py)
+_scatter, _gather, _gather_out = (eager_while_traced(f) for f in (scatter_to_sequence_region,
+                                                                  gather_from_sequence_region, gather_from_region))
+
+
 def install_hf_sequence(model: nn.Module, where: HFSequence, comm: Communicator, dim: int) -> None:
     """Hook the first layer (cut its input to this rank's shard) and every gathered module (all-gather its input)."""
     model.get_submodule(where.first_layer).register_forward_pre_hook(
-        _replacing_hidden(lambda h: scatter_to_sequence_region(h, comm, dim)), with_kwargs=True)
+        _replacing_hidden(lambda h: _scatter(h, comm, dim)), with_kwargs=True)
     for name in where.gathered:
         model.get_submodule(name).register_forward_pre_hook(
-            _replacing_hidden(lambda h: gather_from_sequence_region(h, comm, dim)), with_kwargs=True)
-    model.get_submodule(where.final_norm).register_forward_hook(
-        lambda module, args, out: gather_from_region(out, comm, dim))
+            _replacing_hidden(lambda h: _gather(h, comm, dim)), with_kwargs=True)
+    model.get_submodule(where.final_norm).register_forward_hook(lambda module, args, out: _gather_out(out, comm, dim))
