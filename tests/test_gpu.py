@@ -63,8 +63,8 @@ def cuda0():
     return torch.device("cuda", 0)
 
 
-def _train(model, steps=4, device="cuda"):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _train(model, steps=4, device="cuda", weight_decay=0.01):  # AdamW's default decay
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=weight_decay)
     losses = []
     for step in range(steps):
         x, y = (t.to(device) for t in batch(step))
@@ -253,17 +253,7 @@ def test_inductor_compiles_a_tensor_parallel_model_with_dropout_and_it_trains_as
 
     def body(comm, compiled):
         model = tp.parallelize(copy.deepcopy(bases[comm.rank]).cuda(), comm, "gpt")
-        forward = torch.compile(model) if compiled else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        losses = []
-        for step in range(3):
-            x, y = (t.cuda() for t in batch(step))
-            loss = forward(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
-        return losses
+        return _train(torch.compile(model) if compiled else model, steps=3, weight_decay=0.1)
 
     eager = _thread_ranks_on_cuda(2, body, False)
     compiled = _thread_ranks_on_cuda(2, body, True)
@@ -350,16 +340,7 @@ def test_a_zero3_checkpoint_saved_on_the_gpu_resumes_exactly_and_loads_into_a_pl
 def test_torch_compile_of_a_unit_wrapped_zero3_model_matches_eager(nccl_world_of_one):
     eager = _train(sw.ZeRO(GPT(CONFIG, seed=0), nccl_world_of_one, stage=3, wrap=Block))
     model = sw.ZeRO(GPT(CONFIG, seed=0), nccl_world_of_one, stage=3, wrap=Block)
-    compiled = torch.compile(model)  # the units' hooks gather and free around each Block; graph breaks are allowed
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    got = []
-    for step in range(4):
-        x, y = (t.cuda() for t in batch(step))
-        loss = compiled(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        got.append(float(loss))
+    got = _train(torch.compile(model))  # the units' hooks gather and free around each Block: graph breaks
     # Inductor fuses elementwise ops (another rounding order), so not bit-equal; a wrong gather or a stale shard
     # would be off by far more than this after 4 AdamW steps.
     torch.testing.assert_close(torch.tensor(got), torch.tensor(eager), rtol=1e-4, atol=1e-5)
