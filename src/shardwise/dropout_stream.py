@@ -163,7 +163,7 @@ def attach(model: nn.Module, seed: int) -> DropoutStream:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.stream: DropoutStream | None = None  # draws come from it: the model whose module runs in training
-        self.calls: list[nn.Module] = []  # hooked module calls of one model running on this thread, outermost first
+        self.calls: list[nn.Module] = []  # hooked module calls running on this thread, outermost first
         self.since = 0  # len(calls) when `stream` was set (a module in training inside an evaluated model)
         self.own: DropoutStream | None = None  # a thread rank's stream for every other draw (use_own_stream)
 
@@ -174,8 +174,8 @@ _local = _Local()
 def _enter_now(module: nn.Module) -> None:
     stream = stream_of(module)
     calls = _local.calls
-    if stream is None or (calls and stream_of(calls[0]) is not stream):
-        return  # not a hooked module, or another model's called inside this one: this one's state stands
+    if stream is None or (_local.stream is not None and stream is not _local.stream):
+        return  # not a hooked module, or another model's inside one that draws: the drawing one's stream serves
     calls.append(module)
     if _local.stream is None and module.training:
         _local.stream, _local.since = stream, len(calls)
@@ -184,7 +184,7 @@ def _enter_now(module: nn.Module) -> None:
 def _leave_now(module: nn.Module) -> None:
     calls = _local.calls
     if not calls or calls[-1] is not module:
-        return  # a call this thread did not enter eagerly (dynamo traced its hook), or another model's
+        return  # a call this thread did not enter eagerly (dynamo traced its hook), or one `_enter_now` passed over
     if _local.stream is not None and _local.since == len(calls):
         _local.stream = None
     calls.pop()
