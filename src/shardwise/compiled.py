@@ -66,9 +66,9 @@ def graph_tracing() -> str | None:
 
     Why it matters. Dynamo keeps a function found under a torch name in its graph whole
     (``torch.nn.functional.dropout``, ``torch.rand``: its table maps names to "in graph" when first built, after
-    shardwise replaced them) and traces it later; a draw from the tensor-parallel dropout stream traced so would become torch's own draw (inductor's random,
-    another mask on every rank) or a generator object no backend can hold (inductor failed: "While executing
-    %_opaque_obj0")."""
+    shardwise replaced them) and traces it later; a draw from the tensor-parallel dropout stream traced so would
+    become torch's own draw (inductor's random, another mask on every rank) or a generator object no backend can
+    hold (inductor failed: "While executing %_opaque_obj0")."""
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
         return "graph"
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
