@@ -192,18 +192,28 @@ def test_inductor_compiles_a_tensor_parallel_model_and_draws_the_eager_numbers()
 
 
 def _blocks_compiled_in_place(comm, base, compiled, mesh, options):
+    """Two AdamW steps of a copy of `base` (shardwise's GPT, or a HuggingFace decoder on tokens of its 64-word
+    vocabulary) under sw.parallelize, each block compiled in place first when `compiled` (torchtitan's way: the model
+    around the blocks stays eager); this rank's losses and the full state dict."""
     import copy
 
     model = copy.deepcopy(base)
+    gpt = isinstance(model, GPT)
     if compiled:
-        for block in model.blocks:  # torchtitan's way: each block compiled in place, the model around it eager
+        for block in model.blocks if gpt else model.model.layers:
             block.compile(backend="aot_eager")
-    hybrid = sw.parallelize(model, sw.Mesh(comm, **mesh), tp_plan="gpt", **options)
+    mesh = sw.Mesh(comm, **mesh)
+    hybrid = sw.parallelize(model, mesh, **options)
     opt = torch.optim.AdamW(hybrid.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
-    dp_rank, dp = comm.rank // (mesh["tp"] * mesh.get("pp", 1)), mesh.get("dp", 1)
+    d, dp = mesh.coords.dp, mesh.dp.size
     losses = []
     for step in range(2):
-        losses.append(float(hybrid(*batch(step, dp_rank, dp))))  # forward and backward of the step
+        if gpt:
+            inputs, targets = batch(step, d, dp)
+        else:
+            ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+            inputs, targets = {"input_ids": ids[d * 4 // dp:(d + 1) * 4 // dp]}, ids[d * 4 // dp:(d + 1) * 4 // dp]
+        losses.append(float(hybrid(inputs, targets)))  # forward and backward of the step
         opt.step()
         opt.zero_grad()
     return losses, sw.full_state_dict(hybrid)
@@ -224,27 +234,10 @@ def test_blocks_compiled_in_place_under_parallelize_draw_the_eager_dropout_masks
     torch._dynamo.reset()
     base = GPT(dataclasses.replace(CONFIG, dropout=0.1, n_layers=2 * mesh.get("pp", 1)), seed=0).double()
     world = 2 * mesh.get("dp", 1) * mesh.get("pp", 1)
+    options = {"tp_plan": "gpt", **options}
     eager = sw.launch(_blocks_compiled_in_place, world, base, False, mesh, options)
     compiled = sw.launch(_blocks_compiled_in_place, world, base, True, mesh, options)
     _assert_alike(compiled, eager, rtol=1e-9, atol=1e-11)
-
-
-def _moe_blocks_compiled_in_place(comm, base, compiled):
-    import copy
-
-    model = copy.deepcopy(base)
-    if compiled:
-        for block in model.blocks:
-            block.compile(backend="aot_eager")
-    mesh = sw.Mesh(comm, dp=2, ep=2)
-    hybrid = sw.parallelize(model, mesh)
-    opt = torch.optim.AdamW(hybrid.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
-    losses = []
-    for step in range(2):
-        losses.append(float(hybrid(*batch(step, mesh.coords.dp, 2))))
-        opt.step()
-        opt.zero_grad()
-    return losses, sw.full_state_dict(hybrid)
 
 
 def test_blocks_compiled_in_place_with_expert_parallel_train_as_the_eager_ones():
@@ -254,27 +247,9 @@ def test_blocks_compiled_in_place_with_expert_parallel_train_as_the_eager_ones()
 
     torch._dynamo.reset()
     base = GPT(dataclasses.replace(CONFIG, n_experts=4, experts_per_token=2, moe_aux_loss_coef=0.01), seed=0)
-    eager = sw.launch(_moe_blocks_compiled_in_place, 2, base, False)
-    compiled = sw.launch(_moe_blocks_compiled_in_place, 2, base, True)
+    eager = sw.launch(_blocks_compiled_in_place, 2, base, False, dict(dp=2, ep=2), {})
+    compiled = sw.launch(_blocks_compiled_in_place, 2, base, True, dict(dp=2, ep=2), {})
     _assert_alike(compiled, eager, rtol=1e-5, atol=1e-6)  # float32
-
-
-def _hf_layers_compiled_in_place(comm, build, compiled, mesh, options):
-    model = build()
-    if compiled:
-        for layer in model.model.layers:
-            layer.compile(backend="aot_eager")
-    mesh = sw.Mesh(comm, **mesh)
-    hybrid = sw.parallelize(model, mesh, **options)
-    opt = torch.optim.AdamW(hybrid.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-5)
-    losses = []
-    for step in range(2):
-        ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
-        rows = ids[mesh.coords.dp * 4 // mesh.dp.size:(mesh.coords.dp + 1) * 4 // mesh.dp.size]
-        losses.append(float(hybrid({"input_ids": rows}, rows)))
-        opt.step()
-        opt.zero_grad()
-    return losses, sw.full_state_dict(hybrid)
 
 
 @pytest.mark.parametrize("family,mesh,options", [
@@ -286,15 +261,8 @@ def test_huggingface_layers_compiled_in_place_train_as_the_eager_ones(family, me
     import hf_decoders
 
     torch._dynamo.reset()
-    build = getattr(hf_decoders, family)
-    base = build()
+    base = getattr(hf_decoders, family)()
     world = mesh.get("dp", 1) * mesh.get("tp", 1)  # ep borrows its ranks from dp
-
-    def fresh():
-        import copy
-
-        return copy.deepcopy(base)
-
-    eager = sw.launch(_hf_layers_compiled_in_place, world, fresh, False, mesh, options)
-    compiled = sw.launch(_hf_layers_compiled_in_place, world, fresh, True, mesh, options)
+    eager = sw.launch(_blocks_compiled_in_place, world, base, False, mesh, options)
+    compiled = sw.launch(_blocks_compiled_in_place, world, base, True, mesh, options)
     _assert_alike(compiled, eager, rtol=1e-5, atol=1e-6)  # float32

@@ -273,9 +273,12 @@ def generator_for_random(device: torch.device | str | None, kind: str) -> torch.
     rank draws the same numbers; None elsewhere (torch's own generator). Such a draw cannot be replayed in a recompute
     (its output is all there is to recognise it by): one in backward is a RuntimeError."""
     stream = _local.stream
-    if stream is None or graph_tracing() == "graph":
+    if stream is None:
         return None
-    if graph_tracing() == "example":
+    traced = graph_tracing()  # as in generator_for
+    if traced == "graph":
+        return None
+    if traced == "example":
         break_graph_here()
     if _in_backward():
         raise RuntimeError(f"{kind} in a model under the tensor-parallel dropout stream ran in backward (an activation-"

@@ -92,9 +92,8 @@ class GlobalCausalLMLoss:
 
 
 def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, dp: Communicator,
-                cp: Communicator, batch_group: Communicator, sequence_split: int = 1
-                ) -> tuple[list[nn.Module], Callable[[Any, Any],
-                                                                                              torch.Tensor], bool]:
+                cp: Communicator, batch_group: Communicator, sequence_split: int = 1,
+                ) -> tuple[list[nn.Module], Callable[[Any, Any], torch.Tensor], bool]:
     """(pipeline layers, loss, whether `step` cuts the targets like the inputs) of a known HuggingFace decoder.
 
     dp / cp: the data- and context-parallel groups (size 1: none). batch_group: the ranks splitting the global batch

@@ -44,10 +44,10 @@ __all__ = ["WeightGrad", "backward_input", "backward_inputs"]
 def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """Add each gradient into its parameter's `.grad`, then run the parameter's post-accumulate-grad hooks, as
     autograd's AccumulateGrad does (torch.autograd.grad, which computed them, runs none)."""
-    for p, g in zip(params, grads):
-        if g is None:
-            continue
-        with torch.no_grad():  # autograd runs the hooks with grad mode as the backward's create_graph: off
+    with torch.no_grad():  # autograd runs the hooks with grad mode as the backward's create_graph: off
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
             if p.grad is None:
                 p.grad = g.detach()
             else:
