@@ -53,7 +53,17 @@ def qwen3_moe():
         output_router_logits=True, router_aux_loss_coef=0.02, decoder_sparse_step=1, mlp_only_layers=[])))
 
 
-MODELS = {"llama": llama, "t5": t5, "bert-mlm": bert, "qwen3-moe-router-loss": qwen3_moe}
+def bart_decoder():
+    """BartForCausalLM, the decoder alone: its loss pairs logits and labels at the same position (its labels come
+    shifted), not shifted as a Llama's; Marian, Pegasus, Blenderbot ... are built the same way. Refused before."""
+    return _seeded(lambda: transformers.BartForCausalLM(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+        encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0)))
+
+
+MODELS = {"llama": llama, "t5": t5, "bert-mlm": bert, "qwen3-moe-router-loss": qwen3_moe,
+          "bart-causal-lm": bart_decoder}
 
 
 def batch(step: int, kind: str, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
@@ -83,8 +93,18 @@ def train(model, kind: str, rank: int = 0, world: int = 1):
 
 
 WRAPS = {"ddp": lambda m, c: sw.DDP(m, c), "zero3": lambda m, c: sw.ZeRO(m, c, stage=3),
-         "fsdp": lambda m, c: sw.FSDP(m, c)}
-CASES = [(kind, name) for kind in MODELS for name in WRAPS if name != "fsdp" or kind == "llama"]
+         "fsdp": lambda m, c: sw.FSDP(m, c),
+         # BART's decoder layers hold a cross-attention that a decoder alone never calls: DDP is told
+         "ddp:find_unused": lambda m, c: sw.DDP(m, c, find_unused_parameters=True)}
+
+
+def _wraps_for(kind: str) -> list[str]:
+    if kind == "bart-causal-lm":
+        return ["ddp:find_unused", "zero3"]
+    return ["ddp", "zero3"] + (["fsdp"] if kind == "llama" else [])
+
+
+CASES = [(kind, name) for kind in MODELS for name in _wraps_for(kind)]
 
 
 @pytest.mark.parametrize(("kind", "name"), CASES)

@@ -21,8 +21,10 @@ of ranks, so their average is the global batch's sum (the gradient was that many
 it, SGD does not); with "mean" it is a mean over rows, which the ranks' average already is.
 
 The formula is recognised, not assumed: at a model's first forward with labels its loss is recomputed from its
-logits as that mean cross-entropy, and a model whose loss is something else (label smoothing, a weighted or summed
-loss) raises there, naming it. (The check costs one cross-entropy over the logits, once.) A CTC head's reduction is
+logits as that mean cross-entropy, with the labels paired as the model's class suggests and then the other way
+(BART's, Marian's, Pegasus's ... `ForCausalLM` decoders take labels already shifted, so their loss pairs logits and
+labels at the same position), and a model whose loss is neither (label smoothing, a weighted or summed loss) raises
+there, naming it. (The check costs one cross-entropy over the logits, once.) A CTC head's reduction is
 read from its config, not recomputed.
 """
 
@@ -108,13 +110,11 @@ class TokenMeanLoss(nn.Module):
             if getattr(self.config, "ctc_loss_reduction", None) == "sum":
                 out.loss = loss * group.size
             return out
-        shifted = kind == "shifted"
-        targets = given.get("shift_labels") if shifted and given.get("shift_labels") is not None else (
-            shifted_labels(labels) if shifted else labels)
         aux = self._router_term(out, given)
         cross_entropy = loss - aux if aux is not None else loss
         if not self._sw_token_mean_checked:
-            self._check_formula(out, targets, cross_entropy, who)
+            kind = self._recognise(out, labels, given, cross_entropy, kind, who)
+        targets = _targets(kind, labels, given)
         here = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
         total = here.clone()
         group.all_reduce(total, ReduceOp.SUM)
@@ -133,20 +133,42 @@ class TokenMeanLoss(nn.Module):
             return None
         return coef * aux.to(out.loss.device)
 
-    def _check_formula(self, out: Any, targets: torch.Tensor, cross_entropy: torch.Tensor, who: str) -> None:
-        logits = getattr(out, "logits", None)
-        ok = isinstance(logits, torch.Tensor) and logits.shape[:-1] == targets.shape
-        if ok:
-            with torch.no_grad():
-                expected = F.cross_entropy(logits.detach().float().reshape(-1, logits.shape[-1]),
-                                           targets.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX)
-                ok = bool(torch.allclose(cross_entropy.detach().float(), expected, rtol=1e-5, atol=1e-6)
-                          or (expected.isnan() and cross_entropy.detach().isnan()))
-        if not ok:
-            raise ValueError(
-                f"{who}: {type(self).__name__}'s loss is not HuggingFace's mean cross-entropy over the labels that "
-                f"are not -100 (label smoothing, a weighted or summed loss, logits not returned), so it cannot be "
-                f"made the global batch's token mean: each rank would average its own labels. Compute the loss from "
-                f"the logits yourself, as the sum over this rank's labels divided by their count over every rank "
-                f"(an all-reduce) times the number of ranks, or pass num_items_in_batch")
-        self._sw_token_mean_checked = True
+    def _recognise(self, out: Any, labels: torch.Tensor, given: dict[str, Any], cross_entropy: torch.Tensor,
+                   kind: str, who: str) -> str:
+        """The alignment of logits and labels the model's loss has, recomputed from its logits at its first forward:
+        the one its class suggests, else the other (BART's, Marian's, Pegasus's ... `ForCausalLM` decoders take
+        labels already shifted: their loss pairs logits and labels at the same position). Recorded for the later
+        forwards; ValueError when neither is the model's loss."""
+        for candidate in (kind, "aligned" if kind == "shifted" else "shifted"):
+            if _is_mean_cross_entropy(out, _targets(candidate, labels, given), cross_entropy):
+                group, _, _ = self._sw_token_mean
+                self._sw_token_mean = (group, who, candidate)
+                self._sw_token_mean_checked = True
+                return candidate
+        raise ValueError(
+            f"{who}: {type(self).__name__}'s loss is not HuggingFace's mean cross-entropy over the labels that "
+            f"are not -100 (label smoothing, a weighted or summed loss, logits not returned), so it cannot be "
+            f"made the global batch's token mean: each rank would average its own labels. Compute the loss from "
+            f"the logits yourself, as the sum over this rank's labels divided by their count over every rank "
+            f"(an all-reduce) times the number of ranks, or pass num_items_in_batch")
+
+
+def _targets(kind: str, labels: torch.Tensor, given: dict[str, Any]) -> torch.Tensor:
+    """The labels the loss pairs with the logits at each position: shifted left by one for a causal LM (or the
+    script's own `shift_labels`), the labels themselves for an aligned loss."""
+    if kind != "shifted":
+        return labels
+    return given["shift_labels"] if given.get("shift_labels") is not None else shifted_labels(labels)
+
+
+def _is_mean_cross_entropy(out: Any, targets: torch.Tensor, cross_entropy: torch.Tensor) -> bool:
+    """Whether `cross_entropy` is the mean cross-entropy of the output's logits over the `targets` that are not
+    -100 (both NaN counts: a batch with no label)."""
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != targets.shape:
+        return False
+    with torch.no_grad():
+        expected = F.cross_entropy(logits.detach().float().reshape(-1, logits.shape[-1]),
+                                   targets.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX)
+        return bool(torch.allclose(cross_entropy.detach().float(), expected, rtol=1e-5, atol=1e-6)
+                    or (expected.isnan() and cross_entropy.detach().isnan()))
