@@ -222,6 +222,36 @@ def test_a_forward_difference_names_the_first_module_that_computes_differently()
                for note in report.notes), report.notes
 
 
+class _FunctionalDropout(nn.Module):
+    """Dropout written as HuggingFace writes it in many families (Seed-OSS's residual dropout): no nn.Dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return nn.functional.dropout(self.linear(x), p=0.1, training=self.training)
+
+
+def _drawing_model():
+    return nn.Sequential(_FunctionalDropout(), nn.Linear(6, 6), nn.Dropout(0.1), nn.Linear(6, 1))
+
+
+def test_random_draws_outside_dropout_modules_are_named():
+    """A check of a model with dropout differs at the first forward whatever the strategy; an nn.Dropout was named
+    before, a functional one (F.dropout(x, p, self.training)) was not: the report now names the module whose own
+    code drew random numbers, innermost, and leaves the nn.Dropout to its own note."""
+    report = check(_drawing_model, _regression_batch, strategy="ddp", world_size=2, steps=1, loss_fn=_mse)
+    assert report.first_mismatch[:3] == (0, "forward", "loss")
+    drawn = [n for n in report.notes if n.startswith("the forward draws random numbers outside nn.Dropout modules")]
+    assert len(drawn) == 1 and "in '0' (_FunctionalDropout) (functional dropout" in drawn[0], report.notes
+    assert "'2'" not in drawn[0] and "'0.linear'" not in drawn[0], drawn
+    assert any(n.startswith("Dropout with p > 0 in training mode (modules '2')") for n in report.notes), report.notes
+    # a model that differs for another reason (per-rank BatchNorm statistics) and draws nothing gets no such note
+    other = check(_bn_model, _regression_batch, strategy=_local_bn_ddp, world_size=2, steps=1, loss_fn=_mse)
+    assert other.first_mismatch is not None and not any("random numbers" in n for n in other.notes), other.notes
+
+
 def _tanh_in_block_3(model, comm):
     model[3][1] = nn.Tanh()  # the rank's model computes something else from block 3 on (a planted "wrong layer")
     return sw.ZeRO(model, comm, stage=3)

@@ -138,6 +138,15 @@ def _diagnose(report: CheckReport, ref: Trace, got: Trace) -> list[str]:
     if dropout:
         notes.append(f"Dropout with p > 0 in training mode ({_names(dropout)}): its random masks differ between "
                      f"one process and the ranks; build the model with dropout 0 for the check")
+    drew = tuple(n for n in dict.fromkeys((*ref.drew, *got.drew)) if n not in dropout)
+    if drew:
+        kinds = {**got.kinds, **ref.kinds}
+        named = ", ".join(f"{n!r} ({kinds[n]})" if n in kinds else repr(n) for n in drew[:4])
+        more = f", ... {len(drew) - 4} more" if len(drew) > 4 else ""
+        notes.append(f"the forward draws random numbers outside nn.Dropout modules, in {named}{more} (functional "
+                     f"dropout such as F.dropout(x, p, self.training), noise, stochastic depth): one process and "
+                     f"the ranks draw other numbers there; set those probabilities to 0 (the model's config) for "
+                     f"the check")
     if got.dp > 1 and got.batchnorm:
         notes.append(f"BatchNorm in training mode ({_names(got.batchnorm)}) under data parallel {got.dp}: each rank "
                      f"normalizes by its own slice's statistics (batch_norm='local', torch DDP's semantics), one "

@@ -8,6 +8,13 @@ reference's modules in that order and compares each output the two runs can comp
 output, on the strategy's rank 0, has the shape of that data-parallel rank's rows of the reference's output (the
 batch is split along dim 0). Others (a tensor-parallel shard, an output that is not batch-major) are skipped. The
 first module that differs is named, with the number that agreed before it: the place to look.
+
+The recorder also notes which modules drew from torch's generators during that forward (its state changed inside
+the module's call and inside none of its submodules' calls): functional dropout (`F.dropout(x, p, self.training)`),
+noise (`torch.randn_like`), stochastic depth. One process and the ranks draw other numbers there, so a check of such
+a model differs from its first forward whatever the strategy; the report names them. (Thread ranks draw from streams
+of their own, dropout_stream.py, so only the one-process run and gloo processes show it: enough, both run the same
+forward.)
 """
 
 from __future__ import annotations
@@ -33,10 +40,30 @@ class OutputRecorder:
     def __init__(self, model: nn.Module) -> None:
         self.outputs: dict[str, torch.Tensor] = {}
         self.kinds: dict[str, str] = {}
-        self._handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()]
+        self.drew: list[str] = []  # modules whose own code drew random numbers, innermost (module docstring)
+        self._open: list[tuple[list[torch.Tensor], int]] = []  # per running call: generator states, len(drew)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._generators = [torch.default_generator]
+        if device.type == "cuda":
+            self._generators.append(torch.cuda.default_generators[device.index or torch.cuda.current_device()])
+        self._handles = [handle for name, module in model.named_modules()
+                         for handle in (module.register_forward_pre_hook(self._enter),
+                                        module.register_forward_hook(self._hook(name)))]
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._open.append(([g.get_state() for g in self._generators], len(self.drew)))
+
+    def _left(self, name: str) -> None:
+        if not self._open:
+            return
+        states, drawn_inside = self._open.pop()
+        changed = any(not torch.equal(g.get_state(), state) for g, state in zip(self._generators, states))
+        if changed and len(self.drew) == drawn_inside and name not in self.drew:
+            self.drew.append(name)
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._left(name)
             tensor = _first_tensor(output)
             if name not in self.outputs and tensor is not None and tensor.is_floating_point():
                 self.outputs[name] = tensor.detach().to("cpu", torch.float64, copy=True)

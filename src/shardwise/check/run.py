@@ -80,6 +80,7 @@ class Trace:
     batchnorm: tuple[str, ...] = ()
     dropout: tuple[str, ...] = ()
     outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # first forward (forward_outputs.py)
+    drew: tuple[str, ...] = ()  # modules that drew random numbers in the first forward (forward_outputs.py)
     kinds: dict[str, str] = dataclasses.field(default_factory=dict)  # module name -> class name
     dp_index: int = 0  # this rank's data-parallel index: which rows of the batch its outputs hold
 
@@ -172,7 +173,8 @@ def reference_trace(job: Job) -> Trace:
 
     steps, opt, recorder = _train(model, job, lambda b: slice_batch(b, 0, 1, job.device), lambda t: t, clip, True)
     assert recorder is not None
-    return Trace(steps, aliases, 1, opt, *_facts(model), outputs=recorder.outputs, kinds=recorder.kinds)
+    return Trace(steps, aliases, 1, opt, *_facts(model), outputs=recorder.outputs, kinds=recorder.kinds,
+                 drew=tuple(recorder.drew))
 
 
 def rank_trace(comm: Communicator, job: Job) -> Trace | None:
@@ -215,4 +217,4 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     if recorder is None:
         return None
     return Trace(steps, {name: tuple(names) for name, names in aliases}, parts, opt, *_facts(model),
-                 outputs=recorder.outputs, kinds=recorder.kinds, dp_index=index)
+                 outputs=recorder.outputs, kinds=recorder.kinds, dp_index=index, drew=tuple(recorder.drew))
