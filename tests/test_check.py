@@ -17,6 +17,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.check import STRATEGIES, check
 from shardwise.check.example import build_gpt, gpt_batch
+from shardwise.check.inputs import slice_batch
 from shardwise_cli import main
 from shardwise_cli.check import CHECK_PP_SCHEDULES, CHECK_STRATEGIES, CHECK_TP_PLANS
 
@@ -250,6 +251,33 @@ def test_random_draws_outside_dropout_modules_are_named():
     # a model that differs for another reason (per-rank BatchNorm statistics) and draws nothing gets no such note
     other = check(_bn_model, _regression_batch, strategy=_local_bn_ddp, world_size=2, steps=1, loss_fn=_mse)
     assert other.first_mismatch is not None and not any("random numbers" in n for n in other.notes), other.notes
+
+
+class _ScalesItsInput(nn.Module):
+    """A forward that writes its input in place, as FSMT's does (masked_fill_ on input_ids)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.linear(x.mul_(0.5))
+
+
+def test_a_model_that_writes_its_inputs_gets_a_batch_of_its_own_in_each_run():
+    """Each run and each rank gets a copy of its rows: before, the one-process run halved the shared batch in place,
+    so the ranks computed on a quarter of it (a step-0 loss difference that was the check's own), and a thread
+    rank's in-place write to its rows bumped the version counter every slice of the batch shares, failing another
+    rank's backward ("modified by an inplace operation": FSMT under DDP)."""
+    report = check(_ScalesItsInput, _regression_batch, strategy="ddp", world_size=2, steps=2, loss_fn=_mse)
+    assert report.ok, report
+    batch = torch.arange(8.0).reshape(4, 2)
+    first, second = slice_batch(batch, 0, 2), slice_batch(batch, 1, 2)
+    second.add_(1)
+    assert first._version == 0 and torch.equal(batch, torch.arange(8.0).reshape(4, 2))
+    whole = slice_batch(batch, 0, 1)
+    whole.add_(1)
+    assert torch.equal(batch, torch.arange(8.0).reshape(4, 2))
 
 
 def _tanh_in_block_3(model, comm):

@@ -69,7 +69,10 @@ def check_divides(batches: list[Any], dp: int) -> None:
 
 
 def slice_batch(b: Any, index: int, parts: int, device: torch.device | None = None) -> Any:
-    """Rank `index` of `parts`'s contiguous slice of every tensor along dim 0 (moved to `device` when given)."""
+    """Rank `index` of `parts`'s contiguous slice of every tensor along dim 0 (moved to `device` when given), a copy
+    of its own: a model may write its inputs in place (FSMT replaces -100 in its input_ids with masked_fill_), which
+    must neither reach the other run's or rank's batch nor, through the version counter views of one tensor share,
+    fail another thread rank's backward ("modified by an inplace operation") as separate processes never would."""
     if isinstance(b, torch.Tensor):
         if b.dim() and parts > 1:
             if b.shape[0] % parts:
@@ -77,7 +80,7 @@ def slice_batch(b: Any, index: int, parts: int, device: torch.device | None = No
                                  f"data-parallel ranks")
             size = b.shape[0] // parts
             b = b[index * size:(index + 1) * size]
-        return b if device is None else b.to(device)
+        return b.to(device if device is not None else b.device, copy=True)
     if isinstance(b, (tuple, list)):
         return type(b)(slice_batch(x, index, parts, device) for x in b)
     if isinstance(b, dict):
