@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from . import all_to_all as a2a
+from .labels import labelled
 from .base import (AnySourceWork, Communicator, CommError, CommStats, ReduceOp, Work, check_color, check_contiguous,
                    tensor_bytes)
 
@@ -231,7 +232,7 @@ class MPICommunicator(Communicator):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Work | None:
         native = mpi_reduction("all_reduce", op, tensor)
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
-        what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
+        what = labelled(f"all_reduce(op={op.name}, numel={tensor.numel()})")
         # A non-contiguous or 16-bit tensor is reduced in a contiguous (float32) copy, written back on completion.
         work_t = tensor.float() if tensor.dtype in SIXTEEN_BIT else tensor.contiguous()
         buf = self._buffer(what, work_t)
@@ -243,7 +244,7 @@ class MPICommunicator(Communicator):
         self._check_gather_shapes("all_gather", output, input)
         check_contiguous("all_gather", "output", output)
         self.stats.record("all_gather", tensor_bytes(output), self.size)
-        what = f"all_gather(numel={input.numel()})"
+        what = labelled(f"all_gather(numel={input.numel()})")
         send = input.contiguous()
         sbuf, rbuf = self._buffer(what, send), self._buffer(what, output)
         start = lambda: [self.mpi_comm.Iallgather(sbuf, rbuf)]  # noqa: E731
@@ -257,7 +258,7 @@ class MPICommunicator(Communicator):
         check_contiguous("reduce_scatter", "output", output)
         native = mpi_reduction("reduce_scatter", op, output)
         self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
-        what = f"reduce_scatter(op={op.name}, numel={output.numel()})"
+        what = labelled(f"reduce_scatter(op={op.name}, numel={output.numel()})")
         sixteen = output.dtype in SIXTEEN_BIT
         send = input.float() if sixteen else input.contiguous()
         recv = torch.empty(output.shape, dtype=torch.float32) if sixteen else output
@@ -269,7 +270,7 @@ class MPICommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Work | None:
         self._check_peer("broadcast", src, "src")
         self.stats.record("broadcast", tensor_bytes(tensor), self.size)
-        what = f"broadcast(src={src}, numel={tensor.numel()})"
+        what = labelled(f"broadcast(src={src}, numel={tensor.numel()})")
         work_t = tensor.contiguous()
         buf = self._buffer(what, work_t)
         peers = [self.global_ranks[src]] if self.rank != src else self._peers()

@@ -31,6 +31,7 @@ import torch
 
 from . import all_to_all as a2a
 from . import group_of_one
+from .labels import labelled
 from .base import (
     AnySourceWork,
     Communicator,
@@ -156,7 +157,7 @@ class ThreadCommunicator(Communicator):
             slot = group.slots.get(seq)
             if slot is None:
                 slot = group.slots[seq] = CollectiveSlot(op, self.size)
-            call = f"{op}{signature}"
+            call = labelled(f"{op}{signature}")
             strict = world.strict
             if strict is not None:
                 strict.history(group.id).add(self.rank, seq, call)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from . import all_to_all as a2a
 from . import group_of_one
+from .labels import labelled
 from .base import (
     AnySourceWork,
     Communicator,
@@ -199,7 +200,7 @@ class TorchCommunicator(Communicator):
         self.stats.record("all_reduce", tensor_bytes(tensor), self.size)
         if self._alone:
             return group_of_one.unchanged(self, "all_reduce", async_op, tensor)
-        what = f"all_reduce(op={op.name}, numel={tensor.numel()})"
+        what = labelled(f"all_reduce(op={op.name}, numel={tensor.numel()})")
         shm = self._shared_memory(what, tensor)
         if shm is not None:
             return self._issue(what, lambda: shm.all_reduce(tensor, combine_name(op), what), then, async_op,
@@ -214,7 +215,7 @@ class TorchCommunicator(Communicator):
         if self._alone:
             return group_of_one.copy(self, "all_gather", output, input, async_op)
         flat_in = input.reshape(-1)
-        what = f"all_gather(numel={input.numel()})"
+        what = labelled(f"all_gather(numel={input.numel()})")
         shm = self._shared_memory(what, output, flat_in)
         if shm is not None:
             return self._issue(what, lambda: shm.all_gather(output, flat_in, what), None, async_op,
@@ -232,7 +233,7 @@ class TorchCommunicator(Communicator):
         if self._alone:
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
             return group_of_one.copy(self, "reduce_scatter", output, input, async_op)
-        what = f"reduce_scatter(op={op.name}, numel={output.numel()})"
+        what = labelled(f"reduce_scatter(op={op.name}, numel={output.numel()})")
         shm = self._shared_memory(what, output, input)
         if shm is not None:  # reduces from the input as it is (never clones it): the ring formula's bytes
             self.stats.record("reduce_scatter", tensor_bytes(input), self.size)
@@ -275,7 +276,7 @@ class TorchCommunicator(Communicator):
         if self._alone:
             return group_of_one.unchanged(self, "broadcast", async_op, tensor)
         root = self.global_ranks[src]
-        what = f"broadcast(src={src}, numel={tensor.numel()})"
+        what = labelled(f"broadcast(src={src}, numel={tensor.numel()})")
         return self._issue(what, lambda: dist.broadcast(tensor, root, group=self.group, async_op=True), None, async_op,
                            tensors=(tensor,))
 

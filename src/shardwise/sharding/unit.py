@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..comm.base import Communicator, Work
+from ..comm.labels import collective_label
 from ..compression.base import Compressor
 from ..param_hooks import carry_grad_hooks
 from ..sharded_tensor import ShardSpec, as_sharded, local, on_data_read, spec_of
@@ -285,7 +286,8 @@ class Unit(UnitGradients):
             self.memory.allocated(self.full_bytes)
         source = self._gather_source()
         self.gathered_version = self._master_version()
-        self.pending_gather = self.shard_comm.all_gather(self.full.data, source, async_op=True)
+        with collective_label(f"unit {self.label}"):  # ranks gathering different units raise (comm/labels.py)
+            self.pending_gather = self.shard_comm.all_gather(self.full.data, source, async_op=True)
 
     def _gather_source(self) -> torch.Tensor:
         """This rank's shard in the compute dtype on the device: what the all-gather sends."""

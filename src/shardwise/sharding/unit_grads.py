@@ -19,6 +19,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from ..comm.base import CompletedWork, ReduceOp
+from ..comm.labels import collective_label
 from ..param_hooks import has_gradient_hooks, run_gradient_hooks
 from ..sharded_tensor import as_sharded, grad_like, is_sharded, local, spec_of
 from .param_info import ParamInfo
@@ -143,7 +144,13 @@ class UnitGradients:
             self.grad_pending -= 1
 
     def start_reduce(self) -> None:
-        """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously."""
+        """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously; its collectives are
+        named after the unit, so ranks reducing different units of one size at one position raise instead of
+        summing one unit's gradients into the other's (comm/labels.py)."""
+        with collective_label(f"unit {self.label}"):
+            self._start_reduce()
+
+    def _start_reduce(self) -> None:
         if not self.trainable:
             return  # a frozen unit has nothing to reduce
         if self.direct_grads:
@@ -188,6 +195,10 @@ class UnitGradients:
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, average over replicas, and hand the shard to the shard parameters' .grad."""
+        with collective_label(f"unit {self.label}"):
+            self._finish_reduce()
+
+    def _finish_reduce(self) -> None:
         if not self.trainable or self.reduce_work is None:
             return  # frozen, or already finished (the engine finishes the oldest reductions early)
         if self.direct_grads:

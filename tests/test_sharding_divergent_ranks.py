@@ -1,0 +1,84 @@
+"""Ranks whose forwards run different layers of one size under ZeRO-3 / FSDP raise, naming both units.
+
+LayerDrop drawn from each rank's own generator, or a branch on the rank's own data, makes the ranks skip different
+layers. When the layers have one size, the gathers of layer 1 on one rank and layer 2 on the other were the same call
+to every ordering check (kind and element count), so they paired: each rank computed with a layer of mixed halves and
+both reported a loss neither one process computes (0.0489 where one process gives 0.0750 and 0.0537), with no error.
+The sharding engine now names each unit's collectives (comm/labels.py) and the checks compare the names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.comm.labels import collective_label, labelled
+
+
+class SkipsOneLayer(nn.Module):
+    """Four equal layers; the forward skips layer `skip` (set per rank)."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+        self.skip: int | None = None
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i != self.skip:
+                x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def _diverging(comm, strategy):
+    model = SkipsOneLayer()
+    model.skip = 1 + comm.rank  # rank 0 skips layer 1, rank 1 skips layer 2
+    wrapped = sw.ZeRO(model, comm, stage=3, wrap=nn.Linear) if strategy == "zero3" else \
+        sw.FSDP(model, comm, wrap=nn.Linear)
+    wrapped(torch.ones(2, 8)).backward()
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_thread_ranks_that_run_different_equal_layers_raise_naming_both(strategy):
+    with pytest.raises(sw.LaunchError, match=r"all_gather\(numel=36, dtype=torch.float32, for=unit layers.[12]\)"):
+        sw.launch(_diverging, 2, strategy)
+
+
+@pytest.mark.multiprocess
+def test_gloo_processes_that_run_different_equal_layers_raise_naming_both():
+    with pytest.raises(sw.LaunchError) as raised:
+        sw.launch(_diverging, 2, "zero3", backend="gloo")
+    text = str(raised.value)
+    assert "all_gather(numel=36, for=unit layers.2)" in text and "all_gather(numel=36, for=unit layers.1)" in text, text
+
+
+def _same_layers(comm):
+    model = SkipsOneLayer()
+    model.skip = 1  # every rank skips the same layer: no error, one process's loss
+    wrapped = sw.ZeRO(model, comm, stage=3, wrap=nn.Linear)
+    loss = wrapped(torch.ones(2, 8))
+    loss.backward()
+    return float(loss.detach())
+
+
+def test_ranks_that_skip_the_same_layer_train_as_one_process():
+    reference = SkipsOneLayer()
+    reference.skip = 1
+    want = float(reference(torch.ones(2, 8)))
+    assert sw.launch(_same_layers, 2) == [want, want]
+
+
+def test_a_label_names_the_collectives_issued_inside_it_only():
+    assert labelled("all_gather(numel=8)") == "all_gather(numel=8)"
+    with collective_label("unit blocks.3"):
+        assert labelled("all_gather(numel=8)") == "all_gather(numel=8, for=unit blocks.3)"
+        with collective_label("unit blocks.3.mlp"):
+            want = "reduce_scatter(op=AVG, numel=4, for=unit blocks.3.mlp)"
+            assert labelled("reduce_scatter(op=AVG, numel=4)") == want
+        assert labelled("all_gather(numel=8)") == "all_gather(numel=8, for=unit blocks.3)"
+    assert labelled("all_gather(numel=8)") == "all_gather(numel=8)"
