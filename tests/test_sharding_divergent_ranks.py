@@ -57,6 +57,37 @@ def test_gloo_processes_that_run_different_equal_layers_raise_naming_both():
     assert "all_gather(numel=36, for=unit layers.2)" in text and "all_gather(numel=36, for=unit layers.1)" in text, text
 
 
+def _diverging_unchecked(comm):
+    """As on NCCL, where no call is checked: a group split off with SHARDWISE_CHECK_COLLECTIVES=0 and no shared
+    memory (whose channel checks in band)."""
+    import os
+
+    os.environ["SHARDWISE_CHECK_COLLECTIVES"], os.environ["SHARDWISE_SHM"] = "0", "0"
+    group = comm.split(0)
+    model = SkipsOneLayer()
+    model.skip = 1 + comm.rank
+    wrapped = sw.ZeRO(model, group, stage=3, wrap=nn.Linear)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.1)
+    wrapped(torch.ones(2, 8)).backward()  # pairs layer 1's gathers with layer 2's: no error here
+    before = [p.detach().clone() for p in wrapped.parameters()]
+    try:
+        opt.step()
+    except ValueError as exc:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, wrapped.parameters()))
+        return str(exc), unchanged
+    return None, False
+
+
+@pytest.mark.multiprocess
+def test_unchecked_groups_compare_the_collectives_issued_before_the_first_step():
+    """Where no call is checked (NCCL), the optimizer guard compares a running hash of each rank's collectives at
+    the first step and every 20th: the divergent forward raises at the first step, which changes nothing."""
+    for message, unchanged in sw.launch(_diverging_unchecked, 2, backend="gloo"):
+        assert message is not None and "the ranks of its group disagree: collectives issued on this group" in message
+        assert "run the same modules, in the same order, on every rank" in message
+        assert unchanged
+
+
 def _same_layers(comm):
     model = SkipsOneLayer()
     model.skip = 1  # every rank skips the same layer: no error, one process's loss

@@ -14,6 +14,12 @@ all-gather of an 8-byte digest per rank, and only on a difference the descriptio
 entry that differs and the ranks; control traffic, not counted in `comm.stats` (comm/uncounted.py). A rate that
 starts to differ is caught within `EVERY` steps; the steps between cost nothing. Every rank of the group steps the
 optimizer as often (it holds the same parameters), so the checks line up.
+
+On a group whose collectives are not checked one by one (NCCL; gloo with SHARDWISE_CHECK_COLLECTIVES=0) the same
+checks also compare the running hash of the collectives each rank issued on the group (`issued_digest`,
+comm/labels.py): ranks whose forwards ran other layers (LayerDrop from each rank's own generator, an evaluation on
+one rank) paired one rank's gathers with another's, silently where the sizes agree; the first check raises before
+that step is applied, a later divergence within `EVERY` steps.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ ADVICE = ("each rank would step its parameters at its own rate, which no one pro
           "from figures every rank shares: reduce a per-rank metric over the data-parallel ranks "
           "(comm.all_reduce(loss, sw.ReduceOp.AVG)) before passing it to a scheduler such as "
           "ReduceLROnPlateau.step(loss)")
+ORDER_ADVICE = ("the ranks issued different collectives on this group since it was formed, so some paired one "
+                "rank's data with another's (NCCL checks no call): run the same modules, in the same order, on every "
+                "rank (LayerDrop drawn from each rank's own generator, a branch on the rank's own data or an "
+                "evaluation on one rank skip or add a ZeRO / FSDP unit's gathers); SHARDWISE_CHECK_COLLECTIVES=1 on "
+                "gloo names the first call that differs")
 
 
 class HyperparameterAgreement:
@@ -56,7 +67,11 @@ class HyperparameterAgreement:
             if described is None:
                 described = {"param_groups": [{key: _plain(value) for key, value in group.items() if key != "params"}
                                               for group in optimizer.param_groups]}
+            issued = getattr(comm, "issued_digest", lambda: None)()  # read before this check's own collectives
             with uncounted(comm):  # control traffic: comm.stats stays the strategy's own (comm/uncounted.py)
+                if issued is not None:
+                    check_agreement(comm, f"the collectives before {type(optimizer).__name__}.step() (step {step})",
+                                    {"collectives issued on this group (hash)": issued}, advice=ORDER_ADVICE)
                 check_agreement(comm, f"{type(optimizer).__name__}.step() (step {step})", described, advice=ADVICE)
 
 

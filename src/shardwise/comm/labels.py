@@ -14,16 +14,20 @@ sharding engine names each unit's gathers and reductions); each backend appends 
 builds (`labelled`), so ranks that issue different units' collectives at one position now differ in the check and
 raise a CommError naming both calls. The label is thread-local (thread ranks each have their own) and read when a
 collective is issued, not when it completes. NCCL groups are not checked (collective_check.py says why), so there
-the label changes nothing.
+the label changes nothing per call: `IssuedOrder` keeps there (and on gloo with SHARDWISE_CHECK_COLLECTIVES=0) a
+running hash of every group collective's description in issue order, which the optimizer guard compares across the
+data-parallel ranks at the first step and every 20th (optimizer_agreement.py): a divergence is caught before the
+first optimizer step applies it, or within 20 steps, instead of never.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import zlib
 from collections.abc import Iterator
 
-__all__ = ["collective_label", "labelled"]
+__all__ = ["collective_label", "labelled", "IssuedOrder"]
 
 _local = threading.local()
 
@@ -48,3 +52,16 @@ def labelled(description: str) -> str:
     if description.endswith(")"):
         return f"{description[:-1]}, for={text})"
     return f"{description} for={text}"
+
+
+class IssuedOrder:
+    """A running CRC-32 of the descriptions of a group's collectives, in the order this rank issued them: equal on
+    every rank of the group exactly when their calls were (module docstring)."""
+
+    def __init__(self) -> None:
+        self.digest = 0
+        self.count = 0
+
+    def add(self, description: str) -> None:
+        self.digest = zlib.crc32(description.encode(), self.digest)
+        self.count += 1

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import all_to_all as a2a
 from . import group_of_one
-from .labels import labelled
+from .labels import IssuedOrder, labelled
 from .base import (
     AnySourceWork,
     Communicator,
@@ -105,6 +105,7 @@ class TorchCommunicator(Communicator):
         # measures the check beside an unchecked communicator on the same group).
         checked = checks_enabled(self.backend) if check_collectives is None else check_collectives
         self._check = CollectiveCheck(self.size, self.rank, self.global_ranks, self._exchange) if checked else None
+        self._issued = IssuedOrder() if self._check is None else None  # NCCL, unchecked gloo: compared per step
         track(self)  # its groups are dropped at exit (group_release.py)
 
     def release_groups(self) -> None:
@@ -148,6 +149,8 @@ class TorchCommunicator(Communicator):
         # shared-memory channel agrees in band, inside the collective's own first barrier (`checked_in_band`).
         if peers is None and self._check is not None and not checked_in_band:
             self._check.before(what, tensors)
+        elif peers is None and self._issued is not None and not checked_in_band:  # all_to_all's differ by rank
+            self._issued.add(what)
         peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else peers
         if self._streams.enabled:
             late = self._pending.overdue()
@@ -163,6 +166,11 @@ class TorchCommunicator(Communicator):
             return handle
         handle.wait()
         return None
+
+    def issued_digest(self) -> int | None:
+        """The running hash of this group's collectives (labels.IssuedOrder) where they are not checked one by one
+        (NCCL, gloo with SHARDWISE_CHECK_COLLECTIVES=0); None where each call is checked."""
+        return None if self._issued is None else self._issued.digest
 
     def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor, what: str) -> Callable[[], None]:
         """The collective check's all-gather of small int64 tensors (CPU, gloo), straight on the group: started
