@@ -79,6 +79,19 @@ def test_planted_gradient_bug_is_found_at_step_0():
     assert "first mismatch: step 0, gradient: blocks.0.mlp.fc.weight[" in text and "in one process" in text
 
 
+def test_differences_at_the_scale_of_float32_rounding_are_said_to_be_so():
+    """With no tolerance a correct strategy differs from one process by float32 rounding (the ranks average split
+    batches); the report says every difference is at that scale and how to tell (float64). A planted 1.001 scale of
+    one gradient is 1e-3 of its tensor: no such note."""
+    rounding = "every difference is below 0.0001 of its tensor's largest element (largest "
+    report = check(build_gpt, gpt_batch, strategy="zero3", world_size=2, steps=2, rtol=0, atol=0)
+    assert not report.ok
+    assert any(n.startswith(rounding) and "in a float32 model" in n and "Check the model in float64" in n
+               for n in report.notes), report.notes
+    planted = check(build_gpt, gpt_batch, strategy=_scaled_gradient, world_size=2, steps=2)
+    assert not planted.ok and not any(n.startswith(rounding) for n in planted.notes), planted.notes
+
+
 class TrustRatioSGD(torch.optim.Optimizer):
     """LARS-style SGD (You et al. 2017): each tensor's step is scaled by ||w|| / ||grad||, norms per tensor. Under
     ZeRO the optimizer holds each rank's flat shard, so the norms are the shard's: a real bug class (LAMB, LARS,
