@@ -108,3 +108,16 @@ def test_apertus_own_plan_leaves_its_activation_scalars_out_and_is_refused_at_th
     report = sw.check(lambda: transformers.ApertusForCausalLM(config), batch, strategy="tp:llama", world_size=2,
                       steps=1, optimizer=adamw)
     assert report.ok, str(report)
+
+
+def test_an_attention_parameter_the_plan_leaves_whole_beside_split_heads_is_refused_by_name():
+    """Doge's own plan splits q/k/v by heads and leaves the attention's per-head `A` whole: the forward failed with
+    a shape error ("The size of tensor a (2) must match the size of tensor b (4)"); now the plan is refused,
+    naming the parameter. A plan that leaves the attention whole (an MLP-only plan, as Flint's) passes."""
+    model = transformers.DogeForCausalLM(transformers.DogeConfig(**{**SMALL, "head_dim": 8}))
+    with pytest.raises(ValueError, match=r"self_attn.A \(2,\) is a parameter of the attention "
+                                         r"model.layers.0.self_attn \(DogeAttention\).*tp=1"):
+        tp.plans.builtin_plan("hf", model, 2)
+    model.config.base_model_tp_plan = {k: v for k, v in model.config.base_model_tp_plan.items()
+                                       if ".self_attn." not in k}
+    assert not any(".self_attn." in pattern for pattern in tp.plans.builtin_plan("hf", model, 2))

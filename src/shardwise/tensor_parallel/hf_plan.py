@@ -25,8 +25,9 @@ parameters)
 Any other style (``mla_kv_a_proj``: use plan "llama", which splits DeepSeek-V3's latent attention; ``local_params``,
 ``all_reduce``, ``moe_identity_expert``, ``embedding_colwise``) is a ValueError naming it, as is a model without a plan.
 A pattern that matches nothing in this model is skipped (a family's plan covers its variants, as HuggingFace's own
-loader skips it); a head tied to an embedding the plan leaves whole stays whole with it. Anything the plan leaves whole
-that runs on split activations is refused at the first optimizer step (replica_grads.py).
+loader skips it); a head tied to an embedding the plan leaves whole stays whole with it. A parameter of an attention
+whose heads the plan splits, which the plan leaves whole (Doge's `A`), is refused here; anything else the plan leaves
+whole that runs on split activations is refused at the first optimizer step (replica_grads.py).
 """
 
 from __future__ import annotations
@@ -119,7 +120,27 @@ def hf_plan(model: nn.Module, tp: int) -> dict[str, Style]:
             raise _refuse(pattern, style)
         out[pattern] = HF_STYLES[style]
     _check_heads(model, out, tp)
+    _check_attention_parameters(modules, out)
     return out
+
+
+def _check_attention_parameters(modules: dict[str, nn.Module], plan: dict[str, Style]) -> None:
+    """An attention whose projections the plan splits by heads while it holds a parameter of its own that the plan
+    leaves whole (Doge's per-head `A`: every rank would combine all heads' values with its own heads, a shape error
+    deep in the forward) is refused here, naming the parameter. A plan that leaves the attention whole (its MLP
+    only) leaves such parameters alone."""
+    for name, module in modules.items():
+        children = dict(module.named_children())
+        split = [child for child in _ATTENTION if child in children and any(
+            isinstance(style, Colwise) and not style.gather_output and pattern_matches(f"{name}.{child}", pattern)
+            for pattern, style in plan.items())]
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if split and own:
+            shape = tuple(getattr(module, own[0]).shape)
+            raise ValueError(f"parallelize: plan='hf': {name}.{own[0]} {shape} is a parameter of the attention "
+                             f"{name} ({type(module).__name__}) besides its projections, which the model's plan "
+                             f"splits by heads ({name}.{split[0]}) while it leaves {own[0]} whole on every rank; "
+                             f"pass a plan dict that leaves this attention whole, or use tp=1 for this model")
 
 
 def _check_heads(model: nn.Module, plan: dict[str, Style], tp: int) -> None:
