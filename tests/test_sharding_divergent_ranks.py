@@ -57,16 +57,18 @@ def test_gloo_processes_that_run_different_equal_layers_raise_naming_both():
     assert "all_gather(numel=36, for=unit layers.2)" in text and "all_gather(numel=36, for=unit layers.1)" in text, text
 
 
-def _diverging_unchecked(comm):
+def _diverging_unchecked(comm, strategy):
     """As on NCCL, where no call is checked: a group split off with SHARDWISE_CHECK_COLLECTIVES=0 and no shared
-    memory (whose channel checks in band)."""
+    memory (whose channel checks in band). Under hybrid_shard the gathers run on the shard groups of 2, which the
+    check compares besides the data-parallel world."""
     import os
 
     os.environ["SHARDWISE_CHECK_COLLECTIVES"], os.environ["SHARDWISE_SHM"] = "0", "0"
     group = comm.split(0)
     model = SkipsOneLayer()
-    model.skip = 1 + comm.rank
-    wrapped = sw.ZeRO(model, group, stage=3, wrap=nn.Linear)
+    model.skip = 1 + comm.rank % 2
+    wrapped = sw.ZeRO(model, group, stage=3, wrap=nn.Linear) if strategy == "zero3" else \
+        sw.FSDP(model, group, sharding="hybrid_shard", shard_size=2, wrap=nn.Linear)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, weight_decay=0.1)
     wrapped(torch.ones(2, 8)).backward()  # pairs layer 1's gathers with layer 2's: no error here
     before = [p.detach().clone() for p in wrapped.parameters()]
@@ -79,10 +81,11 @@ def _diverging_unchecked(comm):
 
 
 @pytest.mark.multiprocess
-def test_unchecked_groups_compare_the_collectives_issued_before_the_first_step():
+@pytest.mark.parametrize(("strategy", "ranks"), [("zero3", 2), ("fsdp:hybrid_shard", 4)])
+def test_unchecked_groups_compare_the_collectives_issued_before_the_first_step(strategy, ranks):
     """Where no call is checked (NCCL), the optimizer guard compares a running hash of each rank's collectives at
     the first step and every 20th: the divergent forward raises at the first step, which changes nothing."""
-    for message, unchanged in sw.launch(_diverging_unchecked, 2, backend="gloo"):
+    for message, unchanged in sw.launch(_diverging_unchecked, ranks, strategy, backend="gloo"):
         assert message is not None and "the ranks of its group disagree: collectives issued on this group" in message
         assert "run the same modules, in the same order, on every rank" in message
         assert unchanged

@@ -16,8 +16,8 @@ starts to differ is caught within `EVERY` steps; the steps between cost nothing.
 optimizer as often (it holds the same parameters), so the checks line up.
 
 On a group whose collectives are not checked one by one (NCCL; gloo with SHARDWISE_CHECK_COLLECTIVES=0) the same
-checks also compare the running hash of the collectives each rank issued on the group (`issued_digest`,
-comm/labels.py): ranks whose forwards ran other layers (LayerDrop from each rank's own generator, an evaluation on
+checks also compare the running hash of the collectives each rank issued on the group, and on each group the
+strategy communicates over besides (hybrid_shard's shard and replica groups; `issued_digest`, comm/labels.py): ranks whose forwards ran other layers (LayerDrop from each rank's own generator, an evaluation on
 one rank) paired one rank's gathers with another's, silently where the sizes agree; the first check raises before
 that step is applied, a later divergence within `EVERY` steps.
 """
@@ -56,23 +56,44 @@ class HyperparameterAgreement:
         self.steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, tuple[Communicator, int]]] = (
             weakref.WeakKeyDictionary())
 
-    def check(self, optimizer: torch.optim.Optimizer, groups: list[Communicator]) -> None:
-        counts = self.steps.setdefault(optimizer, {})
+    def check(self, optimizer: torch.optim.Optimizer, groups: list[Communicator],
+              order_groups: list[Communicator] = ()) -> None:
+        """The checks due at this step of `optimizer`: hyperparameters and issued collectives over each of `groups`
+        (the data-parallel groups), issued collectives only over each of `order_groups` (the groups the strategies
+        reduce over besides: a hybrid-sharded model's shard and replica groups, a mesh's dp group)."""
         described = None
         for comm in groups:
-            step = counts.get(id(comm), (comm, 0))[1] + 1
-            counts[id(comm)] = (comm, step)  # holding the group keeps its id from being reused by a later one
-            if step != 1 and step % EVERY:
+            step = self._count(optimizer, comm)
+            if step is None:
                 continue
             if described is None:
                 described = {"param_groups": [{key: _plain(value) for key, value in group.items() if key != "params"}
                                               for group in optimizer.param_groups]}
-            issued = getattr(comm, "issued_digest", lambda: None)()  # read before this check's own collectives
             with uncounted(comm):  # control traffic: comm.stats stays the strategy's own (comm/uncounted.py)
-                if issued is not None:
-                    check_agreement(comm, f"the collectives before {type(optimizer).__name__}.step() (step {step})",
-                                    {"collectives issued on this group (hash)": issued}, advice=ORDER_ADVICE)
+                _check_issued(comm, optimizer, step)
                 check_agreement(comm, f"{type(optimizer).__name__}.step() (step {step})", described, advice=ADVICE)
+        checked = {id(comm) for comm in groups}
+        for comm in order_groups:
+            step = None if id(comm) in checked else self._count(optimizer, comm)
+            if step is not None:
+                with uncounted(comm):
+                    _check_issued(comm, optimizer, step)
+
+    def _count(self, optimizer: torch.optim.Optimizer, comm: Communicator) -> int | None:
+        """This step's number for `optimizer` over `comm` when a check is due at it (the first, every EVERY-th)."""
+        counts = self.steps.setdefault(optimizer, {})
+        step = counts.get(id(comm), (comm, 0))[1] + 1
+        counts[id(comm)] = (comm, step)  # holding the group keeps its id from being reused by a later one
+        return step if step == 1 or step % EVERY == 0 else None
+
+
+def _check_issued(comm: Communicator, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """The running hash of the collectives each rank issued on `comm` agrees, where its calls are not checked one by
+    one (module docstring); read before this check's own collective."""
+    issued = getattr(comm, "issued_digest", lambda: None)()
+    if issued is not None:
+        check_agreement(comm, f"the collectives before {type(optimizer).__name__}.step() (step {step})",
+                        {"collectives issued on this group (hash)": issued}, advice=ORDER_ADVICE)
 
 
 def _plain(value: Any) -> Any:

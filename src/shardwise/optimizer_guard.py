@@ -172,7 +172,7 @@ def _before_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -
     if cached is None or cached[0] != len(params):
         ids = {id(p) for p in params}
         checks: dict[int, tuple[Any, set[int]]] = {}
-        groups = {}
+        groups, order_groups = {}, {}
         for model in _models():
             held = {id(pl.param) for pl in layout.placements(model).values()} & ids
             if not held:
@@ -182,11 +182,15 @@ def _before_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -
                     checks.setdefault(id(s.before_step), (s.before_step, set()))[1].update(held)
                 if s.world is not None and s.world.size > 1 and s.name.startswith(_DATA_PARALLEL):
                     groups[id(s.world)] = s.world
-        cached = _checks[optimizer] = (len(params), list(checks.values()), list(groups.values()))
+                    for comm in s.comms() if callable(s.comms) else s.comms:  # the groups its collectives run on
+                        if comm.size > 1:
+                            order_groups.setdefault(id(comm), comm)
+        cached = _checks[optimizer] = (len(params), list(checks.values()), list(groups.values()),
+                                       list(order_groups.values()))
     for check, held in cached[1]:
         check(held)
     if cached[2]:
-        _agreement.check(optimizer, cached[2])
+        _agreement.check(optimizer, cached[2], cached[3])
 
 
 def mark_updated(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
