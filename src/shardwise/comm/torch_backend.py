@@ -147,10 +147,9 @@ class TorchCommunicator(Communicator):
                peers: Sequence[int] | None = None, tensors: Sequence[torch.Tensor] = (), checked_in_band: bool = False):
         # A group collective on gloo: every rank's call agreed before it is issued (collective_check.py); the
         # shared-memory channel agrees in band, inside the collective's own first barrier (`checked_in_band`).
-        if peers is None and self._check is not None and not checked_in_band:
-            self._check.before(what, tensors)
-        elif peers is None and self._issued is not None and not checked_in_band:  # all_to_all's differ by rank
-            self._issued.add(what)
+        order = self._check if self._check is not None else self._issued  # NCCL: hashed, compared at steps
+        if peers is None and not checked_in_band:  # all_to_all's descriptions differ by rank: it agrees its own
+            order.before(what, tensors)
         peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else peers
         if self._streams.enabled:
             late = self._pending.overdue()
@@ -168,8 +167,7 @@ class TorchCommunicator(Communicator):
         return None
 
     def issued_digest(self) -> int | None:
-        """The running hash of this group's collectives (labels.IssuedOrder) where they are not checked one by one
-        (NCCL, gloo with SHARDWISE_CHECK_COLLECTIVES=0); None where each call is checked."""
+        """labels.IssuedOrder's hash where calls are not checked one by one (NCCL); None where they are."""
         return None if self._issued is None else self._issued.digest
 
     def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor, what: str) -> Callable[[], None]:
