@@ -17,14 +17,16 @@ optimizer as often (it holds the same parameters), so the checks line up.
 
 On a group whose collectives are not checked one by one (NCCL; gloo with SHARDWISE_CHECK_COLLECTIVES=0) the same
 checks also compare the running hash of the collectives each rank issued on the group, and on each group the
-strategy communicates over besides (hybrid_shard's shard and replica groups; `issued_digest`, comm/labels.py): ranks whose forwards ran other layers (LayerDrop from each rank's own generator, an evaluation on
-one rank) paired one rank's gathers with another's, silently where the sizes agree; the first check raises before
-that step is applied, a later divergence within `EVERY` steps.
+strategy communicates over besides (hybrid_shard's shard and replica groups; `issued_digest`, comm/labels.py):
+ranks whose forwards ran other layers (LayerDrop from each rank's own generator, an evaluation on one rank) paired
+one rank's gathers with another's, silently where the sizes agree; the first check raises before that step is
+applied, a later divergence within `EVERY` steps.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,7 +59,7 @@ class HyperparameterAgreement:
             weakref.WeakKeyDictionary())
 
     def check(self, optimizer: torch.optim.Optimizer, groups: list[Communicator],
-              order_groups: list[Communicator] = ()) -> None:
+              order_groups: Sequence[Communicator] = ()) -> None:
         """The checks due at this step of `optimizer`: hyperparameters and issued collectives over each of `groups`
         (the data-parallel groups), issued collectives only over each of `order_groups` (the groups the strategies
         reduce over besides: a hybrid-sharded model's shard and replica groups, a mesh's dp group)."""

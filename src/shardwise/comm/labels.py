@@ -60,9 +60,7 @@ class IssuedOrder:
 
     def __init__(self) -> None:
         self.digest = 0
-        self.count = 0
 
     def before(self, description: str, tensors: object = ()) -> None:
         """Add a collective about to be issued (the signature of CollectiveCheck.before, which it stands in for)."""
         self.digest = zlib.crc32(description.encode(), self.digest)
-        self.count += 1
