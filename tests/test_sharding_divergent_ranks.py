@@ -81,11 +81,13 @@ def _diverging_unchecked(comm, strategy):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("strategy", "ranks"), [("zero3", 2), ("fsdp:hybrid_shard", 4)])
-def test_unchecked_groups_compare_the_collectives_issued_before_the_first_step(strategy, ranks):
-    """Where no call is checked (NCCL), the optimizer guard compares a running hash of each rank's collectives at
-    the first step and every 20th: the divergent forward raises at the first step, which changes nothing."""
-    for message, unchanged in sw.launch(_diverging_unchecked, ranks, strategy, backend="gloo"):
+@pytest.mark.parametrize(("strategy", "ranks", "backend"), [("zero3", 2, "gloo"), ("fsdp:hybrid_shard", 4, "gloo"),
+                                                           ("zero3", 2, "mpi")])
+def test_unchecked_groups_compare_the_collectives_issued_before_the_first_step(strategy, ranks, backend):
+    """Where no call is checked (NCCL; gloo or MPI with SHARDWISE_CHECK_COLLECTIVES=0), the optimizer guard compares
+    a running hash of each rank's collectives at the first step and every 20th: the divergent forward raises at the
+    first step, which changes nothing."""
+    for message, unchanged in sw.launch(_diverging_unchecked, ranks, strategy, backend=backend, timeout=60):
         assert message is not None and "the ranks of its group disagree: collectives issued on this group" in message
         assert "run the same modules, in the same order, on every rank" in message
         assert unchanged

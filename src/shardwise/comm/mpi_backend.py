@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from . import all_to_all as a2a
-from .labels import labelled
+from .labels import IssuedOrder, labelled
 from .base import (AnySourceWork, Communicator, CommError, CommStats, ReduceOp, Work, check_color, check_contiguous,
                    tensor_bytes)
 
@@ -161,6 +161,11 @@ class MPICommunicator(Communicator):
         # Every rank's call agreed before each collective (collective_check.py): mismatches raise, never pair.
         self._check = (CollectiveCheck(self.size, self.rank, self.global_ranks, self._exchange)
                        if checks_enabled("mpi") else None)
+        self._order = self._check if self._check is not None else IssuedOrder()  # unchecked: compared at steps
+
+    def issued_digest(self) -> int | None:
+        """labels.IssuedOrder's hash where calls are not checked one by one (SHARDWISE_CHECK_COLLECTIVES=0)."""
+        return self._order.digest if isinstance(self._order, IssuedOrder) else None
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _peers(self) -> list[int]:
@@ -207,8 +212,8 @@ class MPICommunicator(Communicator):
     def _issue(self, what: str, start: Callable[[], list], peers: Sequence[int], then: Callable[[], None] | None,
                keep: tuple, async_op: bool, checked: bool = False) -> Work | None:
         self._check_usable(what)
-        if self._check is not None and not checked and not what.startswith(("send(", "recv(")):
-            self._check.before(what, [t for t in keep if isinstance(t, torch.Tensor)][:1])
+        if not checked and not what.startswith(("send(", "recv(")):  # all_to_all (checked) agrees its own
+            self._order.before(what, [t for t in keep if isinstance(t, torch.Tensor)][:1])
         self._calls += 1
         try:
             requests = start()
