@@ -15,8 +15,8 @@ entry that differs and the ranks; control traffic, not counted in `comm.stats` (
 starts to differ is caught within `EVERY` steps; the steps between cost nothing. Every rank of the group steps the
 optimizer as often (it holds the same parameters), so the checks line up.
 
-On a group whose collectives are not checked one by one (NCCL; gloo with SHARDWISE_CHECK_COLLECTIVES=0) the same
-checks also compare the running hash of the collectives each rank issued on the group, and on each group the
+On a group whose collectives are not checked one by one (NCCL; gloo or MPI with SHARDWISE_CHECK_COLLECTIVES=0) the
+same checks also compare the running hash of the collectives each rank issued on the group, and on each group the
 strategy communicates over besides (hybrid_shard's shard and replica groups; `issued_digest`, comm/labels.py):
 ranks whose forwards ran other layers (LayerDrop from each rank's own generator, an evaluation on one rank) paired
 one rank's gathers with another's, silently where the sizes agree; the first check raises before that step is

@@ -14,10 +14,10 @@ sharding engine names each unit's gathers and reductions); each backend appends 
 builds (`labelled`), so ranks that issue different units' collectives at one position now differ in the check and
 raise a CommError naming both calls. The label is thread-local (thread ranks each have their own) and read when a
 collective is issued, not when it completes. NCCL groups are not checked (collective_check.py says why), so there
-the label changes nothing per call: `IssuedOrder` keeps there (and on gloo with SHARDWISE_CHECK_COLLECTIVES=0) a
-running hash of every group collective's description in issue order, which the optimizer guard compares across the
-data-parallel ranks at the first step and every 20th (optimizer_agreement.py): a divergence is caught before the
-first optimizer step applies it, or within 20 steps, instead of never.
+the label changes nothing per call: `IssuedOrder` keeps there (and on gloo or MPI with
+SHARDWISE_CHECK_COLLECTIVES=0) a running hash of every group collective's description in issue order, which the
+optimizer guard compares across the data-parallel ranks at the first step and every 20th (optimizer_agreement.py):
+a divergence is caught before the first optimizer step applies it, or within 20 steps, instead of never.
 """
 
 from __future__ import annotations
