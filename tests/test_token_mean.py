@@ -62,8 +62,16 @@ def bart_decoder():
         attention_dropout=0.0, activation_dropout=0.0)))
 
 
+def bert_generation():
+    """BertGenerationDecoder: a causal LM of transformers' causal-LM mapping named otherwise (its padded rows were
+    each rank's own mean: a step-0 loss 0.4% off one process, silently)."""
+    return _seeded(lambda: transformers.BertGenerationDecoder(transformers.BertGenerationConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_decoder=True)))
+
+
 MODELS = {"llama": llama, "t5": t5, "bert-mlm": bert, "qwen3-moe-router-loss": qwen3_moe,
-          "bart-causal-lm": bart_decoder}
+          "bart-causal-lm": bart_decoder, "bert-generation": bert_generation}
 
 
 def batch(step: int, kind: str, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
