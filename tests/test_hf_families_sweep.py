@@ -2,8 +2,10 @@
 data-parallel strategies, or is refused with an error naming why.
 
 `make soak` sweeps every causal LM (zero3, fsdp, ddp), masked LM and encoder-decoder (zero3, ddp:find_unused):
-about an hour on 2 cores. `make test` runs two families that exercise the sweep's paths: a Llama, and BART's
-decoder, whose loss pairs logits and labels unshifted (refused before token_mean recognised it)."""
+743 cases in about 4 minutes on 2 cores, of which 403 pass and the rest skip naming what the family refuses of the
+generic config (94 causal LMs do not run in float64 or at the generic sizes). `make test` runs two families that
+exercise the sweep's paths: a Llama, and BART's decoder, whose loss pairs logits and labels unshifted (refused
+before token_mean recognised it)."""
 
 from __future__ import annotations
 
