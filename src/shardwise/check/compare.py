@@ -138,10 +138,9 @@ def _diagnose(report: CheckReport, ref: Trace, got: Trace) -> list[str]:
     if dropout:
         notes.append(f"Dropout with p > 0 in training mode ({_names(dropout)}): its random masks differ between "
                      f"one process and the ranks; build the model with dropout 0 for the check")
-    drew = tuple(n for n in dict.fromkeys((*ref.drew, *got.drew)) if n not in dropout)
+    drew = tuple(n for n in ref.drew if n not in dropout)  # one process watches (forward_outputs.py)
     if drew:
-        kinds = {**got.kinds, **ref.kinds}
-        named = ", ".join(f"{n!r} ({kinds[n]})" if n in kinds else repr(n) for n in drew[:4])
+        named = ", ".join(f"{n!r} ({ref.kinds[n]})" if n in ref.kinds else repr(n) for n in drew[:4])
         more = f", ... {len(drew) - 4} more" if len(drew) > 4 else ""
         notes.append(f"the forward draws random numbers outside nn.Dropout modules, in {named}{more} (functional "
                      f"dropout such as F.dropout(x, p, self.training), noise, stochastic depth): one process and "
@@ -189,13 +188,13 @@ def _rounding_scale(report: CheckReport, ref: Trace) -> str | None:
     dtypes = {t.dtype for t in ref.steps[0].params.values()} if ref.steps else set()
     if m is None or m.index is None or not dtypes or torch.float64 in dtypes:
         return None
-    worst = max((_against_scale(row, ref) for row in report.rows if not row.ok), default=0.0)
-    loss = max((abs(g - w) / abs(w) for g, w in report.losses if w), default=0.0)
-    if max(worst, loss) >= _ROUNDING:
+    largest = max(max((_against_scale(row, ref) for row in report.rows if not row.ok), default=0.0),
+                  max((abs(g - w) / abs(w) for g, w in report.losses if w), default=0.0))
+    if largest >= _ROUNDING:
         return None
     kinds = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-    return (f"every difference is below {_ROUNDING:g} of its tensor's largest element (largest "
-            f"{max(worst, loss):.2g}) in a {kinds} model: "
+    return (f"every difference is below {_ROUNDING:g} of its tensor's largest element (largest {largest:.2g}) in a "
+            f"{kinds} model: "
             f"the scale at which summing split batches in another order rounds differently and training compounds "
             f"it. Check the model in float64 (build_model=lambda: build().double(), float batches .double()), where "
             f"a correct strategy agrees to ~1e-12, to tell rounding from a bug")

@@ -12,9 +12,9 @@ first module that differs is named, with the number that agreed before it: the p
 The recorder also notes which modules drew from torch's generators during that forward (its state changed inside
 the module's call and inside none of its submodules' calls): functional dropout (`F.dropout(x, p, self.training)`),
 noise (`torch.randn_like`), stochastic depth. One process and the ranks draw other numbers there, so a check of such
-a model differs from its first forward whatever the strategy; the report names them. (Thread ranks draw from streams
-of their own, dropout_stream.py, so only the one-process run and gloo processes show it: enough, both run the same
-forward.)
+a model differs from its first forward whatever the strategy; the report names them. Only the one-process run
+watches (`watch_draws`): it runs the same forward as the ranks, alone, where thread ranks share torch's generator
+(a rank would see another's draws) and draw their dropout from streams of their own (dropout_stream.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 class OutputRecorder:
     """Forward hooks on every module of `model` that keep a detached copy of each module's first output."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, watch_draws: bool = False) -> None:
         self.outputs: dict[str, torch.Tensor] = {}
         self.kinds: dict[str, str] = {}
         self.drew: list[str] = []  # modules whose own code drew random numbers, innermost (module docstring)
@@ -46,9 +46,9 @@ class OutputRecorder:
         self._generators = [torch.default_generator]
         if device.type == "cuda":
             self._generators.append(torch.cuda.default_generators[device.index or torch.cuda.current_device()])
-        self._handles = [handle for name, module in model.named_modules()
-                         for handle in (module.register_forward_pre_hook(self._enter),
-                                        module.register_forward_hook(self._hook(name)))]
+        self._handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()]
+        if watch_draws:
+            self._handles += [module.register_forward_pre_hook(self._enter) for module in model.modules()]
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self._open.append(([g.get_state() for g in self._generators], len(self.drew)))

@@ -80,7 +80,7 @@ class Trace:
     batchnorm: tuple[str, ...] = ()
     dropout: tuple[str, ...] = ()
     outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # first forward (forward_outputs.py)
-    drew: tuple[str, ...] = ()  # modules that drew random numbers in the first forward (forward_outputs.py)
+    drew: tuple[str, ...] = ()  # one process: modules that drew random numbers in the first forward
     kinds: dict[str, str] = dataclasses.field(default_factory=dict)  # module name -> class name
     dp_index: int = 0  # this rank's data-parallel index: which rows of the batch its outputs hold
 
@@ -125,17 +125,18 @@ def _forward_backward(loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
 
 
 def _train(model: nn.Module, job: Job, slicer: Callable[[Any], Any], average: Callable[[torch.Tensor], torch.Tensor],
-           clip: Callable[[], torch.Tensor], keep: bool,
-           pipeline: bool = False) -> tuple[list[StepRecord], str, OutputRecorder | None]:
+           clip: Callable[[], torch.Tensor], keep: bool, pipeline: bool = False,
+           watch_draws: bool = False) -> tuple[list[StepRecord], str, OutputRecorder | None]:
     """The loop both runs share (see the module docstring); records only when `keep`, with every module's output
-    of the first forward (of this rank's stages, for a pipeline)."""
+    of the first forward (of this rank's stages, for a pipeline) and, with `watch_draws` (one process), the modules
+    that drew random numbers there (forward_outputs.py)."""
     opt = make_optimizer(job.optimizer, model)
     names = [pl.name for pl in layout.placements(model).values()]
     buffers = list(layout.buffers(model))
     if pipeline:  # a rank holds its stages' names: the record keeps the whole model's
         names, buffers = whole_names(model, names), whole_names(model, buffers)
     records = []
-    recorder = OutputRecorder(model) if keep else None
+    recorder = OutputRecorder(model, watch_draws) if keep else None
     train_step = pipeline_step if pipeline else _forward_backward(job.loss_fn, recorder)
     if not pipeline and not _whole_batches(model, job):  # a MoE balance loss per pipeline microbatch
         if router_loss_coef(model) > 0:
@@ -171,7 +172,8 @@ def reference_trace(job: Job) -> Trace:
     def clip() -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_norm)
 
-    steps, opt, recorder = _train(model, job, lambda b: slice_batch(b, 0, 1, job.device), lambda t: t, clip, True)
+    steps, opt, recorder = _train(model, job, lambda b: slice_batch(b, 0, 1, job.device), lambda t: t, clip, True,
+                                  watch_draws=True)
     assert recorder is not None
     return Trace(steps, aliases, 1, opt, *_facts(model), outputs=recorder.outputs, kinds=recorder.kinds,
                  drew=tuple(recorder.drew))
@@ -217,4 +219,4 @@ def rank_trace(comm: Communicator, job: Job) -> Trace | None:
     if recorder is None:
         return None
     return Trace(steps, {name: tuple(names) for name, names in aliases}, parts, opt, *_facts(model),
-                 outputs=recorder.outputs, kinds=recorder.kinds, dp_index=index, drew=tuple(recorder.drew))
+                 outputs=recorder.outputs, kinds=recorder.kinds, dp_index=index)

@@ -105,7 +105,7 @@ class TorchCommunicator(Communicator):
         # measures the check beside an unchecked communicator on the same group).
         checked = checks_enabled(self.backend) if check_collectives is None else check_collectives
         self._check = CollectiveCheck(self.size, self.rank, self.global_ranks, self._exchange) if checked else None
-        self._issued = IssuedOrder() if self._check is None else None  # NCCL, unchecked gloo: compared per step
+        self._order = self._check if self._check is not None else IssuedOrder()  # unchecked: hashed, compared at steps
         track(self)  # its groups are dropped at exit (group_release.py)
 
     def release_groups(self) -> None:
@@ -147,9 +147,8 @@ class TorchCommunicator(Communicator):
                peers: Sequence[int] | None = None, tensors: Sequence[torch.Tensor] = (), checked_in_band: bool = False):
         # A group collective on gloo: every rank's call agreed before it is issued (collective_check.py); the
         # shared-memory channel agrees in band, inside the collective's own first barrier (`checked_in_band`).
-        order = self._check if self._check is not None else self._issued  # NCCL: hashed, compared at steps
         if peers is None and not checked_in_band:  # all_to_all's descriptions differ by rank: it agrees its own
-            order.before(what, tensors)
+            self._order.before(what, tensors)
         peers = [r for r in self.global_ranks if r != self.global_rank] if peers is None else peers
         if self._streams.enabled:
             late = self._pending.overdue()
@@ -168,7 +167,7 @@ class TorchCommunicator(Communicator):
 
     def issued_digest(self) -> int | None:
         """labels.IssuedOrder's hash where calls are not checked one by one (NCCL); None where they are."""
-        return None if self._issued is None else self._issued.digest
+        return self._order.digest if isinstance(self._order, IssuedOrder) else None
 
     def _exchange(self, mine: torch.Tensor, everyone: torch.Tensor, what: str) -> Callable[[], None]:
         """The collective check's all-gather of small int64 tensors (CPU, gloo), straight on the group: started
