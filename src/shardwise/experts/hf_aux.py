@@ -26,35 +26,57 @@ from torch import nn
 
 from .._mixin import mix_in
 from ..comm.base import Communicator, ReduceOp
-from .hf_kinds import GLOBAL_AUX, ROW_LOCAL_AUX, global_aux_model, is_one_of, model_forward
+from .hf_kinds import GLOBAL_AUX, ROW_LOCAL_AUX, computes_router_loss, global_aux_model, is_one_of, model_forward
 from .ops import sum_over_ranks
 
 __all__ = ["GlobalRouterLoss", "LocalRouterLossRefused", "balance_loss_of", "call_arguments", "global_balance_loss",
            "refuse_local_router_losses", "router_logits_requested", "router_statistics", "share_router_losses"]
 
 
+#: The attributes under which transformers' MoE models keep their load-balancing coefficient (JetMoE's is its own).
+_COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
+
+
+def _coefficient(module: nn.Module) -> tuple[str, float] | None:
+    """(name, value) of the module's load-balancing coefficient, None when it has none."""
+    for name in _COEFFICIENTS:
+        if hasattr(module, name):
+            return name, getattr(module, name)
+    return None
+
+
+def _balance_loss_model(module: nn.Module) -> bool:
+    """Whether `module` computes a load-balancing loss with its router logits on: a coefficient > 0, or a forward
+    that returns ``aux_loss`` (hf_kinds `computes_router_loss`; the coefficient may be 0 while a script adds
+    ``out.aux_loss`` with a coefficient of its own)."""
+    coefficient = _coefficient(module)
+    return bool(coefficient and coefficient[1]) or computes_router_loss(module)
+
+
 def _local_router_loss(module: nn.Module) -> bool:
-    """Whether `module` adds a load-balancing loss (router_aux_loss_coef > 0) that `share_router_losses` cannot make
-    the global batch's: neither Mixtral's loss (hf_kinds `global_aux_model`) nor router losses that are means over
-    sequences (Switch Transformers)."""
-    return bool(getattr(module, "router_aux_loss_coef", 0)) and not isinstance(module, GlobalRouterLoss) \
+    """Whether `module` computes a load-balancing loss (`_balance_loss_model`) that `share_router_losses` cannot
+    make the global batch's: neither Mixtral's loss (hf_kinds `global_aux_model`) nor router losses that are means
+    over sequences (Switch Transformers)."""
+    return _balance_loss_model(module) and not isinstance(module, GlobalRouterLoss) \
         and not global_aux_model(module) and not is_one_of(module, ROW_LOCAL_AUX)
 
 
 def _local_router_loss_error(module: nn.Module, ranks: int, who: str, how: str) -> ValueError:
-    return ValueError(f"{who} over {ranks} ranks: {type(module).__name__} has router_aux_loss_coef="
-                      f"{module.router_aux_loss_coef} {how}; its load-balancing loss is a product of batch means, "
-                      f"which each rank would compute on its own rows; set router_aux_loss_coef=0 or "
-                      f"output_router_logits=False (made the global batch's: {list(GLOBAL_AUX)} and models whose "
-                      f"forward is its forward, Qwen2/3-MoE, OLMoE ...; {list(ROW_LOCAL_AUX)}, whose router losses are "
-                      f"means over sequences)")
+    coefficient = _coefficient(module)
+    has = f"{coefficient[0]}={coefficient[1]}" if coefficient else "a load-balancing loss (aux_loss)"
+    return ValueError(f"{who} over {ranks} ranks: {type(module).__name__} has {has} {how}; its load-balancing loss "
+                      f"(added to its loss, and returned as aux_loss) is a product of batch means, which each rank "
+                      f"would compute on its own rows; set output_router_logits=False (made the global batch's: "
+                      f"{list(GLOBAL_AUX)} and models whose forward is its forward, Qwen2/3-MoE, OLMoE ...; "
+                      f"{list(ROW_LOCAL_AUX)}, whose router losses are means over sequences)")
 
 
 def refuse_local_router_losses(model: nn.Module, batch_group: Communicator, who: str) -> None:
-    """Before a data-parallel wrapper or `expert_parallel` changes anything: a model inside `model` that adds a
-    load-balancing loss in its own way (Granite-MoE) with `output_router_logits` on in its config would have each
-    rank compute that product of batch means on its own rows: a ValueError naming it. With the logits off, the
-    model wraps, and `share_router_losses` refuses a call that turns them on."""
+    """Before a data-parallel wrapper or `expert_parallel` changes anything: a model inside `model` that computes a
+    load-balancing loss in its own way (JetMoE, DBRX, a script's subclass with a forward of its own) with
+    `output_router_logits` on in its config would have each rank compute that product of batch means on its own rows:
+    a ValueError naming it. With the logits off, the model wraps, and `share_router_losses` refuses a call that turns
+    them on."""
     if batch_group.size <= 1:
         return
     for module in model.modules():
@@ -72,8 +94,7 @@ def share_router_losses(model: nn.Module, batch_group: Communicator, who: str) -
     if batch_group.size <= 1:
         return
     for module in model.modules():
-        if isinstance(module, (GlobalRouterLoss, LocalRouterLossRefused)) \
-                or not getattr(module, "router_aux_loss_coef", 0):
+        if isinstance(module, (GlobalRouterLoss, LocalRouterLossRefused)) or not _balance_loss_model(module):
             continue
         if global_aux_model(module):
             mix_in(module, GlobalRouterLoss, "GlobalRouterLoss")

@@ -28,8 +28,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["GLOBAL_AUX", "MODULE_EXPERTS", "ROW_LOCAL_AUX", "fused_difference", "fused_template",
-           "global_aux_model", "is_one_of", "model_forward"]
+__all__ = ["GLOBAL_AUX", "MODULE_EXPERTS", "ROW_LOCAL_AUX", "computes_router_loss", "fused_difference",
+           "fused_template", "global_aux_model", "is_one_of", "model_forward"]
 
 #: HuggingFace experts modules holding one module per expert (``expert_<i>``), routed by a dispatch mask.
 MODULE_EXPERTS = ("SwitchTransformersExperts",)
@@ -82,6 +82,21 @@ def model_forward(module: nn.Module) -> Any:
                 and not getattr(forward, "_sw_mixin_forward", False):
             return forward
     return None
+
+
+def computes_router_loss(module: nn.Module) -> bool:
+    """Whether `module` is a HuggingFace MoE model that returns a load-balancing loss (``aux_loss``) when its router
+    logits are on: its config has ``output_router_logits`` and a forward of its class or a base class (a script's
+    subclass calling its transformers forward included) names ``aux_loss``. A causal LM does; the base model, which
+    returns the router logits only, does not."""
+    if not hasattr(getattr(module, "config", None), "output_router_logits"):
+        return False
+    for cls in type(module).__mro__:
+        code = getattr(_unwrapped(vars(cls).get("forward")), "__code__", None)
+        if code is not None and not cls.__module__.startswith("shardwise.") \
+                and "aux_loss" in code.co_varnames + code.co_names:
+            return True
+    return False
 
 
 def _template(module: nn.Module) -> str | None:
