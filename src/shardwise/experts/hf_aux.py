@@ -46,9 +46,12 @@ def _coefficient(module: nn.Module) -> tuple[str, float] | None:
 
 
 def _balance_loss_model(module: nn.Module) -> bool:
-    """Whether `module` computes a load-balancing loss with its router logits on: a coefficient > 0, or a forward
-    that returns ``aux_loss`` (hf_kinds `computes_router_loss`; the coefficient may be 0 while a script adds
-    ``out.aux_loss`` with a coefficient of its own)."""
+    """Whether `module` is a HuggingFace MoE model (its config has ``output_router_logits``; shardwise's MoE layer
+    keeps an ``aux_loss_coef`` of its own) that computes a load-balancing loss with its router logits on: a
+    coefficient > 0, or a forward that returns ``aux_loss`` (hf_kinds `computes_router_loss`; the coefficient may
+    be 0 while a script adds ``out.aux_loss`` with a coefficient of its own)."""
+    if not hasattr(getattr(module, "config", None), "output_router_logits"):
+        return False
     coefficient = _coefficient(module)
     return bool(coefficient and coefficient[1]) or computes_router_loss(module)
 
