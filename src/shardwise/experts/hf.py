@@ -72,8 +72,8 @@ def hf_expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         cls = type(module).__name__
         if is_one_of(module, MODULE_EXPERTS):
             found.append((name, module))
-        elif from_transformers(module) and cls.endswith("Experts") and hasattr(module, "num_experts"):
-            why = fused_difference(module)
+        elif from_transformers(module) and cls.endswith("Experts"):
+            why = fused_difference(module) if hasattr(module, "num_experts") else "it has no num_experts"
             if why is not None:
                 raise ValueError(f"{WHO}: {name!r} is a HuggingFace {cls}, a mixture-of-experts layer expert_parallel "
                                  f"does not support: {why}; supported: fused experts that compute Mixtral's "

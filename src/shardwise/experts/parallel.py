@@ -97,8 +97,9 @@ def _check_capacity(capacity_factor: Any) -> float | None:
 def _moe_layers(model: nn.Module, ep: Communicator) -> list[tuple[str, MoE]]:
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not layers and ep.size > 1:
-        raise ValueError(f"{WHO}: ep={ep.size} but the model ({type(model).__name__}) has no MoE layer: nothing to "
-                         f"split (build the GPT with GPTConfig(n_experts=E, ...), or use ep=1)")
+        raise ValueError(f"{WHO}: ep={ep.size} but the model ({type(model).__name__}) has no MoE layer expert "
+                         f"parallel knows: nothing to split (shardwise's MoE: build the GPT with GPTConfig(n_experts=E, "
+                         f"...); HuggingFace experts modules named ...Experts; or use ep=1)")
     for name, m in layers:
         if m.n_experts % ep.size:
             raise ValueError(f"{WHO}: MoE layer {name!r} has n_experts={m.n_experts}, which ep={ep.size} does not "
