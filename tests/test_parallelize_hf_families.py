@@ -8,8 +8,9 @@ every other layer), GLM (partial rotary), SmolLM3 (layers without rotary), StarC
 embedding dropout is the first stage's), Gemma 2 (attention and final soft caps, a window), Gemma 3 (local layers
 rotating by their own base), Granite (embedding, residual, attention multipliers and a logit scale), Granite-MoE
 (Granite's with Mixtral's router loss, per microbatch), Cohere (a logit scale) and DeepSeek-V3 (latent attention with
-a value head of another size, a dense first layer, routed and shared experts, split over ep=2 x dp=2). JetMoE, not
-known to be Llama-shaped, is refused by name."""
+a value head of another size, a dense first layer, routed and shared experts, split over ep=2 x dp=2). Five families
+transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
+same way. JetMoE, not known to be Llama-shaped, is refused by name."""
 
 from __future__ import annotations
 
@@ -90,6 +91,36 @@ def test_starcoder2s_embedding_dropout_is_the_first_stages():
     torch.testing.assert_close(dropped[dropped != 0], 2 * model.model.embed_tokens(ids)[dropped != 0])
     first.eval()
     torch.testing.assert_close(first(ids), model.model.embed_tokens(ids))
+
+
+#: Families transformers generates from listed ones: their forwards are a listed family's byte code
+#: (hf_families.pipeline_kinds), their layers their own. (the listed families whose base-model and causal-LM forwards
+#: they run, their config's extras, the mesh)
+GENERATED = {
+    "arcee": ("Arcee", ("llama", "llama"), {}, "zero3"),  # Llama's forwards, a ReLU-squared MLP
+    "glm4": ("Glm4", ("llama", "llama"), {"head_dim": 8, "pad_token_id": 0}, "cp"),  # norms after attention, MLP
+    "ernie4_5_moe": ("Ernie4_5_Moe", ("olmoe", "mixtral"), {"moe_num_experts": 4, "moe_k": 2, "moe_layer_start_index": 1,
+                                                             "moe_intermediate_size": 16, **MOE_LOSS}, "zero3"),
+    "vaultgemma": ("VaultGemma", ("gemma2", "gemma2"), {"head_dim": 8, "final_logit_softcapping": 0.5,
+                                                        "sliding_window": 5}, "cp"),  # Gemma 2's soft cap
+    "granitemoeshared": ("GraniteMoeShared", ("granitemoe", "granitemoe"), {
+        "embedding_multiplier": 3.0, "logits_scaling": 4.0, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "shared_intermediate_size": 16, **MOE_LOSS}, "zero3"),  # Granite's multiplier and logit scale
+}
+
+
+@pytest.mark.parametrize("family", list(GENERATED))
+def test_a_family_generated_from_a_listed_one_on_pipeline_stages_matches_one_process(family):
+    """Refused before ("not a known HuggingFace decoder"); the extras are those of the family whose forward it runs
+    (VaultGemma's soft cap is Gemma 2's, GraniteMoeShared's multiplier and scale Granite-MoE's)."""
+    from shardwise.models.hf_families import pipeline_kinds
+
+    name, kinds, extra, mesh = GENERATED[family]
+    config = getattr(transformers, name + "Config")(**{**SMALL, **extra})
+    build = lambda: getattr(transformers, name + "ForCausalLM")(config)  # noqa: E731
+    assert build().config.model_type == family and pipeline_kinds(build()) == kinds
+    report = sw.check(build, padded, strategy=MESHES[mesh], world_size=4, steps=2)
+    assert report.ok, str(report)
 
 
 def test_a_family_not_known_to_be_llama_shaped_is_refused_by_name():

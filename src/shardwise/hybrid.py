@@ -66,21 +66,20 @@ def _layers_and_loss(model: nn.Module, loss_fn: Callable | None, mesh: Mesh,
     inputs (HuggingFace's loss takes whole labels: models/hf_parallel.py)."""
     from .models.gpt import lm_loss
 
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if hasattr(model, "pipeline_loss") and (loss_fn is None or loss_fn is lm_loss):
         return model.pipeline_layers(), model.pipeline_loss(), True, True  # vocabulary-parallel loss, local logits
     if hasattr(model, "pipeline_loss"):
         return model.pipeline_layers(gather_logits=True), loss_fn, False, True
     if hasattr(model, "pipeline_layers"):
         return model.pipeline_layers(), loss_fn or lm_loss, False, True
-    if model_type in hf_parallel.BUILDERS:  # stages, HF's loss (whole labels under cp), Mixtral's router loss
+    if hf_parallel.pipeline_builder(model):  # stages, HF's loss (whole labels under cp), Mixtral's router loss
         layers, loss, split_targets = hf_parallel.hf_pipeline(
             model, loss_fn, dp=mesh.dp, cp=mesh.cp, batch_group=data_group(mesh),
             sequence_split=mesh.sizes["tp"] if sequence_parallel else 1)
         return layers, loss, False, split_targets
     raise ValueError(f"parallelize: {type(model).__name__} has no pipeline_layers() and is not a known HuggingFace "
-                     f"decoder ({sorted(hf_parallel.BUILDERS)}); give the model a pipeline_layers() method returning "
-                     f"its layers")
+                     f"decoder ({sorted(hf_parallel.BUILDERS)}, or one whose forwards are theirs); give the model a "
+                     f"pipeline_layers() method returning its layers")
 
 
 def _layers_class(model: nn.Module) -> type | None:
@@ -88,7 +87,7 @@ def _layers_class(model: nn.Module) -> type | None:
     HuggingFace class of a known decoder."""
     if hasattr(model, "pipeline_layers"):
         return next(c for c in type(model).__mro__ if "pipeline_layers" in c.__dict__)
-    if getattr(getattr(model, "config", None), "model_type", None) in hf_parallel.BUILDERS:
+    if hf_parallel.pipeline_builder(model):
         return next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), None)
     return None
 

@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["GLOBAL_AUX", "MODULE_EXPERTS", "ROW_LOCAL_AUX", "computes_router_loss", "fused_difference",
-           "fused_template", "global_aux_model", "is_one_of", "model_forward"]
+           "fused_template", "global_aux_model", "is_one_of", "model_forward", "same_code"]
 
 #: HuggingFace experts modules holding one module per expert (``expert_<i>``), routed by a dispatch mask.
 MODULE_EXPERTS = ("SwitchTransformersExperts",)
@@ -65,7 +65,7 @@ def _consts(code: types.CodeType) -> tuple:
     return tuple(c for c in code.co_consts if c is not doc)
 
 
-def _same_code(a: Any, b: Any) -> bool:
+def same_code(a: Any, b: Any) -> bool:
     """Whether two functions compile to the same byte code, names and constants (docstrings aside)."""
     a, b = getattr(_unwrapped(a), "__code__", None), getattr(_unwrapped(b), "__code__", None)
     return a is not None and b is not None and a.co_code == b.co_code and a.co_names == b.co_names \
@@ -106,7 +106,7 @@ def _template(module: nn.Module) -> str | None:
 
     forward = model_forward(module)
     for name, cls in (("mixtral", MixtralExperts), ("gpt_oss", GptOssExperts)):
-        if _same_code(forward, vars(cls)["forward"]):
+        if same_code(forward, vars(cls)["forward"]):
             return name
     return None
 
@@ -166,10 +166,10 @@ def global_aux_model(module: nn.Module) -> bool:
     from transformers.models.mixtral import modeling_mixtral
 
     forward = model_forward(module)
-    if not any(_same_code(forward, template) for template in _loss_forwards(modeling_mixtral)):
+    if not any(same_code(forward, template) for template in _loss_forwards(modeling_mixtral)):
         return False
     here = sys.modules.get(forward.__module__)
-    return _same_code(getattr(here, "load_balancing_loss_func", None), modeling_mixtral.load_balancing_loss_func)
+    return same_code(getattr(here, "load_balancing_loss_func", None), modeling_mixtral.load_balancing_loss_func)
 
 
 def _loss_forwards(modeling_mixtral: Any) -> list[Any]:

@@ -15,19 +15,27 @@ process):
   ``rotary_emb(x, positions, layer_type)``): `rotary_layer_type`.
 
 Granite-MoE is Granite's forward plus Mixtral's router loss (experts.hf_kinds.global_aux_model), which
-hf_router_loss.py carries through the stages. A family that does anything else outside its layers is not listed, and
-`sw.parallelize` refuses it by name (Cohere 2 and others are untested).
+hf_router_loss.py carries through the stages.
+
+transformers generates many families from these ("modular" files): Arcee, InternLM 3, ERNIE 4.5, GLM-4, Seed-OSS,
+Hunyuan, DeepSeek-V2, GLM-4-MoE ... run Llama's, OLMoE's or DeepSeek-V3's forwards with layers of their own.
+`pipeline_kinds` accepts such a model when its base model's forward and its causal LM's forward are, byte for byte,
+those of listed families (experts.hf_kinds.same_code: names and constants too, docstrings aside), and takes the
+extras of the families they are: what happens outside the layers is then what the stages do. Any other family is
+refused by name.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_dropout", "embedding_multiplier", "rotary_layer_type"]
+__all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_dropout", "embedding_multiplier", "pipeline_kinds",
+           "rotary_layer_type"]
 
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
@@ -38,27 +46,63 @@ _GRANITE = ("granite", "granitemoe")  # an embedding multiplier and a logit scal
 _SOFTCAPPED = ("gemma2", "gemma3_text")
 
 
-def embedding_multiplier(model: nn.Module) -> float | None:
-    """Granite's multiplier of the token embeddings (None: the family has none)."""
-    if model.config.model_type in _GRANITE:
+def pipeline_kinds(model: nn.Module) -> tuple[str, str] | None:
+    """(the listed family whose base-model forward ``model.model`` runs, the one whose causal-LM forward `model`
+    runs): the model's own type twice for a listed family, the families whose byte code its forwards are for one
+    generated from them (module docstring), None for any other model."""
+    from ..experts.hf_kinds import model_forward, same_code
+
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in LLAMA_SHAPED:
+        return kind, kind
+    base = getattr(model, "model", None)
+    if not isinstance(base, nn.Module):
+        return None
+    forwards = _listed_forwards()
+    matches = [next((k for k, (b, _) in forwards.items() if same_code(model_forward(base), b)), None),
+               next((k for k, (_, lm) in forwards.items() if same_code(model_forward(model), lm)), None)]
+    return (matches[0], matches[1]) if None not in matches else None
+
+
+@functools.cache
+def _listed_forwards() -> dict[str, tuple[Any, Any]]:
+    """model type -> (its base model's forward, its causal LM's forward), for the listed families transformers has."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    found = {}
+    for kind in LLAMA_SHAPED:
+        names = [auto.MODEL_MAPPING_NAMES.get(kind), auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)]
+        classes = [getattr(transformers, n if isinstance(n, str) else n[0], None) if n else None for n in names]
+        if None not in classes:
+            found[kind] = (vars(classes[0]).get("forward"), vars(classes[1]).get("forward"))
+    return found
+
+
+def embedding_multiplier(model: nn.Module, kind: str | None = None) -> float | None:
+    """Granite's multiplier of the token embeddings (None: the family has none). kind: the listed family whose
+    base-model forward the model runs (`pipeline_kinds`; default its own type)."""
+    if (kind or model.config.model_type) in _GRANITE:
         return float(model.model.embedding_multiplier)
     return None
 
 
-def embedding_dropout(model: nn.Module) -> float:
-    """StarCoder2's dropout probability of the token embeddings in training (0.0: the family has none)."""
-    if model.config.model_type == "starcoder2":
+def embedding_dropout(model: nn.Module, kind: str | None = None) -> float:
+    """StarCoder2's dropout probability of the token embeddings in training (0.0: the family has none). kind: as
+    for `embedding_multiplier`."""
+    if (kind or model.config.model_type) == "starcoder2":
         return float(model.model.embedding_dropout)
     return 0.0
 
 
 class LogitsOutput:
     """What the family's causal LM does to ``lm_head``'s output before returning it (module docstring); the
-    identity for Llama's. The config is read at each call, as the model's forward reads it."""
+    identity for Llama's. kind: the listed family whose causal-LM forward the model runs (`pipeline_kinds`; default
+    its own type). The config is read at each call, as the model's forward reads it."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kind: str | None = None) -> None:
         self.config = model.config
-        self.kind = model.config.model_type
+        self.kind = kind or model.config.model_type
         self.logit_scale = getattr(model, "logit_scale", None) if self.kind == "cohere" else None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:

@@ -32,16 +32,25 @@ from torch import nn
 
 from ..comm.base import Communicator
 from . import hf_stages
-from .hf_families import LLAMA_SHAPED
+from .hf_families import LLAMA_SHAPED, pipeline_kinds
 from .hf_router_loss import carry_router_statistics, router_loss_coef
 
-__all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "router_loss_coef"]
+__all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "pipeline_builder", "router_loss_coef"]
 
 #: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
 BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
     **{model_type: hf_stages.llama_pipeline_layers for model_type in LLAMA_SHAPED},
     "gpt2": hf_stages.gpt2_pipeline_layers,
 }
+
+
+def pipeline_builder(model: nn.Module) -> Callable[..., list[nn.Module]] | None:
+    """The function building `model`'s pipeline layers: its type's in `BUILDERS`, Llama's for a family whose
+    forwards are those of listed ones (hf_families.pipeline_kinds), else None."""
+    builder = BUILDERS.get(getattr(getattr(model, "config", None), "model_type", None))
+    if builder is None and pipeline_kinds(model) is not None:
+        builder = hf_stages.llama_pipeline_layers
+    return builder
 
 
 class GlobalCausalLMLoss:
@@ -104,7 +113,7 @@ def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | 
     under sequence parallel (tensor_parallel/hf_sequence.py), whose shards every decoder layer after the first
     receives.
     """
-    layers = BUILDERS[model.config.model_type](model, cp=cp)
+    layers = pipeline_builder(model)(model, cp=cp)
     decoders = [layer for layer in layers if isinstance(layer, hf_stages.LlamaDecoderStage)]
     for decoder in decoders[1:]:
         decoder.sequence_split = sequence_split

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .hf_families import LogitsOutput, embedding_dropout, embedding_multiplier, rotary_layer_type
+from .hf_families import LogitsOutput, embedding_dropout, embedding_multiplier, pipeline_kinds, rotary_layer_type
 from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
                               padding_of, passed_on, stage_documents)
 
@@ -225,7 +225,8 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
                           ) -> list[nn.Module]:
     """``[LlamaEmbeddingStage, LlamaDecoderStage per layer, HFHeadStage]`` for a Llama-style causal LM.
 
-    `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (hf_families.LLAMA_SHAPED):
+    `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (hf_families.LLAMA_SHAPED, and
+    the families generated from them: hf_families.pipeline_kinds):
     ``model.model.embed_tokens``, ``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head``. The stages hold
     those modules (no copies); applying them in order to input_ids (B, T) gives ``model(input_ids).logits``.
     Raises ValueError naming what is missing for another structure, and for an attention implementation other
@@ -245,13 +246,14 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     _check_attention(config, who, masks.positions)
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
+    base, head = pipeline_kinds(model) or (None, None)  # a family generated from a listed one: that one's extras
     return [
-        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model),
-                            embedding_multiplier(model)),
+        LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model, base),
+                            embedding_multiplier(model, base)),
         *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks,
                             rotary_layer_type(parts["rotary_emb"], config, i))
           for i, layer in enumerate(layers)),
-        HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model)),
+        HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head)),
     ]
 
 

@@ -112,7 +112,7 @@ def _int_attr(config: object, names: tuple[str, ...]) -> int | None:
 
 def model_facts(model: nn.Module) -> ModelFacts:
     from ..models.gpt import GPT
-    from ..models.hf_parallel import BUILDERS
+    from ..models.hf_parallel import pipeline_builder
     from ..models.hf_router_loss import router_loss_coef
 
     config = getattr(model, "config", None)
@@ -122,7 +122,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
     if tp_plan is None and getattr(config, "base_model_tp_plan", None):
         tp_plan = "hf"  # the plan the model's config ships (tensor_parallel/hf_plan.py)
     layers = None
-    if hasattr(model, "pipeline_layers") or (isinstance(model_type, str) and model_type in BUILDERS):
+    if hasattr(model, "pipeline_layers") or pipeline_builder(model):
         # the blocks plus the embedding and head layers (hybrid.parallelize's pipeline_layers(), hf_parallel's)
         layers = (geometry.get("num_layers") or 0) + 2 if geometry.get("num_layers") else None
     moe = _experts(model) or _hf_experts(model)
