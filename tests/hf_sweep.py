@@ -1,18 +1,19 @@
 """Every model family of one of transformers' auto mappings, built tiny from a generic config and put through
-`sw.check` (tests/test_hf_families_sweep.py: `make soak`, about 4 minutes on 2 cores; two families in
+`sw.check` (tests/test_hf_families_sweep.py: `make soak`, about 10 minutes on 2 cores; two families in
 `make test`).
 
-Each family's config class is built with its defaults, then every size and dropout field it has is set small or to
-zero (`TINY`); the model is built on the meta device first to count its parameters (a sub-config the generic fields
+Each family's config class is built with the size, expert and dropout fields it has set small or to zero (`TINY`,
+`tiny_config`; load-balancing losses on); the model is built on the meta device first to count its parameters (a sub-config the generic fields
 miss can make it large: skipped above `MAX_PARAMETERS`), then for real, in float64 (a correct strategy agrees with
 one process to ~1e-12 there, so a difference is news, not rounding). The batch is 4 rows of 16 tokens with labels
-padded unevenly (-100), so the token mean over the global batch is exercised. `outcome` says what happened:
+padded unevenly (-100), so the token mean over the global batch is exercised (classifiers: labels of 2 classes, a
+token classifier's padded alike). `outcome` says what happened:
 
 * "ok": every phase matched one process;
 * "refused: ...": the strategy raised a clear error naming the model's part and the choice (a ValueError, or DDP's
   unused-parameter error for a model with parameters its forward does not use);
 * "unbuildable: ...": the generic config does not fit the family (its own checks, a sub-config, a missing library):
-  not a verdict on shardwise;
+  not a verdict on shardwise; "inapplicable: ...": nothing for the strategy to split (no experts, no tp plan);
 * "DIFFERS: ..." (with the report's first mismatch and notes): the one outcome that fails the sweep.
 """
 
@@ -30,7 +31,8 @@ TINY: dict[str, Any] = dict(
     num_local_experts=4, num_experts=4, num_experts_per_tok=2, n_routed_experts=4, moe_intermediate_size=32,
     max_seq_len=64, seq_length=64, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=2, decoder_layers=2,
     encoder_attention_heads=4, decoder_attention_heads=4, num_decoder_layers=2, pad_token_id=0, bos_token_id=1,
-    eos_token_id=2,
+    eos_token_id=2, rotary_dim=4, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
+    n_group=2, topk_group=1, first_k_dense_replace=1, output_router_logits=True, router_aux_loss_coef=0.1,
     # nothing random in the forward: dropout, LayerDrop and router noise off (they differ from one process by design)
     hidden_dropout=0.0, attention_dropout=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, dropout=0.0, attention_dropout_prob=0.0, classifier_dropout=0.0,
@@ -40,31 +42,60 @@ MAX_PARAMETERS = 20_000_000
 
 
 def mapping(kind: str) -> dict[str, str]:
-    """model type -> class name of transformers' auto mapping `kind`: "causal_lm", "masked_lm" or "seq2seq"."""
+    """model type -> class name of transformers' auto mapping `kind`: "causal_lm", "masked_lm", "seq2seq",
+    "seq_cls" (sequence classification) or "token_cls" (token classification)."""
     from transformers.models.auto import modeling_auto as auto
 
     names = {"causal_lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked_lm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-             "seq2seq": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES}[kind]
+             "seq2seq": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+             "seq_cls": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+             "token_cls": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES}[kind]
     return {model_type: cls if isinstance(cls, str) else cls[0] for model_type, cls in names.items()}
 
 
-def tiny_config(model_type: str) -> Any:
+def _is_dropout(key: str, value: Any) -> bool:
+    """A config field that sets a dropout probability (ALBERT's classifier_dropout_prob, DistilBERT's
+    seq_classif_dropout, XLNet's summary_last_dropout ...), which the generic fields miss."""
+    return ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0
+
+
+def tiny_config(model_type: str, cls: Any = None) -> Any:
+    """The family's config (the class's own `config_class` where the model type's is not one: a text config under a
+    multimodal model type) with every `TINY` field it has passed to its constructor, so the fields it derives (a head
+    size from the rotary size) agree, and every dropout probability 0. Multi-head latent attention gets as many
+    key-value heads as query heads; a hybrid keeps one layer of each of its first two layer types (two
+    linear-attention layers leave it no attention cache); experts run transformers' eager loop (its grouped matmul
+    has no float64 kernel)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type]()
-    for key, value in TINY.items():
-        if hasattr(config, key):
+    config_class, own = getattr(cls, "config_class", None), CONFIG_MAPPING[model_type]
+    if config_class is None or issubclass(own, config_class):  # InternLM 3's config for the LlamaForCausalLM it maps
+        config_class = own
+    default = config_class()
+    fields = {key: value for key, value in TINY.items() if hasattr(default, key)}
+    fields.update({key: 0.0 for key, value in vars(default).items() if _is_dropout(key, value)})
+    if hasattr(default, "kv_lora_rank"):
+        fields["num_key_value_heads"] = TINY["num_attention_heads"]
+    for key in ("layer_types", "mlp_layer_types"):
+        types = getattr(default, key, None)
+        if isinstance(types, list):
+            kinds = list(dict.fromkeys(types))[:2]
+            fields[key] = kinds if len(kinds) == 2 else types[:2]
+    try:
+        config = config_class(**fields)
+    except Exception:  # noqa: BLE001 - a field its class computes or validates: set what it accepts
+        config = default
+        for key, value in fields.items():
             try:
                 setattr(config, key, value)
-            except Exception:  # noqa: BLE001 - a field its class computes or validates: keep the family's own
-                pass
-    for key in ("layer_types", "mlp_layer_types"):
-        if isinstance(getattr(config, key, None), list):
-            try:
-                setattr(config, key, getattr(config, key)[:2])
             except Exception:  # noqa: BLE001
                 pass
+    config.classifier_dropout = 0.0  # read where set, else a head's own default (Llama's token classifier: 0.1)
     config._attn_implementation = "eager"
+    try:
+        config._experts_implementation = "eager"
+    except Exception:  # noqa: BLE001 - a config without experts
+        pass
     return config
 
 
@@ -76,7 +107,23 @@ def batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def builder(model_type: str, class_name: str) -> tuple[Any, str | None]:
+def class_batch(step: int) -> dict[str, torch.Tensor]:
+    """`batch`'s tokens, each row labelled with one of 2 classes (the configs' default `num_labels`)."""
+    return {"input_ids": batch(step)["input_ids"], "labels": torch.tensor([0, 1, 1, 0]).roll(step)}
+
+
+def token_class_batch(step: int) -> dict[str, torch.Tensor]:
+    """`batch`'s tokens, each labelled with one of 2 classes, padded as `batch`'s labels (-100)."""
+    tokens = batch(step)
+    labels = tokens["labels"].remainder(2).where(tokens["labels"] != -100, -100)
+    return {"input_ids": tokens["input_ids"], "labels": labels}
+
+
+#: The batch of each kind: language models predict their tokens, classifiers get labels of 2 classes.
+BATCHES = {"seq_cls": class_batch, "token_cls": token_class_batch}
+
+
+def builder(model_type: str, class_name: str, kind: str = "causal_lm") -> tuple[Any, str | None]:
     """(a zero-argument builder of the float64 model, None), or (None, why it cannot be built)."""
     import transformers
 
@@ -84,30 +131,49 @@ def builder(model_type: str, class_name: str) -> tuple[Any, str | None]:
     if cls is None:
         return None, f"no class {class_name}"
     try:
-        config = tiny_config(model_type)
+        config = tiny_config(model_type, cls)
         with torch.device("meta"):
             count = sum(p.numel() for p in cls(config).parameters())
-        if count > MAX_PARAMETERS:
-            return None, f"{count:,} parameters with the generic config"
-
-        def build() -> torch.nn.Module:  # sw.check builds each copy under its own seed and lock
-            return cls(config).double()
-
-        build()(**batch(0)).loss.backward()  # one process runs it at all
     except Exception as exc:  # noqa: BLE001 - the family's own code refusing the generic config
         return None, f"{type(exc).__name__}: {str(exc)[:120]}"
-    return build, None
+    if count > MAX_PARAMETERS:
+        return None, f"{count:,} parameters with the generic config"
+
+    def build() -> torch.nn.Module:  # sw.check builds each copy under its own seed and lock
+        return cls(config).double()
+
+    for retry in (False, True):  # one process runs it at all
+        try:
+            build()(**BATCHES.get(kind, batch)(0)).loss.backward()
+            return build, None
+        except Exception as exc:  # noqa: BLE001
+            if retry or not getattr(config, "output_router_logits", False):
+                return None, f"{type(exc).__name__}: {str(exc)[:120]}"
+            config.output_router_logits = False  # a family whose own load-balancing loss fails (Flint, NLLB-MoE)
+    raise AssertionError("unreachable")
 
 
-def outcome(model_type: str, class_name: str, strategy: Any) -> str:
-    """What `sw.check` makes of the family under `strategy` (module docstring)."""
+#: Strategies that apply to some families only: why a family's config leaves them nothing to do.
+NEEDS = {"ep": ("output_router_logits", "no experts"), "tp:hf": ("base_model_tp_plan", "no tensor-parallel plan")}
+#: The sweep's names of mesh strategies: experts, pipeline stages, sequences split over 2 ranks.
+MESHES = {"ep": {"ep": 2}, "pp": {"pp": 2}, "cp": {"cp": 2}}
+
+
+def outcome(model_type: str, class_name: str, strategy: Any, kind: str = "causal_lm") -> str:
+    """What `sw.check` makes of the family under `strategy` (module docstring; "ep" / "pp" / "cp": experts, pipeline
+    stages, sequences over 2 ranks (`MESHES`); "tp:hf": the family's own tensor-parallel plan over 2 ranks; "ep" and
+    "tp:hf" are "inapplicable: ..." for a family with nothing to split)."""
     import shardwise as sw
 
-    build, why = builder(model_type, class_name)
+    build, why = builder(model_type, class_name, kind)
     if build is None:
         return f"unbuildable: {why}"
+    if isinstance(strategy, str):
+        if strategy in NEEDS and getattr(build().config, NEEDS[strategy][0], None) in (None, {}):
+            return f"inapplicable: {NEEDS[strategy][1]}"
+        strategy = MESHES.get(strategy, strategy)
     try:
-        report = sw.check(build, batch, strategy=strategy, world_size=2, steps=2, timeout=120)
+        report = sw.check(build, BATCHES.get(kind, batch), strategy=strategy, world_size=2, steps=2, timeout=120)
     except ValueError as exc:
         return f"refused: {str(exc)[:160]}"
     except sw.LaunchError as exc:
