@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from . import dropout_regions
 from .compiled import break_graph_here, eager_while_traced, graph_tracing
 
 __all__ = ["DropoutStream", "attach", "generator_for", "generator_for_random", "group_seed",
@@ -79,10 +80,11 @@ class DropoutStream:
         self.counter += 1
         return _mix(self.seed, self.counter)
 
-    def draw(self, key: tuple) -> int:
-        """The next seed, recorded under `key` (a dropout input's) for a recompute to replay."""
+    def draw(self, key: tuple, place: int = 0) -> int:
+        """The next seed, mixed with `place` when not 0 (a rank's own in a parallel region: dropout_regions.py),
+        recorded under `key` (a dropout input's) for a recompute to replay."""
         self.thread = threading.get_ident()
-        seed = self.next_seed()
+        seed = self.next_seed() if not place else _mix(self.next_seed(), place)
         self.replayed.pop(key, None)  # a new forward on this input: a recompute is of it now
         self.records.setdefault(key, []).append(seed)
         self.records.move_to_end(key)
@@ -179,6 +181,7 @@ def _enter_now(module: nn.Module) -> None:
     calls.append(module)
     if _local.stream is None and module.training:
         _local.stream, _local.since = stream, len(calls)
+        dropout_regions.leave()  # a model's forward starts outside its parallel regions
 
 
 def _leave_now(module: nn.Module) -> None:
@@ -187,6 +190,7 @@ def _leave_now(module: nn.Module) -> None:
         return  # a call this thread did not enter eagerly (dynamo traced its hook), or one `_enter_now` passed over
     if _local.stream is not None and _local.since == len(calls):
         _local.stream = None
+        dropout_regions.leave()
     calls.pop()
 
 
@@ -244,7 +248,7 @@ def generator_for(input: torch.Tensor, kind: str, device: torch.device) -> torch
         break_graph_here()  # dynamo keeps this call out of its graph and runs it eagerly, drawing from the stream
     key = _key(input, kind)
     if not backward:
-        seed = stream.draw(key)
+        seed = stream.draw(key, dropout_regions.place() if stream is _local.stream else 0)
     else:
         found = _recorded(key)
         if found is not None:

@@ -45,6 +45,7 @@ from ..agreement import check_agreement, describe_parameters, fingerprints
 from ..comm.base import Communicator, is_communicator
 from ..compiled import refuse_compiled
 from ..dropout_functions import install as install_dropout_stream
+from ..dropout_regions import mark_regions
 from ..dropout_stream import group_seed
 from ..optimizer_guard import register_wrapped
 from ..param_hooks import carry_grad_hooks
@@ -264,6 +265,10 @@ def parallelize(model: nn.Module, comm: Communicator, plan: str | dict[str, obje
     name_slices(model)  # the split parameters answer for the dense ones (layer_base.py), under their model names
     if comm.size > 1:  # replicated activations need the same dropout masks on every rank (dropout_stream.py)
         install_dropout_stream(model, group_seed(comm, distinct=sp))
+        if not sp:  # split ones each rank's own (dropout_regions.py); under sp every draw is (group_seed)
+            layers = list(model.modules())
+            mark_regions([m for m in layers if isinstance(m, ColumnParallelLinear) and not m.gather_output],
+                         [m for m in layers if isinstance(m, RowParallelLinear)], comm.rank)
     object.__setattr__(model, "_shardwise_tp", TensorParallelState(comm, sp, sequence_dim, plan_name, styles))
     layout.declare(model, layout.Parallelized(
         "tensor_parallel", (comm,), tensor_parallel_placements(model, comm, head_rows), world=comm,
