@@ -6,7 +6,8 @@ plan, passed as a dict, was refused for its style names. Each family is checked 
 `sw.check` (two AdamW steps with weight decay): the plain styles (GPT-NeoX's fused per-head query_key_value, Phi,
 Nemotron), the gathered ones (OLMo 2's q/k/v, Phi-3's fused qkv_proj and gate_up_proj), HuggingFace's
 "replicated_with_grad_allreduce" per-head norms (Qwen 3), experts kept whole with the patterns of a family's other
-variants skipped (Qwen 3 MoE), a head tied to the embedding, with ZeRO-3 over dp and on pipeline stages; and what
+variants skipped (Qwen 3 MoE), a head tied to the embedding, an attention's per-head sinks split with its heads
+("local_params" and the sinks "colwise": Granite SWA), with ZeRO-3 over dp and on pipeline stages; and what
 it cannot map is refused by name: a style it does not know, a model without a plan, and the one plan HuggingFace
 ships that trains wrong (Apertus's, which leaves the activation's learned scalars out) at the first step.
 """
@@ -35,6 +36,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3Moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                "head_dim": 8}),
     "llama_tied": ("Llama", {"tie_word_embeddings": True}),
+    # its attention's sinks (one logit per head): "local_params" with the sinks "colwise" (refused before)
+    "granite_swa": ("GraniteSWA", {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}),
 }
 
 

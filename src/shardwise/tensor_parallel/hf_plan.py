@@ -15,6 +15,8 @@ compute on local shards (every attention reshapes by ``-1`` heads), so each styl
 ``packed_colwise`` on a Linear                       ``Colwise(fused=2)`` (a [gate | up] projection)
 ``embedding_rowwise``                                ``Vocab()``
 ``replicated_with_grad_allreduce``                   ``Heads()`` (Qwen 3's, Gemma 3's per-head q_norm / k_norm)
+``local_params`` on an attention, ``colwise`` on     ``HeadRows()`` on the attention (Granite SWA's, MiMo-V2's
+its parameters                                       ``sinks``: each rank keeps its heads' rows; head_rows.py)
 ``sequence_parallel``                                ``Sequence()``
 ``replicate``                                        left whole
 ``moe_tp_experts`` (and the ``packed_colwise`` /     the experts stay whole on every rank, as under plan "llama":
@@ -22,8 +24,8 @@ compute on local shards (every attention reshapes by ``-1`` heads), so each styl
 parameters)
 ==================================================  =============================================================
 
-Any other style (``mla_kv_a_proj``: use plan "llama", which splits DeepSeek-V3's latent attention; ``local_params``,
-``all_reduce``, ``moe_identity_expert``, ``embedding_colwise``) is a ValueError naming it, as is a model without a plan.
+Any other style (``mla_kv_a_proj``: use plan "llama", which splits DeepSeek-V3's latent attention; ``all_reduce``,
+``moe_identity_expert``, ``embedding_colwise``) is a ValueError naming it, as is a model without a plan.
 A pattern that matches nothing in this model is skipped (a family's plan covers its variants, as HuggingFace's own
 loader skips it); a head tied to an embedding the plan leaves whole stays whole with it. A parameter of an attention
 whose heads the plan splits, which the plan leaves whole (Doge's `A`), is refused here; anything else the plan leaves
@@ -36,7 +38,7 @@ from typing import Any
 
 from torch import nn
 
-from .styles import Colwise, Heads, Rowwise, Sequence, Style, Vocab, check_divides, pattern_matches
+from .styles import Colwise, HeadRows, Heads, Rowwise, Sequence, Style, Vocab, check_divides, pattern_matches
 
 __all__ = ["hf_plan", "HF_STYLES"]
 
@@ -49,6 +51,7 @@ HF_STYLES: dict[str, Style | None] = {
     "sequence_parallel": Sequence(), "replicate": None,
 }
 _EXPERTS = "moe_tp_experts"
+_LOCAL_PARAMS = "local_params"  # an attention that reads its own parameters' rows of this rank's heads
 _EXPERT_PARAMS = ("packed_colwise", "rowwise", "colwise", "packed_rowwise")  # styles of the experts' parameters
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
 
@@ -97,10 +100,11 @@ def hf_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     modules = dict(model.named_modules())
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     experts = [p for p, s in plan.items() if s == _EXPERTS]
+    local_params = {p for p, s in plan.items() if s == _LOCAL_PARAMS}
     out: dict[str, Style] = {}
     for pattern, style in plan.items():
-        if style == _EXPERTS:
-            continue
+        if style in (_EXPERTS, _LOCAL_PARAMS):
+            continue  # a module the plan says computes on this rank's rows of its parameters: those patterns follow
         hits = [name for name in modules if name and pattern_matches(name, pattern)]
         param_hits = not hits and any(pattern_matches(name, pattern) for name in params)
         if not hits and not param_hits:
@@ -109,6 +113,9 @@ def hf_plan(model: nn.Module, tp: int) -> dict[str, Style]:
             owner = pattern.rpartition(".")[0]
             if style in _EXPERT_PARAMS and owner in experts:
                 continue  # the experts' own parameters: they stay whole with their module
+            if style == "colwise" and owner in local_params:
+                out[owner] = HeadRows()  # an attention's parameter of one row per head (GPT-OSS-style sinks)
+                continue
             raise ValueError(f"parallelize: plan='hf': the model's plan splits the parameter pattern {pattern!r} "
                              f"({style!r}) outside a mixture-of-experts block; shardwise splits modules; pass a "
                              f"plan dict instead")
@@ -120,11 +127,12 @@ def hf_plan(model: nn.Module, tp: int) -> dict[str, Style]:
             raise _refuse(pattern, style)
         out[pattern] = HF_STYLES[style]
     _check_heads(model, out, tp)
-    _check_attention_parameters(modules, out)
+    _check_attention_parameters(modules, out, plan)
     return out
 
 
-def _check_attention_parameters(modules: dict[str, nn.Module], plan: dict[str, Style]) -> None:
+def _check_attention_parameters(modules: dict[str, nn.Module], plan: dict[str, Style], given: dict[str, str]
+                                ) -> None:
     """An attention whose projections the plan splits by heads while it holds a parameter of its own that the plan
     leaves whole (Doge's per-head `A`: every rank would combine all heads' values with its own heads, a shape error
     deep in the forward) is refused here, naming the parameter. A plan that leaves the attention whole (its MLP
@@ -135,6 +143,10 @@ def _check_attention_parameters(modules: dict[str, nn.Module], plan: dict[str, S
             isinstance(style, Colwise) and not style.gather_output and pattern_matches(f"{name}.{child}", pattern)
             for pattern, style in plan.items())]
         own = [n for n, _ in module.named_parameters(recurse=False)]
+        rows = any(isinstance(style, HeadRows) and pattern_matches(name, p) for p, style in plan.items())
+        if rows:  # "head_rows" splits every parameter of the module: each must be one the model's plan splits
+            own = [n for n in own if not any(pattern_matches(f"{name}.{n}", p) and s == "colwise"
+                                             for p, s in given.items())]
         if split and own:
             shape = tuple(getattr(module, own[0]).shape)
             raise ValueError(f"parallelize: plan='hf': {name}.{own[0]} {shape} is a parameter of the attention "
