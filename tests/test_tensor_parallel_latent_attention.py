@@ -37,10 +37,23 @@ def test_latent_attention_with_the_other_axes(mesh):
     assert report.ok, str(report)
 
 
+def test_a_latent_attention_whose_forward_is_deepseek_v3s_trains_like_one_process():
+    """GLM-4-MoE-Lite's attention runs DeepSeek-V3's forward byte for byte (refused before as unknown)."""
+    config = transformers.Glm4MoeLiteConfig(**{**SMALL, **FAMILIES["deepseek_v3"][1]})
+    report = sw.check(lambda: transformers.Glm4MoeLiteForCausalLM(config), padded, strategy="tp:llama", world_size=2,
+                      steps=2)
+    assert report.ok, str(report)
+
+
 def test_an_unknown_latent_attention_is_refused_by_name():
     model = _deepseek()()
     attn = model.model.layers[1].self_attn
-    attn.__class__ = type("MyLatentAttention", (type(attn),), {})
+    dense = type(attn)
+
+    def forward(self, *args, **kwargs):  # a forward of its own: what it computes is not read
+        return dense.forward(self, *args, **kwargs)
+
+    attn.__class__ = type("MyLatentAttention", (dense,), {"forward": forward})
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn \(MyLatentAttention\) is a latent attention the "
                                          r"plan does not know \(it splits DeepseekV3Attention\)"):
         tp.parallelize(model, sw.init(), "llama")

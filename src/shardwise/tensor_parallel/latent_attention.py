@@ -13,8 +13,9 @@ backward gives only its heads' part of its gradient. `share_rope_key` mixes into
 that passes the rope key through ``f`` (identity forward, all-reduce of the gradient backward), which makes it the sum
 over every head, as in one process.
 
-Only `LATENT_ATTENTIONS` are split: their forward reshapes the up projections' outputs with ``-1`` heads, so a rank's
-share of the heads flows through unchanged.
+Only `LATENT_ATTENTIONS` are split, and attentions whose forward is theirs byte for byte (GLM-4-MoE-Lite's, Youtu's):
+their forward reshapes the up projections' outputs with ``-1`` heads, so a rank's share of the heads flows through
+unchanged.
 """
 
 from __future__ import annotations
@@ -45,10 +46,20 @@ def is_latent_attention(module: nn.Module, up: type[nn.Module] = nn.Linear) -> b
     return isinstance(getattr(module, "kv_b_proj", None), up) and hasattr(module, "kv_a_proj_with_mqa")
 
 
+def _runs_a_known_forward(attn: nn.Module) -> bool:
+    """Whether `attn`'s forward is, byte for byte, that of one of `LATENT_ATTENTIONS` (a family transformers generates
+    from DeepSeek-V3: GLM-4-MoE-Lite's, Youtu's); its parameters are then checked as theirs are."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from ..experts.hf_kinds import model_forward, same_code
+
+    return same_code(model_forward(attn), vars(DeepseekV3Attention)["forward"])
+
+
 def latent_attention_plan(name: str, attn: nn.Module, tp: int) -> dict[str, Style]:
     """The up projections of one latent attention, column-parallel; ValueError naming what the plan cannot split."""
     kind = type(attn).__name__
-    if kind not in LATENT_ATTENTIONS:
+    if kind not in LATENT_ATTENTIONS and not _runs_a_known_forward(attn):
         raise ValueError(f"tensor parallel plan 'llama': {name} ({kind}) is a latent attention the plan does not know "
                          f"(it splits {', '.join(LATENT_ATTENTIONS)}); pass a plan dict, or use tp=1 for this model")
     check_divides(f"the number of attention heads of {name} (num_heads)", attn.num_heads, tp)
