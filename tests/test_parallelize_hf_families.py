@@ -7,7 +7,8 @@ losses, per microbatch), Phi-3 (a sliding window of 5 on 16 tokens, partial rota
 every other layer), GLM (partial rotary), SmolLM3 (layers without rotary), StarCoder2 (a window; LayerNorm; its
 embedding dropout is the first stage's), Gemma 2 (attention and final soft caps, a window), Gemma 3 (local layers
 rotating by their own base), Granite (embedding, residual, attention multipliers and a logit scale), Granite-MoE
-(Granite's with Mixtral's router loss, per microbatch), Cohere (a logit scale) and DeepSeek-V3 (latent attention with
+(Granite's with Mixtral's router loss, per microbatch), Cohere (a logit scale), Cohere 2 (its scale, sliding layers
+that alone rotate), Ministral (sliding and full layers by layer type) and DeepSeek-V3 (latent attention with
 a value head of another size, a dense first layer, routed and shared experts, split over ep=2 x dp=2). Five families
 transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
 same way. JetMoE, not known to be Llama-shaped, is refused by name."""
@@ -49,6 +50,9 @@ FAMILIES = {
                                   "attention_multiplier": 0.3, "num_local_experts": 4, "num_experts_per_tok": 2,
                                   **MOE_LOSS}, "zero3"),
     "cohere": ("Cohere", {"logit_scale": 0.25}, "cp"),
+    "cohere2": ("Cohere2", {"num_hidden_layers": 4, "logit_scale": 0.25, "sliding_window": 5}, "zero3"),
+    "ministral": ("Ministral", {"num_hidden_layers": 4, "head_dim": 8, "sliding_window": 5,
+                                "layer_types": ["sliding_attention", "full_attention"] * 2}, "cp"),
     "deepseek_v3": ("DeepseekV3", {"num_hidden_layers": 3, "num_key_value_heads": 4, "n_routed_experts": 4,
                                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16,
                                    "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,

@@ -8,9 +8,9 @@ process):
 
 * an embedding multiplier (Granite, Granite-MoE: ``inputs_embeds * embedding_multiplier``): `embedding_multiplier`;
   dropout of the embeddings in training (StarCoder2's ``embedding_dropout``): `embedding_dropout`;
-* a transform of the logits (Granite divides by ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2 and
-  Gemma 3 cap them as ``cap * tanh(logits / cap)`` with ``final_logit_softcapping``): `LogitsOutput`, read at call
-  time from the config as the model's forward reads it;
+* a transform of the logits (Granite divides by ``logits_scaling``, Cohere and Cohere 2 multiply by ``logit_scale``,
+  Gemma 2 and Gemma 3 cap them as ``cap * tanh(logits / cap)`` with ``final_logit_softcapping``): `LogitsOutput`,
+  read at call time from the config as the model's forward reads it;
 * rotary embeddings per layer type (Gemma 3's local layers rotate by another base, OLMo 3's too:
   ``rotary_emb(x, positions, layer_type)``): `rotary_layer_type`.
 
@@ -40,10 +40,11 @@ __all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_dropout", "embedding_multi
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
                 "qwen3_moe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm",
-                "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3")
+                "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2")
 _GRANITE = ("granite", "granitemoe")  # an embedding multiplier and a logit scale
 
 _SOFTCAPPED = ("gemma2", "gemma3_text")
+_SCALED = ("cohere", "cohere2")  # logits times logit_scale
 
 
 def pipeline_kinds(model: nn.Module) -> tuple[str, str] | None:
@@ -103,7 +104,7 @@ class LogitsOutput:
     def __init__(self, model: nn.Module, kind: str | None = None) -> None:
         self.config = model.config
         self.kind = kind or model.config.model_type
-        self.logit_scale = getattr(model, "logit_scale", None) if self.kind == "cohere" else None
+        self.logit_scale = getattr(model, "logit_scale", None) if self.kind in _SCALED else None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.kind in _SOFTCAPPED and self.config.final_logit_softcapping is not None:
@@ -111,7 +112,7 @@ class LogitsOutput:
             return torch.tanh(logits / cap) * cap  # transformers' order: / cap, tanh, * cap
         if self.kind in _GRANITE:
             return logits / self.config.logits_scaling
-        if self.kind == "cohere":
+        if self.kind in _SCALED:
             return logits * self.logit_scale
         return logits
 
