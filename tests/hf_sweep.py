@@ -1,13 +1,14 @@
 """Every model family of one of transformers' auto mappings, built tiny from a generic config and put through
-`sw.check` (tests/test_hf_families_sweep.py: `make soak`, about 10 minutes on 2 cores; two families in
+`sw.check` (tests/test_hf_families_sweep.py: `make soak`, about 14 minutes on 2 cores; two families in
 `make test`).
 
 Each family's config class is built with the size, expert and dropout fields it has set small or to zero (`TINY`,
-`tiny_config`; load-balancing losses on); the model is built on the meta device first to count its parameters (a sub-config the generic fields
-miss can make it large: skipped above `MAX_PARAMETERS`), then for real, in float64 (a correct strategy agrees with
-one process to ~1e-12 there, so a difference is news, not rounding). The batch is 4 rows of 16 tokens with labels
-padded unevenly (-100), so the token mean over the global batch is exercised (classifiers: labels of 2 classes, a
-token classifier's padded alike). `outcome` says what happened:
+`VISION`, `tiny_config`; load-balancing losses on); the model is built on the meta device first to count its
+parameters (a sub-config the generic fields miss can make it large: skipped above `MAX_PARAMETERS`), then for real,
+in float64 (a correct strategy agrees with one process to ~1e-12 there, so a difference is news, not rounding). The
+batch is 4 rows of 16 tokens with labels padded unevenly (-100), so the token mean over the global batch is exercised
+(classifiers: labels of 2 classes, a token classifier's padded alike; "padded_lm": with an attention mask over the
+padding; images: 4 of 3 x 32 x 32). `outcome` says what happened:
 
 * "ok": every phase matched one process;
 * "refused: ...": the strategy raised a clear error naming the model's part and the choice (a ValueError, or DDP's
@@ -38,41 +39,52 @@ TINY: dict[str, Any] = dict(
     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, dropout=0.0, attention_dropout_prob=0.0, classifier_dropout=0.0,
     router_jitter_noise=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0, layerdrop=0.0, dropout_rate=0.0,
     activation_dropout=0.0, residual_dropout=0.0)
+#: The same for image classifiers (ViT's patches and widths, ConvNeXt's and ResNet's stages), 32 x 32 RGB images.
+VISION: dict[str, Any] = dict(
+    image_size=32, num_channels=3, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=64, hidden_sizes=[8, 16], depths=[1, 1], embedding_size=8, embed_dim=16, num_heads=[2, 2],
+    window_size=2, encoder_stride=4, mlp_ratio=2.0, layer_scale_init_value=1e-2, dims=[8, 16], num_stages=2,
+    num_labels=2)
 MAX_PARAMETERS = 20_000_000
 
 
 def mapping(kind: str) -> dict[str, str]:
     """model type -> class name of transformers' auto mapping `kind`: "causal_lm", "masked_lm", "seq2seq",
-    "seq_cls" (sequence classification) or "token_cls" (token classification)."""
+    "seq_cls" (sequence classification), "token_cls" (token classification), "padded_lm" (the causal LMs, given an
+    attention mask over the padding) or "image_cls" (image classification)."""
     from transformers.models.auto import modeling_auto as auto
 
     names = {"causal_lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked_lm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
              "seq2seq": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
              "seq_cls": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-             "token_cls": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES}[kind]
+             "token_cls": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+             "padded_lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+             "image_cls": auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}[kind]
     return {model_type: cls if isinstance(cls, str) else cls[0] for model_type, cls in names.items()}
 
 
 def _is_dropout(key: str, value: Any) -> bool:
     """A config field that sets a dropout probability (ALBERT's classifier_dropout_prob, DistilBERT's
-    seq_classif_dropout, XLNet's summary_last_dropout ...), which the generic fields miss."""
-    return ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0
+    seq_classif_dropout, XLNet's summary_last_dropout ...) or stochastic depth (drop_path_rate), which the generic
+    fields miss."""
+    return any(word in key for word in ("dropout", "pdrop", "drop_path", "drop_connect", "stochastic_depth")) \
+        and isinstance(value, float) and value > 0
 
 
-def tiny_config(model_type: str, cls: Any = None) -> Any:
+def tiny_config(model_type: str, cls: Any = None, kind: str = "causal_lm") -> Any:
     """The family's config (the class's own `config_class` where the model type's is not one: a text config under a
     multimodal model type) with every `TINY` field it has passed to its constructor, so the fields it derives (a head
     size from the rotary size) agree, and every dropout probability 0. Multi-head latent attention gets as many
     key-value heads as query heads; a hybrid keeps one layer of each of its first two layer types (two
     linear-attention layers leave it no attention cache); experts run transformers' eager loop (its grouped matmul
-    has no float64 kernel)."""
+    has no float64 kernel). An image classifier gets `VISION`'s fields."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class, own = getattr(cls, "config_class", None), CONFIG_MAPPING[model_type]
     if config_class is None or issubclass(own, config_class):  # InternLM 3's config for the LlamaForCausalLM it maps
         config_class = own
     default = config_class()
-    fields = {key: value for key, value in TINY.items() if hasattr(default, key)}
+    fields = {key: value for key, value in (VISION if kind == "image_cls" else TINY).items() if hasattr(default, key)}
     fields.update({key: 0.0 for key, value in vars(default).items() if _is_dropout(key, value)})
     if hasattr(default, "kv_lora_rank"):
         fields["num_key_value_heads"] = TINY["num_attention_heads"]
@@ -119,8 +131,21 @@ def token_class_batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": tokens["input_ids"], "labels": labels}
 
 
+def padded_batch(step: int) -> dict[str, torch.Tensor]:
+    """`batch` with an attention mask over its padding (rows 0 and 1 from 3 and 9 on), as a padded SFT batch."""
+    tokens = batch(step)
+    return {**tokens, "attention_mask": (tokens["labels"] != -100).long()}
+
+
+def image_batch(step: int) -> dict[str, torch.Tensor]:
+    """4 float64 images of 3 x 32 x 32, labelled with one of 2 classes."""
+    pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+    return {"pixel_values": pixels, "labels": torch.tensor([0, 1, 1, 0]).roll(step)}
+
+
 #: The batch of each kind: language models predict their tokens, classifiers get labels of 2 classes.
-BATCHES = {"seq_cls": class_batch, "token_cls": token_class_batch}
+BATCHES = {"seq_cls": class_batch, "token_cls": token_class_batch, "padded_lm": padded_batch,
+           "image_cls": image_batch}
 
 
 def builder(model_type: str, class_name: str, kind: str = "causal_lm") -> tuple[Any, str | None]:
@@ -131,7 +156,7 @@ def builder(model_type: str, class_name: str, kind: str = "causal_lm") -> tuple[
     if cls is None:
         return None, f"no class {class_name}"
     try:
-        config = tiny_config(model_type, cls)
+        config = tiny_config(model_type, cls, kind)
         with torch.device("meta"):
             count = sum(p.numel() for p in cls(config).parameters())
     except Exception as exc:  # noqa: BLE001 - the family's own code refusing the generic config
@@ -155,8 +180,15 @@ def builder(model_type: str, class_name: str, kind: str = "causal_lm") -> tuple[
 
 #: Strategies that apply to some families only: why a family's config leaves them nothing to do.
 NEEDS = {"ep": ("output_router_logits", "no experts"), "tp:hf": ("base_model_tp_plan", "no tensor-parallel plan")}
-#: The sweep's names of mesh strategies: experts, pipeline stages, sequences split over 2 ranks.
-MESHES = {"ep": {"ep": 2}, "pp": {"pp": 2}, "cp": {"cp": 2}}
+def zero3_sync(model: torch.nn.Module, comm: Any) -> torch.nn.Module:
+    """ZeRO-3 with every BatchNorm normalising by the global batch (batch_norm="sync")."""
+    import shardwise as sw
+
+    return sw.ZeRO(model, comm, stage=3, batch_norm="sync")
+
+
+#: The sweep's names of mesh and wrapper strategies: experts, pipeline stages, sequences split over 2 ranks.
+MESHES = {"ep": {"ep": 2}, "pp": {"pp": 2}, "cp": {"cp": 2}, "zero3+sync": zero3_sync}
 
 
 def outcome(model_type: str, class_name: str, strategy: Any, kind: str = "causal_lm") -> str:
