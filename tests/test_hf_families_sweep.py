@@ -18,10 +18,10 @@ pytest.importorskip("transformers")
 
 import hf_sweep  # noqa: E402
 
-STRATEGIES = {"causal_lm": ("zero3", "fsdp", "ddp", "ep", "tp:hf", "pp", "cp"), "masked_lm": ("zero3", "ddp:find_unused"),
-              "seq2seq": ("zero3", "ddp:find_unused"), "seq_cls": ("zero3", "ddp:find_unused"),
-              "token_cls": ("zero3", "ddp:find_unused"), "padded_lm": ("zero3", "ep", "pp", "cp"),
-              "image_cls": ("zero3", "ddp:find_unused", "zero3+sync")}
+STRATEGIES = {"causal_lm": ("zero3", "fsdp", "ddp", "ep", "tp:hf", "pp", "cp"),
+              "masked_lm": ("zero3", "ddp:find_unused"), "seq2seq": ("zero3", "ddp:find_unused"),
+              "seq_cls": ("zero3", "ddp:find_unused"), "token_cls": ("zero3", "ddp:find_unused"),
+              "padded_lm": ("zero3", "ep", "pp", "cp"), "image_cls": ("zero3", "ddp:find_unused", "zero3+sync")}
 
 
 def _cases() -> list:
