@@ -8,7 +8,8 @@ every other layer), GLM (partial rotary), SmolLM3 (layers without rotary), StarC
 embedding dropout is the first stage's), Gemma 2 (attention and final soft caps, a window), Gemma 3 (local layers
 rotating by their own base), Granite (embedding, residual, attention multipliers and a logit scale), Granite-MoE
 (Granite's with Mixtral's router loss, per microbatch), Cohere (a logit scale), Cohere 2 (its scale, sliding layers
-that alone rotate), Ministral (sliding and full layers by layer type) and DeepSeek-V3 (latent attention with
+that alone rotate), Ministral (sliding and full layers by layer type), Phi (its final norm named final_layernorm,
+LayerNorms, partial rotary) and DeepSeek-V3 (latent attention with
 a value head of another size, a dense first layer, routed and shared experts, split over ep=2 x dp=2). Five families
 transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
 same way. JetMoE, not known to be Llama-shaped, is refused by name."""
@@ -51,6 +52,7 @@ FAMILIES = {
                                   **MOE_LOSS}, "zero3"),
     "cohere": ("Cohere", {"logit_scale": 0.25}, "cp"),
     "cohere2": ("Cohere2", {"num_hidden_layers": 4, "logit_scale": 0.25, "sliding_window": 5}, "zero3"),
+    "phi": ("Phi", {"partial_rotary_factor": 0.5, "embd_pdrop": 0.0}, "zero3"),
     "ministral": ("Ministral", {"num_hidden_layers": 4, "head_dim": 8, "sliding_window": 5,
                                 "layer_types": ["sliding_attention", "full_attention"] * 2}, "cp"),
     "deepseek_v3": ("DeepseekV3", {"num_hidden_layers": 3, "num_key_value_heads": 4, "n_routed_experts": 4,
@@ -84,10 +86,14 @@ def test_starcoder2s_two_layer_mlp_is_split_by_the_llama_plan_on_pipeline_stages
     assert report.ok, str(report)
 
 
-def test_starcoder2s_embedding_dropout_is_the_first_stages():
+@pytest.mark.parametrize("family", ["starcoder2", "phi"])
+def test_the_embedding_dropout_is_the_first_stages(family):
     torch.manual_seed(0)
-    model = builder("starcoder2")()
-    model.model.embedding_dropout = 0.5
+    model = builder(family)()
+    if family == "phi":
+        model.model.embed_dropout.p = 0.5
+    else:
+        model.model.embedding_dropout = 0.5
     first = hf_stages.llama_pipeline_layers(model)[0]
     ids = torch.randint(0, 64, (2, 16))
     dropped = first(ids)

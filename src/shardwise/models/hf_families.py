@@ -7,7 +7,8 @@ positions and the rotary embeddings), the final norm, ``lm_head``. The families 
 process):
 
 * an embedding multiplier (Granite, Granite-MoE: ``inputs_embeds * embedding_multiplier``): `embedding_multiplier`;
-  dropout of the embeddings in training (StarCoder2's ``embedding_dropout``): `embedding_dropout`;
+  dropout of the embeddings in training (StarCoder2's ``embedding_dropout``, Phi's ``embed_dropout``):
+  `embedding_dropout`; the final norm under another name (Phi's ``final_layernorm``): `final_norm`;
 * a transform of the logits (Granite divides by ``logits_scaling``, Cohere and Cohere 2 multiply by ``logit_scale``,
   Gemma 2 and Gemma 3 cap them as ``cap * tanh(logits / cap)`` with ``final_logit_softcapping``): `LogitsOutput`,
   read at call time from the config as the model's forward reads it;
@@ -34,13 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_dropout", "embedding_multiplier", "pipeline_kinds",
-           "rotary_layer_type"]
+__all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_dropout", "embedding_multiplier", "final_norm",
+           "pipeline_kinds", "rotary_layer_type"]
 
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
                 "qwen3_moe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm",
-                "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2")
+                "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
+                "phi")
 _GRANITE = ("granite", "granitemoe")  # an embedding multiplier and a logit scale
 
 _SOFTCAPPED = ("gemma2", "gemma3_text")
@@ -89,11 +91,19 @@ def embedding_multiplier(model: nn.Module, kind: str | None = None) -> float | N
 
 
 def embedding_dropout(model: nn.Module, kind: str | None = None) -> float:
-    """StarCoder2's dropout probability of the token embeddings in training (0.0: the family has none). kind: as
-    for `embedding_multiplier`."""
-    if (kind or model.config.model_type) == "starcoder2":
+    """StarCoder2's and Phi's dropout probability of the token embeddings in training (0.0: the family has none).
+    kind: as for `embedding_multiplier`."""
+    kind = kind or model.config.model_type
+    if kind == "starcoder2":
         return float(model.model.embedding_dropout)
+    if kind == "phi":
+        return float(model.model.embed_dropout.p)
     return 0.0
+
+
+def final_norm(kind: str | None) -> str:
+    """Where the family keeps the norm after its last layer (Phi's ``final_layernorm``; Llama's ``norm``)."""
+    return "model.final_layernorm" if kind == "phi" else "model.norm"
 
 
 class LogitsOutput:

@@ -58,7 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .hf_families import LogitsOutput, embedding_dropout, embedding_multiplier, pipeline_kinds, rotary_layer_type
+from .hf_families import (LogitsOutput, embedding_dropout, embedding_multiplier, final_norm, pipeline_kinds,
+                          rotary_layer_type)
 from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
                               padding_of, passed_on, stage_documents)
 
@@ -238,15 +239,15 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     """
     who = "llama_pipeline_layers"
     expected = "a Llama-style causal LM (model.model.embed_tokens, .layers, .norm, .rotary_emb; model.lm_head)"
+    base, head = pipeline_kinds(model) or (None, None)  # a family generated from a listed one: that one's extras
     parts = {name: _submodule(model, path, who, expected) for name, path in (
-        ("embed_tokens", "model.embed_tokens"), ("layers", "model.layers"), ("norm", "model.norm"),
+        ("embed_tokens", "model.embed_tokens"), ("layers", "model.layers"), ("norm", final_norm(base)),
         ("rotary_emb", "model.rotary_emb"), ("lm_head", "lm_head"))}
     config = model.config
     masks = CausalMasks(StagePositions(cp, zigzag))
     _check_attention(config, who, masks.positions)
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
-    base, head = pipeline_kinds(model) or (None, None)  # a family generated from a listed one: that one's extras
     return [
         LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model, base),
                             embedding_multiplier(model, base)),
