@@ -61,10 +61,9 @@ def pipeline_kinds(model: nn.Module) -> tuple[str, str] | None:
     base = getattr(model, "model", None)
     if not isinstance(base, nn.Module):
         return None
-    forwards = _listed_forwards()
-    matches = [next((k for k, (b, _) in forwards.items() if same_code(model_forward(base), b)), None),
-               next((k for k, (_, lm) in forwards.items() if same_code(model_forward(model), lm)), None)]
-    return (matches[0], matches[1]) if None not in matches else None
+    forwards, mine = _listed_forwards(), (model_forward(base), model_forward(model))
+    matches = tuple(next((k for k, theirs in forwards.items() if same_code(mine[i], theirs[i])), None) for i in (0, 1))
+    return matches if None not in matches else None
 
 
 @functools.cache
