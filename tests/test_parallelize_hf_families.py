@@ -9,8 +9,11 @@ embedding dropout is the first stage's), Gemma 2 (attention and final soft caps,
 rotating by their own base), Granite (embedding, residual, attention multipliers and a logit scale), Granite-MoE
 (Granite's with Mixtral's router loss, per microbatch), Cohere (a logit scale), Cohere 2 (its scale, sliding layers
 that alone rotate), Ministral (sliding and full layers by layer type), Phi (its final norm named final_layernorm,
-LayerNorms, partial rotary) and DeepSeek-V3 (latent attention with
-a value head of another size, a dense first layer, routed and shared experts, split over ep=2 x dp=2). Five families
+LayerNorms, partial rotary), DeepSeek-V3 (latent attention with a value head of another size, a dense first layer,
+routed and shared experts, split over ep=2 x dp=2), Nemotron, StableLM, Persimmon (final_layernorm), MiniMax-M2
+(Mixtral's router loss), Hunyuan V3 (shared experts), MiniCPM3 (its head's input divided by logits_scaling), HyperCLOVA
+X (an embedding multiplier, logits times logits_scaling), nanochat (its final norm before the layers too, soft-capped
+logits) and GPT-NeoX (Pythia: its base model gpt_neox, embed_in, final_layer_norm, parallel residual). Five families
 transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
 same way. JetMoE, not known to be Llama-shaped, is refused by name."""
 
@@ -60,6 +63,18 @@ FAMILIES = {
                                    "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
                                    "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 6, "n_group": 1,
                                    "topk_group": 1, "pad_token_id": 0}, "ep"),
+    "nemotron": ("Nemotron", {"head_dim": 8}, "zero3"),  # LayerNorm1P, partial rotary
+    "stablelm": ("StableLm", {"use_qkv_bias": True, "qk_layernorm": True}, "cp"),
+    "persimmon": ("Persimmon", {}, "zero3"),  # its final norm named final_layernorm
+    "minimax_m2": ("MiniMaxM2", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, **MOE_LOSS},
+                   "zero3"),  # Mixtral's forwards without a window, its router loss per microbatch
+    "hy_v3": ("HYV3", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+                       "moe_intermediate_size": 16, "mlp_layer_types": ["dense", "sparse"]}, "cp"),
+    "minicpm3": ("MiniCPM3", {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 4,
+                              "qk_rope_head_dim": 4, "v_head_dim": 8, "dim_model_base": 8}, "zero3"),  # head input / 4
+    "hyperclovax": ("HyperCLOVAX", {"embedding_multiplier": 3.0, "logits_scaling": 0.25}, "cp"),
+    "nanochat": ("NanoChat", {"final_logit_softcapping": 0.5}, "zero3"),  # its final norm before the layers too
+    "gpt_neox": ("GPTNeoX", {"hidden_dropout": 0.0, "attention_bias": True}, "cp"),  # Pythia's names
 }
 MESHES = {"zero3": {"pp": 2, "dp": 2, "dp_strategy": "zero3"}, "cp": {"pp": 2, "cp": 2},
           "ep": {"pp": 2, "dp": 2, "ep": 2}}
@@ -86,21 +101,24 @@ def test_starcoder2s_two_layer_mlp_is_split_by_the_llama_plan_on_pipeline_stages
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("family", ["starcoder2", "phi"])
+@pytest.mark.parametrize("family", ["starcoder2", "phi", "gpt_neox"])
 def test_the_embedding_dropout_is_the_first_stages(family):
     torch.manual_seed(0)
     model = builder(family)()
     if family == "phi":
         model.model.embed_dropout.p = 0.5
+    elif family == "gpt_neox":
+        model.gpt_neox.emb_dropout.p = 0.5
     else:
         model.model.embedding_dropout = 0.5
+    embed = model.get_input_embeddings()
     first = hf_stages.llama_pipeline_layers(model)[0]
     ids = torch.randint(0, 64, (2, 16))
     dropped = first(ids)
     assert 0.3 < float((dropped == 0).float().mean()) < 0.7  # about half of the embeddings dropped, in training
-    torch.testing.assert_close(dropped[dropped != 0], 2 * model.model.embed_tokens(ids)[dropped != 0])
+    torch.testing.assert_close(dropped[dropped != 0], 2 * embed(ids)[dropped != 0])
     first.eval()
-    torch.testing.assert_close(first(ids), model.model.embed_tokens(ids))
+    torch.testing.assert_close(first(ids), embed(ids))
 
 
 #: Families transformers generates from listed ones: their forwards are a listed family's byte code

@@ -6,12 +6,17 @@ positions and the rotary embeddings), the final norm, ``lm_head``. The families 
 (checked against each family's source in transformers 5.x, and by tests/test_parallelize_hf_families.py against one
 process):
 
-* an embedding multiplier (Granite, Granite-MoE: ``inputs_embeds * embedding_multiplier``): `embedding_multiplier`;
-  dropout of the embeddings in training (StarCoder2's ``embedding_dropout``, Phi's ``embed_dropout``):
-  `embedding_dropout`; the final norm under another name (Phi's ``final_layernorm``): `final_norm`;
-* a transform of the logits (Granite divides by ``logits_scaling``, Cohere and Cohere 2 multiply by ``logit_scale``,
-  Gemma 2 and Gemma 3 cap them as ``cap * tanh(logits / cap)`` with ``final_logit_softcapping``): `LogitsOutput`,
-  read at call time from the config as the model's forward reads it;
+* an embedding multiplier (Granite, Granite-MoE, HyperCLOVA X: ``inputs_embeds * embedding_multiplier``):
+  `embedding_multiplier`; dropout of the embeddings in training (StarCoder2's ``embedding_dropout``, Phi's
+  ``embed_dropout``, GPT-NeoX's ``emb_dropout``): `embedding_dropout`; the final norm applied to the embeddings too
+  (nanochat's ``norm`` before the layers): `normed_embeddings`;
+* modules under other names (Phi's and Persimmon's final norm ``final_layernorm``; GPT-NeoX's (Pythia's) base model
+  ``gpt_neox`` with ``embed_in`` and ``final_layer_norm``): `module_paths`;
+* a transform of the head's input (MiniCPM3 divides the hidden states by ``logits_scaling``): `HeadInput`; of the
+  logits (Granite divides by ``logits_scaling``, HyperCLOVA X multiplies by it, Cohere and Cohere 2 multiply by
+  ``logit_scale``, Gemma 2, Gemma 3 and nanochat cap them as ``cap * tanh(logits / cap)`` with
+  ``final_logit_softcapping``): `LogitsOutput`; both read at call time from the config as the model's forward
+  reads it;
 * rotary embeddings per layer type (Gemma 3's local layers rotate by another base, OLMo 3's too:
   ``rotary_emb(x, positions, layer_type)``): `rotary_layer_type`.
 
@@ -35,30 +40,34 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LLAMA_SHAPED", "LogitsOutput", "embedding_dropout", "embedding_multiplier", "final_norm",
-           "pipeline_kinds", "rotary_layer_type"]
+__all__ = ["LLAMA_SHAPED", "HeadInput", "LogitsOutput", "base_model", "embedding_dropout", "embedding_multiplier",
+           "module_paths", "normed_embeddings", "pipeline_kinds", "rotary_layer_type"]
 
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
                 "qwen3_moe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm",
                 "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
-                "phi")
-_GRANITE = ("granite", "granitemoe")  # an embedding multiplier and a logit scale
+                "phi", "nemotron", "stablelm", "persimmon", "minimax_m2", "hy_v3", "minicpm3", "hyperclovax",
+                "nanochat", "gpt_neox")
+_GRANITE = ("granite", "granitemoe")  # an embedding multiplier and logits divided by logits_scaling
+_MULTIPLIED = (*_GRANITE, "hyperclovax")  # inputs_embeds * embedding_multiplier
 
-_SOFTCAPPED = ("gemma2", "gemma3_text")
+_SOFTCAPPED = ("gemma2", "gemma3_text", "nanochat")
 _SCALED = ("cohere", "cohere2")  # logits times logit_scale
+_TIMES_LOGITS_SCALING = ("hyperclovax",)  # logits times config.logits_scaling (muP)
+_FINAL_LAYERNORM = ("phi", "persimmon")  # the final norm named final_layernorm
 
 
 def pipeline_kinds(model: nn.Module) -> tuple[str, str] | None:
-    """(the listed family whose base-model forward ``model.model`` runs, the one whose causal-LM forward `model`
-    runs): the model's own type twice for a listed family, the families whose byte code its forwards are for one
+    """(the listed family whose base-model forward the base model (``model.model``) runs, the one whose causal-LM
+    forward `model` runs): the model's own type twice for a listed family, the families whose byte code its forwards are for one
     generated from them (module docstring), None for any other model."""
     from ..experts.hf_kinds import model_forward, same_code
 
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind in LLAMA_SHAPED:
         return kind, kind
-    base = getattr(model, "model", None)
+    base = base_model(model)
     if not isinstance(base, nn.Module):
         return None
     forwards, mine = _listed_forwards(), (model_forward(base), model_forward(model))
@@ -81,28 +90,70 @@ def _listed_forwards() -> dict[str, tuple[Any, Any]]:
     return found
 
 
+def base_model(model: nn.Module) -> nn.Module | None:
+    """The model's base model (``model.model``; GPT-NeoX's ``model.gpt_neox``: HuggingFace's ``base_model_prefix``)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
+    return base if isinstance(base, nn.Module) else None
+
+
+def module_paths(model: nn.Module, kind: str | None = None) -> dict[str, str]:
+    """Where the model keeps what the stages hold: ``embed_tokens``, ``layers``, ``norm`` (after the last layer),
+    ``rotary_emb`` and ``lm_head`` -> their paths in `model`. kind: the listed family whose base-model forward the
+    model runs (`pipeline_kinds`; default its own type), which names them."""
+    kind = kind or model.config.model_type
+    prefix = getattr(model, "base_model_prefix", "") or "model"
+    if kind == "gpt_neox":  # Pythia's names
+        embed, norm = "embed_in", "final_layer_norm"
+    else:
+        embed, norm = "embed_tokens", "final_layernorm" if kind in _FINAL_LAYERNORM else "norm"
+    return {"embed_tokens": f"{prefix}.{embed}", "layers": f"{prefix}.layers", "norm": f"{prefix}.{norm}",
+            "rotary_emb": f"{prefix}.rotary_emb", "lm_head": "lm_head"}
+
+
 def embedding_multiplier(model: nn.Module, kind: str | None = None) -> float | None:
-    """Granite's multiplier of the token embeddings (None: the family has none). kind: the listed family whose
-    base-model forward the model runs (`pipeline_kinds`; default its own type)."""
-    if (kind or model.config.model_type) in _GRANITE:
-        return float(model.model.embedding_multiplier)
+    """Granite's and HyperCLOVA X's multiplier of the token embeddings (None: the family has none). kind: the listed
+    family whose base-model forward the model runs (`pipeline_kinds`; default its own type)."""
+    if (kind or model.config.model_type) in _MULTIPLIED:
+        return float(base_model(model).embedding_multiplier)
     return None
 
 
 def embedding_dropout(model: nn.Module, kind: str | None = None) -> float:
-    """StarCoder2's and Phi's dropout probability of the token embeddings in training (0.0: the family has none).
-    kind: as for `embedding_multiplier`."""
+    """StarCoder2's, Phi's and GPT-NeoX's dropout probability of the token embeddings in training (0.0: the family
+    has none). kind: as for `embedding_multiplier`."""
     kind = kind or model.config.model_type
+    base = base_model(model)
     if kind == "starcoder2":
-        return float(model.model.embedding_dropout)
+        return float(base.embedding_dropout)
     if kind == "phi":
-        return float(model.model.embed_dropout.p)
+        return float(base.embed_dropout.p)
+    if kind == "gpt_neox":
+        return float(base.emb_dropout.p)
     return 0.0
 
 
-def final_norm(kind: str | None) -> str:
-    """Where the family keeps the norm after its last layer (Phi's ``final_layernorm``; Llama's ``norm``)."""
-    return "model.final_layernorm" if kind == "phi" else "model.norm"
+def normed_embeddings(kind: str | None) -> bool:
+    """Whether the family's forward applies its final norm to the embeddings too, before the first layer
+    (nanochat: one parameterless RMSNorm used twice)."""
+    return kind == "nanochat"
+
+
+class HeadInput:
+    """What the family's causal LM does to the final hidden states before ``lm_head`` (MiniCPM3 divides them by
+    ``logits_scaling``); the identity for Llama's. kind: the listed family whose causal-LM forward the model runs
+    (`pipeline_kinds`; default its own type). The config is read at each call, as the model's forward reads it."""
+
+    def __init__(self, model: nn.Module, kind: str | None = None) -> None:
+        self.config = model.config
+        self.kind = kind or model.config.model_type
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kind == "minicpm3":
+            return hidden / self.config.logits_scaling
+        return hidden
+
+    def __repr__(self) -> str:
+        return f"HeadInput({self.kind})"
 
 
 class LogitsOutput:
@@ -123,6 +174,8 @@ class LogitsOutput:
             return logits / self.config.logits_scaling
         if self.kind in _SCALED:
             return logits * self.logit_scale
+        if self.kind in _TIMES_LOGITS_SCALING:
+            return logits * self.config.logits_scaling
         return logits
 
     def __repr__(self) -> str:

@@ -58,8 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .hf_families import (LogitsOutput, embedding_dropout, embedding_multiplier, final_norm, pipeline_kinds,
-                          rotary_layer_type)
+from .hf_families import (HeadInput, LogitsOutput, embedding_dropout, embedding_multiplier, module_paths,
+                          normed_embeddings, pipeline_kinds, rotary_layer_type)
 from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
                               padding_of, passed_on, stage_documents)
 
@@ -115,15 +115,17 @@ def _layer_inputs(config: object, masks: CausalMasks, hidden: torch.Tensor, posi
 class LlamaEmbeddingStage(nn.Module):
     """First stage of a Llama-style model: ``embed_tokens(input_ids)``, (B, T) int -> (B, T, d); times `multiplier`
     when given (Granite's ``embedding_multiplier``); then dropout with probability `dropout` in training, as
-    StarCoder2's forward drops out the embeddings (``embedding_dropout``)."""
+    StarCoder2's forward drops out the embeddings (``embedding_dropout``); then `norm` when given (nanochat's final
+    norm, which its forward applies before the layers too)."""
 
     def __init__(self, embed_tokens: nn.Module, positions: StagePositions | None = None, dropout: float = 0.0,
-                 multiplier: float | None = None) -> None:
+                 multiplier: float | None = None, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self._positions = positions if positions is not None else StagePositions()
         self.dropout = float(dropout)
         self.multiplier = multiplier
+        self.norm = norm
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> Any:
@@ -134,6 +136,8 @@ class LlamaEmbeddingStage(nn.Module):
             hidden = hidden * self.multiplier
         if self.dropout:
             hidden = F.dropout(hidden, p=self.dropout, training=self.training)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
         return passed_on(hidden, given_positions(position_ids, input_ids, who),
                          padding_of(attention_mask, input_ids, self._positions, who))
 
@@ -186,18 +190,21 @@ class LlamaDecoderStage(nn.Module):
 
 class HFHeadStage(nn.Module):
     """Last stage: ``lm_head(norm(hidden))``, (B, T, d) -> logits (B, T, V) (Llama's RMSNorm, GPT-2's ln_f), then
-    `output` of them when given (a family's logit scale or soft cap: hf_families.LogitsOutput)."""
+    `output` of them when given (a family's logit scale or soft cap: hf_families.LogitsOutput); `head_input` of the
+    normed hidden states before ``lm_head`` when given (MiniCPM3's division: hf_families.HeadInput)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, output: Callable[[torch.Tensor], torch.Tensor] | None = None
-                 ) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, output: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 head_input: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.output = output
+        self.head_input = head_input
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.lm_head(self.norm(hidden))  # packed rows' positions and padded rows' documents end here
+        hidden = self.norm(hidden)  # packed rows' positions and padded rows' documents end here
+        logits = self.lm_head(hidden if self.head_input is None else self.head_input(hidden))
         return logits if self.output is None else self.output(logits)
 
 
@@ -228,7 +235,8 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
 
     `model` is a ``transformers.LlamaForCausalLM`` or a model of the same structure (hf_families.LLAMA_SHAPED, and
     the families generated from them: hf_families.pipeline_kinds):
-    ``model.model.embed_tokens``, ``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head``. The stages hold
+    ``model.model.embed_tokens``, ``.layers``, ``.norm``, ``.rotary_emb`` and ``model.lm_head`` (or the family's own
+    names: hf_families.module_paths). The stages hold
     those modules (no copies); applying them in order to input_ids (B, T) gives ``model(input_ids).logits``.
     Raises ValueError naming what is missing for another structure, and for an attention implementation other
     than eager or sdpa.
@@ -240,9 +248,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     who = "llama_pipeline_layers"
     expected = "a Llama-style causal LM (model.model.embed_tokens, .layers, .norm, .rotary_emb; model.lm_head)"
     base, head = pipeline_kinds(model) or (None, None)  # a family generated from a listed one: that one's extras
-    parts = {name: _submodule(model, path, who, expected) for name, path in (
-        ("embed_tokens", "model.embed_tokens"), ("layers", "model.layers"), ("norm", final_norm(base)),
-        ("rotary_emb", "model.rotary_emb"), ("lm_head", "lm_head"))}
+    parts = {name: _submodule(model, path, who, expected) for name, path in module_paths(model, base).items()}
     config = model.config
     masks = CausalMasks(StagePositions(cp, zigzag))
     _check_attention(config, who, masks.positions)
@@ -250,11 +256,11 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     layers = list(parts["layers"])[: config.num_hidden_layers]
     return [
         LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model, base),
-                            embedding_multiplier(model, base)),
+                            embedding_multiplier(model, base), parts["norm"] if normed_embeddings(base) else None),
         *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks,
                             rotary_layer_type(parts["rotary_emb"], config, i))
           for i, layer in enumerate(layers)),
-        HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head)),
+        HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head), HeadInput(model, head)),
     ]
 
 
