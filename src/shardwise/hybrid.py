@@ -102,7 +102,7 @@ class HybridModel(ModelNamedState):
     """
 
     def __init__(self, pipe: pp.Pipeline, mesh: Mesh, plan: Plan, gather_vocab: bool, names: list[str],
-                 split_targets: bool = True, begin_step: Callable[[Any, int], None] | None = None,
+                 split_targets: bool = True, begin_step: Callable[..., None] | None = None,
                  balance_carried: bool = False) -> None:
         super().__init__()
         self._split_targets = split_targets  # False: the loss takes whole sequences (HF's labels under cp)
@@ -174,7 +174,7 @@ class HybridModel(ModelNamedState):
         whole). Returns (inputs, targets) as the pipeline takes them."""
         self._loss_scale = float(loss_scale)
         if self._begin_step is not None and targets is not None:  # a loss over the step's global batch counts first
-            self._begin_step(targets, self.pipe.n_microbatches)
+            self._begin_step(targets, self.pipe.n_microbatches, inputs)
         return self._split_sequence(inputs), self._split_sequence(targets) if self._split_targets else targets
 
     def _sequences_mean(self, loss: torch.Tensor) -> torch.Tensor:

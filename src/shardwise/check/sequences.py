@@ -49,7 +49,7 @@ def chunked_loss(dp: Communicator, cp: Communicator) -> Callable[[nn.Module, Any
             inputs = {k: split_sequence(v, cp) if isinstance(v, torch.Tensor) else v  # use_cache=False as it is
                       for k, v in batch.items() if k != "labels"}
             out = model(**inputs)
-            chunk_loss.begin_step(batch["labels"], 1)
+            chunk_loss.begin_step(batch["labels"], 1, batch)
             return chunk_loss(out.logits, batch["labels"]) + _router_loss(model, out)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             out = model(*split_sequence(tuple(batch), cp))

@@ -35,7 +35,8 @@ from . import hf_stages
 from .hf_families import LLAMA_SHAPED, pipeline_kinds
 from .hf_router_loss import carry_router_statistics, router_loss_coef
 
-__all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "pipeline_builder", "router_loss_coef"]
+__all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "labels_at_padding", "pipeline_builder",
+           "router_loss_coef"]
 
 #: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
 BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
@@ -62,7 +63,10 @@ class GlobalCausalLMLoss:
     schedule runs, counts the labels that are not -100 (shifted left by one, as HuggingFace shifts them) and sums
     the count over the data-parallel ranks: N. A microbatch's loss is then its cross-entropy sum times
     dp x cp x n_microbatches / N, so the pipeline's mean over microbatches and the data-parallel average over dp x cp
-    make sum(every cross-entropy) / N, one process's loss, whatever the rows' padding."""
+    make sum(every cross-entropy) / N, one process's loss, whatever the rows' padding.
+
+    Given the step's `inputs` too (a dict with ``attention_mask``, or ``(input_ids, position_ids, attention_mask)``),
+    it refuses a label predicted at a padding position (`labels_at_padding`), on every data-parallel rank at once."""
 
     def __init__(self, dp: Communicator, cp: Communicator, zigzag: bool = True) -> None:
         from ..context_parallel.split import SequenceSplit
@@ -71,17 +75,21 @@ class GlobalCausalLMLoss:
         self.split = SequenceSplit(cp.size, zigzag) if cp.size > 1 else None
         self.factor: torch.Tensor | None = None
 
-    def begin_step(self, labels: Any, n_microbatches: int) -> None:
+    def begin_step(self, labels: Any, n_microbatches: int, inputs: Any = None) -> None:
         if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
             raise ValueError(f"parallelize: HuggingFace's causal-LM loss takes step(input_ids, labels) with labels "
                              f"a (batch, sequence) tensor, got {type(labels).__name__}"
                              f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else ''}")
-        count = (hf_stages.shifted_labels(labels) != hf_stages.IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-        count = count.to(self.dp.device)
+        scored = hf_stages.shifted_labels(labels) != hf_stages.IGNORE_INDEX
+        stray = labels_at_padding(inputs, scored)
+        # (label count, labels at padding): one all-reduce, so that every rank refuses a stray label together
+        counts = torch.stack([scored.sum(), stray.sum()]).to(torch.float64).to(self.dp.device)
         if self.dp.size > 1:
-            self.dp.all_reduce(count)
+            self.dp.all_reduce(counts)
+        if counts[1] > 0:
+            raise ValueError(_stray_label_message(labels, stray, int(counts[1])))
         # No label anywhere: 0 x inf = NaN, HuggingFace's mean over no label.
-        self.factor = self.dp.size * self.cp.size * n_microbatches / count
+        self.factor = self.dp.size * self.cp.size * n_microbatches / counts[:1]
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.factor is None:
@@ -98,6 +106,37 @@ class GlobalCausalLMLoss:
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mine.reshape(-1),
                                 ignore_index=hf_stages.IGNORE_INDEX, reduction="sum")
         return total * self.factor.to(device=total.device, dtype=total.dtype).reshape(())
+
+
+def labels_at_padding(inputs: Any, scored: torch.Tensor) -> torch.Tensor:
+    """Where a label is scored (`scored`: the labels shifted left by one, as HuggingFace's loss pairs them with the
+    logits, are not -100) at a padding position of the step's `inputs` (``attention_mask`` 0), (B, T) bool; all False
+    without a mask of that shape.
+
+    Why refused: HuggingFace's loss scores the logits at t against label t + 1, and a padding token's logits are an
+    artefact of how the attention treats it (a padding query after left padding sees no key at all: transformers'
+    eager attention spreads it over every key, NaN in float64, SDPA gives it zeros; after right padding it sees the
+    tokens before it). The stages, and context parallel, let a padding token see itself only (hf_stage_inputs,
+    context_parallel/documents.py), so such a label would train on other numbers than one process's, silently."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, dict) else \
+        inputs[2] if isinstance(inputs, (tuple, list)) and len(inputs) > 2 else None
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(scored.shape):
+        return torch.zeros_like(scored)
+    return scored & (mask.to(scored.device) == 0)
+
+
+def _stray_label_message(labels: torch.Tensor, stray: torch.Tensor, total: int) -> str:
+    where = stray.nonzero()
+    if len(where):
+        row, t = (int(i) for i in where[0])
+        first = (f"this rank's row {row}: label {int(labels[row, t + 1])} at position {t + 1} would be predicted by "
+                 f"the logits at position {t}, a padding token (attention_mask 0)")
+    else:
+        first = "all on other data-parallel ranks' rows"
+    return (f"parallelize: {total} label(s) of the step are predicted at padding positions ({first}). A padding "
+            f"token's logits are not one process's here (each sees only itself; transformers' own eager and SDPA "
+            f"attention disagree there too): set the labels to -100 on the padding and, after left padding, on each "
+            f"row's first token")
 
 
 def hf_pipeline(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, dp: Communicator,
