@@ -139,7 +139,7 @@ def test_training_the_stages_gives_the_models_own_gradients():
 
 def test_errors_name_the_problem():
     model = llama()
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no module 'model.embed_tokens'; expected a Llama"):
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no module 'transformer.embed_tokens'; expected a Llama"):
         llama_pipeline_layers(gpt2())
     with pytest.raises(ValueError, match=r"LlamaForCausalLM has no module 'transformer.wte'; expected a GPT-2"):
         gpt2_pipeline_layers(model)

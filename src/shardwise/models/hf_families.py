@@ -48,7 +48,7 @@ LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
                 "qwen3_moe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm",
                 "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
                 "phi", "nemotron", "stablelm", "persimmon", "minimax_m2", "hy_v3", "minicpm3", "hyperclovax",
-                "nanochat", "gpt_neox")
+                "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _GRANITE = ("granite", "granitemoe")  # an embedding multiplier and logits divided by logits_scaling
 _MULTIPLIED = (*_GRANITE, "hyperclovax")  # inputs_embeds * embedding_multiplier
 
@@ -60,8 +60,8 @@ _FINAL_LAYERNORM = ("phi", "persimmon")  # the final norm named final_layernorm
 
 def pipeline_kinds(model: nn.Module) -> tuple[str, str] | None:
     """(the listed family whose base-model forward the base model (``model.model``) runs, the one whose causal-LM
-    forward `model` runs): the model's own type twice for a listed family, the families whose byte code its forwards are for one
-    generated from them (module docstring), None for any other model."""
+    forward `model` runs): the model's own type twice for a listed family, the families whose byte code its forwards
+    are for one generated from them (module docstring), None for any other model."""
     from ..experts.hf_kinds import model_forward, same_code
 
     kind = getattr(getattr(model, "config", None), "model_type", None)

@@ -150,10 +150,16 @@ class LlamaDecoderStage(nn.Module):
     ``(cos, sin)`` from the model's own ``rotary_emb`` (a module without parameters, shared by every decoder
     stage; of the layer's type `rotary_type` when given: hf_families.rotary_layer_type), and the additive causal
     mask (sliding-window when ``window`` is set; none under context parallel); then calls ``layer`` with them.
+
+    recurrent: the layer mixes tokens by a linear-attention recurrence (Qwen3-Next's and Qwen3.5's gated DeltaNet
+    layers, ``layer_types`` "linear_attention"), which is causal by itself: it takes, as transformers'
+    ``create_recurrent_attention_mask`` gives it, the 2-D padding mask (1 a token, 0 padding: the padding's inputs
+    zeroed so they do not enter the recurrence) or None. Packed rows raise: the recurrence would run from one
+    document into the next.
     """
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: object, window: int | None,
-                 masks: CausalMasks, rotary_type: str | None = None) -> None:
+                 masks: CausalMasks, rotary_type: str | None = None, recurrent: bool = False) -> None:
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
@@ -161,6 +167,7 @@ class LlamaDecoderStage(nn.Module):
         self.window = window
         self._masks = masks
         self.rotary_type = rotary_type
+        self.recurrent = recurrent
         # > 1: the hidden states come as sequence shards of that many ranks (tensor_parallel/hf_sequence.py: every
         # layer after the first), and the mask and positions are those of the whole sequence the attention gathers
         self.sequence_split = 1
@@ -173,11 +180,22 @@ class LlamaDecoderStage(nn.Module):
             B, T, d = hidden.shape
             whole = hidden.new_empty(1, 1, 1).expand(B, T * self.sequence_split, d)
         given, positions, documents = _layer_inputs(self.config, self._masks, whole, position_ids, documents, who)
+        mask = self._recurrent_mask(given, documents) if self.recurrent else \
+            self._masks(whole, self.window, who, given, documents)
         with packed_layer(self.layer, self._masks.positions, given, documents):
-            out = self.layer(hidden, attention_mask=self._masks(whole, self.window, who, given, documents),
-                             position_ids=positions, position_embeddings=self._rotary(whole, positions))
+            out = self.layer(hidden, attention_mask=mask, position_ids=positions,
+                             position_embeddings=self._rotary(whole, positions))
         # Older transformers returned a 1-tuple (hidden,); 5.x returns the tensor.
         return passed_on(out[0] if isinstance(out, tuple) else out, given, documents)
+
+    def _recurrent_mask(self, given: torch.Tensor | None, documents: torch.Tensor | None) -> torch.Tensor | None:
+        if given is not None:
+            raise ValueError(f"LlamaDecoderStage: packed rows (position_ids) reach {type(self.layer).__name__}, a "
+                             f"linear-attention layer, whose recurrence would run from one document into the next "
+                             f"(transformers' own forward does too, without its flash-linear-attention kernels); "
+                             f"give rows of one sequence each, padded with an attention_mask")
+        # padding's documents are negative (context_parallel/documents.py): multiplying by 1 leaves a token as it is
+        return None if documents is None else (documents >= 0).long()
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
         if self.rotary_type is None:
@@ -185,7 +203,7 @@ class LlamaDecoderStage(nn.Module):
         return self.rotary_emb(hidden, positions, self.rotary_type)
 
     def extra_repr(self) -> str:
-        return f"window={self.window}"
+        return "recurrent" if self.recurrent else f"window={self.window}"
 
 
 class HFHeadStage(nn.Module):
@@ -193,7 +211,8 @@ class HFHeadStage(nn.Module):
     `output` of them when given (a family's logit scale or soft cap: hf_families.LogitsOutput); `head_input` of the
     normed hidden states before ``lm_head`` when given (MiniCPM3's division: hf_families.HeadInput)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, output: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def __init__(self, norm: nn.Module, lm_head: nn.Module,
+                 output: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  head_input: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.norm = norm
@@ -221,12 +240,18 @@ def _layer_window(config: object, index: int, who: str) -> int | None:
     if layer_types is None:  # Llama has no sliding window; Mistral applies config.sliding_window to every layer
         return getattr(config, "sliding_window", None)
     kind = layer_types[index]
-    if kind == "full_attention":
+    if kind in ("full_attention", "linear_attention"):  # a linear-attention layer takes no causal mask (_recurrent)
         return None
     if kind == "sliding_attention":
         return config.sliding_window
-    raise ValueError(f"{who}: decoder layer {index} has layer type {kind!r}; supported 'full_attention' and "
-                     f"'sliding_attention'")
+    raise ValueError(f"{who}: decoder layer {index} has layer type {kind!r}; supported 'full_attention', "
+                     f"'sliding_attention' and 'linear_attention'")
+
+
+def _recurrent(config: object, index: int) -> bool:
+    """Whether decoder layer `index` is a linear-attention layer (LlamaDecoderStage's `recurrent`)."""
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is not None and layer_types[index] == "linear_attention"
 
 
 def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zigzag: bool = True
@@ -258,7 +283,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
         LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model, base),
                             embedding_multiplier(model, base), parts["norm"] if normed_embeddings(base) else None),
         *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks,
-                            rotary_layer_type(parts["rotary_emb"], config, i))
+                            rotary_layer_type(parts["rotary_emb"], config, i), _recurrent(config, i))
           for i, layer in enumerate(layers)),
         HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head), HeadInput(model, head)),
     ]
