@@ -48,7 +48,7 @@ LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
                 "qwen3_moe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm",
                 "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
                 "phi", "nemotron", "stablelm", "persimmon", "minimax_m2", "hy_v3", "minicpm3", "hyperclovax",
-                "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+                "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama4_text")
 _GRANITE = ("granite", "granitemoe")  # an embedding multiplier and logits divided by logits_scaling
 _MULTIPLIED = (*_GRANITE, "hyperclovax")  # inputs_embeds * embedding_multiplier
 
@@ -90,9 +90,16 @@ def _listed_forwards() -> dict[str, tuple[Any, Any]]:
     return found
 
 
+def _base_prefix(model: nn.Module) -> str:
+    """The attribute holding the base model: HuggingFace's ``base_model_prefix`` where the model has it (GPT-NeoX's
+    ``gpt_neox``), else ``model`` (Llama 4's causal LM names ``language_model`` but holds ``model``)."""
+    prefix = getattr(model, "base_model_prefix", "") or "model"
+    return prefix if isinstance(getattr(model, prefix, None), nn.Module) else "model"
+
+
 def base_model(model: nn.Module) -> nn.Module | None:
-    """The model's base model (``model.model``; GPT-NeoX's ``model.gpt_neox``: HuggingFace's ``base_model_prefix``)."""
-    base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
+    """The model's base model (``model.model``; GPT-NeoX's ``model.gpt_neox``)."""
+    base = getattr(model, _base_prefix(model), None)
     return base if isinstance(base, nn.Module) else None
 
 
@@ -101,7 +108,7 @@ def module_paths(model: nn.Module, kind: str | None = None) -> dict[str, str]:
     ``rotary_emb`` and ``lm_head`` -> their paths in `model`. kind: the listed family whose base-model forward the
     model runs (`pipeline_kinds`; default its own type), which names them."""
     kind = kind or model.config.model_type
-    prefix = getattr(model, "base_model_prefix", "") or "model"
+    prefix = _base_prefix(model)
     if kind == "gpt_neox":  # Pythia's names
         embed, norm = "embed_in", "final_layer_norm"
     else:

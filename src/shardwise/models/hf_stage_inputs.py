@@ -137,6 +137,11 @@ class StagePositions:
         return positions
 
 
+def _ref(tensor: torch.Tensor | None) -> Any:
+    """A weak reference to `tensor`, or for None a callable returning None (so `ref() is tensor` holds either way)."""
+    return weakref.ref(tensor) if tensor is not None else lambda: None
+
+
 class CausalMasks:
     """The additive causal masks of one model's decoder stages, built once per (T, window, dtype, device) (for packed
     rows once per microbatch's position tensor and window), and the stages' position ids (`positions`).
@@ -151,13 +156,17 @@ class CausalMasks:
     def __init__(self, positions: StagePositions) -> None:
         self._latest: dict[int | None, tuple[tuple, torch.Tensor]] = {}
         self._packed: dict[int | None, tuple[weakref.ref, tuple, torch.Tensor | None]] = {}
+        self._chunks: dict[tuple, tuple[Any, Any, torch.Tensor]] = {}
         self.positions = positions
 
     def __call__(self, hidden: torch.Tensor, window: int | None, who: str,
-                 packed: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor | None:
+                 packed: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                 chunk: int | None = None) -> torch.Tensor | None:
         B, T = hidden.shape[:2]
         if self.positions.cp is not None:  # ring / Ulysses attention masks causally (and by the window) itself
             return None
+        if chunk is not None:
+            return self._chunked(hidden, chunk, who, packed, documents)
         if documents is not None or packed is not None:  # padding's documents, as transformers, before packing's
             mask = self._documents_mask(hidden, window, documents if documents is not None else packed,
                                         documents is None)
@@ -174,6 +183,30 @@ class CausalMasks:
             mask = torch.where(blocked, torch.finfo(hidden.dtype).min, zero).view(1, 1, T, T)
             hit = self._latest[window] = (key, mask)
         return hit[1].expand(B, 1, T, T)
+
+    def _chunked(self, hidden: torch.Tensor, chunk: int, who: str, packed: torch.Tensor | None,
+                 documents: torch.Tensor | None) -> torch.Tensor:
+        """The mask of a chunked-attention layer (Llama 4's ``attention_chunk_size``): the causal mask (by document,
+        as `__call__` builds it) with every key of another chunk hidden too. Chunks are counted as transformers'
+        ``create_chunked_causal_mask`` counts them: from each row's first token after its left padding, or for packed
+        rows (no padding mask) from each document's start, by its position ids. Kept for the latest (documents,
+        packed positions) pair, by identity, as the documents' masks are."""
+        key = (hidden.shape[1], hidden.dtype, hidden.device, chunk)
+        hit = self._chunks.get(key)
+        if hit is None or hit[0]() is not documents or hit[1]() is not packed:
+            T = hidden.shape[1]
+            causal = self(hidden[:1] if documents is None and packed is None else hidden, None, who, packed, documents)
+            where = torch.arange(T, device=hidden.device).unsqueeze(0)
+            if documents is not None:  # (a padding mask replaces what packed positions would say, as in transformers)
+                where = where - ((documents >= 0).long().cumsum(-1) == 0).sum(-1, keepdim=True).to(hidden.device)
+            elif packed is not None:
+                where = packed.to(hidden.device)
+            place = torch.div(where, chunk, rounding_mode="floor")  # (b, T): the chunk of each token
+            other = (place.unsqueeze(-1) != place.unsqueeze(-2)).unsqueeze(1)  # (b, 1, T, T)
+            mask = causal.masked_fill(other, torch.finfo(hidden.dtype).min)
+            hit = self._chunks[key] = (_ref(documents), _ref(packed), mask)
+        mask = hit[2]
+        return mask.expand(hidden.shape[0], *mask.shape[1:])
 
     def _documents_mask(self, hidden: torch.Tensor, window: int | None, marks: torch.Tensor, from_positions: bool
                         ) -> torch.Tensor | None:

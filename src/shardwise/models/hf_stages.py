@@ -151,6 +151,9 @@ class LlamaDecoderStage(nn.Module):
     stage; of the layer's type `rotary_type` when given: hf_families.rotary_layer_type), and the additive causal
     mask (sliding-window when ``window`` is set; none under context parallel); then calls ``layer`` with them.
 
+    chunk: the layer attends within chunks of that many tokens (Llama 4's chunked-attention layers,
+    ``attention_chunk_size``): its mask hides the keys of other chunks too (hf_stage_inputs.CausalMasks).
+
     recurrent: the layer mixes tokens by a linear-attention recurrence (Qwen3-Next's and Qwen3.5's gated DeltaNet
     layers, ``layer_types`` "linear_attention"), which is causal by itself: it takes, as transformers'
     ``create_recurrent_attention_mask`` gives it, the 2-D padding mask (1 a token, 0 padding: the padding's inputs
@@ -159,7 +162,8 @@ class LlamaDecoderStage(nn.Module):
     """
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: object, window: int | None,
-                 masks: CausalMasks, rotary_type: str | None = None, recurrent: bool = False) -> None:
+                 masks: CausalMasks, rotary_type: str | None = None, recurrent: bool = False,
+                 chunk: int | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
@@ -168,6 +172,7 @@ class LlamaDecoderStage(nn.Module):
         self._masks = masks
         self.rotary_type = rotary_type
         self.recurrent = recurrent
+        self.chunk = chunk
         # > 1: the hidden states come as sequence shards of that many ranks (tensor_parallel/hf_sequence.py: every
         # layer after the first), and the mask and positions are those of the whole sequence the attention gathers
         self.sequence_split = 1
@@ -181,7 +186,7 @@ class LlamaDecoderStage(nn.Module):
             whole = hidden.new_empty(1, 1, 1).expand(B, T * self.sequence_split, d)
         given, positions, documents = _layer_inputs(self.config, self._masks, whole, position_ids, documents, who)
         mask = self._recurrent_mask(given, documents) if self.recurrent else \
-            self._masks(whole, self.window, who, given, documents)
+            self._masks(whole, self.window, who, given, documents, self.chunk)
         with packed_layer(self.layer, self._masks.positions, given, documents):
             out = self.layer(hidden, attention_mask=mask, position_ids=positions,
                              position_embeddings=self._rotary(whole, positions))
@@ -203,7 +208,7 @@ class LlamaDecoderStage(nn.Module):
         return self.rotary_emb(hidden, positions, self.rotary_type)
 
     def extra_repr(self) -> str:
-        return "recurrent" if self.recurrent else f"window={self.window}"
+        return "recurrent" if self.recurrent else f"chunk={self.chunk}" if self.chunk else f"window={self.window}"
 
 
 class HFHeadStage(nn.Module):
@@ -240,12 +245,20 @@ def _layer_window(config: object, index: int, who: str) -> int | None:
     if layer_types is None:  # Llama has no sliding window; Mistral applies config.sliding_window to every layer
         return getattr(config, "sliding_window", None)
     kind = layer_types[index]
-    if kind in ("full_attention", "linear_attention"):  # a linear-attention layer takes no causal mask (_recurrent)
+    if kind in ("full_attention", "linear_attention", "chunked_attention"):  # (_recurrent, _chunk)
         return None
     if kind == "sliding_attention":
         return config.sliding_window
     raise ValueError(f"{who}: decoder layer {index} has layer type {kind!r}; supported 'full_attention', "
-                     f"'sliding_attention' and 'linear_attention'")
+                     f"'sliding_attention', 'chunked_attention' and 'linear_attention'")
+
+
+def _chunk(config: object, index: int) -> int | None:
+    """The chunk size of decoder layer `index` if it is a chunked-attention layer (Llama 4), else None."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or layer_types[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
 
 
 def _recurrent(config: object, index: int) -> bool:
@@ -283,7 +296,8 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
         LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model, base),
                             embedding_multiplier(model, base), parts["norm"] if normed_embeddings(base) else None),
         *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks,
-                            rotary_layer_type(parts["rotary_emb"], config, i), _recurrent(config, i))
+                            rotary_layer_type(parts["rotary_emb"], config, i), _recurrent(config, i),
+                            _chunk(config, i))
           for i, layer in enumerate(layers)),
         HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head), HeadInput(model, head)),
     ]
