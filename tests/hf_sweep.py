@@ -8,7 +8,9 @@ parameters (a sub-config the generic fields miss can make it large: skipped abov
 in float64 (a correct strategy agrees with one process to ~1e-12 there, so a difference is news, not rounding). The
 batch is 4 rows of 16 tokens with labels padded unevenly (-100), so the token mean over the global batch is exercised
 (classifiers: labels of 2 classes, a token classifier's padded alike; "padded_lm": with an attention mask over the
-padding; images: 4 of 3 x 32 x 32). `outcome` says what happened:
+padding; "left_padded_lm": padded on the left, the first token's label -100 too, with SDPA attention (transformers'
+eager attention gives left-padded rows NaN in float64); images: 4 of 3 x 32 x 32). A family whose one-process loss is
+not finite on the batch is "unbuildable". `outcome` says what happened:
 
 * "ok": every phase matched one process;
 * "refused: ...": the strategy raised a clear error naming the model's part and the choice (a ValueError, or DDP's
@@ -50,8 +52,8 @@ MAX_PARAMETERS = 20_000_000
 
 def mapping(kind: str) -> dict[str, str]:
     """model type -> class name of transformers' auto mapping `kind`: "causal_lm", "masked_lm", "seq2seq",
-    "seq_cls" (sequence classification), "token_cls" (token classification), "padded_lm" (the causal LMs, given an
-    attention mask over the padding) or "image_cls" (image classification)."""
+    "seq_cls" (sequence classification), "token_cls" (token classification), "padded_lm" and "left_padded_lm" (the
+    causal LMs, given an attention mask over the padding) or "image_cls" (image classification)."""
     from transformers.models.auto import modeling_auto as auto
 
     names = {"causal_lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked_lm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -59,6 +61,7 @@ def mapping(kind: str) -> dict[str, str]:
              "seq_cls": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
              "token_cls": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
              "padded_lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+             "left_padded_lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
              "image_cls": auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}[kind]
     return {model_type: cls if isinstance(cls, str) else cls[0] for model_type, cls in names.items()}
 
@@ -103,7 +106,7 @@ def tiny_config(model_type: str, cls: Any = None, kind: str = "causal_lm") -> An
             except Exception:  # noqa: BLE001
                 pass
     config.classifier_dropout = 0.0  # read where set, else a head's own default (Llama's token classifier: 0.1)
-    config._attn_implementation = "eager"
+    config._attn_implementation = "sdpa" if kind == "left_padded_lm" else "eager"
     try:
         config._experts_implementation = "eager"
     except Exception:  # noqa: BLE001 - a config without experts
@@ -137,6 +140,17 @@ def padded_batch(step: int) -> dict[str, torch.Tensor]:
     return {**tokens, "attention_mask": (tokens["labels"] != -100).long()}
 
 
+def left_padded_batch(step: int) -> dict[str, torch.Tensor]:
+    """`batch`'s tokens with rows 0 and 1 padded on the left (by 3 and 9), the labels -100 there and on each padded
+    row's first token (its label would be scored at a padding position: refused under the stages and cp)."""
+    tokens = batch(step)
+    mask = torch.ones_like(tokens["input_ids"])
+    mask[0, :3], mask[1, :9] = 0, 0
+    labels = tokens["input_ids"].masked_fill(mask == 0, -100)
+    labels[0, 3], labels[1, 9] = -100, -100
+    return {"input_ids": tokens["input_ids"], "labels": labels, "attention_mask": mask}
+
+
 def image_batch(step: int) -> dict[str, torch.Tensor]:
     """4 float64 images of 3 x 32 x 32, labelled with one of 2 classes."""
     pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
@@ -145,7 +159,7 @@ def image_batch(step: int) -> dict[str, torch.Tensor]:
 
 #: The batch of each kind: language models predict their tokens, classifiers get labels of 2 classes.
 BATCHES = {"seq_cls": class_batch, "token_cls": token_class_batch, "padded_lm": padded_batch,
-           "image_cls": image_batch}
+           "left_padded_lm": left_padded_batch, "image_cls": image_batch}
 
 
 def builder(model_type: str, class_name: str, kind: str = "causal_lm") -> tuple[Any, str | None]:
@@ -169,7 +183,10 @@ def builder(model_type: str, class_name: str, kind: str = "causal_lm") -> tuple[
 
     for retry in (False, True):  # one process runs it at all
         try:
-            build()(**BATCHES.get(kind, batch)(0)).loss.backward()
+            loss = build()(**BATCHES.get(kind, batch)(0)).loss
+            loss.backward()
+            if not torch.isfinite(loss):
+                return None, f"one process's loss is {float(loss)}"
             return build, None
         except Exception as exc:  # noqa: BLE001
             if retry or not getattr(config, "output_router_logits", False):

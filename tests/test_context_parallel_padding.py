@@ -98,3 +98,29 @@ def test_check_trains_padded_rows_like_one_process():
     """sw.check: three AdamW steps (weight decay 0.1) of dp 2 x cp 2 on padded rows, against one process."""
     report = sw.check(tiny_llama, padded_batch, strategy={"cp": 2}, world_size=4, steps=3)
     assert report.ok, report
+
+
+def opt():
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+        attn_implementation="sdpa"))
+
+
+def test_a_model_numbering_positions_from_the_mask_is_refused_on_left_padded_rows():
+    """OPT numbers a left-padded row from its first token (cumsum of the mask); context parallel gives every token
+    its place in the whole sequence: left padding trained on other position embeddings than one process's (loss
+    4.540939 against 4.540456), silently. Refused now, naming the module; right padding matches one process."""
+    from test_labels_at_padding import left_padded
+
+    with pytest.raises(ValueError, match=r"model.decoder \(OPTDecoder\) computes the position ids from the attention "
+                                         r"mask, which numbers a left-padded row from its first token"):
+        sw.check(opt, left_padded, strategy={"cp": 2}, world_size=2, steps=1)
+
+    def right_padded(step):
+        batch = left_padded(step)
+        mask = batch["attention_mask"].flip(1)
+        return {**batch, "attention_mask": mask, "labels": batch["input_ids"].masked_fill(mask == 0, -100)}
+
+    report = sw.check(opt, right_padded, strategy={"cp": 2}, world_size=2, steps=2)
+    assert report.ok, str(report)

@@ -30,7 +30,9 @@ of its own (documents.py: `padding_documents`), so no real token attends to padd
 As in transformers, a 2-D mask replaces what packed position ids would say. A padding token's own output differs from
 transformers' (it sees only itself here; transformers' eager and SDPA attention disagree there too), so no label may
 be predicted at a padding position: with HuggingFace's labels (shifted inside the loss), -100 on the padding and,
-after left padding, on the first token.
+after left padding, on the first token. A model that numbers its positions from the mask (OPT: ``cumsum(mask) - 1``,
+so a left-padded row starts at 0 at its first token) is refused on left-padded rows unless position_ids are given:
+here every token gets its place in the whole sequence.
 """
 
 from __future__ import annotations
@@ -222,6 +224,7 @@ class ContextParallelHFMixin:
                 mask = check_padding_mask(mask, B, (L, L * state.comm.size), "this rank's tokens cut by "
                                           "split_sequence, or the whole sequence's", "context parallel HF model")
                 documents = padding_documents(mask, state.comm, state.split, L)
+                _refuse_shifted_positions(self, documents, given)
             file_documents(positions, documents)
             kwargs["position_ids"] = positions
         kwargs.setdefault("use_cache", False)  # no generation cache: a chunk is not a prefix of the sequence
@@ -234,6 +237,37 @@ class ContextParallelHFMixin:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError("context parallel HF model: generate() extends sequences one token at a time, which chunks "
                          "split over ranks cannot; generate with a plain model holding sw.full_state_dict(model)")
+
+
+def _refuse_shifted_positions(model: nn.Module, documents: torch.Tensor | None, given: object) -> None:
+    """A model that computes its position ids from the attention mask (OPT's and BioGPT's learned positions:
+    ``cumsum(mask) - 1``) numbers each left-padded row from its first token; here every token gets its place in the
+    whole sequence (rotary and position embeddings), which differs on such rows: refused unless the caller gives
+    the positions."""
+    where = model.__dict__.get("_shardwise_cp_mask_positions")
+    if where is None or documents is None or given is not None:
+        return
+    padding = documents < 0  # padding's documents (documents.py)
+    if bool(((padding.cumsum(-1) > 0) & ~padding).any()):  # a token after padding: left padding
+        raise ValueError(f"context parallel HF model: {where} computes the position ids from the attention mask, "
+                         f"which numbers a left-padded row from its first token; context parallel gives every token "
+                         f"its place in the whole sequence instead; allowed: rows padded on the right, or "
+                         f"position_ids given (cumsum(attention_mask, -1) - 1, cut by split_sequence like the tokens)")
+
+
+def _mask_positions(model: nn.Module) -> str | None:
+    """The first module of `model` whose forward fills in missing position ids from the attention mask (its code
+    names ``position_ids``, ``attention_mask`` and ``cumsum``: OPT's decoder), named with its class; None when none
+    does. Position-embedding modules are not counted: BioGPT's falls back to the mask too, but its model always
+    gives it positions."""
+    from ..experts.hf_kinds import model_forward, unwrapped
+
+    for name, module in model.named_modules():
+        code = getattr(unwrapped(model_forward(module)), "__code__", None)
+        if code is not None and not type(module).__name__.endswith("Embedding") and "cumsum" in code.co_names \
+                and {"attention_mask", "position_ids"} <= set(code.co_varnames):
+            return f"{name or 'the model'} ({type(module).__name__})"
+    return None
 
 
 def _check_positions(positions: object, ref: torch.Tensor) -> None:
@@ -332,6 +366,7 @@ def apply_hf(model: nn.Module, state: ContextParallelState) -> None:
         object.__setattr__(module, "_shardwise_cp_packing", packing)
         mix_in(module, ContextParallelHFAttentionMixin, "ContextParallel")
     object.__setattr__(model, "_shardwise_cp_packing", packing)
+    object.__setattr__(model, "_shardwise_cp_mask_positions", _mask_positions(model))
     mix_in(model, ContextParallelHFMixin, "ContextParallel")
 
 

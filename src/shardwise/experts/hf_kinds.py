@@ -29,7 +29,8 @@ from typing import Any
 from torch import nn
 
 __all__ = ["GLOBAL_AUX", "MODULE_EXPERTS", "ROW_LOCAL_AUX", "computes_router_loss", "fused_difference",
-           "fused_template", "global_aux_model", "is_one_of", "model_forward", "same_code"]
+           "fused_template", "global_aux_model", "is_one_of", "model_forward", "same_code",
+           "unwrapped"]
 
 #: HuggingFace experts modules holding one module per expert (``expert_<i>``), routed by a dispatch mask.
 MODULE_EXPERTS = ("SwitchTransformersExperts",)
@@ -54,7 +55,8 @@ def is_one_of(module: nn.Module, names: tuple[str, ...]) -> bool:
     return any(c.__name__ in names for c in type(module).__mro__)
 
 
-def _unwrapped(fn: Any) -> Any:
+def unwrapped(fn: Any) -> Any:
+    """`fn` below its decorators (functools.wraps' ``__wrapped__`` chain: transformers' ``can_return_tuple`` ...)."""
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     return fn
@@ -67,7 +69,7 @@ def _consts(code: types.CodeType) -> tuple:
 
 def same_code(a: Any, b: Any) -> bool:
     """Whether two functions compile to the same byte code, names and constants (docstrings aside)."""
-    a, b = getattr(_unwrapped(a), "__code__", None), getattr(_unwrapped(b), "__code__", None)
+    a, b = getattr(unwrapped(a), "__code__", None), getattr(unwrapped(b), "__code__", None)
     return a is not None and b is not None and a.co_code == b.co_code and a.co_names == b.co_names \
         and a.co_varnames == b.co_varnames and _consts(a) == _consts(b)
 
@@ -92,7 +94,7 @@ def computes_router_loss(module: nn.Module) -> bool:
     if not hasattr(getattr(module, "config", None), "output_router_logits"):
         return False
     for cls in type(module).__mro__:
-        code = getattr(_unwrapped(vars(cls).get("forward")), "__code__", None)
+        code = getattr(unwrapped(vars(cls).get("forward")), "__code__", None)
         if code is not None and not cls.__module__.startswith("shardwise.") \
                 and "aux_loss" in code.co_varnames + code.co_names:
             return True
