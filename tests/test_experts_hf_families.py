@@ -123,5 +123,5 @@ def test_what_computes_something_else_is_refused():
 
     for bias, dbl, gran in sw.launch(body, 4):
         assert "Qwen3MoeExperts" in bias and "has_bias=True (the mixtral template's: has_bias=False)" in bias
-        assert "DoubledExperts" in dbl and "its eager forward is neither Mixtral's nor GPT-OSS's" in dbl
+        assert "DoubledExperts" in dbl and "its eager forward is neither Mixtral's, GPT-OSS's nor Llama 4's" in dbl
         assert "OwnLossGraniteMoe" in gran and "router_aux_loss_coef=0.05" in gran

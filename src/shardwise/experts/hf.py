@@ -51,8 +51,8 @@ from ..param_hooks import hook_even_if_frozen
 from ..placement import to_comm_device
 from ..whole.state_dict import load_full_into_pieces
 from .hf_aux import refuse_local_router_losses, share_router_losses
-from .hf_experts import FusedExpertsParallel, ModuleExpertsParallel
-from .hf_kinds import MODULE_EXPERTS, fused_difference, fused_template, is_one_of
+from .hf_experts import FusedExpertsParallel, Llama4MoeParallel, ModuleExpertsParallel
+from .hf_kinds import MODULE_EXPERTS, fused_difference, fused_template, is_one_of, llama4_block_difference
 from .layer import ExpertGroups
 from .slices import expert_piece, scale_gradient
 
@@ -68,16 +68,20 @@ def hf_expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, experts module) of every HuggingFace MoE block of `model` that expert_parallel supports; [] for a model
     without any. ValueError for a HuggingFace experts module of another class (named, with the supported ones)."""
     found = []
-    for name, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
         cls = type(module).__name__
         if is_one_of(module, MODULE_EXPERTS):
             found.append((name, module))
         elif from_transformers(module) and cls.endswith("Experts"):
             why = fused_difference(module) if hasattr(module, "num_experts") else "it has no num_experts"
+            if why is None and fused_template(module) == "llama4":
+                why = llama4_block_difference(modules.get(name.rpartition(".")[0]))
             if why is not None:
                 raise ValueError(f"{WHO}: {name!r} is a HuggingFace {cls}, a mixture-of-experts layer expert_parallel "
                                  f"does not support: {why}; supported: fused experts that compute Mixtral's "
-                                 f"(MixtralExperts, Qwen2/3-MoE, OLMoE, DeepSeek-V3 ...) and per-expert modules "
+                                 f"(MixtralExperts, Qwen2/3-MoE, OLMoE, DeepSeek-V3 ...), GPT-OSS's or Llama 4's "
+                                 f"(with Llama 4's MoE block) and per-expert modules "
                                  f"{list(MODULE_EXPERTS)} (Switch Transformers)")
             found.append((name, module))
     return found
@@ -189,6 +193,8 @@ def expert_parallel_hf(model: nn.Module, layers: list[tuple[str, nn.Module]], ep
             module._sw_ep = groups
             if fused:
                 module._sw_template = fused_template(module)
+            if fused and module._sw_template == "llama4":  # its block hands it every token: the block dispatches
+                mix_in(model.get_submodule(name.rpartition(".")[0]), Llama4MoeParallel, "ExpertParallel")
     new_of = {key: module.get_parameter(name) for key, (module, name) in whole.items()}
     share_router_losses(model, dp, WHO)  # the model itself, or a model inside the user's
     mark_replaced(replaced, WHO)

@@ -41,7 +41,7 @@ from ..comm.base import ReduceOp
 from ..sharded_tensor import local
 from .layer import ExpertGroups, dispatch
 
-__all__ = ["FusedExpertsParallel", "ModuleExpertsParallel"]
+__all__ = ["FusedExpertsParallel", "Llama4MoeParallel", "ModuleExpertsParallel"]
 
 
 class _Attach(torch.autograd.Function):
@@ -98,7 +98,20 @@ class FusedExpertsParallel(_ExpertsParallel):
         order = torch.argsort(experts, stable=True)
         return self._combine(hidden_states, tokens[order], experts[order], weights[order], self._compute)
 
-    _sw_template: str  # "mixtral" or "gpt_oss" (experts/hf_kinds.py)
+    _sw_template: str  # "mixtral", "gpt_oss" or "llama4" (experts/hf_kinds.py)
+
+    @eager_while_traced  # as forward
+    def scaled_input_forward(self, hidden_states: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Llama 4's routed output (N, d) of tokens `hidden_states` (N, d) and the router's scores (N, E): one process
+        runs every expert on every token, its input scaled by the token's score for it (0 for an expert not chosen,
+        whose output is then 0, and so is its gradient); here each (token, expert) pair with a score above 0 is sent
+        to the expert's rank (in expert order, then token order), its input ``x * score`` as one process forms it,
+        and the outputs are added up per token in expert order, as one process's sum over experts."""
+        experts, tokens = torch.nonzero(scores.t() > 0, as_tuple=True)
+        rows = hidden_states[tokens] * scores[tokens, experts].unsqueeze(-1)
+        counts = torch.bincount(experts, minlength=self.num_experts).tolist()
+        y = dispatch(rows, counts, self._sw_ep.ep, self._compute)
+        return torch.zeros_like(hidden_states).index_add_(0, tokens, y.to(hidden_states.dtype))
 
     def _compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outs = []
@@ -108,10 +121,28 @@ class FusedExpertsParallel(_ExpertsParallel):
             for rows, w_gu, b_gu, w_d, b_d in zip(x.split(counts), gate_up, gate_up_bias, down, down_bias):
                 outs.append(self._apply_gate(rows @ w_gu + b_gu) @ w_d + b_d)
             return torch.cat(outs)
+        if self._sw_template == "llama4":  # transposed weights, no biases: its bmm's per expert
+            for rows, w_gu, w_d in zip(x.split(counts), gate_up, down):
+                gate, up = (rows @ w_gu).chunk(2, dim=-1)
+                outs.append((up * self.act_fn(gate)) @ w_d)
+            return torch.cat(outs)
         for rows, w_gu, w_d in zip(x.split(counts), gate_up, down):
             gate, up = F.linear(rows, w_gu).chunk(2, dim=-1)
             outs.append(F.linear(self.act_fn(gate) * up, w_d))
         return torch.cat(outs)
+
+
+class Llama4MoeParallel(nn.Module):
+    """Mixed into Llama 4's MoE block (``Llama4TextMoe``) whose experts are split (hf.py): its router and shared
+    expert as HuggingFace runs them, the routed experts through `FusedExpertsParallel.scaled_input_forward`."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_scores, router_logits = self.router(hidden_states)
+        routed = self.experts.scaled_input_forward(hidden_states, router_scores)
+        out = self.shared_expert(hidden_states)
+        out.add_(routed)
+        return out, router_logits
 
 
 class ModuleExpertsParallel(_ExpertsParallel):

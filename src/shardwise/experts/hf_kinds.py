@@ -8,8 +8,10 @@ Granite-MoE, Phi-MoE, Jamba, MiniMax ...) as one generated class: fused ``gate_u
 ``has_bias``, ``is_transposed``, ``is_concatenated``, ``has_post_expert_norm``) and ``_apply_gate`` select variants
 of that formula. An experts module is split by hf_experts.FusedExpertsParallel when its eager forward is one of two
 templates' byte code with that template's flags: Mixtral's (with the default gate), or GPT-OSS's (weights stored
-transposed, biases, and the class's own ``_apply_gate``, which its eager loop calls row by row); anything else (Llama
-4's experts, DBRX's, a subclass with a forward of its own, flags that select another formula) is refused with the
+transposed, biases, and the class's own ``_apply_gate``, which its eager loop calls row by row), or Llama 4's
+(weights stored transposed, no biases, every expert run on every token with its input scaled by the router's score:
+split with its MoE block, whose forward and router must be Llama 4's too: `llama4_block_difference`); anything else
+(DBRX's experts, a subclass with a forward of its own, flags that select another formula) is refused with the
 property that differs. The router and everything outside the experts module stay the model's own code, so routers
 that differ (DeepSeek-V3's grouped top-k, Qwen2-MoE's shared expert) need nothing here.
 
@@ -29,7 +31,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["GLOBAL_AUX", "MODULE_EXPERTS", "ROW_LOCAL_AUX", "computes_router_loss", "fused_difference",
-           "fused_template", "global_aux_model", "is_one_of", "model_forward", "same_code",
+           "fused_template", "global_aux_model", "is_one_of", "llama4_block_difference", "model_forward", "same_code",
            "unwrapped"]
 
 #: HuggingFace experts modules holding one module per expert (``expert_<i>``), routed by a dispatch mask.
@@ -45,9 +47,11 @@ _TEMPLATE_FLAGS = {
                 "has_post_expert_norm": False},
     "gpt_oss": {"has_gate": True, "has_bias": True, "is_transposed": True, "is_concatenated": False,
                 "has_post_expert_norm": False},
+    "llama4": {},
 }
 _TEMPLATE_PARAMETERS = {"mixtral": ("gate_up_proj", "down_proj"),
-                        "gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+                        "gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+                        "llama4": ("gate_up_proj", "down_proj")}
 
 
 def is_one_of(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -102,12 +106,13 @@ def computes_router_loss(module: nn.Module) -> bool:
 
 
 def _template(module: nn.Module) -> str | None:
-    """"mixtral" or "gpt_oss" when the module's eager forward is that template's byte code, else None."""
+    """"mixtral", "gpt_oss" or "llama4" when the module's eager forward is that template's byte code, else None."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     forward = model_forward(module)
-    for name, cls in (("mixtral", MixtralExperts), ("gpt_oss", GptOssExperts)):
+    for name, cls in (("mixtral", MixtralExperts), ("gpt_oss", GptOssExperts), ("llama4", Llama4TextExperts)):
         if same_code(forward, vars(cls)["forward"]):
             return name
     return None
@@ -126,13 +131,13 @@ def fused_difference(module: nn.Module) -> str | None:
     E = getattr(module, "num_experts", None)
     template = _template(module)
     if template is None:
-        return "its eager forward is neither Mixtral's nor GPT-OSS's"
+        return "its eager forward is neither Mixtral's, GPT-OSS's nor Llama 4's"
     names = _TEMPLATE_PARAMETERS[template]
     if sorted(params) != sorted(names) or not isinstance(E, int):
         return (f"its parameters are {sorted(params)}, not the {template} template's {sorted(names)} "
                 f"(num_experts={E!r})")
     gate_up, down = params["gate_up_proj"], params["down_proj"]
-    transposed = template == "gpt_oss"
+    transposed = template in ("gpt_oss", "llama4")
     d, f2 = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
     want_down = (E, f2 // 2, d) if transposed else (E, d, f2 // 2)
     if gate_up.dim() != 3 or gate_up.shape[0] != E or f2 % 2 or tuple(down.shape) != want_down \
@@ -152,8 +157,22 @@ def fused_difference(module: nn.Module) -> str | None:
     return None
 
 
+def llama4_block_difference(block: nn.Module | None) -> str | None:
+    """None when `block` (the parent of Llama 4's experts) runs Llama 4's MoE forward with Llama 4's router (byte
+    code): the dense sum over experts of ``experts(x * score)`` beside the shared expert, the scores the sigmoid of
+    the top-k router logits, 0 elsewhere; else what differs, in words."""
+    from transformers.models.llama4.modeling_llama4 import Llama4Router, Llama4TextMoe
+
+    if block is None or not same_code(model_forward(block), vars(Llama4TextMoe)["forward"]):
+        return "its MoE block's forward is not Llama4TextMoe's"
+    router = getattr(block, "router", None)
+    if not isinstance(router, nn.Linear) or not same_code(model_forward(router), vars(Llama4Router)["forward"]):
+        return "its MoE block's router is not Llama4Router's"
+    return None
+
+
 def fused_template(module: nn.Module) -> str:
-    """"mixtral" or "gpt_oss": the template of an experts module `fused_difference` accepted."""
+    """"mixtral", "gpt_oss" or "llama4": the template of an experts module `fused_difference` accepted."""
     template = _template(module)
     assert template is not None, "fused_template of an experts module fused_difference did not accept"
     return template
