@@ -1,5 +1,5 @@
 """Every model family of one of transformers' auto mappings, built tiny from a generic config and put through
-`sw.check` (tests/test_hf_families_sweep.py: `make soak`, about 14 minutes on 2 cores; two families in
+`sw.check` (tests/test_hf_families_sweep.py: `make soak`, about 20 minutes on 2 cores; two families in
 `make test`).
 
 Each family's config class is built with the size, expert and dropout fields it has set small or to zero (`TINY`,
