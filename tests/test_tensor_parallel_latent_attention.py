@@ -3,7 +3,9 @@
 Before, the "llama" plan failed on DeepSeek-V3 ("plan pattern 'q_proj' matches no module"). Now its up projections
 are split by heads and its down projections stay whole, with the rope key every head shares summed over the group in
 the backward pass (without that, kv_a_proj_with_mqa's gradient was 20x off). Checked against one process through
-`sw.check` with padded rows: tp=2 with and without a query latent, and tp with pp, dp x ep and cp on four ranks.
+`sw.check` with padded rows: tp=2 with and without a query latent, and tp with pp, dp x ep and cp on four ranks;
+GLM-4-MoE-Lite (DeepSeek-V3's forward), DeepSeek-V2 and MiniCPM3 (forwards of their own around DeepSeek-V3's
+expand_kv) on tp=2 and tp2 x pp2.
 """
 
 from __future__ import annotations
@@ -43,6 +45,24 @@ def test_a_latent_attention_whose_forward_is_deepseek_v3s_trains_like_one_proces
     report = sw.check(lambda: transformers.Glm4MoeLiteForCausalLM(config), padded, strategy="tp:llama", world_size=2,
                       steps=2)
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("family", ["DeepseekV2", "MiniCPM3"])
+def test_deepseek_v2s_and_minicpm3s_latent_attention_train_like_one_process_with_tp_and_pp(family):
+    """Their attention forwards rotate the rope parts their own way (DeepSeek-V2: a complex product) around
+    DeepSeek-V3's expand_kv; refused before as unknown to plan 'llama' (and their own plan 'hf' names mla_kv_a_proj,
+    which it does not map). Their default plan is now 'llama'."""
+    extra = {k: v for k, v in FAMILIES["deepseek_v3"][1].items() if k in (
+        "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+        "pad_token_id")}
+    if family == "DeepseekV2":
+        extra.update(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+                     first_k_dense_replace=1, n_group=1, topk_group=1)
+    config = getattr(transformers, family + "Config")(**{**SMALL, **extra})
+    build = lambda: getattr(transformers, family + "ForCausalLM")(config)  # noqa: E731
+    report = sw.check(build, padded, strategy={"tp": 2, "pp": 2}, world_size=4, steps=2)
+    assert report.ok, str(report)
+    assert "tp" in report.strategy
 
 
 def test_an_unknown_latent_attention_is_refused_by_name():

@@ -13,9 +13,10 @@ backward gives only its heads' part of its gradient. `share_rope_key` mixes into
 that passes the rope key through ``f`` (identity forward, all-reduce of the gradient backward), which makes it the sum
 over every head, as in one process.
 
-Only `LATENT_ATTENTIONS` are split, and attentions whose forward is theirs byte for byte (GLM-4-MoE-Lite's, Youtu's):
-their forward reshapes the up projections' outputs with ``-1`` heads, so a rank's share of the heads flows through
-unchanged.
+Only `LATENT_ATTENTIONS` are split, and attentions whose forward is, byte for byte, theirs (GLM-4-MoE-Lite's,
+Youtu's) or DeepSeek-V2's or MiniCPM3's (which rotate the rope parts their own way: a complex product, no interleaved
+layout) with DeepSeek-V3's ``expand_kv``: these forwards reshape the up projections' outputs with ``-1`` heads, so a
+rank's share of the heads flows through unchanged.
 """
 
 from __future__ import annotations
@@ -48,12 +49,18 @@ def is_latent_attention(module: nn.Module, up: type[nn.Module] = nn.Linear) -> b
 
 def _runs_a_known_forward(attn: nn.Module) -> bool:
     """Whether `attn`'s forward is, byte for byte, that of one of `LATENT_ATTENTIONS` (a family transformers generates
-    from DeepSeek-V3: GLM-4-MoE-Lite's, Youtu's); its parameters are then checked as theirs are."""
+    from DeepSeek-V3: GLM-4-MoE-Lite's, Youtu's) or DeepSeek-V2's or MiniCPM3's, with DeepSeek-V3's ``expand_kv`` (the
+    module docstring); its parameters are then checked as theirs are."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+    from transformers.models.minicpm3.modeling_minicpm3 import MiniCPM3Attention
 
     from ..experts.hf_kinds import model_forward, same_code
 
-    return same_code(model_forward(attn), vars(DeepseekV3Attention)["forward"])
+    forward = model_forward(attn)
+    return any(same_code(forward, vars(known)["forward"]) for known in
+               (DeepseekV3Attention, DeepseekV2Attention, MiniCPM3Attention)) \
+        and same_code(getattr(type(attn), "expand_kv", None), DeepseekV3Attention.expand_kv)
 
 
 def latent_attention_plan(name: str, attn: nn.Module, tp: int) -> dict[str, Style]:
