@@ -240,8 +240,8 @@ class ContextParallelHFMixin:
 
 
 def _refuse_shifted_positions(model: nn.Module, documents: torch.Tensor | None, given: object) -> None:
-    """A model that computes its position ids from the attention mask (OPT's and BioGPT's learned positions:
-    ``cumsum(mask) - 1``) numbers each left-padded row from its first token; here every token gets its place in the
+    """A model that computes its position ids from the attention mask (OPT's decoder: ``cumsum(mask) - 1``,
+    `_mask_positions`) numbers each left-padded row from its first token; here every token gets its place in the
     whole sequence (rotary and position embeddings), which differs on such rows: refused unless the caller gives
     the positions."""
     where = model.__dict__.get("_shardwise_cp_mask_positions")

@@ -4,7 +4,8 @@
 modules (transformers 5.x):
 
 * fused experts, ``MixtralExperts`` (``MixtralForCausalLM``) and every experts module that computes what it does
-  (hf_kinds.py: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE, Granite-MoE, Phi-MoE ...): ``gate_up_proj``
+  (hf_kinds.py: Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE, Granite-MoE, Phi-MoE ...; GPT-OSS's and Llama 4's,
+  stored transposed; Llama 4's block is replaced too, hf_experts.Llama4MoeParallel): ``gate_up_proj``
   (E, 2 f, d) and ``down_proj`` (E, d, f) Parameters. Each rank of `ep` keeps rows ``[p E/ep, (p+1) E/ep)`` of
   both as ShardedParameters answering for (E, ...), declared like shardwise's own MoE layer: boxes along dim 0 over
   `ep`, replicated over `edp`;
