@@ -101,6 +101,20 @@ def test_starcoder2s_two_layer_mlp_is_split_by_the_llama_plan_on_pipeline_stages
     assert report.ok, str(report)
 
 
+def test_stablelm_takes_the_llama_plan_by_default_on_pipeline_stages():
+    """StableLM ships no tensor-parallel plan of its own (refused before: "no built-in tensor-parallel plan"); its
+    modules are Llama's, with q/k/v biases: tp2 x pp2 with padded rows. Its per-head q/k LayerNorms
+    (``qk_layernorm=True``, a ModuleList of one LayerNorm per head) are refused by name."""
+    config = transformers.StableLmConfig(**{**SMALL, "use_qkv_bias": True})
+    report = sw.check(lambda: transformers.StableLmForCausalLM(config), padded, strategy={"tp": 2, "pp": 2},
+                      world_size=4, steps=2)
+    assert report.ok, str(report)
+    assert "tp" in report.strategy
+    with pytest.raises(ValueError, match=r"q_layernorm \(StableLmLayerNormPerHead\) has parameters and runs on the "
+                                         r"heads"):
+        sw.check(builder("stablelm"), padded, strategy={"tp": 2}, world_size=2, steps=1)
+
+
 @pytest.mark.parametrize("family", ["starcoder2", "phi", "gpt_neox"])
 def test_the_embedding_dropout_is_the_first_stages(family):
     torch.manual_seed(0)

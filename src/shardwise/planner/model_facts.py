@@ -28,7 +28,8 @@ _FIELDS = {  # our name -> config attribute names, first found wins
 #: HuggingFace model types with a built-in tensor-parallel plan (tensor_parallel.plans) that takes their modules.
 _LLAMA_PLAN = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
                "mixtral", "phimoe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "helium", "exaone4", "glm",
-               "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "deepseek_v2", "minicpm3")
+               "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "deepseek_v2", "minicpm3",
+               "stablelm")
 _HF_PLANS = {**{model_type: "llama" for model_type in _LLAMA_PLAN}, "gpt2": "gpt2"}
 
 
