@@ -64,12 +64,17 @@ class _ExpertsParallel(nn.Module):
     _sw_ep: ExpertGroups
 
     def _combine(self, hidden: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                 compute: Any) -> torch.Tensor:
+                 compute: Any, scale_inputs: bool = False) -> torch.Tensor:
         """out (N, d): for each assignment (tokens[a], experts[a], weights[a]) in the order given (already grouped by
-        expert), weight x the expert's output for the token, added into the token's row."""
+        expert), weight x the expert's output for the token (or, `scale_inputs`, the expert's output for weight x the
+        token: Llama 4's), added into the token's row."""
         counts = torch.bincount(experts, minlength=self.num_experts).tolist()
-        y = dispatch(hidden[tokens], counts, self._sw_ep.ep, compute)
-        y = y * weights.unsqueeze(-1)
+        rows = hidden[tokens]
+        if scale_inputs:
+            rows = rows * weights.unsqueeze(-1)
+        y = dispatch(rows, counts, self._sw_ep.ep, compute)
+        if not scale_inputs:
+            y = y * weights.unsqueeze(-1)
         return torch.zeros_like(hidden).index_add_(0, tokens, y.to(hidden.dtype))
 
     def _local_range(self) -> range:
@@ -108,10 +113,7 @@ class FusedExpertsParallel(_ExpertsParallel):
         to the expert's rank (in expert order, then token order), its input ``x * score`` as one process forms it,
         and the outputs are added up per token in expert order, as one process's sum over experts."""
         experts, tokens = torch.nonzero(scores.t() > 0, as_tuple=True)
-        rows = hidden_states[tokens] * scores[tokens, experts].unsqueeze(-1)
-        counts = torch.bincount(experts, minlength=self.num_experts).tolist()
-        y = dispatch(rows, counts, self._sw_ep.ep, self._compute)
-        return torch.zeros_like(hidden_states).index_add_(0, tokens, y.to(hidden_states.dtype))
+        return self._combine(hidden_states, tokens, experts, scores[tokens, experts], self._compute, scale_inputs=True)
 
     def _compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outs = []

@@ -68,7 +68,7 @@ def pipeline_kinds(model: nn.Module) -> tuple[str, str] | None:
     if kind in LLAMA_SHAPED:
         return kind, kind
     base = base_model(model)
-    if not isinstance(base, nn.Module):
+    if base is None:
         return None
     forwards, mine = _listed_forwards(), (model_forward(base), model_forward(model))
     matches = tuple(next((k for k, theirs in forwards.items() if same_code(mine[i], theirs[i])), None) for i in (0, 1))

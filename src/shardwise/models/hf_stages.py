@@ -239,32 +239,26 @@ def _submodule(model: nn.Module, path: str, who: str, expected: str) -> nn.Modul
         raise ValueError(f"{who}: {type(model).__name__} has no module {path!r}; expected {expected}") from None
 
 
-def _layer_window(config: object, index: int, who: str) -> int | None:
-    """The sliding window of decoder layer `index` (None: full causal attention), as the HF model decides it."""
+def _layer_rules(config: object, index: int, who: str) -> dict[str, Any]:
+    """How decoder layer `index` mixes tokens, as the HF model decides it by its layer type (LlamaDecoderStage's
+    `window`, `chunk` and `recurrent`): full causal attention, a sliding window (Mistral applies
+    config.sliding_window to every layer; typed layers "sliding_attention"), Llama 4's chunks ("chunked_attention")
+    or a linear-attention recurrence ("linear_attention"). ValueError for another layer type."""
+    rules: dict[str, Any] = {"window": None, "chunk": None, "recurrent": False}
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:  # Llama has no sliding window; Mistral applies config.sliding_window to every layer
-        return getattr(config, "sliding_window", None)
+    if layer_types is None:
+        return {**rules, "window": getattr(config, "sliding_window", None)}
     kind = layer_types[index]
-    if kind in ("full_attention", "linear_attention", "chunked_attention"):  # (_recurrent, _chunk)
-        return None
     if kind == "sliding_attention":
-        return config.sliding_window
+        return {**rules, "window": config.sliding_window}
+    if kind == "chunked_attention":
+        return {**rules, "chunk": int(config.attention_chunk_size)}
+    if kind == "linear_attention":
+        return {**rules, "recurrent": True}
+    if kind == "full_attention":
+        return rules
     raise ValueError(f"{who}: decoder layer {index} has layer type {kind!r}; supported 'full_attention', "
                      f"'sliding_attention', 'chunked_attention' and 'linear_attention'")
-
-
-def _chunk(config: object, index: int) -> int | None:
-    """The chunk size of decoder layer `index` if it is a chunked-attention layer (Llama 4), else None."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None or layer_types[index] != "chunked_attention":
-        return None
-    return int(config.attention_chunk_size)
-
-
-def _recurrent(config: object, index: int) -> bool:
-    """Whether decoder layer `index` is a linear-attention layer (LlamaDecoderStage's `recurrent`)."""
-    layer_types = getattr(config, "layer_types", None)
-    return layer_types is not None and layer_types[index] == "linear_attention"
 
 
 def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zigzag: bool = True
@@ -295,9 +289,9 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     return [
         LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model, base),
                             embedding_multiplier(model, base), parts["norm"] if normed_embeddings(base) else None),
-        *(LlamaDecoderStage(layer, parts["rotary_emb"], config, _layer_window(config, i, who), masks,
-                            rotary_layer_type(parts["rotary_emb"], config, i), _recurrent(config, i),
-                            _chunk(config, i))
+        *(LlamaDecoderStage(layer, parts["rotary_emb"], config, masks=masks,
+                            rotary_type=rotary_layer_type(parts["rotary_emb"], config, i),
+                            **_layer_rules(config, i, who))
           for i, layer in enumerate(layers)),
         HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head), HeadInput(model, head)),
     ]
