@@ -91,18 +91,25 @@ class _RouterLogits:
             self._recording = before
 
 
-def _token_weights(documents: Any, hidden: torch.Tensor, cp: Communicator | None) -> torch.Tensor | None:
-    """Padded rows' weights of this rank's tokens (B, L): 1 a token, 0 padding (hf_stage_inputs.padding_of gives each
-    padding token a document id < 0), None without padding; under context parallel the whole sequence's documents
-    are taken at the global positions of this rank's chunks."""
+def _token_weights(documents: Any, length: int, cp: Communicator | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Padded rows' weights of the `length` tokens of each row the routers saw (B, length): 1 a token, 0 padding
+    (hf_stage_inputs.padding_of gives each padding token a document id < 0), None without padding; under context
+    parallel the whole sequence's documents are taken at the global positions of this rank's chunks. The routers see
+    this rank's whole (context-parallel) sequence also under sequence parallel, where a mixture-of-experts block runs
+    on the whole sequence (tensor_parallel/hf_sequence.py) while the layers pass shards on."""
     if documents is None:
         return None
-    if cp is not None and cp.size > 1:
+    ranks = cp.size if cp is not None else 1
+    if length * ranks != documents.shape[1]:
+        raise ValueError(f"parallelize: the routers saw {length} tokens per row, which is not the sequence's "
+                         f"{documents.shape[1]} tokens over {ranks} context-parallel rank(s); the load-balancing "
+                         f"loss cannot weigh them by the padding")
+    if ranks > 1:
         from ..context_parallel.split import SequenceSplit
 
         split = SequenceSplit(cp.size, True)  # parallelize's: zigzag chunks (hf_stages' default)
-        documents = documents[:, split.positions(cp.rank, hidden.shape[1], documents.device)]
-    return (documents >= 0).to(hidden.dtype)
+        documents = documents[:, split.positions(cp.rank, length, documents.device)]
+    return (documents >= 0).to(dtype)
 
 
 class _CarryRouterStatistics(nn.Module):
@@ -137,12 +144,12 @@ class _CarryRouterStatistics(nn.Module):
             from ..experts.hf_aux import router_statistics
 
             hidden = args[0] if args else kwargs["hidden"]
-            tokens = hidden.shape[0] * hidden.shape[1]
-            if any(t.dim() != 2 or t.shape[0] != tokens for t in logits):
+            tokens = logits[0].shape[0]  # B x T: T this rank's whole sequence, or shard (hf_sequence: whole)
+            if any(t.dim() != 2 or t.shape[0] != tokens for t in logits) or tokens % hidden.shape[0]:
                 raise ValueError(f"parallelize: the routers of {type(self.layer).__name__} gave logits of shapes "
                                  f"{[tuple(t.shape) for t in logits]}; the load-balancing loss needs (tokens, experts) "
-                                 f"with tokens = {tokens}, the layer's B x T, in row-major order")
-            weights = _token_weights(kwargs.get("documents"), hidden, self._cp)
+                                 f"with tokens = B x T for the layer's B = {hidden.shape[0]}, in row-major order")
+            weights = _token_weights(kwargs.get("documents"), tokens // hidden.shape[0], self._cp, hidden.dtype)
             total = total + router_statistics(tuple(logits), self.experts, self.top_k, weights).unsqueeze(0)
         if isinstance(out, dict):
             return {**out, STATISTICS: total}

@@ -19,12 +19,23 @@ input as it is and leave their input gradient partial (`ColumnParallelLinear.inp
 reduce-scatter sums q's, k's and v's at once. The traffic is Megatron's sequence parallel's, with an all-reduce of
 the embedding output in place of a reduce-scatter, and of the head's input gradient.
 
+A mixture-of-experts block (Mixtral's, Qwen3-MoE's, GPT-OSS's, Llama 4's ...: plan "llama" keeps its router and
+experts whole on every rank, as without sequence parallel) runs on the whole sequence: its input is all-gathered as
+it enters (its gradient split backward: every rank computes the same whole gradient there) and its output cut to the
+shard (the gradient all-gathered backward). So every rank routes every token, as without sequence parallel: the
+router's logits, and the load-balancing loss HuggingFace's forward (or the pipeline stages, hf_router_loss.py)
+computes from them over the whole sequence, are one process's; the replicated router and experts get the same whole
+gradients on every rank, with no sum. A shared expert inside the block (Qwen2-MoE's, DeepSeek-V3's) is split as
+plan "llama" splits any MLP, as plain tensor parallel (its row-parallel output all-reduced, not reduce-scattered).
+Megatron-LM instead routes each rank's own shard (Korthikanti et al.'s layout carried into the MoE layer), which
+saves the block's activations too; shardwise's GPT does that (models/moe.py).
+
 Limits (ValueError at wrap time, naming the module): a module with parameters in a decoder layer, outside its
-split attention and MLP, that is not a norm (a mixture-of-experts block kept whole: its balance loss would count
-this rank's tokens only); a split projection that does not take the layer's hidden states (DeepSeek-V3's latent
-attention); dropout between the embedding and the first layer (its mask would differ on the ranks, which share that
-activation). sw.parallelize's pipeline stages (models/hf_stages.py) rebuild the mask and positions from the hidden
-states they receive: every decoder stage after the first is told it receives shards (`sequence_split`).
+split attention and MLP, that is neither a norm nor a mixture-of-experts block (a Mamba mixer); a split projection
+that does not take the layer's hidden states (DeepSeek-V3's latent attention); dropout between the embedding and
+the first layer (its mask would differ on the ranks, which share that activation). sw.parallelize's pipeline
+stages (models/hf_stages.py) rebuild the mask and positions from the hidden states they receive: every decoder stage
+after the first is told it receives shards (`sequence_split`).
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..compiled import eager_while_traced
 from .mappings import gather_from_region, gather_from_sequence_region, scatter_to_sequence_region
-from .styles import Colwise, Sequence, Style
+from .styles import Colwise, Rowwise, Sequence, Style
 
 __all__ = ["HFSequence", "plan_hf_sequence", "install_hf_sequence"]
 
@@ -50,12 +61,15 @@ _INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up
 class HFSequence:
     """Where the shards begin and end and the gathers happen: `first_layer` cuts its input to the shard, each of
     `gathered` (a layer's split attention or MLP) all-gathers its input, the projections in `gathered_inputs` take
-    it so, and `final_norm` all-gathers its output."""
+    it so, each of `whole` (a mixture-of-experts block) runs on the whole sequence, the split projections in
+    `whole_projections` (its shared expert's) as plain tensor parallel, and `final_norm` all-gathers its output."""
 
     first_layer: str
     gathered: list[str]
     gathered_inputs: set[str]
     final_norm: str
+    whole: list[str] = dataclasses.field(default_factory=list)
+    whole_projections: set[str] = dataclasses.field(default_factory=set)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -66,12 +80,23 @@ def _holds_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _is_moe_block(module: nn.Module) -> bool:
+    """A mixture-of-experts block: it holds a HuggingFace experts module (MixtralExperts, GptOssExperts,
+    Llama4TextExperts, GraniteMoeParallelExperts ...) or is a ...SparseMoeBlock, whose experts plan "llama" keeps
+    whole (expert_parallel may split them over ep)."""
+    return any(type(m).__name__.endswith(("Experts", "SparseMoeBlock")) for m in module.modules())
+
+
 def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
     """Add the "sequence" regions of a Llama-style decoder to `styles` (every norm of its layers, and the norms beside
     them: the final one) and find where its shards begin and its gathers happen (module docstring). ValueError for
     what the module docstring's limits name."""
     modules = dict(model.named_modules())
-    inputs = [name for name, style in styles.items() if isinstance(style, Colwise) and not style.gather_output]
+    whole = [name for name, module in modules.items() if _is_moe_block(module)  # a decoder layer's child
+             and isinstance(modules.get(name.rpartition(".")[0].rpartition(".")[0]), nn.ModuleList)]
+    inside = {name for name in styles if any(name.startswith(f"{block}.") for block in whole)}
+    inputs = [name for name, style in styles.items()
+              if isinstance(style, Colwise) and not style.gather_output and name not in inside]
     regions: dict[str, None] = {}
     lists: dict[str, None] = {}
     for name in inputs:
@@ -95,14 +120,13 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
         prefix = f"{layers}.{index}"
         for child, module in layer.named_children():
             name = f"{prefix}.{child}"
-            if name in regions or not _holds_params(module):
+            if name in regions or name in whole or not _holds_params(module):
                 continue
             if not _is_norm(module):
                 raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': {name!r} "
                                  f"({type(module).__name__}) holds parameters and would run on this rank's sequence "
-                                 f"shard outside the split attention and MLP; only norms can (a mixture-of-experts "
-                                 f"block's balance loss would count this rank's tokens only); use "
-                                 f"sequence_parallel=False")
+                                 f"shard outside the split attention and MLP; only norms can, and mixture-of-experts "
+                                 f"blocks run on the whole sequence; use sequence_parallel=False")
             styles[name] = Sequence()
     finals = []
     for child, module in (modules[base].named_children() if base in modules else ()):
@@ -120,7 +144,23 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
     if len(finals) != 1:
         raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama' ends the shards at the final norm "
                          f"beside the decoder layers {layers!r}; found {finals or 'none'}; use sequence_parallel=False")
-    return HFSequence(f"{layers}.0", list(regions), set(inputs), finals[0])
+    for block in whole:  # every rank runs it on the same tokens, while sequence parallel draws masks per rank
+        for name, module in modules[block].named_modules(prefix=block):
+            rates = [module.p] if isinstance(module, nn.Dropout) else [
+                value for attr, value in vars(module).items() if "dropout" in attr and isinstance(value, float)]
+            if any(rate > 0 for rate in rates):
+                raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': {name!r} drops out inside "
+                                 f"the mixture-of-experts block {block!r}, which every rank runs on the whole "
+                                 f"sequence, while sequence parallel draws each rank's own masks (the copies of its "
+                                 f"router and experts would train on other numbers); set its dropout to 0 or use "
+                                 f"sequence_parallel=False")
+    outside = [block for block in whole if not block.startswith(f"{layers}.")]
+    if outside:
+        raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': the mixture-of-experts blocks "
+                         f"{outside} are not in the decoder layers {layers!r}, where the shards run; use "
+                         f"sequence_parallel=False")
+    projections = {name for name in inside if isinstance(styles[name], (Colwise, Rowwise))}
+    return HFSequence(f"{layers}.0", list(regions), set(inputs), finals[0], whole, projections)
 
 
 def _refuse_dropout(what: str) -> None:
@@ -151,10 +191,37 @@ _scatter, _gather, _gather_out = (eager_while_traced(f) for f in (scatter_to_seq
 
 
 def install_hf_sequence(model: nn.Module, where: HFSequence, comm: Communicator, dim: int) -> None:
-    """Hook the first layer (cut its input to this rank's shard) and every gathered module (all-gather its input)."""
+    """Hook the first layer (cut its input to this rank's shard), every gathered module (all-gather its input), every
+    mixture-of-experts block (whole sequence in, shard out) and the final norm (all-gather its output)."""
     model.get_submodule(where.first_layer).register_forward_pre_hook(
         _replacing_hidden(lambda h: _scatter(h, comm, dim)), with_kwargs=True)
     for name in where.gathered:
         model.get_submodule(name).register_forward_pre_hook(
             _replacing_hidden(lambda h: _gather(h, comm, dim)), with_kwargs=True)
+    for name in where.whole:  # whole sequence in (the gradient split back), this rank's shard out
+        block = model.get_submodule(name)
+        block.register_forward_pre_hook(_replacing_hidden(lambda h: _gather_out(h, comm, dim)), with_kwargs=True)
+        block.register_forward_hook(_shard_of_output(comm, dim), with_kwargs=True)
     model.get_submodule(where.final_norm).register_forward_hook(lambda module, args, out: _gather_out(out, comm, dim))
+
+
+def _shard_of_output(comm: Communicator, dim: int) -> Callable:
+    """A forward hook (with kwargs) of a block that ran on the whole sequence: its output hidden states (the tensor,
+    or the first of a tuple: a block that also returns its router logits, which stay whole) cut to this rank's
+    shard, in the shape it returned them: (B, T, H) like its input, or flattened to (B x T, H) (Llama 4's)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> Any:
+        given = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        hidden = out[0] if isinstance(out, tuple) else out
+        if hidden.shape[:-1] == given.shape[:-1]:
+            shard = _scatter(hidden, comm, dim)
+        elif hidden.dim() == 2 and hidden.shape[0] == given.shape[:-1].numel():
+            shard = _scatter(hidden.reshape(*given.shape[:-1], -1), comm, dim).reshape(-1, hidden.shape[-1])
+        else:
+            raise ValueError(f"sequence parallel: {type(module).__name__} returned hidden states of shape "
+                             f"{tuple(hidden.shape)} for an input of {tuple(given.shape)}; a mixture-of-experts block "
+                             f"runs on the whole sequence and its output is cut to this rank's shard, which needs the "
+                             f"input's (B, T, H) or its rows flattened (B x T, H)")
+        return (shard, *out[1:]) if isinstance(out, tuple) else shard
+
+    return hook

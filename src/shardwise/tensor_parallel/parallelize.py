@@ -121,8 +121,9 @@ def _build(name: str, module: nn.Module, style: Style, comm: Communicator, sp: b
                                       sequence_parallel=sp and hf_seq is None, sequence_dim=dim, fused=style.fused)
             layer.input_gathered = hf_seq is not None and name in hf_seq.gathered_inputs
             return layer
+        whole = hf_seq is not None and name in hf_seq.whole_projections  # a shared expert: plain tensor parallel
         return row.from_dense(module, comm, input_is_parallel=style.input_is_parallel,
-                              sequence_parallel=sp, sequence_dim=dim)
+                              sequence_parallel=sp and not whole, sequence_dim=dim)
     if not isinstance(module, nn.Embedding):
         raise ValueError(f"parallelize: module {name!r} is a {_qualified(module)}, not the torch.nn.Embedding style "
                          f"{style} needs")
