@@ -104,13 +104,16 @@ def test_a_style_it_does_not_map_and_a_model_without_a_plan_are_refused_by_name(
 
 
 def test_apertus_own_plan_leaves_its_activation_scalars_out_and_is_refused_at_the_first_step():
+    """Its own plan is refused at the first step; plan "llama" places the scalars, and is Apertus's default plan (the
+    one `sw.check("tp")`, `sw.parallelize(tp=...)` and `sw.distribute` take)."""
     config = transformers.ApertusConfig(**SMALL)
     with pytest.raises(ValueError, match="mlp.act_fn.alpha_p"):
         sw.check(lambda: transformers.ApertusForCausalLM(config), batch, strategy="tp:hf", world_size=2, steps=1,
                  optimizer=adamw)
-    report = sw.check(lambda: transformers.ApertusForCausalLM(config), batch, strategy="tp:llama", world_size=2,
-                      steps=1, optimizer=adamw)
-    assert report.ok, str(report)
+    for strategy in ("tp:llama", "tp"):
+        report = sw.check(lambda: transformers.ApertusForCausalLM(config), batch, strategy=strategy, world_size=2,
+                          steps=1, optimizer=adamw)
+        assert report.ok, str(report)
 
 
 def test_an_attention_parameter_the_plan_leaves_whole_beside_split_heads_is_refused_by_name():
