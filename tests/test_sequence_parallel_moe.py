@@ -3,10 +3,10 @@
 whole sequence (its input gathered, its output cut back to the shard), so the router sees every token and the
 load-balancing loss is one process's. Refused by name before. `sw.check` against one process (AdamW with weight
 decay, a binding clip) with Mixtral's, Qwen2-MoE's (a split shared expert beside the routed ones), GPT-OSS's and
-Llama 4's (output flattened to tokens x hidden) blocks and their router losses on; with pipeline stages (the router
-statistics carried between stages) and context parallel, and with context and expert parallel under ZeRO-3, on
-left-padded rows; HuggingFace's own forward (tp.parallelize without sw.parallelize) computing its router loss from
-whole logits; and what still cannot run on shards, refused."""
+Llama 4's (output flattened to tokens x hidden) and DeepSeek-V3's blocks and their router losses on; with pipeline
+stages (the router statistics carried between stages) and context parallel, with context and expert parallel under
+ZeRO-3, and DeepSeek-V3 on pp2 x dp2 x ep2, on left-padded rows; HuggingFace's own forward (tp.parallelize
+without sw.parallelize) computing its router loss from whole logits; and what still cannot run on shards, refused."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 from hf_decoders import gpt_oss, llama, mixtral, qwen2_moe
 from test_labels_at_padding import left_padded
+from test_parallelize_hf_families import builder
 from test_pipeline_chunked_attention import llama4
 from test_tensor_parallel_hf_sequence import SP, _refusal, batch
 
@@ -24,7 +25,8 @@ from shardwise import tensor_parallel as tp
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "gpt_oss": gpt_oss, "llama4": llama4}
+FAMILIES = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "gpt_oss": gpt_oss, "llama4": llama4,
+            "deepseek_v3": builder("deepseek_v3")}  # its latent attention takes the whole sequence too
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -36,7 +38,8 @@ def test_a_moe_family_under_tensor_and_sequence_parallel_matches_one_process(fam
 @pytest.mark.parametrize("family,axis,batches", [
     ("qwen2_moe", {"pp": 2, "cp": 2}, left_padded),
     ("mixtral", {"cp": 2, "dp": 2, "ep": 2, "dp_strategy": "zero3"}, left_padded),
-], ids=["qwen2_moe-pp2-cp2-left-padded", "mixtral-cp2-dp2-ep2-zero3-left-padded"])
+    ("deepseek_v3", {"pp": 2, "dp": 2, "ep": 2, "n_microbatches": 2}, left_padded),
+], ids=["qwen2_moe-pp2-cp2-left-padded", "mixtral-cp2-dp2-ep2-zero3-left-padded", "deepseek_v3-pp2-dp2-ep2"])
 def test_with_other_axes(family, axis, batches):
     """Under pp the stages carry the router statistics: the MoE block's routers see this rank's whole (cp) sequence
     while the layers pass shards (hf_router_loss._token_weights weighs its tokens by the padding)."""

@@ -1,6 +1,7 @@
 """Sequence parallelism for HuggingFace decoders under plan "llama" (tensor_parallel/hf_sequence.py): each family
 through `sw.check` against one process (AdamW with weight decay, a binding clip), where the shards run, and what is
-refused by name (mixture-of-experts blocks: tests/test_sequence_parallel_moe.py)."""
+refused by name (mixture-of-experts blocks: tests/test_sequence_parallel_moe.py). A latent attention (DeepSeek-V3's,
+MiniCPM3's) takes the whole sequence with its gradient split back (refused before)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ def batch(step):
     return {"input_ids": ids, "labels": ids}
 
 
+def deepseek_v2_lite():
+    """No query compression (q_lora_rank=None): its q_proj takes the layer's input inside the latent attention."""
+    torch.manual_seed(0)
+    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        **{**SMALL, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1))
+
+
 FAMILIES = {
     "llama": llama,
     "qwen3": qwen3,  # per-head q_norm / k_norm ("heads") inside the gathered attention
@@ -29,6 +39,9 @@ FAMILIES = {
     "olmo": builder("olmo"),  # norms without parameters
     "phi3": builder("phi3"),  # fused qkv_proj and gate_up_proj
     "cohere": builder("cohere"),  # attention and MLP in parallel on one norm's output
+    "deepseek_v3": builder("deepseek_v3"),  # latent attention (whole input, split up projections) and MoE blocks
+    "minicpm3": builder("minicpm3"),  # latent attention, dense MLPs
+    "deepseek_v2_lite": deepseek_v2_lite,
 }
 
 
@@ -95,8 +108,22 @@ def _refusal(build):
     return sw.launch(body, 2)[0]
 
 
+class _Wrapped(torch.nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, hidden_states):
+        return self.inner(hidden_states)
+
+
 def test_what_cannot_run_on_shards_is_refused_by_name():
-    assert "'model.layers.0.self_attn.q_b_proj'" in _refusal(builder("deepseek_v3"))
+    def nested():  # a split projection below another module of the layer: what gathers its input is unknown
+        model = llama()
+        model.model.layers[0].mlp = _Wrapped(model.model.layers[0].mlp)
+        return model
+
+    assert "'model.layers.0.mlp.inner.gate_proj' is split and takes something else" in _refusal(nested)
     starcoder2 = transformers.Starcoder2ForCausalLM
     dropping = lambda: starcoder2(transformers.Starcoder2Config(**{**SMALL, "embedding_dropout": 0.1}))  # noqa: E731
     assert "'model.embedding_dropout' drops out" in _refusal(dropping)

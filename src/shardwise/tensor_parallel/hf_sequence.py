@@ -30,9 +30,15 @@ plan "llama" splits any MLP, as plain tensor parallel (its row-parallel output a
 Megatron-LM instead routes each rank's own shard (Korthikanti et al.'s layout carried into the MoE layer), which
 saves the block's activations too; shardwise's GPT does that (models/moe.py).
 
+A latent attention (DeepSeek-V2 / V3's, MiniCPM3's: plan "llama" keeps its down projections q_a_proj and
+kv_a_proj_with_mqa whole and splits the up projections that take their normed outputs) takes the whole sequence too,
+its gradient split back: the replicated down projections give every rank the whole input gradient, the split up
+projections sum theirs over the group themselves (Megatron's f, as without sequence parallel), and its row-parallel
+o_proj reduce-scatters to the shard like any attention's.
+
 Limits (ValueError at wrap time, naming the module): a module with parameters in a decoder layer, outside its
 split attention and MLP, that is neither a norm nor a mixture-of-experts block (a Mamba mixer); a split projection
-that does not take the layer's hidden states (DeepSeek-V3's latent attention); dropout between the embedding and
+that does not take the layer's hidden states, outside a latent attention; dropout between the embedding and
 the first layer (its mask would differ on the ranks, which share that activation). sw.parallelize's pipeline
 stages (models/hf_stages.py) rebuild the mask and positions from the hidden states they receive: every decoder stage
 after the first is told it receives shards (`sequence_split`).
@@ -49,6 +55,7 @@ from torch import nn
 from ..comm.base import Communicator
 from ..compiled import eager_while_traced
 from .mappings import gather_from_region, gather_from_sequence_region, scatter_to_sequence_region
+from .latent_attention import is_latent_attention
 from .styles import Colwise, Rowwise, Sequence, Style
 
 __all__ = ["HFSequence", "plan_hf_sequence", "install_hf_sequence"]
@@ -62,7 +69,9 @@ class HFSequence:
     """Where the shards begin and end and the gathers happen: `first_layer` cuts its input to the shard, each of
     `gathered` (a layer's split attention or MLP) all-gathers its input, the projections in `gathered_inputs` take
     it so, each of `whole` (a mixture-of-experts block) runs on the whole sequence, the split projections in
-    `whole_projections` (its shared expert's) as plain tensor parallel, and `final_norm` all-gathers its output."""
+    `whole_projections` (its shared expert's) as plain tensor parallel, each of `whole_input` (a latent attention)
+    takes the whole sequence with its gradient split back and reduce-scatters its output, and `final_norm`
+    all-gathers its output."""
 
     first_layer: str
     gathered: list[str]
@@ -70,6 +79,7 @@ class HFSequence:
     final_norm: str
     whole: list[str] = dataclasses.field(default_factory=list)
     whole_projections: set[str] = dataclasses.field(default_factory=set)
+    whole_input: list[str] = dataclasses.field(default_factory=list)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -98,18 +108,22 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
     inputs = [name for name, style in styles.items()
               if isinstance(style, Colwise) and not style.gather_output and name not in inside]
     regions: dict[str, None] = {}
+    latent: dict[str, None] = {}  # latent attentions: their projections take the gathered input as plain tp
     lists: dict[str, None] = {}
     for name in inputs:
         region, _, leaf = name.rpartition(".")
         layer, _, _ = region.rpartition(".")
         parent = layer.rpartition(".")[0]
-        if not isinstance(modules.get(parent), nn.ModuleList) or leaf not in _INPUT_PROJECTIONS:
+        if isinstance(modules.get(parent), nn.ModuleList) and is_latent_attention(modules[region]):
+            latent[region] = None
+        elif not isinstance(modules.get(parent), nn.ModuleList) or leaf not in _INPUT_PROJECTIONS:
             raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama' gathers the input of each split "
                              f"attention and MLP of a decoder layer, whose projections "
                              f"({', '.join(_INPUT_PROJECTIONS)}) take it directly; {name!r} is split and takes "
-                             f"something else (latent attention?); use sequence_parallel=False")
+                             f"something else; use sequence_parallel=False")
         regions[region] = None
         lists[parent] = None
+    inputs = [name for name in inputs if name.rpartition(".")[0] not in latent]
     if len(lists) != 1:
         raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama' needs one list of decoder layers "
                          f"holding the split projections, found {sorted(lists) or 'none'}; use "
@@ -160,7 +174,8 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
                          f"{outside} are not in the decoder layers {layers!r}, where the shards run; use "
                          f"sequence_parallel=False")
     projections = {name for name in inside if isinstance(styles[name], (Colwise, Rowwise))}
-    return HFSequence(f"{layers}.0", list(regions), set(inputs), finals[0], whole, projections)
+    gathered = [region for region in regions if region not in latent]
+    return HFSequence(f"{layers}.0", gathered, set(inputs), finals[0], whole, projections, list(latent))
 
 
 def _refuse_dropout(what: str) -> None:
@@ -198,6 +213,9 @@ def install_hf_sequence(model: nn.Module, where: HFSequence, comm: Communicator,
     for name in where.gathered:
         model.get_submodule(name).register_forward_pre_hook(
             _replacing_hidden(lambda h: _gather(h, comm, dim)), with_kwargs=True)
+    for name in where.whole_input:  # whole sequence in, the gradient split back; its o_proj reduce-scatters
+        model.get_submodule(name).register_forward_pre_hook(
+            _replacing_hidden(lambda h: _gather_out(h, comm, dim)), with_kwargs=True)
     for name in where.whole:  # whole sequence in (the gradient split back), this rank's shard out
         block = model.get_submodule(name)
         block.register_forward_pre_hook(_replacing_hidden(lambda h: _gather_out(h, comm, dim)), with_kwargs=True)
