@@ -96,5 +96,5 @@ def test_dropout_inside_a_moe_block_is_refused_by_name():
         model.model.layers[1].mlp.experts.dropout = 0.1  # as a block that drops out functionally at this rate
         return model
 
-    assert "'model.layers.1.mlp.experts' drops out inside the mixture-of-experts block 'model.layers.1.mlp'" in \
+    assert "'model.layers.1.mlp.experts' drops out inside 'model.layers.1.mlp' (MixtralSparseMoeBlock)" in \
         _refusal(dropping)

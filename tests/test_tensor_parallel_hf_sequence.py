@@ -108,6 +108,17 @@ def _refusal(build):
     return sw.launch(body, 2)[0]
 
 
+@pytest.mark.parametrize("axis", [{}, {"pp": 2}], ids=["tp2", "tp2-pp2"])
+def test_a_gated_deltanet_runs_on_the_whole_sequence(axis):
+    """Qwen3.5's linear-attention layers (plan "llama" keeps the Gated DeltaNet whole) run on the whole sequence, their
+    recurrence and the padding mask as in one process; left-padded rows (refused before)."""
+    from test_labels_at_padding import left_padded
+    from test_pipeline_linear_attention import qwen3_5
+
+    report = sw.check(qwen3_5, left_padded, strategy={**SP, **axis}, world_size=2 * axis.get("pp", 1), steps=2)
+    assert report.ok, str(report)
+
+
 class _Wrapped(torch.nn.Module):
     def __init__(self, mlp):
         super().__init__()

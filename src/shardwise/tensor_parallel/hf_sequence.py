@@ -30,6 +30,9 @@ plan "llama" splits any MLP, as plain tensor parallel (its row-parallel output a
 Megatron-LM instead routes each rank's own shard (Korthikanti et al.'s layout carried into the MoE layer), which
 saves the block's activations too; shardwise's GPT does that (models/moe.py).
 
+A linear-attention mixer (Qwen3-Next's and Qwen3.5's Gated DeltaNet, `linear_attn`), which plan "llama" keeps whole,
+runs on the whole sequence the same way: its recurrence along the sequence sees every token, as in one process.
+
 A latent attention (DeepSeek-V2 / V3's, MiniCPM3's: plan "llama" keeps its down projections q_a_proj and
 kv_a_proj_with_mqa whole and splits the up projections that take their normed outputs) takes the whole sequence too,
 its gradient split back: the replicated down projections give every rank the whole input gradient, the split up
@@ -37,11 +40,12 @@ projections sum theirs over the group themselves (Megatron's f, as without seque
 o_proj reduce-scatters to the shard like any attention's.
 
 Limits (ValueError at wrap time, naming the module): a module with parameters in a decoder layer, outside its
-split attention and MLP, that is neither a norm nor a mixture-of-experts block (a Mamba mixer); a split projection
-that does not take the layer's hidden states, outside a latent attention; dropout between the embedding and
-the first layer (its mask would differ on the ranks, which share that activation). sw.parallelize's pipeline
-stages (models/hf_stages.py) rebuild the mask and positions from the hidden states they receive: every decoder stage
-after the first is told it receives shards (`sequence_split`).
+split attention and MLP, that is neither a norm, a mixture-of-experts block nor a Gated DeltaNet (a Mamba mixer); a
+split projection that does not take the layer's hidden states, outside a latent attention; dropout between the
+embedding and the first layer (its mask would differ on the ranks, which share that activation), or inside a block
+that runs on the whole sequence. sw.parallelize's pipeline stages (models/hf_stages.py) rebuild the mask and
+positions from the hidden states they receive: every decoder stage after the first is told it receives shards
+(`sequence_split`).
 """
 
 from __future__ import annotations
@@ -97,12 +101,20 @@ def _is_moe_block(module: nn.Module) -> bool:
     return any(type(m).__name__.endswith(("Experts", "SparseMoeBlock")) for m in module.modules())
 
 
+def _runs_whole(name: str, module: nn.Module) -> bool:
+    """A module plan "llama" keeps whole on every rank that runs on the whole sequence under sequence parallel: a
+    mixture-of-experts block, or a linear-attention mixer (Qwen3-Next's and Qwen3.5's Gated DeltaNet, `linear_attn`,
+    whose recurrence runs along the whole sequence)."""
+    return _is_moe_block(module) or name.rpartition(".")[2] == "linear_attn" \
+        or type(module).__name__.endswith("GatedDeltaNet")
+
+
 def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
     """Add the "sequence" regions of a Llama-style decoder to `styles` (every norm of its layers, and the norms beside
     them: the final one) and find where its shards begin and its gathers happen (module docstring). ValueError for
     what the module docstring's limits name."""
     modules = dict(model.named_modules())
-    whole = [name for name, module in modules.items() if _is_moe_block(module)  # a decoder layer's child
+    whole = [name for name, module in modules.items() if _runs_whole(name, module)  # a decoder layer's child
              and isinstance(modules.get(name.rpartition(".")[0].rpartition(".")[0]), nn.ModuleList)]
     inside = {name for name in styles if any(name.startswith(f"{block}.") for block in whole)}
     inputs = [name for name, style in styles.items()
@@ -140,7 +152,8 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
                 raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': {name!r} "
                                  f"({type(module).__name__}) holds parameters and would run on this rank's sequence "
                                  f"shard outside the split attention and MLP; only norms can, and mixture-of-experts "
-                                 f"blocks run on the whole sequence; use sequence_parallel=False")
+                                 f"blocks and Gated DeltaNet mixers run on the whole sequence; use "
+                                 f"sequence_parallel=False")
             styles[name] = Sequence()
     finals = []
     for child, module in (modules[base].named_children() if base in modules else ()):
@@ -164,9 +177,9 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
                 value for attr, value in vars(module).items() if "dropout" in attr and isinstance(value, float)]
             if any(rate > 0 for rate in rates):
                 raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': {name!r} drops out inside "
-                                 f"the mixture-of-experts block {block!r}, which every rank runs on the whole "
+                                 f"{block!r} ({type(modules[block]).__name__}), which every rank runs on the whole "
                                  f"sequence, while sequence parallel draws each rank's own masks (the copies of its "
-                                 f"router and experts would train on other numbers); set its dropout to 0 or use "
+                                 f"parameters would train on other numbers); set its dropout to 0 or use "
                                  f"sequence_parallel=False")
     outside = [block for block in whole if not block.startswith(f"{layers}.")]
     if outside:
