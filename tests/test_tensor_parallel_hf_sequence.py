@@ -119,6 +119,24 @@ def test_a_gated_deltanet_runs_on_the_whole_sequence(axis):
     assert report.ok, str(report)
 
 
+def falcon_h1():
+    """Attention and a Mamba-2 mixer side by side in every layer, with muP multipliers."""
+    torch.manual_seed(0)
+    return transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+        **{**SMALL, "head_dim": 8}, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+        mamba_chunk_size=8))
+
+
+@pytest.mark.parametrize("strategy", [SP, "tp"], ids=["tp2-sp", "tp2-default-plan"])
+def test_a_mamba_mixer_runs_on_the_whole_sequence(strategy):
+    """Falcon-H1's Mamba-2 mixer (plan "llama" keeps it whole) runs on the whole sequence under sequence parallel,
+    left-padded rows; plan "llama" is Falcon-H1's default (no built-in plan before)."""
+    from test_labels_at_padding import left_padded
+
+    report = sw.check(falcon_h1, left_padded, strategy=strategy, world_size=2, steps=2)
+    assert report.ok, str(report)
+
+
 class _Wrapped(torch.nn.Module):
     def __init__(self, mlp):
         super().__init__()

@@ -29,7 +29,7 @@ _FIELDS = {  # our name -> config attribute names, first found wins
 _LLAMA_PLAN = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",
                "mixtral", "phimoe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "helium", "exaone4", "glm",
                "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "deepseek_v2", "minicpm3",
-               "stablelm", "apertus")
+               "stablelm", "apertus", "falcon_h1")
 _HF_PLANS = {**{model_type: "llama" for model_type in _LLAMA_PLAN}, "gpt2": "gpt2"}
 
 

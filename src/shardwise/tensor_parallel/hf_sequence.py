@@ -30,8 +30,9 @@ plan "llama" splits any MLP, as plain tensor parallel (its row-parallel output a
 Megatron-LM instead routes each rank's own shard (Korthikanti et al.'s layout carried into the MoE layer), which
 saves the block's activations too; shardwise's GPT does that (models/moe.py).
 
-A linear-attention mixer (Qwen3-Next's and Qwen3.5's Gated DeltaNet, `linear_attn`), which plan "llama" keeps whole,
-runs on the whole sequence the same way: its recurrence along the sequence sees every token, as in one process.
+A recurrent sequence mixer (Qwen3-Next's and Qwen3.5's Gated DeltaNet, `linear_attn`; Falcon-H1's Mamba-2 mixer,
+`mamba`), which plan "llama" keeps whole, runs on the whole sequence the same way: its recurrence sees every token, as
+in one process.
 
 A latent attention (DeepSeek-V2 / V3's, MiniCPM3's: plan "llama" keeps its down projections q_a_proj and
 kv_a_proj_with_mqa whole and splits the up projections that take their normed outputs) takes the whole sequence too,
@@ -40,7 +41,7 @@ projections sum theirs over the group themselves (Megatron's f, as without seque
 o_proj reduce-scatters to the shard like any attention's.
 
 Limits (ValueError at wrap time, naming the module): a module with parameters in a decoder layer, outside its
-split attention and MLP, that is neither a norm, a mixture-of-experts block nor a Gated DeltaNet (a Mamba mixer); a
+split attention and MLP, that is neither a norm, a mixture-of-experts block nor a recurrent mixer (an adapter); a
 split projection that does not take the layer's hidden states, outside a latent attention; dropout between the
 embedding and the first layer (its mask would differ on the ranks, which share that activation), or inside a block
 that runs on the whole sequence. sw.parallelize's pipeline stages (models/hf_stages.py) rebuild the mask and
@@ -103,10 +104,10 @@ def _is_moe_block(module: nn.Module) -> bool:
 
 def _runs_whole(name: str, module: nn.Module) -> bool:
     """A module plan "llama" keeps whole on every rank that runs on the whole sequence under sequence parallel: a
-    mixture-of-experts block, or a linear-attention mixer (Qwen3-Next's and Qwen3.5's Gated DeltaNet, `linear_attn`,
-    whose recurrence runs along the whole sequence)."""
-    return _is_moe_block(module) or name.rpartition(".")[2] == "linear_attn" \
-        or type(module).__name__.endswith("GatedDeltaNet")
+    mixture-of-experts block, or a recurrent sequence mixer, whose recurrence runs along the whole sequence
+    (Qwen3-Next's and Qwen3.5's Gated DeltaNet, `linear_attn`; Falcon-H1's Mamba-2 mixer, `mamba`)."""
+    return _is_moe_block(module) or name.rpartition(".")[2] in ("linear_attn", "mamba") \
+        or type(module).__name__.endswith(("GatedDeltaNet", "Mixer"))
 
 
 def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
@@ -152,7 +153,7 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
                 raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': {name!r} "
                                  f"({type(module).__name__}) holds parameters and would run on this rank's sequence "
                                  f"shard outside the split attention and MLP; only norms can, and mixture-of-experts "
-                                 f"blocks and Gated DeltaNet mixers run on the whole sequence; use "
+                                 f"blocks and recurrent mixers run on the whole sequence; use "
                                  f"sequence_parallel=False")
             styles[name] = Sequence()
     finals = []
