@@ -13,7 +13,10 @@ LayerNorms, partial rotary), DeepSeek-V3 (latent attention with a value head of 
 routed and shared experts, split over ep=2 x dp=2), Nemotron, StableLM, Persimmon (final_layernorm), MiniMax-M2
 (Mixtral's router loss), Hunyuan V3 (shared experts), MiniCPM3 (its head's input divided by logits_scaling), HyperCLOVA
 X (an embedding multiplier, logits times logits_scaling), nanochat (its final norm before the layers too, soft-capped
-logits) and GPT-NeoX (Pythia: its base model gpt_neox, embed_in, final_layer_norm, parallel residual). Five families
+logits), GPT-NeoX (Pythia: its base model gpt_neox, embed_in, final_layer_norm, parallel residual), CWM (Ministral's
+forward, Llama 3's rope scaling), Cohere 2 MoE (Cohere 2's with experts, split over ep=2 x dp=2), EXAONE-MoE (EXAONE
+4's sliding layers, a dense first layer, shared experts) and Mellum (sliding layers rotating by their own base, its
+router loss per microbatch). Five families
 transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
 same way. JetMoE, not known to be Llama-shaped, is refused by name."""
 
@@ -75,6 +78,19 @@ FAMILIES = {
     "hyperclovax": ("HyperCLOVAX", {"embedding_multiplier": 3.0, "logits_scaling": 0.25}, "cp"),
     "nanochat": ("NanoChat", {"final_logit_softcapping": 0.5}, "zero3"),  # its final norm before the layers too
     "gpt_neox": ("GPTNeoX", {"hidden_dropout": 0.0, "attention_bias": True}, "cp"),  # Pythia's names
+    "cwm": ("Cwm", {"head_dim": 8, "sliding_window": 5, "layer_types": ["full_attention", "sliding_attention"]},
+            "cp"),  # Ministral's forward, Llama 3's rope scaling
+    "cohere2_moe": ("Cohere2Moe", {"head_dim": 8, "logit_scale": 0.25, "sliding_window": 5, "num_experts": 4,
+                                   "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"],
+                                   "mlp_layer_types": ["sparse", "sparse"]}, "ep"),
+    "exaone_moe": ("ExaoneMoe", {"head_dim": 8, "sliding_window": 5, "num_experts": 4, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 16, "first_k_dense_replace": 1,
+                                 "layer_types": ["sliding_attention", "full_attention"],
+                                 "mlp_layer_types": ["dense", "sparse"]}, "zero3"),
+    "mellum": ("Mellum", {"head_dim": 8, "sliding_window": 5, "num_experts": 4, "num_local_experts": 4,
+                          "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                          "layer_types": ["sliding_attention", "full_attention"],
+                          "mlp_layer_types": ["sparse", "sparse"], **MOE_LOSS}, "cp"),  # rotary per layer type
 }
 MESHES = {"zero3": {"pp": 2, "dp": 2, "dp_strategy": "zero3"}, "cp": {"pp": 2, "cp": 2},
           "ep": {"pp": 2, "dp": 2, "ep": 2}}

@@ -48,12 +48,13 @@ LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
                 "qwen3_moe", "gpt_oss", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "helium", "exaone4", "glm",
                 "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
                 "phi", "nemotron", "stablelm", "persimmon", "minimax_m2", "hy_v3", "minicpm3", "hyperclovax",
-                "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama4_text")
+                "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama4_text", "cwm",
+                "cohere2_moe", "exaone_moe", "mellum")
 _GRANITE = ("granite", "granitemoe")  # an embedding multiplier and logits divided by logits_scaling
 _MULTIPLIED = (*_GRANITE, "hyperclovax")  # inputs_embeds * embedding_multiplier
 
 _SOFTCAPPED = ("gemma2", "gemma3_text", "nanochat")
-_SCALED = ("cohere", "cohere2")  # logits times logit_scale
+_SCALED = ("cohere", "cohere2", "cohere2_moe")  # logits times logit_scale
 _TIMES_LOGITS_SCALING = ("hyperclovax",)  # logits times config.logits_scaling (muP)
 _FINAL_LAYERNORM = ("phi", "persimmon")  # the final norm named final_layernorm
 
