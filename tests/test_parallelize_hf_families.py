@@ -16,7 +16,7 @@ X (an embedding multiplier, logits times logits_scaling), nanochat (its final no
 logits), GPT-NeoX (Pythia: its base model gpt_neox, embed_in, final_layer_norm, parallel residual), CWM (Ministral's
 forward, Llama 3's rope scaling), Cohere 2 MoE (Cohere 2's with experts, split over ep=2 x dp=2), EXAONE-MoE (EXAONE
 4's sliding layers, a dense first layer, shared experts) and Mellum (sliding layers rotating by their own base, its
-router loss per microbatch). Five families
+router loss per microbatch). Seven families
 transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
 same way. JetMoE, not known to be Llama-shaped, is refused by name."""
 
@@ -164,6 +164,15 @@ GENERATED = {
     "granitemoeshared": ("GraniteMoeShared", ("granitemoe", "granitemoe"), {
         "embedding_multiplier": 3.0, "logits_scaling": 4.0, "num_local_experts": 4, "num_experts_per_tok": 2,
         "shared_intermediate_size": 16, **MOE_LOSS}, "zero3"),  # Granite's multiplier and logit scale
+    # Mellum's base forward, whose mask functions are lambdas (compared by their code, not where they were compiled)
+    "laguna": ("Laguna", ("mellum", "mixtral"), {
+        "head_dim": 8, "sliding_window": 5, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16, "layer_types": ["sliding_attention", "full_attention"],
+        "num_attention_heads_per_layer": [4, 4], "mlp_layer_types": ["dense", "sparse"], **MOE_LOSS}, "cp"),
+    "mimo_v2_flash": ("MiMoV2Flash", ("mellum", "deepseek_v3"), {
+        "head_dim": 8, "v_head_dim": 8, "sliding_window": 5, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "layer_types": ["sliding_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "sparse"]}, "ep"),
 }
 
 

@@ -68,11 +68,19 @@ def unwrapped(fn: Any) -> Any:
 
 def _consts(code: types.CodeType) -> tuple:
     doc = code.co_consts[0] if code.co_consts and isinstance(code.co_consts[0], str) else None
-    return tuple(c for c in code.co_consts if c is not doc)
+    return tuple(_code_key(c) if isinstance(c, types.CodeType) else c for c in code.co_consts if c is not doc)
+
+
+def _code_key(code: types.CodeType) -> tuple:
+    """What a nested function's code (a lambda, a comprehension) is compared by: its byte code, names, variables and
+    constants, not its file and line, which a code object's own equality includes (the same lambda in two generated
+    files: Mellum's and Laguna's mask functions)."""
+    return code.co_code, code.co_names, code.co_varnames, code.co_freevars, _consts(code)
 
 
 def same_code(a: Any, b: Any) -> bool:
-    """Whether two functions compile to the same byte code, names and constants (docstrings aside)."""
+    """Whether two functions compile to the same byte code, names and constants (docstrings aside; nested functions
+    by their code, wherever they were compiled)."""
     a, b = getattr(unwrapped(a), "__code__", None), getattr(unwrapped(b), "__code__", None)
     return a is not None and b is not None and a.co_code == b.co_code and a.co_names == b.co_names \
         and a.co_varnames == b.co_varnames and _consts(a) == _consts(b)
