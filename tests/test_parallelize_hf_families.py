@@ -15,8 +15,8 @@ routed and shared experts, split over ep=2 x dp=2), Nemotron, StableLM, Persimmo
 X (an embedding multiplier, logits times logits_scaling), nanochat (its final norm before the layers too, soft-capped
 logits), GPT-NeoX (Pythia: its base model gpt_neox, embed_in, final_layer_norm, parallel residual), CWM (Ministral's
 forward, Llama 3's rope scaling), Cohere 2 MoE (Cohere 2's with experts, split over ep=2 x dp=2), EXAONE-MoE (EXAONE
-4's sliding layers, a dense first layer, shared experts) and Mellum (sliding layers rotating by their own base, its
-router loss per microbatch). Seven families
+4's sliding layers, a dense first layer, shared experts), Mellum (sliding layers rotating by their own base, its
+router loss per microbatch) and AFMoE (GPT-OSS's forward with muP's input scaling by sqrt(hidden size)). Seven families
 transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
 same way. JetMoE, not known to be Llama-shaped, is refused by name."""
 
@@ -91,6 +91,9 @@ FAMILIES = {
                           "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                           "layer_types": ["sliding_attention", "full_attention"],
                           "mlp_layer_types": ["sparse", "sparse"], **MOE_LOSS}, "cp"),  # rotary per layer type
+    "afmoe": ("Afmoe", {"head_dim": 8, "sliding_window": 5, "num_experts": 4, "num_experts_per_tok": 2,
+                        "moe_intermediate_size": 16, "num_dense_layers": 1, "num_shared_experts": 1,
+                        "layer_types": ["sliding_attention", "full_attention"], "mup_enabled": True}, "ep"),
 }
 MESHES = {"zero3": {"pp": 2, "dp": 2, "dp_strategy": "zero3"}, "cp": {"pp": 2, "cp": 2},
           "ep": {"pp": 2, "dp": 2, "ep": 2}}

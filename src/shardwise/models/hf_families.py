@@ -6,7 +6,8 @@ positions and the rotary embeddings), the final norm, ``lm_head``. The families 
 (checked against each family's source in transformers 5.x, and by tests/test_parallelize_hf_families.py against one
 process):
 
-* an embedding multiplier (Granite, Granite-MoE, HyperCLOVA X: ``inputs_embeds * embedding_multiplier``):
+* an embedding multiplier (Granite, Granite-MoE, HyperCLOVA X: ``inputs_embeds * embedding_multiplier``; AFMoE's
+  muP ``* hidden_size ** 0.5``):
   `embedding_multiplier`; dropout of the embeddings in training (StarCoder2's ``embedding_dropout``, Phi's
   ``embed_dropout``, GPT-NeoX's ``emb_dropout``): `embedding_dropout`; the final norm applied to the embeddings too
   (nanochat's ``norm`` before the layers): `normed_embeddings`;
@@ -49,7 +50,7 @@ LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
                 "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
                 "phi", "nemotron", "stablelm", "persimmon", "minimax_m2", "hy_v3", "minicpm3", "hyperclovax",
                 "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama4_text", "cwm",
-                "cohere2_moe", "exaone_moe", "mellum")
+                "cohere2_moe", "exaone_moe", "mellum", "afmoe")
 _GRANITE = ("granite", "granitemoe")  # an embedding multiplier and logits divided by logits_scaling
 _MULTIPLIED = (*_GRANITE, "hyperclovax")  # inputs_embeds * embedding_multiplier
 
@@ -119,10 +120,14 @@ def module_paths(model: nn.Module, kind: str | None = None) -> dict[str, str]:
 
 
 def embedding_multiplier(model: nn.Module, kind: str | None = None) -> float | None:
-    """Granite's and HyperCLOVA X's multiplier of the token embeddings (None: the family has none). kind: the listed
-    family whose base-model forward the model runs (`pipeline_kinds`; default its own type)."""
-    if (kind or model.config.model_type) in _MULTIPLIED:
+    """Granite's and HyperCLOVA X's multiplier of the token embeddings, AFMoE's sqrt(hidden size) with muP on (None:
+    the family has none). kind: the listed family whose base-model forward the model runs (`pipeline_kinds`; default
+    its own type)."""
+    kind = kind or model.config.model_type
+    if kind in _MULTIPLIED:
         return float(base_model(model).embedding_multiplier)
+    if kind == "afmoe" and base_model(model).config.mup_enabled:
+        return base_model(model).config.hidden_size ** 0.5  # AfmoeModel's muP input scaling
     return None
 
 
