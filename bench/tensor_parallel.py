@@ -25,7 +25,8 @@ machine hit all of them alike. Parity: after training, every row's parameters (g
 original names; DTensor's qkv un-permuted) are compared with shardwise_gpt's, and every row's loss at a few steps is
 printed (all rows train the same model on the same batches). ``--memory`` adds one line of
 activation bytes saved for backward per rank (tp 1 / 2 / 4, with and without sequence parallel; thread ranks), of
-the GPT preset and of a small HuggingFace Llama (plan "llama").
+the GPT preset and of a small HuggingFace Llama and Mixtral (plan "llama"; under sequence parallel Mixtral's MoE
+blocks run on the whole sequence).
 
 stdout carries JSON lines only (one per row, a parity line, optionally a memory line, then the ratio line); the
 human-readable summary goes to stderr.
@@ -179,6 +180,17 @@ def _hf_llama() -> torch.nn.Module:
         num_key_value_heads=4, max_position_embeddings=256, attn_implementation="sdpa"))
 
 
+def _hf_mixtral() -> torch.nn.Module:
+    """The same sizes as a Mixtral: 4 experts of 688 hidden features, 2 per token (plan "llama" keeps them whole)."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+        attn_implementation="sdpa", experts_implementation="eager"))
+
+
 def _memory_rank_hf(comm: shardwise.Communicator, base: torch.nn.Module, batch: int, sp: bool) -> int:
     model = copy.deepcopy(base)
     if comm.size > 1:
@@ -192,12 +204,13 @@ def _memory_rank_hf(comm: shardwise.Communicator, base: torch.nn.Module, batch: 
 def _memory(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {"what": "activation bytes saved for backward per rank, one forward (thread ranks)",
                            "preset": cfg.preset, "batch_size": cfg.batch_size}
-    llama = _hf_llama()
+    llama, mixtral = _hf_llama(), _hf_mixtral()
     for n in (1, 2, 4):
         for sp in (False, True) if n > 1 else (False,):
             key = f"tp{n}" + ("_sp" if sp else "")
             out[key] = shardwise.launch(_memory_rank, n, cfg.preset, cfg.batch_size, sp)[0]
             out[f"hf_llama_{key}"] = shardwise.launch(_memory_rank_hf, n, llama, cfg.batch_size, sp)[0]
+            out[f"hf_mixtral_{key}"] = shardwise.launch(_memory_rank_hf, n, mixtral, cfg.batch_size, sp)[0]
     return out
 
 

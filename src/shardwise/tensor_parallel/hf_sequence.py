@@ -184,9 +184,9 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
                                  f"sequence_parallel=False")
     outside = [block for block in whole if not block.startswith(f"{layers}.")]
     if outside:
-        raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': the mixture-of-experts blocks "
-                         f"{outside} are not in the decoder layers {layers!r}, where the shards run; use "
-                         f"sequence_parallel=False")
+        raise ValueError(f"parallelize: sequence_parallel=True with plan 'llama': the blocks {outside} (mixture of "
+                         f"experts, recurrent mixers) are not in the decoder layers {layers!r}, where the shards run; "
+                         f"use sequence_parallel=False")
     projections = {name for name in inside if isinstance(styles[name], (Colwise, Rowwise))}
     gathered = [region for region in regions if region not in latent]
     return HFSequence(f"{layers}.0", gathered, set(inputs), finals[0], whole, projections, list(latent))
