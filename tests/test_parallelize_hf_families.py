@@ -16,7 +16,8 @@ X (an embedding multiplier, logits times logits_scaling), nanochat (its final no
 logits), GPT-NeoX (Pythia: its base model gpt_neox, embed_in, final_layer_norm, parallel residual), CWM (Ministral's
 forward, Llama 3's rope scaling), Cohere 2 MoE (Cohere 2's with experts, split over ep=2 x dp=2), EXAONE-MoE (EXAONE
 4's sliding layers, a dense first layer, shared experts), Mellum (sliding layers rotating by their own base, its
-router loss per microbatch) and AFMoE (GPT-OSS's forward with muP's input scaling by sqrt(hidden size)). Seven families
+router loss per microbatch), AFMoE (GPT-OSS's forward with muP's input scaling by sqrt(hidden size)) and Granite SWA
+and its MoE (Granite's multipliers and logit scale, each layer rotating by its own base, some by none). Seven families
 transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
 same way. JetMoE, not known to be Llama-shaped, is refused by name."""
 
@@ -34,6 +35,9 @@ transformers = pytest.importorskip("transformers")
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager")
 MOE_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.05)
+_GRANITE_SWA = dict(num_hidden_layers=4, sliding_window=5, embedding_multiplier=3.0, logits_scaling=4.0,
+                    residual_multiplier=0.5, attention_multiplier=0.3, layer_rope_theta=[10000.0, 0.0, 500.0, 0.0],
+                    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
 FAMILIES = {
     "olmo": ("Olmo", {"clip_qkv": 0.5}, "zero3"),
     "olmo2": ("Olmo2", {}, "cp"),
@@ -94,6 +98,9 @@ FAMILIES = {
     "afmoe": ("Afmoe", {"head_dim": 8, "sliding_window": 5, "num_experts": 4, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 16, "num_dense_layers": 1, "num_shared_experts": 1,
                         "layer_types": ["sliding_attention", "full_attention"], "mup_enabled": True}, "ep"),
+    "granite_swa": ("GraniteSWA", {**_GRANITE_SWA}, "cp"),  # rotary per layer base, some layers none
+    "granitemoe_swa": ("GraniteMoeSWA", {**_GRANITE_SWA, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                         **MOE_LOSS}, "zero3"),
 }
 MESHES = {"zero3": {"pp": 2, "dp": 2, "dp_strategy": "zero3"}, "cp": {"pp": 2, "cp": 2},
           "ep": {"pp": 2, "dp": 2, "ep": 2}}

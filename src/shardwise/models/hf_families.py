@@ -19,7 +19,8 @@ process):
   ``final_logit_softcapping``): `LogitsOutput`; both read at call time from the config as the model's forward
   reads it;
 * rotary embeddings per layer type (Gemma 3's local layers rotate by another base, OLMo 3's too:
-  ``rotary_emb(x, positions, layer_type)``): `rotary_layer_type`.
+  ``rotary_emb(x, positions, layer_type)``): `rotary_layer_type`; per layer (Granite SWA's ``rotary_embs``, one per
+  base of ``layer_rope_theta``, none for a layer of base 0): `layer_rotary`.
 
 Granite-MoE is Granite's forward plus Mixtral's router loss (experts.hf_kinds.global_aux_model), which
 hf_router_loss.py carries through the stages.
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 
 __all__ = ["LLAMA_SHAPED", "HeadInput", "LogitsOutput", "base_model", "embedding_dropout", "embedding_multiplier",
-           "module_paths", "normed_embeddings", "pipeline_kinds", "rotary_layer_type"]
+           "layer_rotary", "module_paths", "normed_embeddings", "pipeline_kinds", "rotary_layer_type"]
 
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
@@ -50,8 +51,10 @@ LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
                 "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
                 "phi", "nemotron", "stablelm", "persimmon", "minimax_m2", "hy_v3", "minicpm3", "hyperclovax",
                 "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama4_text", "cwm",
-                "cohere2_moe", "exaone_moe", "mellum", "afmoe")
-_GRANITE = ("granite", "granitemoe")  # an embedding multiplier and logits divided by logits_scaling
+                "cohere2_moe", "exaone_moe", "mellum", "afmoe", "granite_swa", "granitemoe_swa")
+#: an embedding multiplier and logits divided by logits_scaling
+_GRANITE = ("granite", "granitemoe", "granite_swa", "granitemoe_swa")
+_THETA_PER_LAYER = ("granite_swa", "granitemoe_swa")  # rotary_embs by layer_rope_theta; 0: no rotary (NoPE)
 _MULTIPLIED = (*_GRANITE, "hyperclovax")  # inputs_embeds * embedding_multiplier
 
 _SOFTCAPPED = ("gemma2", "gemma3_text", "nanochat")
@@ -193,6 +196,18 @@ class LogitsOutput:
 
     def __repr__(self) -> str:
         return f"LogitsOutput({self.kind})"
+
+
+def layer_rotary(model: nn.Module, kind: str | None, index: int, shared: nn.Module) -> nn.Module | None:
+    """The rotary module decoder layer `index` takes its (cos, sin) from: `shared` (the base model's ``rotary_emb``),
+    or for Granite SWA the one of ``rotary_embs`` whose base is ``layer_rope_theta[index]``, None for base 0 (the
+    layer rotates nothing: NoPE). kind: as for `embedding_multiplier`."""
+    if (kind or model.config.model_type) not in _THETA_PER_LAYER:
+        return shared
+    theta = model.config.layer_rope_theta[index]
+    if not theta:
+        return None
+    return next(r for r in base_model(model).rotary_embs if r.config.rope_parameters["rope_theta"] == theta)
 
 
 def rotary_layer_type(rotary_emb: nn.Module, config: Any, index: int) -> str | None:

@@ -58,8 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .hf_families import (HeadInput, LogitsOutput, embedding_dropout, embedding_multiplier, module_paths,
-                          normed_embeddings, pipeline_kinds, rotary_layer_type)
+from .hf_families import (HeadInput, LogitsOutput, embedding_dropout, embedding_multiplier, layer_rotary,
+                          module_paths, normed_embeddings, pipeline_kinds, rotary_layer_type)
 from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
                               padding_of, passed_on, stage_documents)
 
@@ -203,6 +203,8 @@ class LlamaDecoderStage(nn.Module):
         return None if documents is None else (documents >= 0).long()
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+        if self.rotary_emb is None:  # a layer without rotary embeddings (Granite SWA's base 0)
+            return None
         if self.rotary_type is None:
             return self.rotary_emb(hidden, positions)
         return self.rotary_emb(hidden, positions, self.rotary_type)
@@ -289,7 +291,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     return [
         LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model, base),
                             embedding_multiplier(model, base), parts["norm"] if normed_embeddings(base) else None),
-        *(LlamaDecoderStage(layer, parts["rotary_emb"], config, masks=masks,
+        *(LlamaDecoderStage(layer, layer_rotary(model, base, i, parts["rotary_emb"]), config, masks=masks,
                             rotary_type=rotary_layer_type(parts["rotary_emb"], config, i),
                             **_layer_rules(config, i, who))
           for i, layer in enumerate(layers)),
