@@ -306,6 +306,7 @@ class ShardingEngine:
     def _on_grad(self, unit: Unit, info: ParamInfo) -> None:
         self._begin_backward()
         refuse_graph_accumulation(self.config.name, info.name)
+        unit.refuse_late_gradient(self.config.name, info)
         unit.accumulate_grad(info)
         self._launch_ready()
 

@@ -210,6 +210,7 @@ class Unit(UnitGradients):
         self.grad_view_groups: list[tuple[int, list[ParamInfo]]] | None = None  # unit_grads._view_groups
         self.grad_pending = 0
         self.grads_seen: set[str] = set()
+        self.reduce_started = False  # this backward's reduce-scatter was launched (unit_grads.start_reduce)
         self.reduce_work: Work | None = None
         self.reduced_shard: torch.Tensor | None = None
         self.replicated = False

@@ -33,6 +33,7 @@ class UnitGradients:
     def begin_backward(self) -> None:
         self.grad_pending = len(self.trainable)
         self.grads_seen: set[str] = set()
+        self.reduce_started = False  # this backward's reduce-scatter of the unit was launched
 
     def prepare_grad_views(self) -> None:
         """Before the unit's backward: make each unsharded parameter's `.grad` a view of its slice of the flat
@@ -99,6 +100,19 @@ class UnitGradients:
                 info.unsharded.grad = None
         self.grad_views = {}
 
+    def refuse_late_gradient(self, who: str, info: ParamInfo) -> None:
+        """Raise when a parameter's gradient arrives after this backward's reduce-scatter of the unit was launched:
+        its module ran in a second backward pass of the step, whose part of the gradient the reduction missed."""
+        if self.reduce_started and info.name in self.grads_seen:
+            raise RuntimeError(
+                f"{who}: parameter {info.name!r} received a gradient after its unit's gradients were reduced in this "
+                f"backward pass: its module ran in two backward passes of one step, as reentrant activation "
+                f"checkpointing (torch.utils.checkpoint(..., use_reentrant=True), or HuggingFace's "
+                f"gradient_checkpointing_enable with use_reentrant=True) runs each checkpointed call of a module used "
+                f"more than once per forward (a looped or recurrent block); this part of its gradient would be lost. "
+                f"Use use_reentrant=False (HuggingFace: gradient_checkpointing_kwargs={{'use_reentrant': False}}) or "
+                f"shardwise's activation_checkpointing=")
+
     def accumulate_grad(self, info: ParamInfo) -> None:
         """Count a parameter's gradient of this pass; unless autograd accumulated it straight into the flat buffer
         (`prepare_grad_views`), add it there (the buffer allocated on first use)."""
@@ -147,6 +161,7 @@ class UnitGradients:
         """Reduce-scatter (AVG) the flat gradient buffer into this rank's shard, asynchronously; its collectives are
         named after the unit, so ranks reducing different units of one size at one position raise instead of
         summing one unit's gradients into the other's (comm/labels.py)."""
+        self.reduce_started = True
         with collective_label(f"unit {self.label}"):
             self._start_reduce()
 
