@@ -233,6 +233,9 @@ def test_what_cannot_be_exact_is_refused():
         model(input_ids=x, position_ids=cp.sequence_positions(8, comm).expand(2, -1))  # the global ones pass
         with pytest.raises(ValueError, match=r"generate\(\) extends sequences one token at a time"):
             model.generate(x, max_new_tokens=2)
+        sharing = transformers.LlamaForCausalLM(model.config)  # an RLHF reference built from the prepared config
+        with pytest.raises(ValueError, match=r"built from the config object of a model apply prepared"):
+            sharing(input_ids=x)
         hand = tiny_llama()
         for layer in hand.model.layers:
             layer.self_attn.__class__ = HandRolledAttention

@@ -92,7 +92,9 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     state, who = get_state(module), type(module).__name__
     if state is None:
         raise ValueError(f"attention implementation {HF_ATTENTION!r} is used by {who}, which "
-                         f"shardwise.context_parallel.apply did not prepare; apply it to the whole model")
+                         f"shardwise.context_parallel.apply did not prepare: apply it to the whole model; or this "
+                         f"model was built from the config object of a model apply prepared (apply selects its "
+                         f"attention in that object): build it from a config of its own (copy.deepcopy(config))")
     calls = module.__dict__.get("_shardwise_cp_calls")
     if calls is not None:
         calls.count += 1
