@@ -1,5 +1,5 @@
 """Every model family of one of transformers' auto mappings, built tiny from a generic config and put through
-`sw.check` (tests/test_hf_families_sweep.py: `make soak`, about 20 minutes on 2 cores; two families in
+`sw.check` (tests/test_hf_families_sweep.py: `make soak`, about 23 minutes on 2 cores; two families in
 `make test`).
 
 Each family's config class is built with the size, expert and dropout fields it has set small or to zero (`TINY`,
@@ -204,14 +204,18 @@ def zero3_sync(model: torch.nn.Module, comm: Any) -> torch.nn.Module:
     return sw.ZeRO(model, comm, stage=3, batch_norm="sync")
 
 
-#: The sweep's names of mesh and wrapper strategies: experts, pipeline stages, sequences split over 2 ranks.
-MESHES = {"ep": {"ep": 2}, "pp": {"pp": 2}, "cp": {"cp": 2}, "zero3+sync": zero3_sync}
+#: The sweep's names of mesh and wrapper strategies: experts, pipeline stages, sequences split over 2 ranks, tensor
+#: parallel with sequence parallel (plan "llama": MoE blocks, recurrent mixers and latent attention on the whole
+#: sequence).
+MESHES = {"ep": {"ep": 2}, "pp": {"pp": 2}, "cp": {"cp": 2}, "zero3+sync": zero3_sync,
+          "sp": {"tp": 2, "tp_plan": "llama", "sequence_parallel": True}}
 
 
 def outcome(model_type: str, class_name: str, strategy: Any, kind: str = "causal_lm") -> str:
-    """What `sw.check` makes of the family under `strategy` (module docstring; "ep" / "pp" / "cp": experts, pipeline
-    stages, sequences over 2 ranks (`MESHES`); "tp:hf": the family's own tensor-parallel plan over 2 ranks; "ep" and
-    "tp:hf" are "inapplicable: ..." for a family with nothing to split)."""
+    """What `sw.check` makes of the family under `strategy` (module docstring; "ep" / "pp" / "cp" / "sp": experts,
+    pipeline stages, sequences over 2 ranks, tensor and sequence parallel (`MESHES`); "tp:hf": the family's own
+    tensor-parallel plan over 2 ranks; "ep" and "tp:hf" are "inapplicable: ..." for a family with nothing to
+    split)."""
     import shardwise as sw
 
     build, why = builder(model_type, class_name, kind)

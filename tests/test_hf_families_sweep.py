@@ -2,9 +2,10 @@
 strategy that applies to it, or is refused with an error naming why.
 
 `make soak` sweeps every causal LM (zero3, fsdp, ddp, ep, tp:hf, pp, cp; and with an attention mask over its
-padding, on the right and on the left: zero3, ep, pp, cp), masked LM, encoder-decoder, sequence and token classifier
-(zero3, ddp:find_unused) and image classifier (zero3, ddp:find_unused, and ZeRO-3 with batch_norm="sync"): 3593
-cases in about 20 minutes on 2 cores, of which 2324 pass (trained like one process, or refused by name: BatchNorm
+padding, on the right and on the left: zero3, ep, pp, cp, and tp2 with sequence parallel under plan "llama"), masked
+LM, encoder-decoder, sequence and token classifier (zero3, ddp:find_unused) and image classifier (zero3,
+ddp:find_unused, and ZeRO-3 with batch_norm="sync"): 3971 cases in about 23 minutes on 2 cores, of which 2595 pass
+(trained like one process, or refused by name: BatchNorm
 without a choice, among others) and the rest skip naming what the family refuses of the generic config (38 causal LMs
 do not build or run at the generic sizes) or that the strategy has nothing to split (no experts, no tensor-parallel
 plan). `make test` runs two families that exercise the sweep's paths: a Llama, and BART's decoder, whose loss pairs
@@ -21,7 +22,7 @@ import hf_sweep  # noqa: E402
 STRATEGIES = {"causal_lm": ("zero3", "fsdp", "ddp", "ep", "tp:hf", "pp", "cp"),
               "masked_lm": ("zero3", "ddp:find_unused"), "seq2seq": ("zero3", "ddp:find_unused"),
               "seq_cls": ("zero3", "ddp:find_unused"), "token_cls": ("zero3", "ddp:find_unused"),
-              "padded_lm": ("zero3", "ep", "pp", "cp"), "left_padded_lm": ("zero3", "ep", "pp", "cp"),
+              "padded_lm": ("zero3", "ep", "pp", "cp", "sp"), "left_padded_lm": ("zero3", "ep", "pp", "cp", "sp"),
               "image_cls": ("zero3", "ddp:find_unused", "zero3+sync")}
 
 
