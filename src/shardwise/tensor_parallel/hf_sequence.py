@@ -61,6 +61,7 @@ from ..comm.base import Communicator
 from ..compiled import eager_while_traced
 from .mappings import gather_from_region, gather_from_sequence_region, scatter_to_sequence_region
 from .latent_attention import is_latent_attention
+from .llama_plan import holds_moe_block
 from .styles import Colwise, Rowwise, Sequence, Style
 
 __all__ = ["HFSequence", "plan_hf_sequence", "install_hf_sequence"]
@@ -95,18 +96,11 @@ def _holds_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _is_moe_block(module: nn.Module) -> bool:
-    """A mixture-of-experts block: it holds a HuggingFace experts module (MixtralExperts, GptOssExperts,
-    Llama4TextExperts, GraniteMoeParallelExperts ...) or is a ...SparseMoeBlock, whose experts plan "llama" keeps
-    whole (expert_parallel may split them over ep)."""
-    return any(type(m).__name__.endswith(("Experts", "SparseMoeBlock")) for m in module.modules())
-
-
 def _runs_whole(name: str, module: nn.Module) -> bool:
     """A module plan "llama" keeps whole on every rank that runs on the whole sequence under sequence parallel: a
     mixture-of-experts block, or a recurrent sequence mixer, whose recurrence runs along the whole sequence
     (Qwen3-Next's and Qwen3.5's Gated DeltaNet, `linear_attn`; Falcon-H1's Mamba-2 mixer, `mamba`)."""
-    return _is_moe_block(module) or name.rpartition(".")[2] in ("linear_attn", "mamba") \
+    return holds_moe_block(module) or name.rpartition(".")[2] in ("linear_attn", "mamba") \
         or type(module).__name__.endswith(("GatedDeltaNet", "Mixer"))
 
 
@@ -115,8 +109,9 @@ def plan_hf_sequence(model: nn.Module, styles: dict[str, Style]) -> HFSequence:
     them: the final one) and find where its shards begin and its gathers happen (module docstring). ValueError for
     what the module docstring's limits name."""
     modules = dict(model.named_modules())
-    whole = [name for name, module in modules.items() if _runs_whole(name, module)  # a decoder layer's child
-             and isinstance(modules.get(name.rpartition(".")[0].rpartition(".")[0]), nn.ModuleList)]
+    whole = [name for name, module in modules.items()  # a decoder layer's child (the cheap test first)
+             if isinstance(modules.get(name.rpartition(".")[0].rpartition(".")[0]), nn.ModuleList)
+             and _runs_whole(name, module)]
     inside = {name for name in styles if any(name.startswith(f"{block}.") for block in whole)}
     inputs = [name for name, style in styles.items()
               if isinstance(style, Colwise) and not style.gather_output and name not in inside]

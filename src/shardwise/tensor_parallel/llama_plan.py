@@ -35,6 +35,13 @@ def _heads_of(attn: nn.Module, proj: nn.Linear, *names: str) -> int | None:
     return None
 
 
+def holds_moe_block(module: nn.Module) -> bool:
+    """Whether `module` holds a mixture-of-experts block, which plan "llama" keeps whole (expert_parallel may split
+    it over ep): a HuggingFace experts module (MixtralExperts, GptOssExperts, Llama4TextExperts,
+    GraniteMoeParallelExperts ...) or a ...SparseMoeBlock."""
+    return any(type(m).__name__.endswith(("Experts", "SparseMoeBlock")) for m in module.modules())
+
+
 def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     """The plan of Llama-style models with HuggingFace module names.
 
@@ -85,7 +92,7 @@ def llama_plan(model: nn.Module, tp: int) -> dict[str, Style]:
     mlp = {k: v for k, v in (("gate_proj", Colwise()), ("up_proj", Colwise()), ("down_proj", Rowwise()),
                              ("gate_up_proj", Colwise(fused=2)), ("c_fc", Colwise()), ("c_proj", Rowwise()))
            if k in names and (k != "gate_up_proj" or fused_mlp) and (k not in ("c_fc", "c_proj") or two_layer)}
-    if not mlp and not any(type(m).__name__.endswith(("Experts", "SparseMoeBlock")) for m in model.modules()):
+    if not mlp and not holds_moe_block(model):
         raise ValueError("tensor parallel plan 'llama': the model has neither gate_proj / up_proj / down_proj (or "
                          "c_fc / c_proj) MLPs nor a mixture-of-experts block; pass a plan dict naming its MLP's "
                          "modules")
