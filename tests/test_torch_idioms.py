@@ -144,3 +144,38 @@ def test_a_slice_of_a_wrapped_sequential_is_a_plain_sequential(name):
     for cls, same, got in sw.launch(body, 2):
         assert cls is nn.Sequential and same
         torch.testing.assert_close(got, want.detach())
+
+
+
+def _halve_through_data(grads) -> None:
+    for g in grads:
+        g.data = g.data * 0.5
+
+
+def _halve_through_a_vector(grads) -> None:  # a piece's view() raises under ZeRO / FSDP, naming sw.full_state_dict
+    nn.utils.vector_to_parameters(nn.utils.parameters_to_vector(grads) * 0.5, grads)
+
+
+@pytest.mark.parametrize("zero_grad", ["set_to_none", "zeroed"])
+@pytest.mark.parametrize("name,edit", [(name, _halve_through_data) for name in WRAPS] + [("ddp", _halve_through_a_vector)],
+                         ids=[f"{name}-data" for name in WRAPS] + ["ddp-vector_to_parameters"])
+def test_old_style_gradient_edits_through_data_train_like_one_process(name, edit, zero_grad):
+    """`p.grad.data = p.grad.data * 0.5` (old scripts' clipping and scaling) and `nn.utils.vector_to_parameters(v,
+    grads)` (which assigns `.data` of each gradient) re-point the tensor object that is `p.grad`. Under sw.DDP that
+    object was the bucket's own view: from the next step on each rank's gradient was written outside the bucket the
+    all-reduce averages, and the replicas stepped apart, silently (3.2e-2 off one process after three AdamW steps).
+    The bucket hands out an alias and keeps its view, so the edit is the script's and the all-reduce is untouched."""
+    def train(model, comm=None):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            opt.zero_grad(set_to_none=zero_grad == "set_to_none")
+            rows = X[step] if comm is None else X[step, comm.rank * 4:(comm.rank + 1) * 4]
+            model(rows.double()).square().mean().backward()
+            edit([p.grad for p in model.parameters()])
+            opt.step()
+        return model
+
+    ref = train(build().double())
+    for state in sw.launch(lambda comm: sw.full_state_dict(train(WRAPS[name](build().double(), comm), comm)), 2):
+        for key, want in ref.state_dict().items():
+            torch.testing.assert_close(state[key], want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{key}: {m}")

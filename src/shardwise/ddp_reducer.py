@@ -43,16 +43,25 @@ class Bucket:
         pieces = [local(p) for p in params]  # a tensor-parallel slice's own storage (sharded_tensor.py)
         numel = sum(p.numel() for p in pieces)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        self.views: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []  # the views as each parameter's .grad (answering for the whole, if sliced)
+        self.views: list[torch.Tensor] = []  # the bucket's own, never handed out
+        self.grads: list[torch.Tensor] = []  # what each parameter's .grad is: an alias of its view (see grad)
         offset = 0
         for p, piece in zip(params, pieces):
             view = self.buffer[offset : offset + piece.numel()].view_as(piece)
             self.views.append(view)
-            self.grads.append(grad_like(view, p))
+            self.grads.append(grad_like(view.view_as(view), p))
             offset += piece.numel()
         self.pending = len(params)
         self.work: Work | None = None
+
+    def grad(self, i: int) -> torch.Tensor:
+        """Parameter i's gradient to hand out: a tensor object of its own aliasing the bucket's view, so a script's
+        `p.grad.data = p.grad.data * 0.5` (old-style in-place edits, `nn.utils.vector_to_parameters` over the
+        gradients) re-points that object and never the view the bucket reduces. Handed out again after such an edit,
+        a fresh alias (the edited object no longer views the bucket: it would be missed by the all-reduce)."""
+        if local(self.grads[i]).data_ptr() != self.views[i].data_ptr():
+            self.grads[i] = grad_like(self.views[i].view_as(self.views[i]), self.params[i])
+        return self.grads[i]
 
     @property
     def nbytes(self) -> int:
@@ -233,7 +242,7 @@ class Reducer:
             view.zero_()
         elif local(grad).data_ptr() != view.data_ptr():
             view.copy_(local(grad))
-            param.grad = bucket.grads[i]
+            param.grad = bucket.grad(i)
         self.marked.add(param)
         if used:
             self.used.add(param)
@@ -274,14 +283,16 @@ class Reducer:
 
     def check_averaged(self, held: set[int]) -> None:
         """Before an optimizer over the parameters `held` (ids) steps: each gradient must be the one DDP averaged,
-        in its bucket, where the last synchronised backward handed it out (changed in place or not). One set
+        in its bucket, where the last synchronised backward handed it out (changed in place, or its `.data`
+        re-pointed by the script: the object handed out, Bucket.grad). One set
         otherwise (`p.grad = g` from torch.autograd.grad, which runs no gradient hook; backward passes only under
         no_sync()) is this rank's alone, and the replicas would step apart, silently: a RuntimeError naming it."""
         with torch._C.DisableTorchFunctionSubclass():  # tensor-parallel slices: a plain attribute read
             for bucket in self.buckets:
-                for p, view in zip(bucket.params, bucket.views):
+                for p, view, handed in zip(bucket.params, bucket.views, bucket.grads):
                     grad = p.grad  # the bucket's view, or a tensor re-describing it (a pipeline stage's gradient)
-                    if id(p) in held and grad is not None and grad.data_ptr() != view.data_ptr() and view.numel():
+                    if (id(p) in held and grad is not None and grad is not handed and grad.data_ptr() != view.data_ptr()
+                            and view.numel()):
                         raise RuntimeError(
                             f"optimizer.step(): the gradient of {self.names[p]!r} is not one DDP averaged over the "
                             f"{self.comm.size} ranks (it was set outside loss.backward(): torch.autograd.grad and an "
@@ -313,7 +324,7 @@ class Reducer:
                 p.grad = None
             else:
                 bucket, i = self.location[p]
-                p.grad = bucket.grads[i]
+                p.grad = bucket.grad(i)
 
 
 def reachable_parameters(output: Any) -> set[nn.Parameter]:
