@@ -32,6 +32,7 @@ from torch import nn
 
 from ..comm.base import Communicator
 from . import hf_stages
+from .hf_gpt2_stages import GPT2_SHAPED, gpt2_pipeline_layers
 from .hf_families import LLAMA_SHAPED, pipeline_kinds
 from .hf_router_loss import carry_router_statistics, router_loss_coef
 
@@ -41,7 +42,7 @@ __all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "labels_at_padding",
 #: HuggingFace ``config.model_type`` -> the function building its pipeline layers (hf_stages.py).
 BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
     **{model_type: hf_stages.llama_pipeline_layers for model_type in LLAMA_SHAPED},
-    "gpt2": hf_stages.gpt2_pipeline_layers,
+    **{model_type: gpt2_pipeline_layers for model_type in GPT2_SHAPED},
 }
 
 

@@ -20,8 +20,8 @@ import torch
 
 from ..comm.base import Communicator, is_communicator
 
-__all__ = ["CausalMasks", "StagePositions", "check_hidden", "check_ids", "given_positions", "packed_layer",
-           "padding_of", "passed_on", "stage_documents"]
+__all__ = ["SUPPORTED_ATTENTION", "CausalMasks", "StagePositions", "check_attention", "check_hidden", "check_ids",
+           "given_positions", "layer_inputs", "packed_layer", "padding_of", "passed_on", "stage_documents", "submodule"]
 
 
 def check_ids(ids: torch.Tensor, who: str, max_positions: int | None = None) -> None:
@@ -230,3 +230,45 @@ class CausalMasks:
             hit = self._packed[window] = (weakref.ref(marks), key, mask)
         mask = hit[2]
         return None if mask is None else mask.expand(hidden.shape[0], *mask.shape[1:])
+
+
+SUPPORTED_ATTENTION = ("eager", "sdpa")  # the stages pass an explicit additive mask
+
+
+def check_attention(config: object, who: str, positions: StagePositions | None = None) -> None:
+    from ..context_parallel.apply import HF_ATTENTION
+
+    impl = getattr(config, "_attn_implementation", None)
+    if positions is not None and positions.cp is not None:
+        if impl != HF_ATTENTION:
+            raise ValueError(f"{who}: cp is given but the model's attention implementation is {impl!r}, not context "
+                             f"parallel's {HF_ATTENTION!r}; call shardwise.context_parallel.apply(model, cp) first")
+        return
+    if impl == HF_ATTENTION:
+        raise ValueError(f"{who}: the model's attention is context parallel ({impl!r}, from "
+                         f"shardwise.context_parallel.apply): pass its group as cp= so the stages give each token its "
+                         f"global position and no chunk-local causal mask")
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"{who}: attention implementation {impl!r} is not supported; allowed {list(SUPPORTED_ATTENTION)} (the "
+            f"stages pass an explicit additive causal mask), e.g. model.set_attn_implementation('sdpa')"
+        )
+
+
+def layer_inputs(config: object, masks: CausalMasks, hidden: torch.Tensor, position_ids: object, documents: object,
+                  who: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """What a decoder-layer stage checks and rebuilds before calling its layer: (packed rows' positions as received,
+    or None; the positions the layer rotates or embeds by; padded rows' documents, or None)."""
+    check_hidden(hidden, who)
+    # Read at call time: set_attn_implementation may switch it after the stages were built.
+    check_attention(config, who, masks.positions)
+    given = given_positions(position_ids, hidden, who)
+    positions = masks.positions(hidden, given)
+    return given, positions, stage_documents(documents, hidden, positions, masks.positions, who)
+
+
+def submodule(model: nn.Module, path: str, who: str, expected: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(f"{who}: {type(model).__name__} has no module {path!r}; expected {expected}") from None

@@ -13,7 +13,8 @@ for ``shardwise.pipeline.partition``:
 
 The stages reference the modules the model holds when the list is built (no copies), so training them trains the
 model and its ``state_dict`` names stay valid; build the list after ``tensor_parallel.parallelize`` (which
-replaces modules in place) and the stages run the tensor-parallel layers. GPT-2's ``lm_head`` is tied to ``wte``:
+replaces modules in place) and the stages run the tensor-parallel layers. GPT-2-shaped families (GPT-2, GPT-BigCode,
+GPT-Neo, GPT-J, CodeGen) have stages of their own, hf_gpt2_stages.py. GPT-2's ``lm_head`` is tied to ``wte``:
 the first and last stage hold one Parameter, which ``Pipeline`` keeps in sync across ranks by identity.
 
 The mask (what the installed transformers 5.x expects, checked by the tests against the model's own logits): an
@@ -60,56 +61,20 @@ from torch import nn
 from ..comm.base import Communicator
 from .hf_families import (HeadInput, LogitsOutput, embedding_dropout, embedding_multiplier, layer_rotary,
                           module_paths, normed_embeddings, pipeline_kinds, rotary_layer_type)
-from .hf_stage_inputs import (CausalMasks, StagePositions, check_hidden, check_ids, given_positions, packed_layer,
-                              padding_of, passed_on, stage_documents)
+from .hf_stage_inputs import (SUPPORTED_ATTENTION, CausalMasks, StagePositions, check_attention, check_ids,
+                              given_positions, layer_inputs, packed_layer, padding_of, passed_on, submodule)
 
 __all__ = [
     "SUPPORTED_ATTENTION",
-    "GPT2BlockStage",
-    "GPT2EmbeddingStage",
     "HFHeadStage",
     "LlamaDecoderStage",
     "LlamaEmbeddingStage",
     "causal_lm_loss",
-    "gpt2_pipeline_layers",
     "llama_pipeline_layers",
     "shifted_labels",
 ]
 
-SUPPORTED_ATTENTION = ("eager", "sdpa")
 IGNORE_INDEX = -100
-
-
-def _check_attention(config: object, who: str, positions: StagePositions | None = None) -> None:
-    from ..context_parallel.apply import HF_ATTENTION
-
-    impl = getattr(config, "_attn_implementation", None)
-    if positions is not None and positions.cp is not None:
-        if impl != HF_ATTENTION:
-            raise ValueError(f"{who}: cp is given but the model's attention implementation is {impl!r}, not context "
-                             f"parallel's {HF_ATTENTION!r}; call shardwise.context_parallel.apply(model, cp) first")
-        return
-    if impl == HF_ATTENTION:
-        raise ValueError(f"{who}: the model's attention is context parallel ({impl!r}, from "
-                         f"shardwise.context_parallel.apply): pass its group as cp= so the stages give each token its "
-                         f"global position and no chunk-local causal mask")
-    if impl not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"{who}: attention implementation {impl!r} is not supported; allowed {list(SUPPORTED_ATTENTION)} (the "
-            f"stages pass an explicit additive causal mask), e.g. model.set_attn_implementation('sdpa')"
-        )
-
-
-def _layer_inputs(config: object, masks: CausalMasks, hidden: torch.Tensor, position_ids: object, documents: object,
-                  who: str) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """What a decoder-layer stage checks and rebuilds before calling its layer: (packed rows' positions as received,
-    or None; the positions the layer rotates or embeds by; padded rows' documents, or None)."""
-    check_hidden(hidden, who)
-    # Read at call time: set_attn_implementation may switch it after the stages were built.
-    _check_attention(config, who, masks.positions)
-    given = given_positions(position_ids, hidden, who)
-    positions = masks.positions(hidden, given)
-    return given, positions, stage_documents(documents, hidden, positions, masks.positions, who)
 
 
 class LlamaEmbeddingStage(nn.Module):
@@ -184,7 +149,7 @@ class LlamaDecoderStage(nn.Module):
         if self.sequence_split > 1:  # what the mask and positions read of it: its shape, dtype and device
             B, T, d = hidden.shape
             whole = hidden.new_empty(1, 1, 1).expand(B, T * self.sequence_split, d)
-        given, positions, documents = _layer_inputs(self.config, self._masks, whole, position_ids, documents, who)
+        given, positions, documents = layer_inputs(self.config, self._masks, whole, position_ids, documents, who)
         mask = self._recurrent_mask(given, documents) if self.recurrent else \
             self._masks(whole, self.window, who, given, documents, self.chunk)
         with packed_layer(self.layer, self._masks.positions, given, documents):
@@ -234,13 +199,6 @@ class HFHeadStage(nn.Module):
         return logits if self.output is None else self.output(logits)
 
 
-def _submodule(model: nn.Module, path: str, who: str, expected: str) -> nn.Module:
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        raise ValueError(f"{who}: {type(model).__name__} has no module {path!r}; expected {expected}") from None
-
-
 def _layer_rules(config: object, index: int, who: str) -> dict[str, Any]:
     """How decoder layer `index` mixes tokens, as the HF model decides it by its layer type (LlamaDecoderStage's
     `window`, `chunk` and `recurrent`): full causal attention, a sliding window (Mistral applies
@@ -282,10 +240,10 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     who = "llama_pipeline_layers"
     expected = "a Llama-style causal LM (model.model.embed_tokens, .layers, .norm, .rotary_emb; model.lm_head)"
     base, head = pipeline_kinds(model) or (None, None)  # a family generated from a listed one: that one's extras
-    parts = {name: _submodule(model, path, who, expected) for name, path in module_paths(model, base).items()}
+    parts = {name: submodule(model, path, who, expected) for name, path in module_paths(model, base).items()}
     config = model.config
     masks = CausalMasks(StagePositions(cp, zigzag))
-    _check_attention(config, who, masks.positions)
+    check_attention(config, who, masks.positions)
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
     return [
@@ -296,71 +254,6 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
                             **_layer_rules(config, i, who))
           for i, layer in enumerate(layers)),
         HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head), HeadInput(model, head)),
-    ]
-
-
-class GPT2EmbeddingStage(nn.Module):
-    """First stage of GPT-2: ``drop(wte(input_ids) + wpe(arange(T)))``, (B, T) int -> (B, T, d)."""
-
-    def __init__(self, wte: nn.Module, wpe: nn.Embedding, drop: nn.Module, positions: StagePositions | None = None
-                 ) -> None:
-        super().__init__()
-        self.wte = wte
-        self.wpe = wpe
-        self.drop = drop
-        self._positions = positions if positions is not None else StagePositions()
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> Any:
-        who = "GPT2EmbeddingStage"
-        check_ids(input_ids, who, self.wpe.num_embeddings // self._positions.global_length(1))
-        given = given_positions(position_ids, input_ids, who)
-        # Same operand order as GPT2Model.forward (token embeddings first), so the sum is bitwise the same.
-        hidden = self.drop(self.wte(input_ids) + self.wpe(self._positions(input_ids, given)))
-        return passed_on(hidden, given, padding_of(attention_mask, input_ids, self._positions, who))
-
-
-class GPT2BlockStage(nn.Module):
-    """One ``GPT2Block`` as a stage: hidden (B, T, d) -> hidden (B, T, d), with the additive causal mask."""
-
-    def __init__(self, block: nn.Module, config: object, masks: CausalMasks) -> None:
-        super().__init__()
-        self.block = block
-        self.config = config
-        self._masks = masks
-
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> Any:
-        who = "GPT2BlockStage"
-        given, positions, documents = _layer_inputs(self.config, self._masks, hidden, position_ids, documents, who)
-        with packed_layer(self.block, self._masks.positions, given, documents):
-            out = self.block(hidden, attention_mask=self._masks(hidden, None, who, given, documents),
-                             position_ids=positions)
-        return passed_on(out[0] if isinstance(out, tuple) else out, given, documents)
-
-
-def gpt2_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zigzag: bool = True
-                         ) -> list[nn.Module]:
-    """``[GPT2EmbeddingStage, GPT2BlockStage per block, HFHeadStage]`` for ``transformers.GPT2LMHeadModel``.
-
-    The stages hold the model's ``transformer.wte``, ``.wpe``, ``.drop``, each block of ``.h``, ``.ln_f`` and
-    ``lm_head`` (no copies); ``lm_head.weight`` is ``wte.weight``, so the first and last stage share that Parameter.
-    Applying them in order to input_ids (B, T) gives ``model(input_ids).logits``. Raises ValueError naming what is
-    missing for another structure, and for an attention implementation other than eager or sdpa. cp, zigzag: as
-    for `llama_pipeline_layers` (context parallel).
-    """
-    who = "gpt2_pipeline_layers"
-    expected = "a GPT-2 causal LM (model.transformer.wte, .wpe, .drop, .h, .ln_f; model.lm_head)"
-    parts = {name: _submodule(model, path, who, expected) for name, path in (
-        ("wte", "transformer.wte"), ("wpe", "transformer.wpe"), ("drop", "transformer.drop"), ("h", "transformer.h"),
-        ("ln_f", "transformer.ln_f"), ("lm_head", "lm_head"))}
-    config = model.config
-    masks = CausalMasks(StagePositions(cp, zigzag))
-    _check_attention(config, who, masks.positions)
-    return [
-        GPT2EmbeddingStage(parts["wte"], parts["wpe"], parts["drop"], masks.positions),
-        *(GPT2BlockStage(block, config, masks) for block in parts["h"]),
-        HFHeadStage(parts["ln_f"], parts["lm_head"]),
     ]
 
 
