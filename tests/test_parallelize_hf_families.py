@@ -17,7 +17,8 @@ logits), GPT-NeoX (Pythia: its base model gpt_neox, embed_in, final_layer_norm, 
 forward, Llama 3's rope scaling), Cohere 2 MoE (Cohere 2's with experts, split over ep=2 x dp=2), EXAONE-MoE (EXAONE
 4's sliding layers, a dense first layer, shared experts), Mellum (sliding layers rotating by their own base, its
 router loss per microbatch), AFMoE (GPT-OSS's forward with muP's input scaling by sqrt(hidden size)) and Granite SWA
-and its MoE (Granite's multipliers and logit scale, each layer rotating by its own base, some by none). Seven families
+and its MoE (Granite's multipliers and logit scale, each layer rotating by its own base, some by none), Falcon (its
+own module names, alibi=None, three layer variants). Seven families
 transformers generates from listed ones (their forwards a listed family's byte code: hf_families.pipeline_kinds) the
 same way. JetMoE, not known to be Llama-shaped, is refused by name."""
 
@@ -212,3 +213,27 @@ def test_a_family_not_known_to_be_llama_shaped_is_refused_by_name():
 
     for error in sw.launch(body, 2):
         assert type(model).__name__ in error
+
+
+FALCON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, ffn_hidden_size=64,
+              max_position_embeddings=64, attn_implementation="eager", hidden_dropout=0.0, attention_dropout=0.0)
+
+
+@pytest.mark.parametrize("variant", [
+    {"new_decoder_architecture": True, "num_kv_heads": 2},  # Falcon-40B / -180B: grouped kv, two norms per layer
+    {"multi_query": True, "parallel_attn": True},  # Falcon-7B: one kv head, attention beside the MLP
+    {"multi_query": False, "parallel_attn": False, "bias": True},  # sequential residual, biases
+], ids=["new_architecture", "multi_query", "sequential"])
+def test_falcon_on_pipeline_stages_matches_one_process(variant):
+    """Falcon (refused before): its base model ``transformer`` with ``word_embeddings``, ``h`` and ``ln_f`` and a
+    layer that takes ``alibi`` (None for rotary Falcons) beside Llama's arguments; pp2 x dp2 ZeRO-3, padded rows."""
+    config = transformers.FalconConfig(**FALCON, **variant)
+    build = lambda: transformers.FalconForCausalLM(config)  # noqa: E731
+    report = sw.check(build, padded, strategy=MESHES["zero3"], world_size=4, steps=2)
+    assert report.ok, str(report)
+
+
+def test_an_alibi_falcon_is_refused_by_name():
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(**FALCON, alibi=True))
+    with pytest.raises(ValueError, match=r"FalconForCausalLM with alibi=True \(ALiBi biases built from the padding mask"):
+        hf_stages.llama_pipeline_layers(model)

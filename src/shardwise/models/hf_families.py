@@ -12,7 +12,10 @@ process):
   ``embed_dropout``, GPT-NeoX's ``emb_dropout``): `embedding_dropout`; the final norm applied to the embeddings too
   (nanochat's ``norm`` before the layers): `normed_embeddings`;
 * modules under other names (Phi's and Persimmon's final norm ``final_layernorm``; GPT-NeoX's (Pythia's) base model
-  ``gpt_neox`` with ``embed_in`` and ``final_layer_norm``): `module_paths`;
+  ``gpt_neox`` with ``embed_in`` and ``final_layer_norm``; Falcon's ``transformer`` with ``word_embeddings``, ``h``
+  and ``ln_f``): `module_paths`;
+* arguments its layers take besides Llama's (Falcon's ``alibi``, None for its rotary models; ALiBi Falcons, whose
+  biases the forward builds from the padding mask, are refused by name): `layer_arguments`;
 * a transform of the head's input (MiniCPM3 divides the hidden states by ``logits_scaling``): `HeadInput`; of the
   logits (Granite divides by ``logits_scaling``, HyperCLOVA X multiplies by it, Cohere and Cohere 2 multiply by
   ``logit_scale``, Gemma 2, Gemma 3 and nanochat cap them as ``cap * tanh(logits / cap)`` with
@@ -43,7 +46,7 @@ import torch
 from torch import nn
 
 __all__ = ["LLAMA_SHAPED", "HeadInput", "LogitsOutput", "base_model", "embedding_dropout", "embedding_multiplier",
-           "layer_rotary", "module_paths", "normed_embeddings", "pipeline_kinds", "rotary_layer_type"]
+           "layer_arguments", "layer_rotary", "module_paths", "normed_embeddings", "pipeline_kinds", "rotary_layer_type"]
 
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
@@ -51,7 +54,7 @@ LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
                 "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
                 "phi", "nemotron", "stablelm", "persimmon", "minimax_m2", "hy_v3", "minicpm3", "hyperclovax",
                 "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama4_text", "cwm",
-                "cohere2_moe", "exaone_moe", "mellum", "afmoe", "granite_swa", "granitemoe_swa")
+                "cohere2_moe", "exaone_moe", "mellum", "afmoe", "granite_swa", "granitemoe_swa", "falcon")
 #: an embedding multiplier and logits divided by logits_scaling
 _GRANITE = ("granite", "granitemoe", "granite_swa", "granitemoe_swa")
 _THETA_PER_LAYER = ("granite_swa", "granitemoe_swa")  # rotary_embs by layer_rope_theta; 0: no rotary (NoPE)
@@ -114,12 +117,29 @@ def module_paths(model: nn.Module, kind: str | None = None) -> dict[str, str]:
     model runs (`pipeline_kinds`; default its own type), which names them."""
     kind = kind or model.config.model_type
     prefix = _base_prefix(model)
+    layers = "layers"
     if kind == "gpt_neox":  # Pythia's names
         embed, norm = "embed_in", "final_layer_norm"
+    elif kind == "falcon":
+        embed, layers, norm = "word_embeddings", "h", "ln_f"
     else:
         embed, norm = "embed_tokens", "final_layernorm" if kind in _FINAL_LAYERNORM else "norm"
-    return {"embed_tokens": f"{prefix}.{embed}", "layers": f"{prefix}.layers", "norm": f"{prefix}.{norm}",
+    return {"embed_tokens": f"{prefix}.{embed}", "layers": f"{prefix}.{layers}", "norm": f"{prefix}.{norm}",
             "rotary_emb": f"{prefix}.rotary_emb", "lm_head": "lm_head"}
+
+
+def layer_arguments(model: nn.Module, kind: str | None = None) -> dict[str, Any]:
+    """What the family's forward passes each decoder layer besides the hidden states, the mask, the positions and the
+    rotary embeddings: Falcon's ``alibi``, None for a rotary Falcon. ValueError for a Falcon with ``alibi=True``: its
+    forward builds the biases from the padding mask and folds them into the mask, which the stages do not. kind: as
+    for `embedding_multiplier`."""
+    if (kind or model.config.model_type) != "falcon":
+        return {}
+    if model.config.alibi:
+        raise ValueError(f"pipeline stages: {type(model).__name__} with alibi=True (ALiBi biases built from the padding "
+                         f"mask in its forward) is not split into stages; Falcons with rotary embeddings (alibi=False, "
+                         f"as Falcon-7B, -40B and -180B) are")
+    return {"alibi": None}
 
 
 def embedding_multiplier(model: nn.Module, kind: str | None = None) -> float | None:

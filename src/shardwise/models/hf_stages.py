@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.base import Communicator
-from .hf_families import (HeadInput, LogitsOutput, embedding_dropout, embedding_multiplier, layer_rotary,
-                          module_paths, normed_embeddings, pipeline_kinds, rotary_layer_type)
+from .hf_families import (HeadInput, LogitsOutput, embedding_dropout, embedding_multiplier, layer_arguments,
+                          layer_rotary, module_paths, normed_embeddings, pipeline_kinds, rotary_layer_type)
 from .hf_stage_inputs import (SUPPORTED_ATTENTION, CausalMasks, StagePositions, check_attention, check_ids,
                               given_positions, layer_inputs, packed_layer, padding_of, passed_on, submodule)
 
@@ -128,9 +128,10 @@ class LlamaDecoderStage(nn.Module):
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: object, window: int | None,
                  masks: CausalMasks, rotary_type: str | None = None, recurrent: bool = False,
-                 chunk: int | None = None) -> None:
+                 chunk: int | None = None, arguments: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.layer = layer
+        self.arguments = dict(arguments or {})  # the family's own (hf_families.layer_arguments: Falcon's alibi=None)
         self.rotary_emb = rotary_emb
         self.config = config
         self.window = window
@@ -154,7 +155,7 @@ class LlamaDecoderStage(nn.Module):
             self._masks(whole, self.window, who, given, documents, self.chunk)
         with packed_layer(self.layer, self._masks.positions, given, documents):
             out = self.layer(hidden, attention_mask=mask, position_ids=positions,
-                             position_embeddings=self._rotary(whole, positions))
+                             position_embeddings=self._rotary(whole, positions), **self.arguments)
         # Older transformers returned a 1-tuple (hidden,); 5.x returns the tensor.
         return passed_on(out[0] if isinstance(out, tuple) else out, given, documents)
 
@@ -251,7 +252,7 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
                             embedding_multiplier(model, base), parts["norm"] if normed_embeddings(base) else None),
         *(LlamaDecoderStage(layer, layer_rotary(model, base, i, parts["rotary_emb"]), config, masks=masks,
                             rotary_type=rotary_layer_type(parts["rotary_emb"], config, i),
-                            **_layer_rules(config, i, who))
+                            arguments=layer_arguments(model, base), **_layer_rules(config, i, who))
           for i, layer in enumerate(layers)),
         HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head), HeadInput(model, head)),
     ]
