@@ -150,7 +150,7 @@ def check(
     traces = _launch(job, backend, timeout, device)
     report = compare(reference, traces[0], strategy=spec.label, world_size=spec.world_size, max_norm=max_norm,
                      rtol=rtol, atol=atol, backend=backend, accumulate=accumulate)
-    packed = packed_rows_note(batches[0]) if report.first_mismatch is not None else None
+    packed = packed_rows_note(batches[0], build_model) if report.first_mismatch is not None else None
     if packed is not None and report.first_mismatch.step == 0 and report.first_mismatch.phase == "forward":
         report.notes.insert(0, packed)
     return report

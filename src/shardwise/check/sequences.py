@@ -77,16 +77,28 @@ def _router_loss(model: nn.Module, out: Any) -> torch.Tensor | float:
     return coef * aux
 
 
-def packed_rows_note(batch: Any) -> str | None:
-    """Why a HuggingFace batch of packed rows (position ids restarting at each document) may differ at step 0: with
-    a cache in use (``use_cache`` not False, the default of most configs), transformers lets one process's documents
-    attend to each other, while context parallel and pipeline stages keep them apart. None for other batches."""
+def packed_rows_note(batch: Any, build_model: Callable[[], nn.Module] | None = None) -> str | None:
+    """Why a HuggingFace batch of packed rows (position ids restarting at each document) may differ at step 0:
+    transformers keeps one process's documents apart (eager and SDPA attention) only when no cache is in use
+    (``use_cache`` not False is the default of most configs) and only in a model whose forward gives its mask function
+    the position ids (hf_packing.py: GPT-OSS, AFMoE, Falcon and OPT do not), while context parallel and pipeline
+    stages keep them apart. `build_model` builds a copy of the model to read that from. None for other batches."""
     if not (isinstance(batch, dict) and isinstance(batch.get("position_ids"), torch.Tensor)):
         return None
     positions = batch["position_ids"]
     restarts = positions.dim() == 2 and bool((torch.diff(positions, dim=-1) != 1).any())
-    if not restarts or batch.get("use_cache") is False:
+    if not restarts:
         return None
-    return ("the batch packs documents (its position_ids restart) without use_cache=False: transformers then lets one "
-            "process's documents attend to each other (it keeps them apart from the positions only when no cache is "
-            "in use), while the strategy keeps them apart; add 'use_cache': False to the batch")
+    if batch.get("use_cache") is not False:
+        return ("the batch packs documents (its position_ids restart) without use_cache=False: transformers then lets "
+                "one process's documents attend to each other (it keeps them apart from the positions only when no "
+                "cache is in use), while the strategy keeps them apart; add 'use_cache': False to the batch")
+    from ..hf_packing import mask_without_positions
+
+    where = mask_without_positions(build_model()) if build_model is not None else None
+    if where is None:
+        return None
+    return (f"the batch packs documents (its position_ids restart) and {where} builds its causal mask without the "
+            f"position ids: with eager and SDPA attention one process lets the documents of a row attend to each "
+            f"other, while the strategy keeps them apart, as transformers does under flash attention "
+            f"(docs/context_parallel.md, 'Packed sequences'); check this model with rows of one sequence each")
