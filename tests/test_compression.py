@@ -311,7 +311,9 @@ def test_error_feedback_makes_sent_updates_track_true_gradients(method, seed):
         got, true_sum = got[:240], true_sum[:240]
         final_memory = final_memory[:240]
     torch.testing.assert_close(got + final_memory, true_sum, rtol=1e-4, atol=1e-3)
-    assert gap(steps) < 0.15 and gap(steps) < gap(10)
+    # gap(60) over 104 seeds (0, 97, ... 9991): at most 0.174 (OneBit), 0.153 (RandomK(0.2)), medians 0.04-0.13; a bound
+    # of 0.15 failed about one run in ten (RandomK seed 8199: 0.159). Without error feedback it is several times this.
+    assert gap(steps) < 0.25 and gap(steps) < gap(10)
 
     no_feedback = sum(exchange(method, world, lambda r, s, t=t: grads_of(r, t))[0][0][0] for t in range(10))
     want10 = sum(average(grads_of, world, t) for t in range(10))
