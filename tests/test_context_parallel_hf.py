@@ -244,3 +244,32 @@ def test_what_cannot_be_exact_is_refused():
             hand(input_ids=x)
 
     sw.launch(body, 2)
+
+
+def test_a_model_sharing_the_config_object_stays_a_plain_model():
+    """An RLHF reference or an evaluation copy built from the same config object as the trained model: apply used to
+    select ring attention in that shared object, so the other model's first forward failed ("which
+    shardwise.context_parallel.apply did not prepare"). apply gives the model a config of its own (every module that
+    held the old one holds the copy); the other model keeps its attention and its logits, the prepared one runs ring
+    attention over its chunks."""
+    with torch.no_grad():
+        want = tiny_llama()(IDS[:, :16]).logits
+    policies = [tiny_llama() for _ in range(2)]  # built here: thread ranks share torch's global RNG
+    references = [type(policy)(policy.config) for policy in policies]  # each the same config object as its policy
+    for policy, reference in zip(policies, references):
+        reference.load_state_dict(policy.state_dict())
+
+    def body(comm):
+        policy, reference = policies[comm.rank], references[comm.rank]
+        model = cp.apply(policy, comm)
+        with torch.no_grad():
+            chunks = model(input_ids=cp.split_sequence(IDS[:, :16], comm)).logits
+            mine = reference(IDS[:, :16]).logits
+        shared = [name for name, m in model.named_modules() if vars(m).get("config") is reference.config]
+        return (model.config is not reference.config, reference.config._attn_implementation, shared,
+                cp.gather_sequence(chunks, comm), mine)
+
+    for separate, implementation, shared, whole, mine in sw.launch(body, 2):
+        assert separate and implementation == "eager" and shared == []
+        torch.testing.assert_close(mine, want, rtol=0, atol=0)
+        torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)

@@ -38,6 +38,7 @@ here every token gets its place in the whole sequence.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -338,7 +339,7 @@ def apply_hf(model: nn.Module, state: ContextParallelState) -> None:
     docstring). ValueError for what it cannot make exact."""
     from transformers import AttentionInterface
 
-    config = model.config
+    config = _own_config(model)
     for field in ("attention_dropout", "attn_pdrop"):  # Llama family; GPT-2
         if getattr(config, field, 0.0):
             raise ValueError(f"context_parallel.apply: {field}={getattr(config, field)} is not implemented by ring / "
@@ -370,6 +371,22 @@ def apply_hf(model: nn.Module, state: ContextParallelState) -> None:
     object.__setattr__(model, "_shardwise_cp_packing", packing)
     object.__setattr__(model, "_shardwise_cp_mask_positions", _mask_positions(model))
     mix_in(model, ContextParallelHFMixin, "ContextParallel")
+
+
+def _own_config(model: nn.Module) -> Any:
+    """Give `model` a config object of its own: a deep copy (its sub-configs too), put in place of the old one
+    wherever a submodule held it. Selecting the ring / Ulysses attention in it then leaves alone another model built
+    from the same config object (an RLHF reference model, an evaluation copy), which would otherwise run this
+    attention unprepared. Returns the copy."""
+    from transformers import PretrainedConfig
+
+    memo: dict[int, Any] = {}
+    copied = copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig) and id(value) in memo:
+                object.__setattr__(module, name, memo[id(value)])
+    return copied
 
 
 def is_hf(model: nn.Module) -> bool:
