@@ -237,3 +237,37 @@ def test_an_alibi_falcon_is_refused_by_name():
     model = transformers.FalconForCausalLM(transformers.FalconConfig(**FALCON, alibi=True))
     with pytest.raises(ValueError, match=r"FalconForCausalLM with alibi=True \(ALiBi biases built from the padding mask"):
         hf_stages.llama_pipeline_layers(model)
+
+
+#: Families listed whose layers are of kinds beyond Llama's, built from `make soak`'s tiny configs (hf_sweep.py):
+#: DeepSeek-V3.2 (indexed attention: a lightning indexer picks each query's keys under the causal mask), MiniMax
+#: (lightning linear-attention layers beside full ones; Mixtral's router loss), Kimi-Linear (linear attention beside
+#: latent attention without positions: no rotary module), LongCat-Flash (two attention and MLP sublayers per layer,
+#: zero-computation experts). (class, mesh); DeepSeek-V3.2's indexer gets no gradient (as in one process), which DDP
+#: would refuse without find_unused_parameters: ZeRO-3 there.
+SWEPT = {
+    "deepseek_v32": ("DeepseekV32ForCausalLM", {**MESHES["ep"], "dp_strategy": "zero3"}),
+    "minimax": ("MiniMaxForCausalLM", MESHES["ep"]),
+    "kimi_linear": ("KimiLinearForCausalLM", MESHES["zero3"]),
+    "longcat_flash": ("LongcatFlashForCausalLM", MESHES["zero3"]),
+}
+
+
+@pytest.mark.parametrize("family", list(SWEPT))
+def test_families_with_other_layer_kinds_on_pipeline_stages_match_one_process(family):
+    """Refused before ("not a known HuggingFace decoder"); left-padded rows (SDPA), two AdamW steps (Kimi-Linear one)."""
+    hf_sweep = pytest.importorskip("hf_sweep")
+    name, mesh = SWEPT[family]
+    make, why = hf_sweep.builder(family, name, "left_padded_lm")
+    assert make is not None, why
+
+    def build():
+        model = make()
+        if family == "minimax":  # its router loss, carried through the stages per microbatch
+            model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.05
+        return model
+
+    steps = 1 if family == "kimi_linear" else 2  # its linear attention's reference kernel is slow in float64
+    report = sw.check(build, hf_sweep.left_padded_batch, strategy={**mesh, "n_microbatches": 2},
+                      world_size=4, steps=steps)
+    assert report.ok, str(report)

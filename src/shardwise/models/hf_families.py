@@ -54,7 +54,8 @@ LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3
                 "smollm3", "starcoder2", "granite", "granitemoe", "cohere", "deepseek_v3", "ministral", "cohere2",
                 "phi", "nemotron", "stablelm", "persimmon", "minimax_m2", "hy_v3", "minicpm3", "hyperclovax",
                 "nanochat", "gpt_neox", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "llama4_text", "cwm",
-                "cohere2_moe", "exaone_moe", "mellum", "afmoe", "granite_swa", "granitemoe_swa", "falcon")
+                "cohere2_moe", "exaone_moe", "mellum", "afmoe", "granite_swa", "granitemoe_swa", "falcon",
+                "deepseek_v32", "longcat_flash", "minimax", "kimi_linear")
 #: an embedding multiplier and logits divided by logits_scaling
 _GRANITE = ("granite", "granitemoe", "granite_swa", "granitemoe_swa")
 _THETA_PER_LAYER = ("granite_swa", "granitemoe_swa")  # rotary_embs by layer_rope_theta; 0: no rotary (NoPE)
@@ -64,6 +65,7 @@ _SOFTCAPPED = ("gemma2", "gemma3_text", "nanochat")
 _SCALED = ("cohere", "cohere2", "cohere2_moe")  # logits times logit_scale
 _TIMES_LOGITS_SCALING = ("hyperclovax",)  # logits times config.logits_scaling (muP)
 _FINAL_LAYERNORM = ("phi", "persimmon")  # the final norm named final_layernorm
+_NO_ROTARY = ("kimi_linear",)  # no rotary module: its latent attention layers use no positions (NoPE)
 
 
 def pipeline_kinds(model: nn.Module) -> tuple[str, str] | None:
@@ -113,7 +115,7 @@ def base_model(model: nn.Module) -> nn.Module | None:
 
 def module_paths(model: nn.Module, kind: str | None = None) -> dict[str, str]:
     """Where the model keeps what the stages hold: ``embed_tokens``, ``layers``, ``norm`` (after the last layer),
-    ``rotary_emb`` and ``lm_head`` -> their paths in `model`. kind: the listed family whose base-model forward the
+    ``rotary_emb`` (none for Kimi-Linear, whose layers use no positions) and ``lm_head`` -> their paths in `model`. kind: the listed family whose base-model forward the
     model runs (`pipeline_kinds`; default its own type), which names them."""
     kind = kind or model.config.model_type
     prefix = _base_prefix(model)
@@ -124,8 +126,11 @@ def module_paths(model: nn.Module, kind: str | None = None) -> dict[str, str]:
         embed, layers, norm = "word_embeddings", "h", "ln_f"
     else:
         embed, norm = "embed_tokens", "final_layernorm" if kind in _FINAL_LAYERNORM else "norm"
-    return {"embed_tokens": f"{prefix}.{embed}", "layers": f"{prefix}.{layers}", "norm": f"{prefix}.{norm}",
-            "rotary_emb": f"{prefix}.rotary_emb", "lm_head": "lm_head"}
+    paths = {"embed_tokens": f"{prefix}.{embed}", "layers": f"{prefix}.{layers}", "norm": f"{prefix}.{norm}",
+             "rotary_emb": f"{prefix}.rotary_emb", "lm_head": "lm_head"}
+    if kind in _NO_ROTARY:
+        del paths["rotary_emb"]
+    return paths
 
 
 def layer_arguments(model: nn.Module, kind: str | None = None) -> dict[str, Any]:

@@ -216,7 +216,7 @@ def _layer_rules(config: object, index: int, who: str) -> dict[str, Any]:
         return {**rules, "chunk": int(config.attention_chunk_size)}
     if kind == "linear_attention":
         return {**rules, "recurrent": True}
-    if kind == "full_attention":
+    if kind in ("full_attention", "indexed_attention"):  # DeepSeek-V3.2's indexer selects keys under the causal mask
         return rules
     raise ValueError(f"{who}: decoder layer {index} has layer type {kind!r}; supported 'full_attention', "
                      f"'sliding_attention', 'chunked_attention' and 'linear_attention'")
@@ -247,11 +247,12 @@ def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, z
     check_attention(config, who, masks.positions)
     # HuggingFace runs layers[:num_hidden_layers]; a longer list (e.g. extra MTP layers) is not part of forward.
     layers = list(parts["layers"])[: config.num_hidden_layers]
+    rotary = parts.get("rotary_emb")  # None: the family's layers take no rotary embeddings (Kimi-Linear)
     return [
         LlamaEmbeddingStage(parts["embed_tokens"], masks.positions, embedding_dropout(model, base),
                             embedding_multiplier(model, base), parts["norm"] if normed_embeddings(base) else None),
-        *(LlamaDecoderStage(layer, layer_rotary(model, base, i, parts["rotary_emb"]), config, masks=masks,
-                            rotary_type=rotary_layer_type(parts["rotary_emb"], config, i),
+        *(LlamaDecoderStage(layer, layer_rotary(model, base, i, rotary), config, masks=masks,
+                            rotary_type=rotary_layer_type(rotary, config, i) if rotary is not None else None,
                             arguments=layer_arguments(model, base), **_layer_rules(config, i, who))
           for i, layer in enumerate(layers)),
         HFHeadStage(parts["norm"], parts["lm_head"], LogitsOutput(model, head), HeadInput(model, head)),
