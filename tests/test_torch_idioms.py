@@ -95,7 +95,7 @@ def test_a_gradient_ddp_did_not_average_is_refused_at_the_step():
         opt.zero_grad()
         with model.no_sync():
             model(x).square().mean().backward()
-        with pytest.raises(RuntimeError, match="is not one DDP averaged"):
+        with pytest.raises(RuntimeError, match=r"ran under no_sync\(\) .* and were never averaged over the 2 ranks"):
             opt.step()
         opt.zero_grad()
         model(x).square().mean().backward()
@@ -179,3 +179,36 @@ def test_old_style_gradient_edits_through_data_train_like_one_process(name, edit
     for state in sw.launch(lambda comm: sw.full_state_dict(train(WRAPS[name](build().double(), comm), comm)), 2):
         for key, want in ref.state_dict().items():
             torch.testing.assert_close(state[key], want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+@pytest.mark.parametrize("name", list(WRAPS))
+def test_a_step_after_backward_passes_only_under_no_sync_is_refused(name, set_to_none):
+    """The last micro-batch's backward run under no_sync() too (a flag set one micro-batch late): nothing reduced the
+    gradients. sw.DDP raised only where backward had made new gradient tensors (zero_grad's set_to_none); with
+    zero_grad(set_to_none=False) autograd accumulated into the buckets in place and each rank stepped on its own
+    gradient (the replicas apart), and under ZeRO / FSDP the pieces never received it: the step skipped it (or used
+    zeros), silently. Every wrapper raises at the step now, naming no_sync() and model.sync_gradients(); after
+    sync_gradients(), or a synchronised last backward, the step goes on."""
+    def body(comm):
+        model = WRAPS[name](build(), comm)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        rows = X[0, comm.rank * 4:(comm.rank + 1) * 4]
+        model(rows).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        with model.no_sync():
+            model(rows).square().mean().backward()
+        with pytest.raises(RuntimeError, match=r"optimizer.step\(\): .*under no_sync\(\) \(or "
+                                               r"require_backward_grad_sync=False\)"):
+            opt.step()
+        model.sync_gradients()  # what the message offers: the accumulated gradients reduced now
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        with model.no_sync():
+            model(rows).square().mean().backward()
+        model(rows).square().mean().backward()  # the last micro-batch synchronised: the step goes on
+        opt.step()
+        return True
+
+    assert sw.launch(body, 2) == [True, True]

@@ -287,6 +287,12 @@ class Reducer:
         re-pointed by the script: the object handed out, Bucket.grad). One set
         otherwise (`p.grad = g` from torch.autograd.grad, which runs no gradient hook; backward passes only under
         no_sync()) is this rank's alone, and the replicas would step apart, silently: a RuntimeError naming it."""
+        if self.unsynced and any(id(p) in held for p in self.params):  # accumulated in the buckets, in place
+            raise RuntimeError(f"optimizer.step(): the gradients of the backward passes since the last synchronised "
+                               f"one ran under no_sync() (or require_backward_grad_sync=False) and were never "
+                               f"averaged over the {self.comm.size} ranks, so each rank would step on its own; run "
+                               f"the last micro-batch's backward outside no_sync(), or call model.sync_gradients() "
+                               f"before the step")
         with torch._C.DisableTorchFunctionSubclass():  # tensor-parallel slices: a plain attribute read
             for bucket in self.buckets:
                 for p, view, handed in zip(bucket.params, bucket.views, bucket.grads):

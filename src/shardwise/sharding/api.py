@@ -197,6 +197,7 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     layout.declare(module, layout.Parallelized(
         record_name, comms, sharded_placements(engine, before), no_sync=module.no_sync, world=comm,
         memory=lambda: engine_memory(engine), options={"sharding": config.name},
+        before_step=lambda held: _refuse_unreduced(engine, record_name),
         extra_state=() if engine.compressor is None else (engine.compressor.extra_state(
             comm, sharding=config.name, units=len(engine.units), shard=shard.size,
             replicate=None if replicate is None else replicate.size),)))
@@ -205,6 +206,18 @@ def _wrap(module: nn.Module, comm: Communicator, shard: Communicator, replicate:
     register_wrapped(module)
     load_full_into_pieces(module)  # torch's load_state_dict of a full (one-process) state dict: each rank's piece
     return module
+
+
+def _refuse_unreduced(engine: ShardingEngine, name: str) -> None:
+    """Before an optimizer step: the last backward passes ran under `no_sync()` (or with
+    require_backward_grad_sync=False) and nothing reduced them since, so no rank's pieces hold their gradient: the
+    step would skip it (or step on last step's), silently. RuntimeError naming what to do."""
+    if engine.accumulating:
+        raise RuntimeError(f"optimizer.step(): {name}'s gradients of the backward passes since the last step ran "
+                           f"under no_sync() (or require_backward_grad_sync=False) and were never reduced over the "
+                           f"ranks, so the pieces the optimizer steps do not hold them; run the last micro-batch's "
+                           f"backward outside no_sync() (require_backward_grad_sync = True for it), or call "
+                           f"model.sync_gradients() before the step")
 
 
 def ZeRO(
