@@ -7,8 +7,8 @@ every implementation alike. A step is forward + backward + optimizer step + zero
 rank and the max over ranks is taken per step; the figure is the median over all measured steps.
 
 Rows: `shardwise` (one per --bucket-mb x --first-bucket-mb combination), `torch_ddp` (torch defaults),
-`torch_ddp_view` (gradient_as_bucket_view=True; --no-view-peer drops it), `no_comm_floor` (the same step with every
-backward under no_sync: no communication at all, the floor any DDP could reach on this machine; --no-floor drops it),
+`torch_ddp_view` (gradient_as_bucket_view=True; --no-view-peer drops it), `no_comm_floor` (the same step on a plain
+copy of the model per rank: no communication at all, the floor any DDP could reach on this machine; --no-floor drops it),
 and `single_process` (1 process, 1 thread, same per-rank batch, plain PyTorch; run separately afterwards, context
 only; --no-baseline drops it).
 stdout carries JSON lines only (one per row, a parity line, optionally a profile line, then the ratio line);
@@ -80,13 +80,11 @@ class _Impl:
 def _step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, rank: int, world: int) -> list[float]:
     x, y = corpus.batch(impl.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
     impl.step_no += 1
-    sync = contextlib.nullcontext() if not impl.info.get("no_sync") else impl.model.no_sync()
     c0 = time.process_time()
     t0 = time.perf_counter()
-    with sync:
-        loss = impl.model(x, y)
-        t1 = time.perf_counter()
-        loss.backward()
+    loss = impl.model(x, y)
+    t1 = time.perf_counter()
+    loss.backward()
     t2 = time.perf_counter()
     impl.opt.step()
     impl.opt.zero_grad(set_to_none=True)
@@ -108,10 +106,10 @@ def _build(comm: shardwise.Communicator, cfg: Config) -> list[_Impl]:
         model = TorchDDP(GPT(mcfg, seed=cfg.seed), gradient_as_bucket_view=True, **torch_kwargs)
         impls.append(_Impl("torch_ddp_view", model, cfg.lr, gradient_as_bucket_view=True, **torch_kwargs))
     if cfg.floor:
-        # The same step with no communication at all (every backward under no_sync; ranks drift apart): what any
-        # DDP could reach here if its all-reduce were free. Not a correct DDP; excluded from the parity check.
-        model = shardwise.DDP(GPT(mcfg, seed=cfg.seed), comm)
-        impls.append(_Impl("no_comm_floor", model, cfg.lr, no_sync=True))
+        # The same step with no communication at all: each rank trains a plain copy on its own rows (the ranks drift
+        # apart), what any DDP could reach here if its all-reduce were free. Not a correct DDP; excluded from the
+        # parity check. (sw.DDP under no_sync() would refuse the step: its gradients were never averaged.)
+        impls.append(_Impl("no_comm_floor", GPT(mcfg, seed=cfg.seed), cfg.lr, floor=True))
     return impls
 
 
@@ -134,7 +132,7 @@ def _rank_main(comm: shardwise.Communicator, cfg: Config) -> dict[str, Any]:
     reference = _params(next(i for i in impls if i.name == "torch_ddp"))
     parity = {}
     for impl in impls:
-        if impl.name != "torch_ddp" and not impl.info.get("no_sync"):
+        if impl.name != "torch_ddp" and not impl.info.get("floor"):
             diffs = [(a - b).abs().max().item() for a, b in zip(_params(impl), reference)]
             parity[impl.name] = max(diffs)
     result = {"times": {i.name: i.times for i in impls}, "info": {i.name: i.info for i in impls},
@@ -272,7 +270,7 @@ def _nosync_step(impl: _Impl, corpus: ByteCorpus, cfg: Config, seq_len: int, ran
     """Forward + backward with no communication (no_sync), then zero_grad: the compute-only cost of a step."""
     x, y = corpus.batch(impl.step_no, cfg.batch_size, seq_len, seed=cfg.seed, rank=rank, world_size=world)
     t0 = time.perf_counter()
-    with impl.model.no_sync():
+    with getattr(impl.model, "no_sync", contextlib.nullcontext)():  # the floor's plain model has none
         loss = impl.model(x, y)
         t1 = time.perf_counter()
         loss.backward()
@@ -291,7 +289,7 @@ def _profile(comm: shardwise.Communicator, impls: list[_Impl], corpus: ByteCorpu
     probes = {i.name: _ReducerProbe(i, comm, cfg) for i in impls if i.name.startswith("shardwise")}
     impls = [probes[i.name].impl if i.name in probes else i for i in impls]
     nosync: dict[str, list[list[float]]] = {i.name: [] for i in impls}
-    synced: dict[str, list[float]] = {i.name: [] for i in impls if not i.info.get("no_sync")}
+    synced: dict[str, list[float]] = {i.name: [] for i in impls if not i.info.get("floor")}
     probed: dict[str, list[dict]] = {name: [] for name in probes}
     for k in range(2 * n):
         for impl in impls[k % len(impls):] + impls[: k % len(impls)]:
