@@ -4,9 +4,11 @@ Packed rows hold several documents, marked by position ids that restart at each 
 transformers keeps the documents apart, with eager and SDPA attention, only inside its mask functions
 (``create_causal_mask`` and its sliding-window and chunked kin find the documents from ``position_ids``), so only in
 a model whose forward passes them its position ids. Most decoders do; some build their mask without them (GPT-OSS,
-AFMoE, Falcon, OPT in transformers 5.x): one process then attends across the documents of a packed row, while the
-pipeline stages (models/hf_stage_inputs.CausalMasks) and ring / Ulysses attention (context_parallel/documents.py)
-would keep them apart, a different model with no error. Such a model's packed rows are refused by name there.
+AFMoE, Falcon, OPT in transformers 5.x): with eager or SDPA attention one process then attends across the documents
+of a packed row, while the pipeline stages (models/hf_stage_inputs.CausalMasks) and ring / Ulysses attention
+(context_parallel/documents.py) keep them apart, as transformers itself does under flash attention, by design
+(docs/context_parallel.md, "Packed sequences"). `sw.check` of such packed rows differs from its eager reference at the
+first loss; its report says why, naming the module (check/sequences.packed_rows_note).
 
 `mask_without_positions` reads it from the code: the first module whose forward calls a mask function (directly, or
 through a name bound to one, as Mistral's ``mask_function``) without ``position_ids`` (a keyword, or a key of the
@@ -23,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["mask_without_positions", "packed_rows_refusal"]
+__all__ = ["mask_without_positions"]
 
 #: transformers' mask functions that find packed documents from position_ids (masking_utils)
 MASK_FUNCTIONS = frozenset({"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"})
@@ -38,14 +40,6 @@ def mask_without_positions(model: nn.Module) -> str | None:
         if _builds_mask_without_positions(unwrapped(model_forward(module))):
             return f"{name or 'the model'} ({type(module).__name__})"
     return None
-
-
-def packed_rows_refusal(where: str, who: str) -> str:
-    """The error for packed rows reaching a model `mask_without_positions` named."""
-    return (f"{who}: packed rows (position_ids restarting at each document) reach {where}, whose forward builds its "
-            f"causal mask without the position ids: one process attends across the documents of a row there, "
-            f"which this strategy would keep apart; allowed for this model: one sequence per row (padded rows with "
-            f"attention_mask too), or packed rows under data parallelism alone (the model's own forward)")
 
 
 @functools.lru_cache(maxsize=None)
