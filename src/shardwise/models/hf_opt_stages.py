@@ -10,7 +10,9 @@ Its positions are not ``arange(T)``: without position ids the decoder counts eac
 that is not padding, ``cumsum(attention_mask) * attention_mask - 1`` (a padding token at -1), so a left-padded row's
 first token sits at position 0. `OPTEmbeddingStage` does the same from the mask it is given; under context parallel
 from the whole sequence's mask (gathered over the group, as the padding documents are: hf_stage_inputs.padding_of),
-read at each of this rank's tokens' places. Packed rows' position ids are used as given, as the decoder uses them.
+read at each of this rank's tokens' places. Packed rows' position ids are used as given, as the decoder uses them, and
+their documents kept apart by the stages' mask, as transformers does under flash attention (OPT's own eager and SDPA
+masks ignore the position ids: hf_packing.py).
 
 The layers are GPT-2's stages (hf_gpt2_stages.GPT2BlockStage: the additive mask and the position ids); LayerDrop
 (``config.layerdrop > 0``, layers skipped at random in training) is refused by name.
