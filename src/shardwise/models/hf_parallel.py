@@ -33,6 +33,7 @@ from torch import nn
 from ..comm.base import Communicator
 from . import hf_stages
 from .hf_gpt2_stages import GPT2_SHAPED, gpt2_pipeline_layers
+from .hf_alibi_stages import ALIBI_PATHS, alibi_pipeline_layers
 from .hf_opt_stages import opt_pipeline_layers
 from .hf_families import LLAMA_SHAPED, pipeline_kinds
 from .hf_router_loss import carry_router_statistics, router_loss_coef
@@ -45,6 +46,7 @@ BUILDERS: dict[str, Callable[..., list[nn.Module]]] = {
     **{model_type: hf_stages.llama_pipeline_layers for model_type in LLAMA_SHAPED},
     **{model_type: gpt2_pipeline_layers for model_type in GPT2_SHAPED},
     "opt": opt_pipeline_layers,
+    **{model_type: alibi_pipeline_layers for model_type in ALIBI_PATHS},
 }
 
 
