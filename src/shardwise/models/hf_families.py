@@ -16,6 +16,7 @@ process):
   and ``ln_f``): `module_paths`;
 * arguments its layers take besides Llama's (Falcon's ``alibi``, None for its rotary models; ALiBi Falcons, whose
   biases the forward builds from the padding mask, are refused by name): `layer_arguments`;
+* no rotary module at all (Kimi-Linear: its latent attention layers use no positions): `module_paths` leaves it out;
 * a transform of the head's input (MiniCPM3 divides the hidden states by ``logits_scaling``): `HeadInput`; of the
   logits (Granite divides by ``logits_scaling``, HyperCLOVA X multiplies by it, Cohere and Cohere 2 multiply by
   ``logit_scale``, Gemma 2, Gemma 3 and nanochat cap them as ``cap * tanh(logits / cap)`` with

@@ -204,7 +204,8 @@ def _layer_rules(config: object, index: int, who: str) -> dict[str, Any]:
     """How decoder layer `index` mixes tokens, as the HF model decides it by its layer type (LlamaDecoderStage's
     `window`, `chunk` and `recurrent`): full causal attention, a sliding window (Mistral applies
     config.sliding_window to every layer; typed layers "sliding_attention"), Llama 4's chunks ("chunked_attention")
-    or a linear-attention recurrence ("linear_attention"). ValueError for another layer type."""
+    or a linear-attention recurrence ("linear_attention"); DeepSeek-V3.2's "indexed_attention" takes the causal mask
+    (its indexer picks each query's keys under it). ValueError for another layer type."""
     rules: dict[str, Any] = {"window": None, "chunk": None, "recurrent": False}
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
