@@ -179,3 +179,24 @@ def test_cli_pipeline_options(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["check", "--gpt", "--n-microbatches", "4", "-n", "2"])
     assert exc.value.code == 2 and "need --pp > 1" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_on_pipeline_stages_is_a_strategy_key(monkeypatch):
+    """`{"pp": 2, "activation_checkpointing": True}` checks sw.parallelize's checkpointed layers (the keyword reaches
+    it: recorded here) against one process; on pp = 1 the key is refused, naming the pipeline keys."""
+    from shardwise import hybrid
+
+    seen = []
+    parallelize = hybrid.parallelize
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("activation_checkpointing"))
+        return parallelize(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid, "parallelize", recording)
+    report = sw.check(tied_gpt, tokens, strategy={"pp": 2, "activation_checkpointing": True, "dp_strategy": "zero2"},
+                      world_size=4, rtol=1e-10, atol=1e-10)
+    assert report.ok, str(report)
+    assert "activation checkpointing" in report.strategy and seen == [True] * 4
+    with pytest.raises(ValueError, match=r"\['activation_checkpointing'\] only apply to pipelines \(pp > 1\)"):
+        sw.check(tied_gpt, tokens, strategy={"activation_checkpointing": True, "dp_strategy": "zero3"})

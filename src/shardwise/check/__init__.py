@@ -83,8 +83,9 @@ def check(
         for a mesh, {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False}: tensor
         parallel over mesh.tp then the data-parallel strategy over mesh.dp; "ep" splits a MoE model's experts over ep
         data-parallel ranks; "cp" (with "cp_method": "ring" / "ulysses") splits every sequence over cp ranks
-        (sequences.py computes their loss); "pp" (with "pp_schedule", "n_microbatches", "virtual_stages") splits
-        the model into pipeline stages, every axis then applied by `sw.parallelize`, the ranks training with
+        (sequences.py computes their loss); "pp" (with "pp_schedule", "n_microbatches", "virtual_stages",
+        "activation_checkpointing") splits the model into pipeline stages, every axis then applied by
+        `sw.parallelize`, the ranks training with
         `model.step(inputs, targets)` (pipelines.py: the batch is a HuggingFace {'input_ids', 'labels'} dict or
         (x, y), and loss_fn stays None); or a callable (model, comm) -> wrapped model (`sw.parallelize`'s result
         included).

@@ -29,7 +29,7 @@ STRATEGIES = ("none", *DP_STRATEGIES, "distribute", "tp", *(f"tp:{p}" for p in T
 #: Keys of a mesh dict: {"tp": 2, "tp_plan": "llama", "dp_strategy": "zero3", "sequence_parallel": False, "ep": 2},
 #: {"pp": 2, "pp_schedule": "1f1b", "n_microbatches": 4} (pipelines: through sw.parallelize).
 MESH_KEYS = ("tp", "tp_plan", "dp_strategy", "sequence_parallel", "dp_shard", "pp", "dp", "ep", "cp", "cp_method",
-             "pp_schedule", "n_microbatches", "virtual_stages")
+             "pp_schedule", "n_microbatches", "virtual_stages", "activation_checkpointing")
 #: The data-parallel strategies sw.parallelize applies to pipeline stages, as the check names them.
 PIPELINE_DP_STRATEGIES = {"ddp": "ddp", "ddp:find_unused": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
                           "fsdp": "fsdp:full_shard", "fsdp:full_shard": "fsdp:full_shard",
@@ -43,8 +43,9 @@ class Spec:
     tp_plan: a plan name or dict (None: the model's built-in one). dp_shard: hybrid_shard's shard group size.
     ep: expert-parallel size (experts split over ep ranks of dp, `shardwise.experts.expert_parallel`). cp, cp_method:
     context-parallel size and method (every sequence split over cp ranks, `shardwise.context_parallel.apply`).
-    pp, pp_schedule, n_microbatches, virtual_stages: pipeline stages and their schedule (pp > 1: `sw.parallelize`
-    builds the whole mesh). wrapper: the user's `(model, comm) -> model`."""
+    pp, pp_schedule, n_microbatches, virtual_stages, activation_checkpointing: pipeline stages, their schedule and
+    sw.parallelize's activation checkpointing of the layers (pp > 1: `sw.parallelize` builds the whole mesh).
+    wrapper: the user's `(model, comm) -> model`."""
 
     label: str
     world_size: int
@@ -61,6 +62,7 @@ class Spec:
     pp_schedule: str = "1f1b"
     n_microbatches: int | None = None
     virtual_stages: int = 1
+    activation_checkpointing: bool | int = False
     wrapper: Callable[[nn.Module, Communicator], nn.Module] | None = None
 
     @property
@@ -125,7 +127,7 @@ class Spec:
                            virtual_stages=self.virtual_stages,
                            dp_strategy=PIPELINE_DP_STRATEGIES[self.dp_strategy or "ddp"],
                            find_unused_parameters=self.dp_strategy == "ddp:find_unused", dp_shard=self.dp_shard,
-                           cp_method=self.cp_method)
+                           cp_method=self.cp_method, activation_checkpointing=self.activation_checkpointing)
 
 
 def _model_plan(model: nn.Module) -> Any:
@@ -219,7 +221,8 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
     if pp > 1:
         parts.append(f"pp={pp} ({pipeline['pp_schedule']}"
                      + (f", {pipeline['virtual_stages']} stages per rank" if pipeline["virtual_stages"] > 1 else "")
-                     + (f", {pipeline['n_microbatches']} microbatches" if pipeline["n_microbatches"] else "") + ")")
+                     + (f", {pipeline['n_microbatches']} microbatches" if pipeline["n_microbatches"] else "")
+                     + (", activation checkpointing" if pipeline["activation_checkpointing"] else "") + ")")
     if cp > 1:
         parts.append(f"cp={cp} ({method} attention)")
     if ep > 1:
@@ -232,7 +235,8 @@ def _parse_mesh(strategy: dict[str, Any], world_size: int) -> Spec:
 
 def _pipeline_options(strategy: dict[str, Any], pp: int) -> dict[str, Any]:
     """The schedule keys of a mesh dict (pp > 1 only; sw.parallelize checks their values)."""
-    given = {k: strategy[k] for k in ("pp_schedule", "n_microbatches", "virtual_stages") if k in strategy}
+    given = {k: strategy[k] for k in ("pp_schedule", "n_microbatches", "virtual_stages", "activation_checkpointing")
+             if k in strategy}
     if given and pp == 1:
         raise ValueError(f"check: {sorted(given)} only apply to pipelines (pp > 1), got pp=1")
     if "n_microbatches" in given:
@@ -241,7 +245,8 @@ def _pipeline_options(strategy: dict[str, Any], pp: int) -> dict[str, Any]:
         _positive_int("virtual_stages", given["virtual_stages"])
     if not isinstance(given.get("pp_schedule", ""), str):
         raise ValueError(f"check: pp_schedule={given['pp_schedule']!r} must be a schedule name")
-    return {"pp_schedule": "1f1b", "n_microbatches": None, "virtual_stages": 1, **given}
+    return {"pp_schedule": "1f1b", "n_microbatches": None, "virtual_stages": 1, "activation_checkpointing": False,
+            **given}
 
 
 def parse_strategy(strategy: object, world_size: object) -> Spec:
