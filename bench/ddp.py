@@ -8,7 +8,8 @@ rank and the max over ranks is taken per step; the figure is the median over all
 
 Rows: `shardwise` (one per --bucket-mb x --first-bucket-mb combination), `torch_ddp` (torch defaults),
 `torch_ddp_view` (gradient_as_bucket_view=True; --no-view-peer drops it), `no_comm_floor` (the same step on a plain
-copy of the model per rank: no communication at all, the floor any DDP could reach on this machine; --no-floor drops it),
+copy of the model per rank: no communication at all, the floor any DDP could reach on this machine; --no-floor drops
+it),
 and `single_process` (1 process, 1 thread, same per-rank batch, plain PyTorch; run separately afterwards, context
 only; --no-baseline drops it).
 stdout carries JSON lines only (one per row, a parity line, optionally a profile line, then the ratio line);

@@ -157,7 +157,8 @@ def _halve_through_a_vector(grads) -> None:  # a piece's view() raises under ZeR
 
 
 @pytest.mark.parametrize("zero_grad", ["set_to_none", "zeroed"])
-@pytest.mark.parametrize("name,edit", [(name, _halve_through_data) for name in WRAPS] + [("ddp", _halve_through_a_vector)],
+@pytest.mark.parametrize("name,edit", [(name, _halve_through_data) for name in WRAPS]
+                         + [("ddp", _halve_through_a_vector)],
                          ids=[f"{name}-data" for name in WRAPS] + ["ddp-vector_to_parameters"])
 def test_old_style_gradient_edits_through_data_train_like_one_process(name, edit, zero_grad):
     """`p.grad.data = p.grad.data * 0.5` (old scripts' clipping and scaling) and `nn.utils.vector_to_parameters(v,

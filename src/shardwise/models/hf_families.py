@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 __all__ = ["LLAMA_SHAPED", "HeadInput", "LogitsOutput", "base_model", "embedding_dropout", "embedding_multiplier",
-           "layer_arguments", "layer_rotary", "module_paths", "normed_embeddings", "pipeline_kinds", "rotary_layer_type"]
+           "layer_arguments", "layer_rotary", "module_paths", "normed_embeddings", "pipeline_kinds",
+           "rotary_layer_type"]
 
 #: ``config.model_type`` of the families split as Llama (module docstring).
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
@@ -116,8 +117,9 @@ def base_model(model: nn.Module) -> nn.Module | None:
 
 def module_paths(model: nn.Module, kind: str | None = None) -> dict[str, str]:
     """Where the model keeps what the stages hold: ``embed_tokens``, ``layers``, ``norm`` (after the last layer),
-    ``rotary_emb`` (none for Kimi-Linear, whose layers use no positions) and ``lm_head`` -> their paths in `model`. kind: the listed family whose base-model forward the
-    model runs (`pipeline_kinds`; default its own type), which names them."""
+    ``rotary_emb`` (none for Kimi-Linear, whose layers use no positions) and ``lm_head`` -> their paths in `model`.
+    kind: the listed family whose base-model forward the model runs (`pipeline_kinds`; default its own type), which
+    names them."""
     kind = kind or model.config.model_type
     prefix = _base_prefix(model)
     layers = "layers"
@@ -142,9 +144,9 @@ def layer_arguments(model: nn.Module, kind: str | None = None) -> dict[str, Any]
     if (kind or model.config.model_type) != "falcon":
         return {}
     if model.config.alibi:
-        raise ValueError(f"pipeline stages: {type(model).__name__} with alibi=True (ALiBi biases built from the padding "
-                         f"mask in its forward) is not split into stages; Falcons with rotary embeddings (alibi=False, "
-                         f"as Falcon-7B, -40B and -180B) are")
+        raise ValueError(f"pipeline stages: {type(model).__name__} with alibi=True (ALiBi biases built from the "
+                         f"padding mask in its forward) is not split into stages; Falcons with rotary embeddings "
+                         f"(alibi=False, as Falcon-7B, -40B and -180B) are")
     return {"alibi": None}
 
 
