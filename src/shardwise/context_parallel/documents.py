@@ -33,7 +33,7 @@ from ..comm.base import Communicator
 from .split import SequenceSplit, gather_sequence, hidden_keys
 
 __all__ = ["check_documents", "whole_documents", "packed_documents", "check_padding_mask", "padding_documents",
-           "visibility", "chunk_local", "file_documents", "filed_documents", "NOT_FILED"]
+           "token_mask", "visibility", "chunk_local", "file_documents", "filed_documents", "NOT_FILED"]
 
 
 def check_documents(documents: object, q: torch.Tensor, cp: int, who: str) -> torch.Tensor:
@@ -111,6 +111,11 @@ def padding_documents(mask: torch.Tensor, comm: Communicator, split: SequenceSpl
     lone = -1 - torch.arange(whole.shape[1], device=whole.device).expand_as(whole)
     return torch.where(whole.bool(), torch.zeros_like(lone), lone)
 
+
+
+def token_mask(documents: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """The padding mask (1 a token, 0 padding) of document ids `padding_documents` made: padding's are negative."""
+    return (documents >= 0).to(dtype)
 
 def chunk_local(whole: torch.Tensor, split: SequenceSplit) -> bool:
     """Whether every rank gave 0..L-1 (positions counted within its own chunks, the usual mistake) rather than

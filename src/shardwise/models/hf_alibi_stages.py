@@ -74,8 +74,10 @@ class AlibiBlockStage(nn.Module):
         given, _, documents = layer_inputs(self.config, self._masks, hidden, position_ids, documents, who)
         mask = self._masks(hidden, None, who, given, documents)
         if self.kind == "bloom":
+            from ..context_parallel.documents import token_mask
+
             B, T = hidden.shape[:2]
-            tokens = (documents >= 0).long() if documents is not None else hidden.new_ones(B, T, dtype=torch.long)
+            tokens = token_mask(documents) if documents is not None else hidden.new_ones(B, T, dtype=torch.long)
             out = self.block(hidden, alibi=self._biases(tokens, self._heads, dtype=hidden.dtype),
                              attention_mask=mask)
         else:

@@ -109,7 +109,9 @@ def _token_weights(documents: Any, length: int, cp: Communicator | None, dtype: 
 
         split = SequenceSplit(cp.size, True)  # parallelize's: zigzag chunks (hf_stages' default)
         documents = documents[:, split.positions(cp.rank, length, documents.device)]
-    return (documents >= 0).to(dtype)
+    from ..context_parallel.documents import token_mask
+
+    return token_mask(documents, dtype)
 
 
 class _CarryRouterStatistics(nn.Module):

@@ -198,7 +198,9 @@ class CausalMasks:
             causal = self(hidden[:1] if documents is None and packed is None else hidden, None, who, packed, documents)
             where = torch.arange(T, device=hidden.device).unsqueeze(0)
             if documents is not None:  # (a padding mask replaces what packed positions would say, as in transformers)
-                where = where - ((documents >= 0).long().cumsum(-1) == 0).sum(-1, keepdim=True).to(hidden.device)
+                from ..context_parallel.documents import token_mask
+
+                where = where - (token_mask(documents).cumsum(-1) == 0).sum(-1, keepdim=True).to(hidden.device)
             elif packed is not None:
                 where = packed.to(hidden.device)
             place = torch.div(where, chunk, rounding_mode="floor")  # (b, T): the chunk of each token

@@ -165,8 +165,9 @@ class LlamaDecoderStage(nn.Module):
                              f"linear-attention layer, whose recurrence would run from one document into the next "
                              f"(transformers' own forward does too, without its flash-linear-attention kernels); "
                              f"give rows of one sequence each, padded with an attention_mask")
-        # padding's documents are negative (context_parallel/documents.py): multiplying by 1 leaves a token as it is
-        return None if documents is None else (documents >= 0).long()
+        from ..context_parallel.documents import token_mask
+
+        return None if documents is None else token_mask(documents)  # multiplying by 1 leaves a token as it is
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
         if self.rotary_emb is None:  # a layer without rotary embeddings (Granite SWA's base 0)
@@ -220,7 +221,7 @@ def _layer_rules(config: object, index: int, who: str) -> dict[str, Any]:
     if kind in ("full_attention", "indexed_attention"):  # DeepSeek-V3.2's indexer selects keys under the causal mask
         return rules
     raise ValueError(f"{who}: decoder layer {index} has layer type {kind!r}; supported 'full_attention', "
-                     f"'sliding_attention', 'chunked_attention' and 'linear_attention'")
+                     f"'indexed_attention', 'sliding_attention', 'chunked_attention' and 'linear_attention'")
 
 
 def llama_pipeline_layers(model: nn.Module, *, cp: Communicator | None = None, zigzag: bool = True
