@@ -44,13 +44,12 @@ class Bucket:
         numel = sum(p.numel() for p in pieces)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         self.views: list[torch.Tensor] = []  # the bucket's own, never handed out
-        self.grads: list[torch.Tensor] = []  # what each parameter's .grad is: an alias of its view (see grad)
         offset = 0
-        for p, piece in zip(params, pieces):
-            view = self.buffer[offset : offset + piece.numel()].view_as(piece)
-            self.views.append(view)
-            self.grads.append(grad_like(view.view_as(view), p))
+        for piece in pieces:
+            self.views.append(self.buffer[offset : offset + piece.numel()].view_as(piece))
             offset += piece.numel()
+        # what each parameter's .grad is: an alias of its view (see grad)
+        self.grads: list[torch.Tensor] = [self._alias(i) for i in range(len(params))]
         self.pending = len(params)
         self.work: Work | None = None
 
@@ -60,8 +59,12 @@ class Bucket:
         gradients) re-points that object and never the view the bucket reduces. Handed out again after such an edit,
         a fresh alias (the edited object no longer views the bucket: it would be missed by the all-reduce)."""
         if local(self.grads[i]).data_ptr() != self.views[i].data_ptr():
-            self.grads[i] = grad_like(self.views[i].view_as(self.views[i]), self.params[i])
+            self.grads[i] = self._alias(i)
         return self.grads[i]
+
+    def _alias(self, i: int) -> torch.Tensor:
+        """A new tensor object viewing parameter i's slice of the buffer (a sharded one answering for the whole)."""
+        return grad_like(self.views[i].view_as(self.views[i]), self.params[i])
 
     @property
     def nbytes(self) -> int:

@@ -32,10 +32,10 @@ from torch import nn
 
 from ..comm.base import Communicator
 from . import hf_stages
-from .hf_gpt2_stages import GPT2_SHAPED, gpt2_pipeline_layers
 from .hf_alibi_stages import ALIBI_PATHS, alibi_pipeline_layers
-from .hf_opt_stages import opt_pipeline_layers
 from .hf_families import LLAMA_SHAPED, pipeline_kinds
+from .hf_gpt2_stages import GPT2_SHAPED, gpt2_pipeline_layers
+from .hf_opt_stages import opt_pipeline_layers
 from .hf_router_loss import carry_router_statistics, router_loss_coef
 
 __all__ = ["BUILDERS", "GlobalCausalLMLoss", "hf_pipeline", "labels_at_padding", "pipeline_builder",
