@@ -8,8 +8,8 @@ offsets each position by 2), runs the decoder layers with the causal mask and th
 
 Its positions are not ``arange(T)``: without position ids the decoder counts each row's tokens from its first one
 that is not padding, ``cumsum(attention_mask) * attention_mask - 1`` (a padding token at -1), so a left-padded row's
-first token sits at position 0. `OPTEmbeddingStage` does the same from the mask it is given; under context parallel
-from the whole sequence's mask (gathered over the group, as the padding documents are: hf_stage_inputs.padding_of),
+first token sits at position 0. `OPTEmbeddingStage` does the same from the whole sequence's padding, the documents
+hf_stage_inputs.padding_of makes of the mask it is given (under context parallel gathered over the group once),
 read at each of this rank's tokens' places. Packed rows' position ids are used as given, as the decoder uses them, and
 their documents kept apart by the stages' mask, as transformers does under flash attention (OPT's own eager and SDPA
 masks ignore the position ids: hf_packing.py).
@@ -57,20 +57,19 @@ class OPTEmbeddingStage(nn.Module):
         if self.project_in is not None:
             hidden = self.project_in(hidden)
         # Same operand order as OPTDecoder.forward (token embeddings first), so the sum is bitwise the same.
-        hidden = hidden + self.embed_positions(None, 0, position_ids=self._counted(input_ids, given, attention_mask))
+        hidden = hidden + self.embed_positions(None, 0, position_ids=self._counted(input_ids, given, documents))
         return passed_on(hidden, given, documents)
 
-    def _counted(self, input_ids: torch.Tensor, given: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
-        """OPT's position of each of this rank's tokens: the given ones, else its place among its row's tokens."""
+    def _counted(self, input_ids: torch.Tensor, given: torch.Tensor | None, documents: torch.Tensor | None
+                 ) -> torch.Tensor:
+        """OPT's position of each of this rank's tokens: the given ones, else its place among its row's tokens,
+        counted on the whole sequence's padding (`documents`, padding_of's: under context parallel already gathered)."""
         places = self._positions(input_ids, given)
-        if given is not None or mask is None:
+        if given is not None or documents is None:
             return places
-        from ..context_parallel.documents import whole_documents
-        from ..context_parallel.split import SequenceSplit
+        from ..context_parallel.documents import token_mask
 
-        cp = self._positions.cp
-        split = SequenceSplit(cp.size if cp is not None else 1, self._positions.zigzag)
-        whole = whole_documents(mask.long(), cp, split, input_ids.shape[1])  # (B, T): the whole sequence's mask
+        whole = token_mask(documents)  # (B, T): 1 a token, 0 padding
         counted = torch.cumsum(whole, dim=1) * whole - 1
         return counted.gather(1, places.expand(input_ids.shape[0], -1))
 
